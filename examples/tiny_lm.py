@@ -1,0 +1,245 @@
+"""A small decoder-only transformer language model, trained on CPU under Rewind.
+
+    python -m examples.tiny_lm --run NAME --steps N --checkpoint-every K --seed S --out DIR
+
+Resumes by itself from the newest verified checkpoint of run NAME, prints
+``step=<i> loss=<repr>`` per step and writes ``DIR/final.safetensors`` at the end.
+The catalog and checkpoint root come from ``REWIND_CATALOG_URL`` /
+``REWIND_CHECKPOINT_ROOT`` (embedded defaults under ``REWIND_HOME``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import Dataset
+
+from infra.checkpoint.engine import Checkpointer
+from infra.checkpoint.state import RNGState
+from infra.errors import RewindError
+from infra.training.data import ResumableLoader
+
+WORDS = [
+    "the",
+    "a",
+    "model",
+    "learns",
+    "to",
+    "predict",
+    "next",
+    "token",
+    "from",
+    "context",
+    "while",
+    "gradients",
+    "flow",
+    "back",
+    "through",
+    "layers",
+    "of",
+    "attention",
+    "and",
+    "small",
+    "feed",
+    "forward",
+    "blocks",
+    "each",
+    "step",
+    "moves",
+    "weights",
+    "toward",
+    "lower",
+    "loss",
+    "checkpoints",
+    "keep",
+    "state",
+    "safe",
+    "so",
+    "training",
+    "resumes",
+    "exactly",
+    "where",
+    "it",
+    "stopped",
+]
+
+
+def corpus(seed: int = 1234, sentences: int = 4000) -> str:
+    """A deterministic synthetic corpus: same text on every machine, nothing to download."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(sentences):
+        n = rng.randint(4, 12)
+        out.append(" ".join(rng.choice(WORDS) for _ in range(n)).capitalize() + ".")
+    return " ".join(out)
+
+
+class CharDataset(Dataset):
+    def __init__(self, text: str, block: int) -> None:
+        chars = sorted(set(text))
+        self.vocab = len(chars)
+        index = {c: i for i, c in enumerate(chars)}
+        self.data = torch.tensor([index[c] for c in text], dtype=torch.long)
+        self.block = block
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.block
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.data[i * self.block : (i + 1) * self.block + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop = nn.Dropout(dropout)
+        self.p = dropout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).transpose(1, 3).unbind(2)
+        a = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.p if self.training else 0.0
+        )
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class TinyLM(nn.Module):
+    def __init__(
+        self, vocab: int, block: int, dim: int = 64, layers: int = 2, heads: int = 4, dropout: float = 0.1
+    ) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.zeros(1, block, dim))
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.drop(self.tok(idx) + self.pos[:, : idx.shape[1]])
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+def warmup_cosine(total: int, warmup: int):  # type: ignore[no-untyped-def]
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, total - warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m examples.tiny_lm", description=__doc__.splitlines()[0])
+    p.add_argument("--run", required=True, help="run name in the catalog; resumes if it has checkpoints")
+    p.add_argument("--steps", type=int, required=True, help="total optimizer steps")
+    p.add_argument("--checkpoint-every", type=int, required=True, help="save every K steps (0: never)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, required=True, help="directory for final.safetensors")
+    p.add_argument(
+        "--stop-after", type=int, default=None, help="exit cleanly after this step (an interruption)"
+    )
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--block", type=int, default=32, help="context length")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed for reproducibility)")
+    return p.parse_args(argv)
+
+
+def train(args: argparse.Namespace) -> int:
+    torch.set_num_threads(args.threads)
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+
+    data = CharDataset(corpus(), args.block)
+    model = TinyLM(data.vocab, args.block, dim=args.dim, layers=args.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, max(1, args.steps // 10)))
+    loader = ResumableLoader(data, args.batch_size, seed=args.seed)
+    extras: dict = {"config": {"steps": args.steps, "batch_size": args.batch_size, "dim": args.dim}}
+
+    ckpt = Checkpointer(
+        args.run,
+        states={
+            "model": model,
+            "optimizer": opt,
+            "lr_scheduler": sched,
+            "data": loader,
+            "rng": RNGState(),
+            "extras": extras,
+        },
+    )
+    restored = ckpt.restore_latest()
+    for s in ckpt.skipped:
+        print(f"rewind: skipped step {s.step}: {s.reason}", file=sys.stderr)
+    start = 0
+    if restored is not None:
+        start = restored.step
+        print(f"rewind: resumed run {args.run} at step {start} from {restored.path}", file=sys.stderr)
+
+    model.train()
+    batches = iter(loader)
+    step = start
+    for step in range(start + 1, args.steps + 1):
+        x, y = next(batches)
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        value = loss.item()
+        print(f"step={step} loss={value!r}", flush=True)
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            ckpt.save(step, metrics={"loss": value})
+        if args.stop_after is not None and step >= args.stop_after:
+            return 0
+    if args.checkpoint_every and step % args.checkpoint_every != 0:
+        ckpt.save(step)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = args.out / f".final.safetensors.tmp-{os.getpid()}"
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(tmp))
+    os.replace(tmp, args.out / "final.safetensors")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("REWIND_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
+    args = parse_args(argv)
+    try:
+        return train(args)
+    except RewindError as exc:
+        print(f"tiny_lm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

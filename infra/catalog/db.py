@@ -1,0 +1,135 @@
+"""Connecting to the catalog, translating database faults, applying migrations."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError, ProgrammingError
+from sqlalchemy.orm import Session, sessionmaker
+
+from infra import config
+from infra.errors import CatalogUnavailable, ConfigError
+
+MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+_MIGRATION_LOCK = 0x52455749  # "REWI": serialises concurrent `db upgrade` on Postgres
+
+
+def parse_url(raw: str) -> URL:
+    """Validate a catalog URL; ``postgresql://`` means psycopg 3."""
+    try:
+        url = make_url(raw)
+    except ArgumentError as exc:
+        raise ConfigError(f"catalog URL is not a database URL: {raw.split('@')[-1]!r}") from exc
+    backend, _, driver = url.drivername.partition("+")
+    if backend == "postgresql":
+        if driver not in ("", "psycopg"):
+            raise ConfigError(
+                f"catalog driver {url.drivername!r} is not supported; use postgresql+psycopg://"
+            )
+        return url.set(drivername="postgresql+psycopg")
+    if backend == "sqlite":
+        return url
+    raise ConfigError(f"catalog URL must be postgresql+psycopg:// or sqlite:///, got {url.drivername}://")
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+class Catalog:
+    """One database holding the lineage of every run."""
+
+    def __init__(self, url: str | None = None, *, auto_upgrade: bool = True) -> None:
+        self.url = parse_url(url or config.catalog_url())
+        self.safe_url = self.url.render_as_string(hide_password=True)
+        if self.url.get_backend_name() == "sqlite":
+            if self.url.database and self.url.database != ":memory:":
+                Path(self.url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            self.engine: Engine = create_engine(self.url)
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        else:
+            self.engine = create_engine(
+                self.url, pool_pre_ping=True, pool_size=2, max_overflow=4, connect_args={"connect_timeout": 5}
+            )
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        if auto_upgrade:
+            self.ensure_schema()
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[Session]:
+        """A transaction; database faults come out as Rewind errors, never raw tracebacks."""
+        try:
+            with self._sessions.begin() as s:
+                yield s
+        except (OperationalError, ProgrammingError, DBAPIError) as exc:
+            raise self._translate(exc) from exc
+
+    def _translate(self, exc: DBAPIError) -> Exception:
+        msg = str(exc.orig) if exc.orig is not None else str(exc)
+        if "no such table" in msg or ("does not exist" in msg and "relation" in msg):
+            return ConfigError(f"catalog {self.safe_url} has no schema; run `rewind db upgrade`")
+        if isinstance(exc, OperationalError) or exc.connection_invalidated:
+            first = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
+            return CatalogUnavailable(f"catalog {self.safe_url} is unreachable: {first}")
+        return exc
+
+    # -- migrations -------------------------------------------------------------
+
+    def _alembic(self) -> Config:
+        cfg = Config()
+        cfg.set_main_option("script_location", str(MIGRATIONS))
+        cfg.set_main_option(
+            "sqlalchemy.url", self.url.render_as_string(hide_password=False).replace("%", "%%")
+        )
+        return cfg
+
+    def head(self) -> str | None:
+        return ScriptDirectory.from_config(self._alembic()).get_current_head()
+
+    def current(self) -> str | None:
+        try:
+            with self.engine.connect() as conn:
+                return MigrationContext.configure(conn).get_current_revision()
+        except DBAPIError as exc:
+            raise self._translate(exc) from exc
+
+    def migrate(self, revision: str = "head", *, down: bool = False) -> None:
+        cfg = self._alembic()
+        try:
+            with self.engine.begin() as conn:
+                if self.url.get_backend_name() == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _MIGRATION_LOCK})
+                cfg.attributes["connection"] = conn
+                if down:
+                    command.downgrade(cfg, revision)
+                else:
+                    command.upgrade(cfg, revision)
+        except DBAPIError as exc:
+            raise self._translate(exc) from exc
+
+    def ensure_schema(self) -> None:
+        """Create the schema on an empty database; refuse to run against an old one."""
+        current, head = self.current(), self.head()
+        if current == head:
+            return
+        if current is None or self.url.get_backend_name() == "sqlite":
+            self.migrate("head")
+            return
+        raise ConfigError(
+            f"catalog {self.safe_url} is at revision {current}, this Rewind needs {head}: run `rewind db upgrade`"
+        )
+
+    def close(self) -> None:
+        self.engine.dispose()

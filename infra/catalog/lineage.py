@@ -1,0 +1,231 @@
+"""Reading and writing checkpoint lineage.
+
+Every status change is one guarded ``UPDATE ... WHERE status IN (...)``: when
+two writers race on a checkpoint, the database lets exactly one of them win and
+the loser learns it from the row count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+
+from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
+
+from infra.catalog.db import Catalog
+from infra.catalog.models import (
+    LIVE_STATUSES,
+    Checkpoint,
+    CheckpointFile,
+    CheckpointStatus,
+    Replica,
+    Run,
+    utcnow,
+)
+from infra.checkpoint.manifest import Manifest
+from infra.errors import NotFoundError, RewindError
+
+S = CheckpointStatus
+
+
+def ensure_run(
+    cat: Catalog, name: str, *, config_hash: str | None = None, code_version: str | None = None
+) -> int:
+    if not name or len(name) > 200 or "/" in name or name.startswith("."):
+        raise RewindError(
+            f"run name {name!r} must be 1-200 characters, without '/' and not starting with '.'"
+        )
+    with cat.session() as s:
+        run_id = s.scalar(select(Run.id).where(Run.name == name))
+        if run_id is not None:
+            return run_id
+    try:
+        with cat.session() as s:
+            run = Run(name=name, config_hash=config_hash, code_version=code_version)
+            s.add(run)
+            s.flush()
+            return run.id
+    except IntegrityError:  # created concurrently by another process
+        return get_run(cat, name).id
+
+
+def get_run(cat: Catalog, name: str) -> Run:
+    with cat.session() as s:
+        run = s.scalar(select(Run).where(Run.name == name))
+    if run is None:
+        raise NotFoundError(f"no run named {name!r} in catalog {cat.safe_url}")
+    return run
+
+
+def list_runs(cat: Catalog) -> list[dict]:
+    with cat.session() as s:
+        rows = s.execute(
+            select(
+                Run.name,
+                Run.created_at,
+                func.count(Checkpoint.id).filter(Checkpoint.status == S.VERIFIED.value),
+                func.max(Checkpoint.step).filter(
+                    Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value])
+                ),
+            )
+            .outerjoin(Checkpoint, Checkpoint.run_id == Run.id)
+            .group_by(Run.id)
+            .order_by(Run.created_at)
+        ).all()
+    return [
+        {"run": n, "created_at": c.isoformat(), "verified_checkpoints": v, "latest_step": latest}
+        for n, c, v, latest in rows
+    ]
+
+
+def begin(
+    cat: Catalog, run_id: int, step: int, path: str, *, parent_id: int | None, layout: dict, environment: dict
+) -> int:
+    """Record a save in flight; fails if a live checkpoint already holds this step."""
+    with cat.session() as s:
+        ck = Checkpoint(
+            run_id=run_id,
+            step=step,
+            path=path,
+            parent_id=parent_id,
+            status=S.WRITING.value,
+            layout=layout,
+            environment=environment,
+        )
+        s.add(ck)
+        s.flush()
+        return ck.id
+
+
+def commit(cat: Catalog, checkpoint_id: int, manifest: Manifest, *, stall_s: float | None, uri: str) -> None:
+    """``writing -> committed`` together with its files and local replica, in one transaction."""
+    now = utcnow()
+    with cat.session() as s:
+        won = s.execute(
+            update(Checkpoint)
+            .where(Checkpoint.id == checkpoint_id, Checkpoint.status == S.WRITING.value)
+            .values(
+                status=S.COMMITTED.value,
+                committed_at=now,
+                total_bytes=manifest.total_bytes,
+                manifest_digest=manifest.digest(),
+                metrics=manifest.metrics,
+                save_stall_s=stall_s,
+            )
+        ).rowcount
+        if won != 1:
+            raise RewindError(f"checkpoint {checkpoint_id} was no longer 'writing' at commit")
+        s.add_all(
+            CheckpointFile(
+                checkpoint_id=checkpoint_id, path=f.path, size=f.size, xxh3=f.xxh3, crc32c=f.crc32c
+            )
+            for f in manifest.files
+        )
+        s.add(
+            Replica(
+                checkpoint_id=checkpoint_id,
+                tier="local",
+                uri=uri,
+                status="pending",
+                bytes=manifest.total_bytes,
+            )
+        )
+
+
+def transition(
+    cat: Catalog, checkpoint_id: int, allowed_from: Iterable[S], to: S, reason: str | None = None
+) -> bool:
+    """Move a checkpoint to ``to`` if, and only if, it is in one of ``allowed_from`` now."""
+    values: dict = {"status": to.value, "status_reason": reason}
+    if to is S.VERIFIED:
+        values["verified_at"] = utcnow()
+    with cat.session() as s:
+        won = s.execute(
+            update(Checkpoint)
+            .where(Checkpoint.id == checkpoint_id, Checkpoint.status.in_([a.value for a in allowed_from]))
+            .values(**values)
+        ).rowcount
+        if won and to in (S.VERIFIED, S.CORRUPT):
+            s.execute(
+                update(Replica)
+                .where(Replica.checkpoint_id == checkpoint_id, Replica.tier == "local")
+                .values(status=to.value, verified_at=values.get("verified_at"))
+            )
+    return won == 1
+
+
+def restorable(cat: Catalog, run_id: int) -> list[Checkpoint]:
+    """Committed or verified checkpoints of a run, newest step first."""
+    with cat.session() as s:
+        return list(
+            s.scalars(
+                select(Checkpoint)
+                .where(
+                    Checkpoint.run_id == run_id, Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value])
+                )
+                .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+            )
+        )
+
+
+def live_at(cat: Catalog, run_id: int, step: int) -> Checkpoint | None:
+    with cat.session() as s:
+        return s.scalar(
+            select(Checkpoint).where(
+                Checkpoint.run_id == run_id,
+                Checkpoint.step == step,
+                Checkpoint.status.in_([st.value for st in LIVE_STATUSES]),
+            )
+        )
+
+
+def writing(cat: Catalog, run_id: int) -> list[Checkpoint]:
+    with cat.session() as s:
+        return list(
+            s.scalars(
+                select(Checkpoint).where(Checkpoint.run_id == run_id, Checkpoint.status == S.WRITING.value)
+            )
+        )
+
+
+def checkpoints(cat: Catalog, run_name: str, step: int | None = None) -> Sequence[Checkpoint]:
+    """Every checkpoint of a run (or those at one step), oldest first."""
+    run = get_run(cat, run_name)
+    with cat.session() as s:
+        q = select(Checkpoint).where(Checkpoint.run_id == run.id)
+        if step is not None:
+            q = q.where(Checkpoint.step == step)
+        return list(s.scalars(q.order_by(Checkpoint.step, Checkpoint.id)))
+
+
+def files_of(cat: Catalog, checkpoint_id: int) -> list[CheckpointFile]:
+    with cat.session() as s:
+        return list(
+            s.scalars(
+                select(CheckpointFile)
+                .where(CheckpointFile.checkpoint_id == checkpoint_id)
+                .order_by(CheckpointFile.path)
+            )
+        )
+
+
+def replicas_of(cat: Catalog, checkpoint_id: int) -> list[Replica]:
+    with cat.session() as s:
+        return list(
+            s.scalars(select(Replica).where(Replica.checkpoint_id == checkpoint_id).order_by(Replica.id))
+        )
+
+
+def set_path(cat: Catalog, checkpoint_id: int, path: str) -> None:
+    with cat.session() as s:
+        s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(path=path))
+        s.execute(
+            update(Replica)
+            .where(Replica.checkpoint_id == checkpoint_id, Replica.tier == "local")
+            .values(uri=path)
+        )
+
+
+def iso(ts: datetime | None) -> str | None:
+    return ts.isoformat() if ts else None

@@ -1,0 +1,97 @@
+"""Stateful adapters: how each part of a training job is captured and put back.
+
+Anything with ``state_dict()``/``load_state_dict()`` (modules, optimizers,
+schedulers, ``GradScaler``) is used as is; RNG and user extras get small
+adapters here. Nothing is captured by pickling trainer objects.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import random
+import socket
+import sys
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
+
+
+class RNGState:
+    """Python, NumPy, torch CPU and every CUDA device's generator."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        # Generator.set_state reads from the start of the storage, ignoring a view's
+        # offset, and restored tensors are views of one read buffer: hand it a copy.
+        torch.set_rng_state(state["torch"].clone())
+        cuda = state.get("cuda")
+        if cuda is not None and torch.cuda.is_available():
+            if len(cuda) != torch.cuda.device_count():
+                raise ValueError(
+                    f"checkpoint has RNG state for {len(cuda)} CUDA devices, this process sees {torch.cuda.device_count()}"
+                )
+            torch.cuda.set_rng_state_all([c.clone() for c in cuda])
+
+
+class DictState:
+    """User extras kept in a plain dict, restored in place so references stay valid."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.data)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.clear()
+        self.data.update(state)
+
+
+def as_stateful(name: str, obj: object) -> Stateful:
+    if isinstance(obj, Stateful):
+        return obj
+    if isinstance(obj, dict):
+        return DictState(obj)
+    raise TypeError(
+        f"state {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict() and is not a dict"
+    )
+
+
+def environment() -> dict[str, str]:
+    """What a restore on another machine should know about the writer."""
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "platform": platform.platform(),
+        "hostname": socket.gethostname(),
+        "pid": str(os.getpid()),
+        "argv": " ".join(sys.argv)[:500],
+    }
+    if torch.version.cuda:
+        env["cuda"] = torch.version.cuda
+    if torch.cuda.is_available():
+        env["cudnn"] = str(torch.backends.cudnn.version())
+        env["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        env["gpus"] = str(torch.cuda.device_count())
+    return env

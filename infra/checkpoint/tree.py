@@ -1,0 +1,80 @@
+"""Split a state tree into JSON and named tensors, and join them back.
+
+Non-tensor state (RNG, scheduler, data position, optimizer hyper-parameters) goes
+to JSON so that loading never unpickles anything. Types JSON lacks (tuples,
+non-string keys, bytes, numpy arrays) are tagged so they come back exactly.
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+_TAGS = ("__tensor__", "__tuple__", "__dict__", "__bytes__", "__ndarray__")
+
+
+def split(tree: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Return (json_tree, tensors); tensors are named ``prefix/<path>``."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, torch.Tensor):
+            tensors[path] = obj
+            return {"__tensor__": path}
+        if obj is None or isinstance(obj, bool | int | float | str):
+            return obj
+        if isinstance(obj, Mapping):
+            if all(isinstance(k, str) and k not in _TAGS for k in obj):
+                return {k: walk(v, f"{path}.{k}") for k, v in obj.items()}
+            return {"__dict__": [[walk(k, f"{path}.<key>"), walk(v, f"{path}.{k}")] for k, v in obj.items()]}
+        if isinstance(obj, tuple):
+            return {"__tuple__": [walk(v, f"{path}.{i}") for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [walk(v, f"{path}.{i}") for i, v in enumerate(obj)]
+        if isinstance(obj, bytes | bytearray):
+            return {"__bytes__": base64.b64encode(bytes(obj)).decode()}
+        if isinstance(obj, np.ndarray):
+            arr = np.ascontiguousarray(obj)
+            return {
+                "__ndarray__": {
+                    "dtype": arr.dtype.str,
+                    "shape": list(arr.shape),
+                    "data": base64.b64encode(arr.tobytes()).decode(),
+                }
+            }
+        if isinstance(obj, np.generic):
+            return walk(obj.item(), path)
+        raise TypeError(
+            f"cannot checkpoint {type(obj).__name__} at {path!r}: use tensors, numbers, strings, "
+            "lists, tuples, dicts, bytes or numpy arrays"
+        )
+
+    return walk(tree, prefix), tensors
+
+
+def join(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Inverse of :func:`split`."""
+    if isinstance(tree, list):
+        return [join(v, tensors) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    if len(tree) == 1:
+        ((tag, value),) = tree.items()
+        if tag == "__tensor__":
+            if value not in tensors:
+                raise KeyError(f"tensor {value!r} is named in the state but missing from the data file")
+            return tensors[value]
+        if tag == "__tuple__":
+            return tuple(join(v, tensors) for v in value)
+        if tag == "__dict__":
+            return {join(k, tensors): join(v, tensors) for k, v in value}
+        if tag == "__bytes__":
+            return base64.b64decode(value)
+        if tag == "__ndarray__":
+            raw = base64.b64decode(value["data"])
+            return np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(value["shape"]).copy()
+    return {k: join(v, tensors) for k, v in tree.items()}
