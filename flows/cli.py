@@ -1,0 +1,269 @@
+"""The ``rewind`` command line.
+
+Errors print one line and exit non-zero (2: bad input or state, 3: catalog
+unreachable, 1: a check found problems); there is no traceback unless
+``REWIND_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from infra.errors import CatalogUnavailable, RewindError
+
+EXIT_FINDINGS, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
+
+
+def _catalog():  # type: ignore[no-untyped-def]
+    from infra.catalog.db import Catalog
+
+    return Catalog()
+
+
+def _emit(args: argparse.Namespace, rows: Any, text: Callable[[], str]) -> None:
+    print(json.dumps(rows, indent=1, default=str) if args.json else text())
+
+
+def _table(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
+    if not rows:
+        return "(none)"
+    cells = [[("" if r.get(c) is None else str(r.get(c))) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+# -- db -----------------------------------------------------------------------
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from infra.catalog.db import Catalog
+
+    cat = Catalog(auto_upgrade=False)
+    cat.migrate(args.revision)
+    print(f"catalog {cat.safe_url} at revision {cat.current()}")
+    return 0
+
+
+def cmd_db_downgrade(args: argparse.Namespace) -> int:
+    from infra.catalog.db import Catalog
+
+    cat = Catalog(auto_upgrade=False)
+    cat.migrate(args.revision, down=True)
+    print(f"catalog {cat.safe_url} at revision {cat.current()}")
+    return 0
+
+
+def cmd_db_current(args: argparse.Namespace) -> int:
+    from infra.catalog.db import Catalog
+
+    cat = Catalog(auto_upgrade=False)
+    row = {"url": cat.safe_url, "current": cat.current(), "head": cat.head()}
+    _emit(args, row, lambda: f"{row['url']}: revision {row['current']} (head {row['head']})")
+    return 0
+
+
+# -- runs / ckpt ----------------------------------------------------------------
+
+
+def cmd_runs_list(args: argparse.Namespace) -> int:
+    from infra.catalog import lineage
+
+    rows = lineage.list_runs(_catalog())
+    _emit(args, rows, lambda: _table(rows, ["run", "latest_step", "verified_checkpoints", "created_at"]))
+    return 0
+
+
+def _ckpt_row(ck: Any) -> dict[str, Any]:
+    return {
+        "id": ck.id,
+        "step": ck.step,
+        "status": ck.status,
+        "parent_id": ck.parent_id,
+        "bytes": ck.total_bytes,
+        "manifest_digest": ck.manifest_digest,
+        "loss": (ck.metrics or {}).get("loss"),
+        "stall_s": None if ck.save_stall_s is None else round(ck.save_stall_s, 4),
+        "pinned": ck.pinned,
+        "created_at": ck.created_at.isoformat(),
+        "reason": ck.status_reason,
+        "path": ck.path,
+    }
+
+
+def cmd_ckpt_list(args: argparse.Namespace) -> int:
+    from infra.catalog import lineage
+
+    rows = [_ckpt_row(ck) for ck in lineage.checkpoints(_catalog(), args.run)]
+    cols = ["id", "step", "status", "parent_id", "bytes", "loss", "stall_s", "reason"]
+    _emit(args, rows, lambda: _table(rows, cols))
+    return 0
+
+
+def cmd_ckpt_show(args: argparse.Namespace) -> int:
+    from infra.catalog import lineage
+
+    cat = _catalog()
+    found = lineage.checkpoints(cat, args.run, args.step)
+    if not found:
+        raise RewindError(f"run {args.run!r} has no checkpoint at step {args.step}")
+    out = []
+    for ck in found:
+        row = _ckpt_row(ck)
+        row["layout"], row["environment"] = ck.layout, ck.environment
+        row["files"] = [
+            {"path": f.path, "size": f.size, "xxh3": f.xxh3, "crc32c": f.crc32c}
+            for f in lineage.files_of(cat, ck.id)
+        ]
+        row["replicas"] = [
+            {"tier": r.tier, "uri": r.uri, "status": r.status, "verified_at": lineage.iso(r.verified_at)}
+            for r in lineage.replicas_of(cat, ck.id)
+        ]
+        out.append(row)
+
+    def text() -> str:
+        parts = []
+        for row in out:
+            head = {k: v for k, v in row.items() if k not in ("files", "replicas", "environment")}
+            parts.append("\n".join(f"{k:16} {v}" for k, v in head.items()))
+            parts.append(_table(row["files"], ["path", "size", "xxh3", "crc32c"]))
+            parts.append(_table(row["replicas"], ["tier", "status", "verified_at", "uri"]))
+        return "\n\n".join(parts)
+
+    _emit(args, out if len(out) > 1 else out[0], text)
+    return 0
+
+
+def cmd_ckpt_verify(args: argparse.Namespace) -> int:
+    from infra.catalog import lineage
+    from infra.checkpoint.audit import verify_recorded
+
+    cat = _catalog()
+    targets = [
+        ck
+        for ck in lineage.checkpoints(cat, args.run, args.step)
+        if ck.status in ("committed", "verified", "corrupt")
+    ]
+    if not targets:
+        raise RewindError(
+            f"run {args.run!r} has no committed checkpoint"
+            + (f" at step {args.step}" if args.step is not None else "")
+        )
+    results = []
+    for ck in targets:
+        report = verify_recorded(cat, ck, deep=args.deep)
+        results.append(
+            {
+                "step": ck.step,
+                "id": ck.id,
+                "ok": report.ok,
+                "deep": args.deep,
+                "path": ck.path,
+                "findings": [f.as_dict() for f in report.findings],
+            }
+        )
+
+    def text() -> str:
+        lines = []
+        for r in results:
+            verdict = "ok" if r["ok"] else "CORRUPT"
+            lines.append(f"step {r['step']}: {verdict} ({'deep' if r['deep'] else 'quick'}) {r['path']}")
+            lines += [f"  {f['path']}: {f['problem']}: {f['detail']}" for f in r["findings"]]
+        bad = sum(not r["ok"] for r in results)
+        lines.append(f"{len(results)} checked, {bad} corrupt")
+        return "\n".join(lines)
+
+    _emit(args, results, text)
+    return EXIT_FINDINGS if any(not r["ok"] for r in results) else 0
+
+
+# -- parser ---------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rewind",
+        description="Workflow-orchestrated rollback for AI training and model serving.",
+        epilog="Catalog: REWIND_CATALOG_URL (default sqlite under REWIND_HOME, ~/.rewind).",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(
+        parent: Any, name: str, fn: Callable[[argparse.Namespace], int], help: str, json_flag: bool = False
+    ) -> argparse.ArgumentParser:
+        sp = parent.add_parser(name, help=help, description=help)
+        sp.set_defaults(fn=fn)
+        if json_flag:
+            sp.add_argument("--json", action="store_true", help="machine-readable output")
+        return sp
+
+    db = sub.add_parser("db", help="catalog schema").add_subparsers(
+        dest="db_command", required=True, metavar="ACTION"
+    )
+    up = add(db, "upgrade", cmd_db_upgrade, "apply migrations (default: to the newest)")
+    up.add_argument("revision", nargs="?", default="head")
+    down = add(db, "downgrade", cmd_db_downgrade, "revert migrations to REVISION ('base' removes everything)")
+    down.add_argument("revision")
+    add(db, "current", cmd_db_current, "show the catalog's revision", json_flag=True)
+
+    runs = sub.add_parser("runs", help="training runs").add_subparsers(
+        dest="runs_command", required=True, metavar="ACTION"
+    )
+    add(runs, "list", cmd_runs_list, "list runs with their newest checkpoint", json_flag=True)
+
+    ck = sub.add_parser("ckpt", help="checkpoints of a run").add_subparsers(
+        dest="ckpt_command", required=True, metavar="ACTION"
+    )
+    ls = add(ck, "list", cmd_ckpt_list, "list a run's checkpoints with status and lineage", json_flag=True)
+    ls.add_argument("run")
+    show = add(
+        ck,
+        "show",
+        cmd_ckpt_show,
+        "show one checkpoint: files, digests, replicas, environment",
+        json_flag=True,
+    )
+    show.add_argument("run")
+    show.add_argument("step", type=int)
+    ver = add(
+        ck,
+        "verify",
+        cmd_ckpt_verify,
+        "check checkpoints against their manifests (exit 1 if any is corrupt)",
+        json_flag=True,
+    )
+    ver.add_argument("run")
+    ver.add_argument("--step", type=int, help="only this step (default: every committed checkpoint)")
+    ver.add_argument("--deep", action="store_true", help="re-read and re-hash every byte, not only sizes")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("REWIND_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except CatalogUnavailable as exc:
+        print(f"rewind: error: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except RewindError as exc:
+        print(f"rewind: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if os.environ.get("REWIND_DEBUG"):
+            raise
+        print(f"rewind: error: {type(exc).__name__}: {exc} (REWIND_DEBUG=1 for a traceback)", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

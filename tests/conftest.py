@@ -1,0 +1,76 @@
+"""Shared fixtures: a real Postgres database per test session, and helpers that run
+the example training job as a real subprocess."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+ADMIN_URL = os.environ.get("REWIND_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
+
+
+def _admin(sql: str) -> None:
+    with psycopg.connect(ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
+        conn.execute(sql)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A fresh Postgres database for this test session (or REWIND_TEST_DATABASE_URL)."""
+    given = os.environ.get("REWIND_TEST_DATABASE_URL")
+    if given:
+        yield given
+        return
+    name = f"rewind_test_{uuid.uuid4().hex[:10]}"
+    _admin(f'CREATE DATABASE "{name}"')
+    base = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+    yield f"{base}/{name}"
+    _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def fresh_pg_url() -> Iterator[str]:
+    """An empty Postgres database for one test (migration tests)."""
+    name = f"rewind_mig_{uuid.uuid4().hex[:10]}"
+    _admin(f'CREATE DATABASE "{name}"')
+    base = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+    yield f"{base}/{name}"
+    _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def run_name(request: pytest.FixtureRequest) -> str:
+    return f"{request.node.name[:40]}-{uuid.uuid4().hex[:6]}".replace("[", "-").replace("]", "")
+
+
+@pytest.fixture
+def rewind_env(tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """Environment for Rewind processes: the session's Postgres catalog, a private checkpoint root."""
+    env = {
+        "REWIND_HOME": str(tmp_path / "home"),
+        "REWIND_CATALOG_URL": pg_url,
+        "REWIND_CHECKPOINT_ROOT": str(tmp_path / "ckpt"),
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("REWIND_FAULT", raising=False)
+    monkeypatch.delenv("REWIND_MANIFEST_KEY", raising=False)
+    return env
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """The uninterrupted 60-step run every resume is compared with (embedded SQLite catalog)."""
+    from tests.trainproc import run_to_end
+
+    home = tmp_path_factory.mktemp("reference")
+    env = {"REWIND_HOME": str(home), "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "", "REWIND_FAULT": ""}
+    rc, out = run_to_end("reference", home / "out", env=env)
+    assert rc == 0, out.text
+    assert sorted(out.losses) == list(range(1, 61))
+    return out.losses, home / "out" / "final.safetensors"
