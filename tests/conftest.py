@@ -69,7 +69,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
     from tests.trainproc import run_to_end
 
     home = tmp_path_factory.mktemp("reference")
-    env = {"REWIND_HOME": str(home), "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "", "REWIND_FAULT": ""}
+    env = {
+        "REWIND_HOME": str(home),
+        "REWIND_CATALOG_URL": "",
+        "REWIND_CHECKPOINT_ROOT": "",
+        "REWIND_FAULT": "",
+    }
     rc, out = run_to_end("reference", home / "out", env=env)
     assert rc == 0, out.text
     assert sorted(out.losses) == list(range(1, 61))

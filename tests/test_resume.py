@@ -74,7 +74,9 @@ def test_sigkill_at_twenty_random_moments(reference, rewind_env, run_name, tmp_p
             assert verify_directory(Path(ck.path), deep=True).ok
         nxt = lineage.restorable(cat, lineage.get_run(cat, run_name).id)
         start = nxt[0].step if nxt else 0
-        assert start in allowed, f"seed={seed} kill {kill}: newest committed step {start}, expected one of {allowed}"
+        assert start in allowed, (
+            f"seed={seed} kill {kill}: newest committed step {start}, expected one of {allowed}"
+        )
     last = TrainProc(run_name, tmp_path / "out")
     out = last.finish()
     assert last.proc.returncode == 0, out.text

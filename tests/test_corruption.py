@@ -1,0 +1,112 @@
+"""Damage to the newest checkpoint: reported precisely, never loaded, the run falls back and stays bit-exact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flows.cli import main as rewind
+from infra.checkpoint.manifest import MANIFEST_NAME
+from tests.trainproc import TrainProc, assert_same_weights
+
+
+def flip_byte(d: Path) -> None:
+    p = d / "optimizer.safetensors"
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0x10
+    p.write_bytes(bytes(b))
+
+
+def truncate(d: Path) -> None:
+    p = d / "model.safetensors"
+    p.write_bytes(p.read_bytes()[:-100])
+
+
+def delete_file(d: Path) -> None:
+    (d / "state.json").unlink()
+
+
+def delete_manifest(d: Path) -> None:
+    (d / MANIFEST_NAME).unlink()
+
+
+def _edit_manifest(d: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    body = json.loads((d / MANIFEST_NAME).read_text())
+    edit(body)
+    (d / MANIFEST_NAME).write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+
+
+def escape_path(d: Path) -> None:
+    (d.parent / "outside").write_bytes(b"x")
+    _edit_manifest(
+        d, lambda b: b["files"].append({"path": "../outside", "size": 1, "xxh3": "0", "crc32c": "AAAAAA=="})
+    )
+
+
+def wrong_size(d: Path) -> None:
+    def edit(body: dict) -> None:
+        body["files"][0]["size"] += 1
+
+    _edit_manifest(d, edit)
+
+
+# (damage, the finding `rewind ckpt verify --deep` must report: problem, path)
+CASES = {
+    "flipped_byte": (flip_byte, "digest_mismatch", "optimizer.safetensors"),
+    "truncated": (truncate, "size_mismatch", "model.safetensors"),
+    "deleted_file": (delete_file, "missing", "state.json"),
+    "deleted_manifest": (delete_manifest, "manifest", MANIFEST_NAME),
+    "escaping_path": (escape_path, "manifest", MANIFEST_NAME),
+    "wrong_size": (wrong_size, "size_mismatch", None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_damaged_newest_checkpoint(case, reference, rewind_env, run_name, tmp_path, capsys):
+    damage, problem, path = CASES[case]
+    ref_losses, ref_final = reference
+    out_dir = tmp_path / "out"
+    first = TrainProc(run_name, out_dir, extra=["--stop-after", "35"])
+    assert first.finish() and first.proc.returncode == 0
+    newest = Path(rewind_env["REWIND_CHECKPOINT_ROOT"]) / run_name / "step-30"
+    assert (newest / MANIFEST_NAME).exists()
+    damage(newest)
+    if path is None:  # wrong_size edits the first listed file, whichever it is
+        path = json.loads((newest / MANIFEST_NAME).read_text())["files"][0]["path"]
+
+    capsys.readouterr()
+    assert rewind(["ckpt", "verify", run_name, "--deep", "--json"]) == 1
+    report = {r["step"]: r for r in json.loads(capsys.readouterr().out)}
+    assert [s for s, r in report.items() if not r["ok"]] == [30]
+    findings = {(f["problem"], f["path"]) for f in report[30]["findings"]}
+    assert (problem, path) in findings, findings
+    if case == "escaping_path":
+        assert any("escapes the checkpoint directory" in f["detail"] for f in report[30]["findings"])
+
+    capsys.readouterr()
+    assert rewind(["ckpt", "list", run_name, "--json"]) == 0
+    status = {r["step"]: r["status"] for r in json.loads(capsys.readouterr().out)}
+    assert status[30] == "corrupt" and status[20] in ("committed", "verified")
+
+    second = TrainProc(run_name, out_dir)
+    out = second.finish()
+    assert second.proc.returncode == 0, out.text
+    assert out.resumed_at == 20, out.text
+    assert min(out.losses) == 21
+    for step, loss in out.losses.items():
+        assert loss == ref_losses[step]
+    assert_same_weights(out_dir / "final.safetensors", ref_final)
+
+
+def test_damage_found_at_restore_names_file_and_reason(reference, rewind_env, run_name, tmp_path):
+    """Without a prior verify, restore itself refuses the damaged copy and says which file and why."""
+    first = TrainProc(run_name, tmp_path / "out", extra=["--stop-after", "35"])
+    first.finish()
+    flip_byte(Path(rewind_env["REWIND_CHECKPOINT_ROOT"]) / run_name / "step-30")
+    second = TrainProc(run_name, tmp_path / "out", extra=["--stop-after", "21"])
+    out = second.finish()
+    assert "skipped step 30: optimizer.safetensors: digest_mismatch" in out.text
+    assert out.resumed_at == 20
+    assert out.losses[21] == reference[0][21]

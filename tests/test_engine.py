@@ -1,0 +1,78 @@
+"""The checkpointer in-process: faults during save, sweeping, fallback, and refusing bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from infra.catalog import lineage
+from infra.catalog.db import Catalog
+from infra.checkpoint.engine import Checkpointer
+from infra.checkpoint.state import RNGState
+from infra.errors import ConfigError
+
+
+def _job(run: str, cat: Catalog, root, seed: int = 0):  # type: ignore[no-untyped-def]
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extras = {"note": "hi"}
+    ck = Checkpointer(
+        run,
+        states={"model": model, "optimizer": opt, "rng": RNGState(), "extras": extras},
+        root=root,
+        catalog=cat,
+    )
+    return model, opt, extras, ck
+
+
+def _step(model, opt) -> None:  # type: ignore[no-untyped-def]
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def test_disk_full_during_save_is_raised_and_never_committed(rewind_env, run_name, tmp_path, monkeypatch):
+    cat = Catalog()
+    model, opt, _, ck = _job(run_name, cat, tmp_path / "ckpt")
+    _step(model, opt)
+    ck.save(1)
+    good = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model, opt)
+    monkeypatch.setenv("REWIND_FAULT", "enospc:save.file_written@2")
+    with pytest.raises(OSError, match="No space left"):
+        ck.save(2)
+    monkeypatch.delenv("REWIND_FAULT")
+    statuses = {c.step: c.status for c in lineage.checkpoints(cat, run_name)}
+    assert statuses == {1: "committed", 2: "aborted"}
+    assert not any(".tmp-" in p.name for p in (tmp_path / "ckpt" / run_name).iterdir())
+    model2, _opt2, _, ck2 = _job(run_name, cat, tmp_path / "ckpt", seed=99)
+    assert ck2.restore_latest().step == 1
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, good[k])
+
+
+def test_stale_temp_dirs_are_swept(rewind_env, run_name, tmp_path):
+    run_dir = tmp_path / "ckpt" / run_name
+    stale = run_dir / "step-5.tmp-999999999-abcdef"
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
+    _job(run_name, Catalog(), tmp_path / "ckpt")
+    assert not stale.exists()
+
+
+def test_extras_and_reserved_names(rewind_env, run_name, tmp_path):
+    cat = Catalog()
+    _model, _opt, extras, ck = _job(run_name, cat, tmp_path / "ckpt")
+    extras["tokens_seen"] = 1234
+    ck.save(1)
+    extras.clear()
+    _job(run_name, cat, tmp_path / "ckpt")  # a different process would build fresh objects
+    _, _, extras2, ck2 = _job(run_name, cat, tmp_path / "ckpt")
+    ck2.restore_latest()
+    assert extras2 == {"note": "hi", "tokens_seen": 1234}
+    with pytest.raises(ConfigError, match="reserved"):
+        Checkpointer(run_name, states={"state.json": {}}, root=tmp_path, catalog=cat)
+    with pytest.raises(Exception, match="escapes"):
+        Checkpointer(run_name, states={"../x": {}}, root=tmp_path, catalog=cat)
