@@ -1,120 +1,48 @@
-"""Run ``examples.tiny_lm`` as a real subprocess and read what it prints."""
+"""Run ``examples.tiny_lm`` as a real subprocess and compare results."""
 
 from __future__ import annotations
 
-import os
-import queue
-import re
-import signal
-import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from infra.launch.process import Output, TrainingProcess
+
 REPO = Path(__file__).resolve().parents[1]
-STEP = re.compile(r"^step=(\d+) loss=(\S+)$")
-RESUMED = re.compile(r"resumed run \S+ at step (\d+)")
 
 
-@dataclass
-class Output:
-    lines: list[str] = field(default_factory=list)
+def tiny_lm_cmd(
+    run: str, out: Path, *, steps: int = 60, every: int = 10, seed: int = 0, extra: list[str] | None = None
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "examples.tiny_lm",
+        "--run",
+        run,
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        str(every),
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+        *(extra or []),
+    ]
 
-    @property
-    def losses(self) -> dict[int, str]:
-        return {int(m.group(1)): m.group(2) for line in self.lines if (m := STEP.match(line))}
 
-    @property
-    def resumed_at(self) -> int | None:
-        for line in self.lines:
-            if m := RESUMED.search(line):
-                return int(m.group(1))
-        return None
+class TrainProc(TrainingProcess):
+    def __init__(self, run: str, out: Path, *, env: dict[str, str] | None = None, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(tiny_lm_cmd(run, out, **kw), cwd=REPO, env=env)
 
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
+    def wait_for(self, pred, timeout: float = 120) -> bool:  # type: ignore[no-untyped-def,override]
+        return super().wait_for(pred, timeout)
 
-
-class TrainProc:
-    """One training process; stdout and stderr merged, read on a thread so waits are bounded."""
-
-    def __init__(
-        self,
-        run: str,
-        out: Path,
-        *,
-        steps: int = 60,
-        every: int = 10,
-        seed: int = 0,
-        extra: list[str] | None = None,
-        env: dict[str, str] | None = None,
-    ) -> None:
-        cmd = [
-            sys.executable,
-            "-m",
-            "examples.tiny_lm",
-            "--run",
-            run,
-            "--steps",
-            str(steps),
-            "--checkpoint-every",
-            str(every),
-            "--seed",
-            str(seed),
-            "--out",
-            str(out),
-            *(extra or []),
-        ]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            env={**os.environ, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            bufsize=1,
-        )
-        self.output = Output()
-        self._q: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
-
-    def _pump(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._q.put(line.rstrip("\n"))
-        self._q.put(None)
-
-    def wait_for(self, pred: Callable[[str], bool], timeout: float = 120) -> bool:
-        """Read lines until one satisfies ``pred``; False if the process ended first."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"no matching line within {timeout}s; got:\n{self.output.text[-2000:]}")
-            try:
-                line = self._q.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                return False
-            self.output.lines.append(line)
-            if pred(line):
-                return True
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.finish()
-
-    def finish(self, timeout: float = 180) -> Output:
-        self.wait_for(lambda _l: False, timeout)
-        self.proc.wait(timeout=30)
+    def finish(self, timeout: float = 180) -> Output:  # type: ignore[override]
+        super().finish(timeout)
         return self.output
 
 
