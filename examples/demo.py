@@ -33,8 +33,21 @@ def say(msg: str) -> None:
 
 
 def train(run: str, out: Path, kill_at: int | None = None) -> TrainingProcess:
-    cmd = [sys.executable, "-m", "examples.tiny_lm", "--run", run, "--steps", str(STEPS),
-           "--checkpoint-every", str(EVERY), "--seed", "0", "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "examples.tiny_lm",
+        "--run",
+        run,
+        "--steps",
+        str(STEPS),
+        "--checkpoint-every",
+        str(EVERY),
+        "--seed",
+        "0",
+        "--out",
+        str(out),
+    ]
     p = TrainingProcess(cmd, cwd=REPO)
     if kill_at is None:
         rc = p.finish(timeout=300)
@@ -94,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     for c in rows:
         parent = by_id[c.parent_id].step if c.parent_id in by_id else "-"
         stall = f"{c.save_stall_s:.3f}" if c.save_stall_s is not None else "-"
-        print(f"{c.step:>5}  {c.status:10} {parent!s:>6}  {c.total_bytes or 0:>9}  {stall:>7}  {c.status_reason or ''}")
+        print(
+            f"{c.step:>5}  {c.status:10} {parent!s:>6}  {c.total_bytes or 0:>9}  {stall:>7}  {c.status_reason or ''}"
+        )
     print()
     print(f"losses of all {len(losses)} steps equal the uninterrupted run: {equal_losses}")
     print(f"final weights bit-identical to the uninterrupted run:       {equal_weights}")

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
-from infra.checkpoint.engine import Checkpointer
+from infra.checkpoint.engine import Checkpointer, SaveMode
 from infra.checkpoint.state import RNGState
 from infra.errors import RewindError
 from infra.training.data import ResumableLoader
@@ -168,6 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--async-save", action="store_true", help="stage to memory, persist in the background")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed for reproducibility)")
     return p.parse_args(argv)
 
@@ -185,17 +186,16 @@ def train(args: argparse.Namespace) -> int:
     loader = ResumableLoader(data, args.batch_size, seed=args.seed)
     extras: dict = {"config": {"steps": args.steps, "batch_size": args.batch_size, "dim": args.dim}}
 
-    ckpt = Checkpointer(
-        args.run,
-        states={
-            "model": model,
-            "optimizer": opt,
-            "lr_scheduler": sched,
-            "data": loader,
-            "rng": RNGState(),
-            "extras": extras,
-        },
-    )
+    states = {
+        "model": model,
+        "optimizer": opt,
+        "lr_scheduler": sched,
+        "data": loader,
+        "rng": RNGState(),
+        "extras": extras,
+    }
+    mode = SaveMode.ASYNC if args.async_save else SaveMode.SYNC
+    ckpt = Checkpointer(args.run, states=states, mode=mode)
     restored = ckpt.restore_latest()
     for s in ckpt.skipped:
         print(f"rewind: skipped step {s.step}: {s.reason}", file=sys.stderr)
@@ -221,9 +221,11 @@ def train(args: argparse.Namespace) -> int:
         if args.checkpoint_every and step % args.checkpoint_every == 0:
             ckpt.save(step, metrics={"loss": value})
         if args.stop_after is not None and step >= args.stop_after:
+            ckpt.close()
             return 0
     if args.checkpoint_every and step % args.checkpoint_every != 0:
         ckpt.save(step)
+    ckpt.close()  # an in-flight background save is committed (or its error raised) before we finish
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = args.out / f".final.safetensors.tmp-{os.getpid()}"
     save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(tmp))

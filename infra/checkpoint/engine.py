@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ from infra.catalog.models import Checkpoint, CheckpointStatus
 from infra.checkpoint import manifest as mf
 from infra.checkpoint import payload, store
 from infra.checkpoint.audit import manifest_matches_catalog, record_corrupt
+from infra.checkpoint.background import BackgroundRunner
+from infra.checkpoint.staging import Staged, StagingBuffer
 from infra.checkpoint.state import Stateful, as_stateful, environment
 from infra.checkpoint.verify import Finding, Problem
 from infra.errors import ConfigError, CorruptCheckpoint
@@ -39,6 +42,11 @@ from infra.faults import fault_point
 
 log = logging.getLogger("rewind.checkpoint")
 S = CheckpointStatus
+
+
+class SaveMode(StrEnum):
+    SYNC = "sync"  # save() returns when the checkpoint is committed
+    ASYNC = "async"  # save() returns once the state is staged in CPU memory
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +84,8 @@ class Checkpointer:
     root: Path = field(default_factory=config.checkpoint_root)
     catalog: Catalog | None = None
     layout: dict[str, int] = field(default_factory=lambda: {"world_size": 1, "tp": 1, "pp": 1, "dp": 1})
+    mode: SaveMode = SaveMode.SYNC
+    exit_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.states:
@@ -91,17 +101,51 @@ class Checkpointer:
         self.run_id = lineage.ensure_run(self.catalog, self.run)
         self._parent_id: int | None = None
         self._parent_step: int | None = None
+        self.mode = SaveMode(self.mode)
+        self._staging = StagingBuffer()
+        self._runner = BackgroundRunner(f"rewind-{self.run}", self.exit_timeout_s)
+        self.last_saved: SaveResult | None = None  # the newest committed save of this process
         self.skipped: tuple[Skipped, ...] = ()  # what the last restore passed over, and why
         self._recover_leftovers()
 
     # -- save -----------------------------------------------------------------
 
-    def save(self, step: int, *, metrics: Mapping[str, float] | None = None) -> SaveResult:
-        """Write a checkpoint of the current state and record it as committed."""
+    def save(self, step: int, *, metrics: Mapping[str, float] | None = None) -> float:
+        """Checkpoint the current state; returns the seconds the caller was blocked.
+
+        Synchronous mode returns once the checkpoint is committed. Asynchronous mode
+        returns once the tensors are copied to the staging buffer; the rest happens
+        in the background, and a failure there is raised by the next call.
+        """
         started = time.perf_counter()
+        if self.mode is SaveMode.ASYNC:
+            self._runner.wait()  # back-pressure: one save in flight, one staging copy
         trees, tensors = payload.split_states({k: s.state_dict() for k, s in self._stateful.items()})
+        metrics = {k: float(v) for k, v in (metrics or {}).items()}
+        if self.mode is SaveMode.SYNC:
+            self._persist(step, trees, Staged(dict(tensors)), metrics, started)
+            return time.perf_counter() - started
+        staged = self._staging.stage(tensors)
+        stall = time.perf_counter() - started
+        self._runner.submit(
+            f"save of step {step}", lambda: self._persist(step, trees, staged, metrics, stall)
+        )
+        return stall
+
+    def wait(self) -> None:
+        """Block until an in-flight background save is committed; raise if it failed."""
+        self._runner.wait()
+
+    def close(self) -> None:
+        self._runner.close()
+
+    def _persist(
+        self, step: int, trees: dict[str, Any], staged: Staged, metrics: dict[str, float], stall: float
+    ) -> SaveResult:
+        """Write, fsync, manifest, rename, then catalog commit. ``stall`` is a start time in sync mode."""
         self._make_room(step)
         final = store.step_dir(self.run_dir, step)
+        env = environment()
         ck_id = lineage.begin(
             self.catalog,
             self.run_id,
@@ -109,7 +153,7 @@ class Checkpointer:
             str(final),
             parent_id=self._parent_id,
             layout=self.layout,
-            environment=environment(),
+            environment=env,
         )
         draft = mf.Manifest(
             run=self.run,
@@ -118,22 +162,32 @@ class Checkpointer:
             parent_step=self._parent_step,
             created_at=datetime.now(UTC).isoformat(),
             layout=self.layout,
-            environment=environment(),
-            metrics={k: float(v) for k, v in (metrics or {}).items()},
+            environment=env,
+            metrics=metrics,
         )
         try:
-            _, manifest = store.write_checkpoint(self.run_dir, draft, payload.file_writers(trees, tensors))
+            staged.ready()
+            _, manifest = store.write_checkpoint(
+                self.run_dir, draft, payload.file_writers(trees, staged.parts)
+            )
             fault_point("save.before_catalog", step)
-            stall = time.perf_counter() - started
+            if self.mode is SaveMode.SYNC:
+                stall = time.perf_counter() - stall
             lineage.commit(self.catalog, ck_id, manifest, stall_s=stall, uri=str(final))
         except BaseException as exc:
             lineage.transition(self.catalog, ck_id, (S.WRITING,), S.ABORTED, f"save failed: {exc}"[:2000])
             raise
         self._parent_id, self._parent_step = ck_id, step
+        result = SaveResult(step, ck_id, str(final), manifest.total_bytes, stall, manifest.digest())
+        self.last_saved = result
         log.info(
-            "checkpoint step %d committed: %s (%d bytes, %.3fs)", step, final, manifest.total_bytes, stall
+            "checkpoint step %d committed: %s (%d bytes, stall %.3fs)",
+            step,
+            final,
+            manifest.total_bytes,
+            stall,
         )
-        return SaveResult(step, ck_id, str(final), manifest.total_bytes, stall, manifest.digest())
+        return result
 
     def _make_room(self, step: int) -> None:
         """A new save at a step that already has a live checkpoint supersedes it (a replayed timeline)."""
@@ -156,6 +210,7 @@ class Checkpointer:
 
     def restore_latest(self) -> RestoreResult | None:
         """Load the newest checkpoint that verifies; None when the run has none."""
+        self._runner.wait()
         skipped: list[Skipped] = []
         for ck in lineage.restorable(self.catalog, self.run_id):
             started = time.perf_counter()
