@@ -1,0 +1,331 @@
+"""Checkpoint speed, measured against what users run today, in one process on the same data.
+
+    make bench            # or: python -m bench.run [--gib 1.0] [--repeat 3] [--dir PATH]
+
+Every figure is a median over repeats, and every ratio compares numbers taken in
+this run: Rewind async stall vs torch.save+fsync, DCP save and DCP async_save;
+background persist vs a raw fsync'd write of the same bytes; restore with deep
+verification vs torch.load(weights_only=True); training steps/s with and without
+checkpoints. Writes bench/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from infra.catalog.db import Catalog
+from infra.checkpoint import manifest as mf
+from infra.checkpoint import payload
+from infra.checkpoint.engine import Checkpointer, SaveMode
+
+HERE = Path(__file__).resolve().parent
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+
+
+class Blob(torch.nn.Module):
+    """A state of a given size in 64 MiB float32 parameters (optimizer-free, to isolate I/O)."""
+
+    def __init__(self, gib: float, device: str = "cpu") -> None:
+        super().__init__()
+        n = max(1, round(gib * 16))
+        self.params = torch.nn.ParameterList(
+            torch.nn.Parameter(torch.randn(16 << 20, device=device)) for _ in range(n)
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.parameters())
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def fsync_tree(path: Path) -> None:
+    for p in [path, *path.rglob("*")] if path.is_dir() else [path]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def machine() -> dict[str, str]:
+    cpu = next(
+        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
+    )
+    return {
+        "cpu": cpu,
+        "cores": str(os.cpu_count()),
+        "memory_gib": f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f}",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none",
+    }
+
+
+# -- 1 + 2: stall and persist -------------------------------------------------------
+
+
+def bench_stall_and_persist(work: Path, gib: float, repeat: int, device: str) -> dict[str, float]:
+    blob = Blob(gib, device)
+    sd = blob.state_dict()
+    nbytes = blob.nbytes
+    res: dict[str, list[float]] = {
+        k: []
+        for k in (
+            "rewind_async",
+            "rewind_persist",
+            "rewind_sync",
+            "torch_save",
+            "dcp_save",
+            "dcp_async",
+            "raw_write",
+        )
+    }
+    cat = Catalog(f"sqlite:///{work / 'bench.db'}")
+    ck = Checkpointer(
+        f"bench-{device}", states={"model": blob}, root=work / "ckpt", catalog=cat, mode=SaveMode.ASYNC
+    )
+    sync = Checkpointer(f"bench-sync-{device}", states={"model": blob}, root=work / "ckpt", catalog=cat)
+    ck.save(0)  # allocates the reusable staging buffer
+    ck.wait()
+    raw = torch.empty(nbytes, dtype=torch.uint8)
+    raw.view(torch.float32).copy_(torch.cat([p.detach().reshape(-1).cpu() for p in blob.parameters()]))
+    for i in range(1, repeat + 1):
+        t0 = time.perf_counter()
+        res["rewind_async"].append(ck.save(i))
+        ck.wait()
+        res["rewind_persist"].append(time.perf_counter() - t0)
+        res["rewind_sync"].append(sync.save(i))
+
+        def torch_save(i: int = i) -> None:
+            with open(work / f"t{i}.pt", "wb") as f:
+                torch.save(sd, f)
+                f.flush()
+                os.fsync(f.fileno())
+
+        res["torch_save"].append(timed(torch_save))
+        res["dcp_save"].append(timed(lambda i=i: dcp.save(sd, checkpoint_id=str(work / f"dcp{i}"))))
+        t0 = time.perf_counter()
+        fut = dcp.async_save(sd, checkpoint_id=str(work / f"dcpa{i}"))
+        res["dcp_async"].append(time.perf_counter() - t0)
+        fut.result()
+
+        def raw_write(i: int = i) -> None:
+            view = memoryview(raw.numpy())
+            with open(work / f"raw{i}", "wb") as f:
+                for off in range(0, nbytes, 8 << 20):
+                    f.write(view[off : off + (8 << 20)])
+                f.flush()
+                os.fsync(f.fileno())
+
+        res["raw_write"].append(timed(raw_write))
+        for p in work.glob("*"):
+            if p.name.startswith(("t", "dcp", "raw")) and p.name != "bench.db":
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    dd = subprocess.run(
+        ["dd", "if=/dev/zero", f"of={work / 'dd'}", "bs=8M", f"count={nbytes >> 23}", "conv=fsync"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    (work / "dd").unlink(missing_ok=True)
+    ck.close()
+    m = {k: median(v) for k, v in res.items()}
+    m["bytes"] = nbytes
+    m["dd_line"] = dd.stderr.strip().splitlines()[-1] if dd.stderr else ""
+    return m
+
+
+# -- 3: restore -----------------------------------------------------------------
+
+
+def bench_restore(work: Path, gib: float, repeat: int) -> dict[str, float]:
+    blob = Blob(gib)
+    cat = Catalog(f"sqlite:///{work / 'restore.db'}")
+    ck = Checkpointer("bench-restore", states={"model": blob}, root=work / "rck", catalog=cat)
+    ck.save(1)
+    directory = work / "rck" / "bench-restore" / "step-1"
+    torch.save(blob.state_dict(), work / "r.pt")
+    manifest = mf.read(directory)
+    ours, theirs, full = [], [], []
+    for _ in range(repeat):
+        theirs.append(timed(lambda: torch.load(work / "r.pt", weights_only=True)))
+        ours.append(timed(lambda: payload.read_states(directory, manifest)))
+        full.append(timed(ck.restore_latest))
+    return {
+        "rewind_read_verified": median(ours),
+        "torch_load": median(theirs),
+        "rewind_restore_into_model": median(full),
+    }
+
+
+# -- 4: training overhead ---------------------------------------------------------
+
+
+def bench_training(work: Path, steps: int) -> dict[str, float]:
+    from examples.tiny_lm import TinyLM
+
+    torch.manual_seed(0)
+    torch.set_num_threads(os.cpu_count() or 1)
+    model = TinyLM(vocab=256, block=64, dim=512, layers=16, heads=8, dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = sum(p.numel() for p in model.parameters())
+    x = torch.randint(0, 256, (4, 64))
+
+    def step() -> None:
+        loss = torch.nn.functional.cross_entropy(model(x).view(-1, 256), x.view(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    cat = Catalog(f"sqlite:///{work / 'train.db'}")
+    ck = Checkpointer(
+        "bench-train",
+        states={"model": model, "optimizer": opt},
+        root=work / "tck",
+        catalog=cat,
+        mode=SaveMode.ASYNC,
+    )
+    t0 = time.perf_counter()
+    ck.save(0)
+    ck.wait()
+    persist = time.perf_counter() - t0
+    base = [timed(step) for _ in range(steps)]
+    step_s = median(base)
+    every = max(1, math.ceil(10 * persist / step_s))  # persist is ~10% of the interval
+    runs = 3
+    with_ck: list[float] = []
+    without: list[float] = []
+    for r in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(every):
+            step()
+        without.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        for i in range(every):
+            step()
+            if i == 0:
+                ck.save(r * every + i + 1)
+        ck.wait()  # the interval includes the whole persist: no save is left running
+        with_ck.append(time.perf_counter() - t0)
+    ck.close()
+    return {
+        "params_m": params / 1e6,
+        "step_s": step_s,
+        "persist_s": persist,
+        "every": every,
+        "interval_without_s": median(without),
+        "interval_with_s": median(with_ck),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=1.0, help="state size for the save/restore benchmarks")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--train-steps", type=int, default=8)
+    p.add_argument(
+        "--dir", type=Path, default=None, help="where to write (default: a temp dir on the repo's disk)"
+    )
+    p.add_argument("--skip-training", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    work = Path(tempfile.mkdtemp(prefix="rewind-bench-", dir=args.dir or HERE))
+    try:
+        results: dict[str, object] = {"machine": machine(), "gib": args.gib, "repeat": args.repeat}
+        print(f"machine: {results['machine']}")
+        s = bench_stall_and_persist(work, args.gib, args.repeat, "cpu")
+        gb = s["bytes"] / 1e9
+        print(f"\n== stall per save of {gb:.2f} GB (median of {args.repeat}) ==")
+        for k, label in [
+            ("rewind_async", "rewind async"),
+            ("rewind_sync", "rewind sync"),
+            ("torch_save", "torch.save+fsync"),
+            ("dcp_save", "DCP save"),
+            ("dcp_async", "DCP async_save"),
+        ]:
+            print(f"  {label:18} {s[k]:8.3f} s   ratio vs rewind async: {s[k] / s['rewind_async']:6.1f}x")
+        results["stall_ratio_vs_torch_save"] = s["rewind_async"] / s["torch_save"]
+        results["stall_ratio_vs_dcp_async"] = s["rewind_async"] / s["dcp_async"]
+        print(f"\n== background persist vs raw fsync'd write of the same {gb:.2f} GB ==")
+        print(f"  rewind persist     {s['rewind_persist']:8.3f} s  {gb / s['rewind_persist']:6.2f} GB/s")
+        print(f"  python write+fsync {s['raw_write']:8.3f} s  {gb / s['raw_write']:6.2f} GB/s")
+        print(f"  dd conv=fsync      {s['dd_line']}")
+        results["persist_ratio_vs_raw_write"] = s["raw_write"] / s["rewind_persist"]  # throughput ratio
+        r = bench_restore(work, args.gib, args.repeat)
+        print("\n== restore with deep verification vs torch.load(weights_only=True) ==")
+        print(f"  torch.load                 {r['torch_load']:8.3f} s")
+        print(
+            f"  rewind read+verify         {r['rewind_read_verified']:8.3f} s   ratio {r['rewind_read_verified'] / r['torch_load']:.2f}x"
+        )
+        print(f"  rewind restore into model  {r['rewind_restore_into_model']:8.3f} s")
+        results["restore_ratio_vs_torch_load"] = r["rewind_read_verified"] / r["torch_load"]
+        results["stall"], results["restore"] = s, r
+        if torch.cuda.is_available():
+            g = bench_stall_and_persist(work, args.gib, args.repeat, "cuda")
+            print(f"\n== GPU stall ({torch.cuda.get_device_name(0)}) ==")
+            for k in ("rewind_async", "torch_save", "dcp_async"):
+                print(f"  {k:18} {g[k]:8.3f} s")
+            results["gpu"] = g
+            results["gpu_stall_ratio_vs_torch_save"] = g["rewind_async"] / g["torch_save"]
+            results["gpu_stall_ratio_vs_dcp_async"] = g["rewind_async"] / g["dcp_async"]
+        if not args.skip_training:
+            t = bench_training(work, args.train_steps)
+            overhead = 100 * (t["interval_with_s"] / t["interval_without_s"] - 1)
+            print(
+                f"\n== training overhead: {t['params_m']:.0f}M-param model, checkpoint every {t['every']} steps =="
+            )
+            print(
+                f"  step {t['step_s']:.3f} s, persist {t['persist_s']:.3f} s ({100 * t['persist_s'] / (t['every'] * t['step_s']):.0f}% of the interval)"
+            )
+            print(
+                f"  interval without checkpoint {t['interval_without_s']:.2f} s, with {t['interval_with_s']:.2f} s: overhead {overhead:.1f}%"
+            )
+            results["training_overhead_pct"] = overhead
+            results["training"] = t
+        print("\n== summary (ratios from this run) ==")
+        for k in (
+            "stall_ratio_vs_torch_save",
+            "stall_ratio_vs_dcp_async",
+            "persist_ratio_vs_raw_write",
+            "restore_ratio_vs_torch_load",
+            "training_overhead_pct",
+        ):
+            if k in results:
+                print(f"  {k:30} {results[k]:.3f}")
+        (HERE / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+        print(f"\nwrote {HERE / 'results.json'}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
