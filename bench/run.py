@@ -74,7 +74,12 @@ def timed(fn: Callable[[], object]) -> float:
 
 def machine() -> dict[str, str]:
     cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?"
+        (
+            ln.split(":", 1)[1].strip()
+            for ln in Path("/proc/cpuinfo").read_text().splitlines()
+            if ln.startswith("model name")
+        ),
+        "?",
     )
     return {
         "cpu": cpu,

@@ -184,6 +184,29 @@ def cmd_ckpt_verify(args: argparse.Namespace) -> int:
     return EXIT_FINDINGS if any(not r["ok"] for r in results) else 0
 
 
+# -- prefect ---------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from datetime import timedelta
+
+    from flows.deployments import serve_all
+
+    serve_all(
+        scrub_every=timedelta(seconds=args.scrub_every),
+        replicate_every=timedelta(seconds=args.replicate_every),
+        shared_target=args.shared_target,
+    )
+    return 0
+
+
+def cmd_server(args: argparse.Namespace) -> int:
+    cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", args.host, "--port", str(args.port)]
+    print("starting the Prefect server and UI: " + " ".join(cmd), flush=True)
+    os.execv(cmd[0], cmd)
+    return 0
+
+
 # -- parser ---------------------------------------------------------------------
 
 
@@ -242,6 +265,19 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("run")
     ver.add_argument("--step", type=int, help="only this step (default: every committed checkpoint)")
     ver.add_argument("--deep", action="store_true", help="re-read and re-hash every byte, not only sizes")
+    srv = add(sub, "serve", cmd_serve, "serve every Rewind deployment (schedules and the recovery trigger)")
+    srv.add_argument(
+        "--scrub-every", type=float, default=6 * 3600, metavar="SECONDS", help="deep verification interval"
+    )
+    srv.add_argument(
+        "--replicate-every", type=float, default=900, metavar="SECONDS", help="replication interval"
+    )
+    srv.add_argument(
+        "--shared-target", help="shared tier path for replicate-offsite (default REWIND_SHARED_URI)"
+    )
+    ui = add(sub, "server", cmd_server, "start the Prefect server and UI (bound to 127.0.0.1 by default)")
+    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--port", type=int, default=4200)
     return p
 
 

@@ -1,9 +1,12 @@
 """A documented test seam for injecting real faults at named points.
 
-``REWIND_FAULT=<action>:<point>[@<step>]`` with action ``kill`` (SIGKILL this
-process) or ``enospc`` (raise a disk-full OSError). Points are named where they
-are called, e.g. ``save.data_written``, ``save.before_rename``. Unset in
-production; reading one environment variable is the whole cost.
+``REWIND_FAULT=<action>:<point>[@<step>][#<times>]`` where action is ``kill``
+(SIGKILL this process), ``enospc`` (a disk-full OSError) or ``eio`` (an I/O
+error, which tasks treat as transient). ``#<times>`` fires only on the first N
+hits in this process, so a retried task can succeed. Points are named where they
+are called: ``save.file_written``, ``save.before_manifest``, ``save.before_rename``,
+``save.before_catalog``, ``verify.read``. Unset in production; reading one
+environment variable is the whole cost.
 """
 
 from __future__ import annotations
@@ -11,8 +14,10 @@ from __future__ import annotations
 import errno
 import os
 import signal
+from collections import Counter
 
 ENV = "REWIND_FAULT"
+_hits: Counter[str] = Counter()
 
 
 def fault_point(point: str, step: int | None = None) -> None:
@@ -20,10 +25,16 @@ def fault_point(point: str, step: int | None = None) -> None:
     if not spec:
         return
     action, _, target = spec.partition(":")
+    target, _, times = target.partition("#")
     name, _, at = target.partition("@")
     if name != point or (at and step is not None and int(at) != step):
+        return
+    _hits[spec] += 1
+    if times and _hits[spec] > int(times):
         return
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {point})")
+    elif action == "eio":
+        raise OSError(errno.EIO, f"Input/output error (injected at {point})")

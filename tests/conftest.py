@@ -4,12 +4,30 @@ the example training job as a real subprocess."""
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
+
+# Prefect reads its settings at import: give every test process a private, quiet Prefect home.
+_PREFECT_HOME = tempfile.mkdtemp(prefix="rewind-prefect-")
+for _k in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_API_KEY"):
+    os.environ.pop(_k, None)
+os.environ.update(
+    {
+        "PREFECT_HOME": _PREFECT_HOME,
+        "PREFECT_RESULTS_LOCAL_STORAGE_PATH": os.path.join(_PREFECT_HOME, "results"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+        "PREFECT_LOGGING_LEVEL": "WARNING",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "1",
+        "PREFECT_TASKS_DEFAULT_NO_CACHE": "true",
+    }
+)
 
 ADMIN_URL = os.environ.get("REWIND_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 

@@ -229,3 +229,73 @@ def set_path(cat: Catalog, checkpoint_id: int, path: str) -> None:
 
 def iso(ts: datetime | None) -> str | None:
     return ts.isoformat() if ts else None
+
+
+def get_checkpoint(cat: Catalog, checkpoint_id: int) -> Checkpoint:
+    with cat.session() as s:
+        ck = s.get(Checkpoint, checkpoint_id)
+    if ck is None:
+        raise NotFoundError(f"no checkpoint with id {checkpoint_id}")
+    return ck
+
+
+def supersede_after(cat: Catalog, run_id: int, step: int, reason: str) -> list[int]:
+    """Roll a run's head back: restorable checkpoints newer than ``step`` stop being candidates."""
+    with cat.session() as s:
+        ids = list(
+            s.scalars(
+                update(Checkpoint)
+                .where(
+                    Checkpoint.run_id == run_id,
+                    Checkpoint.step > step,
+                    Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value]),
+                )
+                .values(status=S.SUPERSEDED.value, status_reason=reason)
+                .returning(Checkpoint.id)
+            )
+        )
+    return ids
+
+
+def get_run_by_id(cat: Catalog, run_id: int) -> Run:
+    with cat.session() as s:
+        run = s.get(Run, run_id)
+    if run is None:
+        raise NotFoundError(f"no run with id {run_id}")
+    return run
+
+
+def record_replica(cat: Catalog, checkpoint_id: int, tier: str, uri: str, nbytes: int) -> None:
+    """Register a verified copy; called only after the copy proved equal to the manifest."""
+    now = utcnow()
+    with cat.session() as s:
+        existing = s.scalar(
+            select(Replica).where(
+                Replica.checkpoint_id == checkpoint_id, Replica.tier == tier, Replica.uri == uri
+            )
+        )
+        if existing is None:
+            s.add(
+                Replica(
+                    checkpoint_id=checkpoint_id,
+                    tier=tier,
+                    uri=uri,
+                    status="verified",
+                    bytes=nbytes,
+                    verified_at=now,
+                )
+            )
+        else:
+            existing.status, existing.verified_at = "verified", now
+
+
+def without_replica(cat: Catalog, tier: str, run: str | None = None) -> list[Checkpoint]:
+    """Verified or committed checkpoints that have no verified copy on ``tier`` yet."""
+    with cat.session() as s:
+        has_copy = select(Replica.checkpoint_id).where(Replica.tier == tier, Replica.status == "verified")
+        q = select(Checkpoint).where(
+            Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value]), Checkpoint.id.not_in(has_copy)
+        )
+        if run is not None:
+            q = q.join(Run, Run.id == Checkpoint.run_id).where(Run.name == run)
+        return list(s.scalars(q.order_by(Checkpoint.id)))

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from infra.checkpoint import manifest as mf
+from infra.checkpoint.verify import Finding, Problem
 from infra.digest import HashingWriter
+from infra.errors import CorruptCheckpoint
 from infra.faults import fault_point
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -60,12 +62,18 @@ def _write_file(path: Path, fill: FileWriter) -> mf.FileEntry:
 
 
 def write_checkpoint(
-    run_dir: Path, manifest: mf.Manifest, files: Iterable[tuple[str, FileWriter]]
+    run_dir: Path,
+    manifest: mf.Manifest,
+    files: Iterable[tuple[str, FileWriter]],
+    *,
+    expect: tuple[mf.FileEntry, ...] | None = None,
 ) -> tuple[Path, mf.Manifest]:
     """Write ``files`` and then the manifest; return the final directory and manifest.
 
-    ``manifest`` supplies everything but the file list. Raises ``FileExistsError``
-    if ``step-<N>/`` already exists: the caller decides what happens to it.
+    ``manifest`` supplies everything but the file list. With ``expect`` (a copy
+    of another checkpoint), the bytes written must hash to exactly those entries
+    before any manifest is written. Raises ``FileExistsError`` if ``step-<N>/``
+    already exists: the caller decides what happens to it.
     """
     run_dir.mkdir(parents=True, exist_ok=True)
     final = step_dir(run_dir, manifest.step)
@@ -77,6 +85,15 @@ def write_checkpoint(
             entries.append(_write_file(tmp / mf.safe_relative(name), fill))
             fault_point("save.file_written", manifest.step)
         fsync_dir(tmp)
+        if expect is not None and tuple(entries) != expect:
+            bad = [
+                Finding(Problem.DIGEST, e.path, "copy differs from its source")
+                for e in entries
+                if e not in expect
+            ]
+            raise CorruptCheckpoint(
+                str(tmp), bad or [Finding(Problem.MISSING, "*", "file list differs from its source")]
+            )
         fault_point("save.before_manifest", manifest.step)
         manifest = replace(manifest, files=tuple(entries))
         with open(tmp / mf.MANIFEST_NAME, "xb") as f:

@@ -17,6 +17,7 @@ import torch
 from infra.checkpoint import manifest as mf
 from infra.digest import CHUNK, Hasher, hash_file
 from infra.errors import CorruptCheckpoint
+from infra.faults import fault_point
 
 
 class Problem(StrEnum):
@@ -68,6 +69,7 @@ def check_entry(directory: Path, entry: mf.FileEntry, deep: bool) -> Finding | N
     if size != entry.size:
         return Finding(Problem.SIZE, entry.path, f"manifest says {entry.size} bytes, file has {size}")
     if deep:
+        fault_point("verify.read")  # outside the try: an injected fault is an error, not a finding
         try:
             got = hash_file(path, with_crc=False)
         except OSError as exc:

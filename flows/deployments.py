@@ -1,0 +1,55 @@
+"""Every Rewind deployment, with its schedule or trigger, served by one process (`rewind serve`)."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+from prefect import serve
+from prefect.deployments.runner import RunnerDeployment
+from prefect.events import DeploymentEventTrigger
+
+from flows.maintenance import replicate_offsite, restore_checkpoint_flow, verify_checkpoints
+from flows.training import protect_training, recover_training
+
+FAILURE_EVENT = "rewind.failure.detected"
+
+
+def build(
+    *,
+    scrub_every: timedelta = timedelta(hours=6),
+    replicate_every: timedelta = timedelta(minutes=15),
+    shared_target: str | None = None,
+) -> list[RunnerDeployment]:
+    target = shared_target or os.environ.get("REWIND_SHARED_URI")
+    return [
+        protect_training.to_deployment(name="protect-training", tags=["rewind", "training"]),
+        recover_training.to_deployment(
+            name="recover-training",
+            tags=["rewind", "training"],
+            triggers=[
+                DeploymentEventTrigger(
+                    name="recover-on-failure",
+                    description="Recover a training run whenever a failure is detected.",
+                    expect={FAILURE_EVENT},
+                    match={"prefect.resource.id": "rewind.run.*"},
+                    parameters={"incident_id": "{{ event.payload.incident_id }}"},
+                )
+            ],
+        ),
+        verify_checkpoints.to_deployment(
+            name="verify-checkpoints", interval=scrub_every, tags=["rewind", "scrub"]
+        ),
+        restore_checkpoint_flow.to_deployment(name="restore-checkpoint", tags=["rewind", "restore"]),
+        replicate_offsite.to_deployment(
+            name="replicate-offsite",
+            interval=replicate_every,
+            parameters={"target": target} if target else None,
+            paused=target is None,  # nothing to replicate to until a target is configured
+            tags=["rewind", "replication"],
+        ),
+    ]
+
+
+def serve_all(**kwargs: object) -> None:
+    serve(*build(**kwargs), limit=int(os.environ.get("REWIND_SERVE_LIMIT", "8")))  # type: ignore[arg-type]

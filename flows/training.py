@@ -1,0 +1,115 @@
+"""Flows that keep a training job alive: protect it, and recover it when it dies."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+from tasks.common import artifact_key
+from tasks.detect import (
+    annotate_incident,
+    check_recovery_budget,
+    load_incident,
+    record_failure,
+    supervise_training,
+)
+from tasks.rebuild import rebuild_environment
+from tasks.restore import restore_checkpoint
+
+
+@flow(name="protect-training")
+def protect_training(run: str, command: list[str], cwd: str | None = None) -> dict[str, Any]:
+    """Run a training job under watch: verify every checkpoint it commits; a crash becomes an incident.
+
+    Args:
+        run: Catalog name of the run; the job must checkpoint under the same name.
+        command: The training command, one list item per argument, e.g.
+            ["python", "-m", "examples.tiny_lm", "--run", "demo", "--steps", "60", "--checkpoint-every", "10", "--out", "out"].
+        cwd: Working directory of the command (default: the worker's).
+    """
+    outcome = supervise_training(run, command, cwd)
+    if outcome["exit_code"] == 0:
+        return {"run": run, "status": "finished", "last_step": outcome["last_step"]}
+    incident_id = record_failure(outcome)
+    return {"run": run, "status": "crashed", "incident_id": incident_id, "last_step": outcome["last_step"]}
+
+
+@flow(name="recover-training")
+def recover_training(incident_id: int, max_incidents: int = 5, window_s: float = 3600.0) -> dict[str, Any]:
+    """Bring a crashed job back: newest verified checkpoint, same command, watched again.
+
+    Started by the automation on `rewind.failure.detected`; can also be run by hand.
+
+    Args:
+        incident_id: The incident the failure detector recorded.
+        max_incidents: Stop recovering automatically after this many incidents of the run within `window_s`.
+        window_s: The window for `max_incidents`, in seconds.
+    """
+    log = get_run_logger()
+    flow_started = time.time()
+    incident = load_incident(incident_id)
+    run, details = incident["run"], incident["details"]
+    died_at = details["died_at"]
+    annotate_incident(
+        incident_id,
+        details={"recovery_flow_started_at": flow_started, "flow_start_s": flow_started - died_at},
+    )
+    check_recovery_budget(run, max_incidents, window_s)
+
+    t0 = time.time()
+    chosen = restore_checkpoint(run)
+    load_s = time.time() - t0
+    replayed = (details.get("last_step") or chosen["step"]) - chosen["step"]
+    annotate_incident(
+        incident_id, load_s=load_s, restored_checkpoint_id=chosen["checkpoint_id"], replayed_steps=replayed
+    )
+    rebuilt = rebuild_environment(run, incident_id, details["command"])
+    log.info("restarting %s from step %d (replaying %d steps)", run, chosen["step"], replayed)
+
+    outcome = supervise_training(
+        run, rebuilt["command"], details.get("cwd"), incident_id=incident_id, died_at=died_at
+    )
+    timeline = _timeline(run, incident_id, died_at, flow_started, load_s, chosen, outcome, replayed)
+    create_markdown_artifact(key=artifact_key("rewind", run, "recovery"), markdown=timeline)
+    if outcome["exit_code"] != 0:
+        annotate_incident(incident_id, details={"relaunch_outcome": outcome["how"]})
+        next_incident = record_failure(outcome)
+        return {"run": run, "status": "crashed-again", "incident_id": next_incident}
+    annotate_incident(incident_id, resolved=True, details={"finished_at": time.time()})
+    return {
+        "run": run,
+        "status": "recovered",
+        "restored_step": chosen["step"],
+        "last_step": outcome["last_step"],
+    }
+
+
+def _timeline(
+    run: str,
+    incident_id: int,
+    died_at: float,
+    flow_started: float,
+    load_s: float,
+    chosen: dict[str, Any],
+    outcome: dict[str, Any],
+    replayed: int,
+) -> str:
+    first = outcome.get("first_step_at")
+    rows = [
+        ("training died", 0.0),
+        ("recovery flow started", flow_started - died_at),
+        ("restore point verified", flow_started - died_at + load_s),
+        ("first step after restore", (first - died_at) if first else None),
+    ]
+    lines = [
+        f"# Recovery of `{run}` (incident {incident_id})",
+        "",
+        "| event | seconds after the failure |",
+        "|---|---|",
+    ]
+    lines += [f"| {name} | {'-' if t is None else f'{t:.2f}'} |" for name, t in rows]
+    lines += ["", f"Restored step {chosen['step']}; replayed {replayed} steps; relaunch {outcome['how']}."]
+    return "\n".join(lines)

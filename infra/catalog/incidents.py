@@ -1,0 +1,66 @@
+"""Incidents: one row per detected failure, filled in as recovery proceeds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select, update
+
+from infra.catalog import lineage
+from infra.catalog.db import Catalog
+from infra.catalog.models import Incident, utcnow
+from infra.errors import NotFoundError
+
+KINDS = ("crash", "hang", "nan", "loss_spike", "gpu", "manual")
+
+
+def open_incident(cat: Catalog, run: str, kind: str, reason: str, **fields: Any) -> int:
+    if kind not in KINDS:
+        raise ValueError(f"incident kind {kind!r} is not one of {KINDS}")
+    run_id = lineage.get_run(cat, run).id
+    with cat.session() as s:
+        inc = Incident(run_id=run_id, kind=kind, reason=reason, **fields)
+        s.add(inc)
+        s.flush()
+        return inc.id
+
+
+def update_incident(
+    cat: Catalog, incident_id: int, *, details: dict[str, Any] | None = None, **fields: Any
+) -> None:
+    """Set columns; ``details`` keys are merged into the JSON column, not replacing it."""
+    with cat.session() as s:
+        inc = s.get(Incident, incident_id, with_for_update=True)
+        if inc is None:
+            raise NotFoundError(f"no incident {incident_id}")
+        for k, v in fields.items():
+            setattr(inc, k, v)
+        if details:
+            inc.details = {**(inc.details or {}), **details}
+
+
+def get_incident(cat: Catalog, incident_id: int) -> Incident:
+    with cat.session() as s:
+        inc = s.get(Incident, incident_id)
+    if inc is None:
+        raise NotFoundError(f"no incident {incident_id}")
+    return inc
+
+
+def incidents_of(cat: Catalog, run: str) -> list[Incident]:
+    run_id = lineage.get_run(cat, run).id
+    with cat.session() as s:
+        return list(s.scalars(select(Incident).where(Incident.run_id == run_id).order_by(Incident.id)))
+
+
+def recent_count(cat: Catalog, run: str, within_s: float) -> int:
+    run_id = lineage.get_run(cat, run).id
+    since = utcnow().timestamp() - within_s
+    with cat.session() as s:
+        rows = s.scalars(select(Incident.detected_at).where(Incident.run_id == run_id)).all()
+    return sum(1 for t in rows if t.timestamp() >= since)
+
+
+def resolve(cat: Catalog, incident_id: int) -> None:
+    with cat.session() as s:
+        s.execute(update(Incident).where(Incident.id == incident_id).values(resolved_at=func.now()))

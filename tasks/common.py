@@ -1,0 +1,97 @@
+"""What every Rewind task shares: the retry policy, events, and catalog access."""
+
+from __future__ import annotations
+
+import errno
+import functools
+import re
+from typing import Any
+
+from prefect import Task
+from prefect.client.schemas.objects import TaskRun
+from prefect.events import emit_event
+from prefect.states import State
+from prefect.tasks import exponential_backoff
+
+from infra.catalog.db import Catalog
+from infra.errors import TransientError
+
+_TRANSIENT_ERRNOS = {
+    errno.EIO,
+    errno.EAGAIN,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.EBUSY,
+}
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Retry network blips, an unreachable catalog, flaky I/O; never corruption, bad input or credentials."""
+    if isinstance(exc, TransientError):
+        return True
+    if isinstance(exc, ConnectionError | TimeoutError):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+
+
+def retry_transient(task: Task, task_run: TaskRun, state: State) -> bool:
+    """``retry_condition_fn`` for every Rewind task."""
+    try:
+        state.result(raise_on_failure=True)
+    except BaseException as exc:
+        return is_transient(exc)
+    return False
+
+
+# Explicit, jittered backoff for transient faults only.
+RETRY: dict[str, Any] = {
+    "retries": 3,
+    "retry_delay_seconds": exponential_backoff(backoff_factor=1),
+    "retry_jitter_factor": 0.5,
+    "retry_condition_fn": retry_transient,
+}
+
+
+@functools.cache
+def catalog() -> Catalog:
+    """One catalog per process; the URL comes from REWIND_CATALOG_URL."""
+    return Catalog()
+
+
+def run_resource(run: str) -> dict[str, str]:
+    return {
+        "prefect.resource.id": f"rewind.run.{run}",
+        "prefect.resource.name": run,
+        "prefect.resource.role": "run",
+    }
+
+
+def checkpoint_resource(run: str, step: int, checkpoint_id: int) -> dict[str, str]:
+    return {
+        "prefect.resource.id": f"rewind.checkpoint.{checkpoint_id}",
+        "prefect.resource.name": f"{run}@{step}",
+        "prefect.resource.role": "checkpoint",
+    }
+
+
+def emit(
+    event: str,
+    run: str,
+    payload: dict[str, Any],
+    *,
+    step: int | None = None,
+    checkpoint_id: int | None = None,
+) -> None:
+    """Emit a Rewind event about a run (primary resource) and, if given, one of its checkpoints."""
+    related = (
+        [checkpoint_resource(run, step, checkpoint_id)]
+        if checkpoint_id is not None and step is not None
+        else []
+    )
+    emit_event(event=event, resource=run_resource(run), related=related, payload={"run": run, **payload})
+
+
+def artifact_key(*parts: object) -> str:
+    """Artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(str(p) for p in parts).lower()).strip("-")[:200]

@@ -1,0 +1,76 @@
+"""A real Prefect server for the tests, and a real `rewind serve` process against it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+REPO = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
+
+
+def wait_until(probe: Callable[[], T], timeout: float, what: str, interval: float = 0.25) -> T:
+    """Poll ``probe`` until it returns something truthy; bounded by ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = probe()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@contextmanager
+def rewind_serve(api_url: str, env: dict[str, str], *extra: str) -> Iterator[subprocess.Popen]:
+    """Run `rewind serve` as its own process, as a user would; stop it (bounded) afterwards."""
+    log = open(Path(env.get("REWIND_HOME", "/tmp")) / "serve.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "serve", *extra],
+        cwd=REPO,
+        env={**os.environ, **env, "PREFECT_API_URL": api_url},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        yield proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+
+
+def deployment_ids(client: Any, names: list[str]) -> dict[str, Any]:
+    out = {}
+    for name in names:
+        try:
+            out[name] = client.read_deployment_by_name(f"{name}/{name}").id
+        except Exception:
+            return {}
+    return out
+
+
+def find_pid(*needles: str) -> int | None:
+    """The pid of a process whose command line holds every needle (a training job started by a flow)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if all(n in cmdline for n in needles):
+            return int(entry.name)
+    return None

@@ -1,0 +1,240 @@
+"""Rewind's Prefect flows against a real Prefect server and a real `rewind serve` process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.xdist_group("prefect")
+
+from prefect.client.orchestration import get_client  # noqa: E402
+from prefect.client.schemas.filters import DeploymentFilter, FlowRunFilter  # noqa: E402
+from prefect.deployments import run_deployment  # noqa: E402
+from prefect.events.filters import EventFilter, EventNameFilter  # noqa: E402
+from prefect.settings import PREFECT_API_URL  # noqa: E402
+from prefect.testing.utilities import prefect_test_harness  # noqa: E402
+
+from infra.catalog import incidents, lineage  # noqa: E402
+from infra.catalog.db import Catalog  # noqa: E402
+from tests.prefect_support import deployment_ids, find_pid, rewind_serve, wait_until  # noqa: E402
+from tests.trainproc import REPO, TrainProc, assert_same_weights, tiny_lm_cmd  # noqa: E402
+
+DEPLOYMENTS = [
+    "protect-training",
+    "recover-training",
+    "verify-checkpoints",
+    "restore-checkpoint",
+    "replicate-offsite",
+]
+
+
+@pytest.fixture(scope="module")
+def prefect_api():
+    with prefect_test_harness(server_startup_timeout=90):
+        yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="module")
+def flow_env(pg_url, tmp_path_factory):
+    home = tmp_path_factory.mktemp("flows")
+    env = {
+        "REWIND_HOME": str(home),
+        "REWIND_CATALOG_URL": pg_url,
+        "REWIND_CHECKPOINT_ROOT": str(home / "ckpt"),
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        mp.delenv("REWIND_FAULT", raising=False)
+        yield env
+
+
+@pytest.fixture(scope="module")
+def served(prefect_api, flow_env):
+    with rewind_serve(prefect_api, flow_env) as proc, get_client(sync_client=True) as client:
+        wait_until(
+            lambda: proc.poll() is not None or deployment_ids(client, DEPLOYMENTS),
+            90,
+            "rewind serve's deployments",
+        )
+        assert proc.poll() is None, (Path(flow_env["REWIND_HOME"]) / "serve.log").read_text()[-3000:]
+        wait_until(
+            lambda: client.read_automations_by_name("recover-on-failure"), 30, "the recovery automation"
+        )
+        yield client
+
+
+def _flow_runs(client, deployment: str):
+    dep = client.read_deployment_by_name(f"{deployment}/{deployment}")
+    return client.read_flow_runs(deployment_filter=DeploymentFilter(id={"any_": [dep.id]}))
+
+
+def test_crash_is_recovered_by_the_event_driven_deployment(reference, served, flow_env, run_name, tmp_path):
+    client = served
+    cat = Catalog()
+    out = tmp_path / "out"
+    run_deployment(
+        "protect-training/protect-training",
+        parameters={"run": run_name, "command": tiny_lm_cmd(run_name, out), "cwd": str(REPO)},
+        timeout=0,
+    )
+    run_id = wait_until(lambda: _run_id(cat, run_name), 120, "the run to appear")
+    wait_until(lambda: len(lineage.restorable(cat, run_id)) >= 2, 120, "two committed checkpoints")
+    pid = find_pid("examples.tiny_lm", f"--run {run_name} ")
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)  # from here on the test does nothing but wait
+
+    def recovered():
+        runs = _flow_runs(client, "recover-training")
+        done = [r for r in runs if r.state and r.state.is_final()]
+        return done[0] if done else None
+
+    run = wait_until(recovered, 300, "the triggered recover-training run to finish", interval=1)
+    assert run.state.is_completed(), run.state.message
+    assert_same_weights(out / "final.safetensors", reference[1])
+    (inc,) = incidents.incidents_of(cat, run_name)
+    assert inc.kind == "crash" and inc.resolved_at is not None
+    for field in ("detection_s", "load_s", "rebuild_s", "rto_s"):
+        assert getattr(inc, field) is not None and getattr(inc, field) >= 0, field
+    assert inc.replayed_steps is not None and inc.replayed_steps >= 0
+    assert inc.details["flow_start_s"] > 0
+    print(
+        f"\nRECOVERY kill->flow start {inc.details['flow_start_s']:.2f}s, kill->first step {inc.rto_s:.2f}s, "
+        f"detection {inc.detection_s:.3f}s, restore {inc.load_s:.2f}s, relaunch {inc.rebuild_s:.2f}s, "
+        f"replayed {inc.replayed_steps} steps"
+    )
+
+
+def _run_id(cat: Catalog, name: str) -> int | None:
+    try:
+        return lineage.get_run(cat, name).id
+    except Exception:
+        return None
+
+
+def _train(run: str, out: Path, *extra: str) -> TrainProc:
+    p = TrainProc(run, out, extra=list(extra))
+    p.finish()
+    assert p.proc.returncode == 0, p.output.text
+    return p
+
+
+def test_restore_of_a_chosen_step_through_the_api(reference, served, flow_env, run_name, tmp_path):
+    _train(run_name, tmp_path / "out")
+    fr = run_deployment(
+        "restore-checkpoint/restore-checkpoint", parameters={"run": run_name, "step": 20}, timeout=180
+    )
+    assert fr.state.is_completed(), fr.state.message
+    cat = Catalog()
+    head = lineage.restorable(cat, lineage.get_run(cat, run_name).id)
+    assert [c.step for c in head] == [20, 10]
+    again = _train(run_name, tmp_path / "out2", "--stop-after", "23")
+    assert again.output.resumed_at == 20
+    assert all(reference[0][s] == loss for s, loss in again.output.losses.items())
+
+
+def test_transient_fault_is_retried_and_corruption_is_not(served, flow_env, run_name, tmp_path, monkeypatch):
+    from flows.maintenance import restore_checkpoint_flow, verify_checkpoints
+
+    client = served
+    _train(run_name, tmp_path / "out", "--steps", "20", "--stop-after", "20")
+    monkeypatch.setenv("REWIND_FAULT", "eio:verify.read#1")  # one I/O error, then healthy
+    state = verify_checkpoints(run=run_name, return_state=True)
+    assert state.is_completed(), state.message
+    tasks = client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id={"any_": [state.state_details.flow_run_id]})
+    )
+    retried = [t for t in tasks if t.name.startswith("verify-checkpoint") and t.run_count > 1]
+    assert len(retried) == 1 and retried[0].state.is_completed()
+    monkeypatch.delenv("REWIND_FAULT")
+
+    ck = Path(flow_env["REWIND_CHECKPOINT_ROOT"]) / run_name / "step-20" / "model.safetensors"
+    data = bytearray(ck.read_bytes())
+    data[1000] ^= 0xFF
+    ck.write_bytes(bytes(data))
+    state = restore_checkpoint_flow(run=run_name, step=20, return_state=True)
+    assert state.is_failed()
+    assert "model.safetensors: digest_mismatch" in state.message
+    tasks = client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id={"any_": [state.state_details.flow_run_id]})
+    )
+    (restore_task,) = [t for t in tasks if t.name.startswith("restore-checkpoint")]
+    assert restore_task.run_count == 1 and restore_task.state.is_failed()  # not retried
+
+    def corrupt_event():
+        page = client.read_events(
+            EventFilter(event=EventNameFilter(name=["rewind.checkpoint.corrupt"])), limit=50
+        )
+        return [e for e in page.events if e.payload.get("run") == run_name]
+
+    (event,) = wait_until(corrupt_event, 30, "the rewind.checkpoint.corrupt event")
+    assert event.payload["step"] == 20
+    assert event.resource.id == f"rewind.run.{run_name}"
+
+
+def test_schedules_have_upcoming_runs_on_a_real_server(flow_env, tmp_path):
+    """Cron/interval schedules need the scheduler service: a `prefect server start`, not the harness."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    home = tmp_path / "prefect-home"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'server.db'}",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_UI_ENABLED": "false",
+    }
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    api = f"http://127.0.0.1:{port}/api"
+    try:
+        import httpx
+
+        wait_until(lambda: _healthy(httpx, api), 90, "prefect server start")
+        with rewind_serve(api, {**flow_env, "REWIND_HOME": str(tmp_path)}, "--scrub-every", "60"):
+
+            def upcoming():
+                r = httpx.post(
+                    f"{api}/flow_runs/filter",
+                    json={"flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}}},
+                    timeout=5,
+                )
+                names = {fr["name"] for fr in r.json()} if r.status_code == 200 else set()
+                deps = httpx.post(f"{api}/deployments/filter", json={}, timeout=5).json()
+                by_id = {d["id"]: d["name"] for d in deps}
+                scheduled = (
+                    {by_id.get(fr["deployment_id"]) for fr in r.json()} if r.status_code == 200 else set()
+                )
+                return scheduled if "verify-checkpoints" in scheduled and names else None
+
+            scheduled = wait_until(upcoming, 90, "scheduled runs of verify-checkpoints", interval=1)
+            assert "verify-checkpoints" in scheduled
+            assert "replicate-offsite" not in scheduled  # paused until a target is configured
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=10)
+
+
+def _healthy(httpx, api: str) -> bool:  # type: ignore[no-untyped-def]
+    try:
+        return httpx.get(f"{api}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
