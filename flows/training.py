@@ -18,6 +18,7 @@ from tasks.detect import (
 )
 from tasks.rebuild import rebuild_environment
 from tasks.restore import restore_checkpoint
+from tasks.verify import checkpoint_table
 
 
 @flow(name="protect-training")
@@ -31,6 +32,7 @@ def protect_training(run: str, command: list[str], cwd: str | None = None) -> di
         cwd: Working directory of the command (default: the worker's).
     """
     outcome = supervise_training(run, command, cwd)
+    checkpoint_table(run)
     if outcome["exit_code"] == 0:
         return {"run": run, "status": "finished", "last_step": outcome["last_step"]}
     incident_id = record_failure(outcome)
@@ -72,6 +74,7 @@ def recover_training(incident_id: int, max_incidents: int = 5, window_s: float =
     outcome = supervise_training(
         run, rebuilt["command"], details.get("cwd"), incident_id=incident_id, died_at=died_at
     )
+    checkpoint_table(run)
     timeline = _timeline(run, incident_id, died_at, flow_started, load_s, chosen, outcome, replayed)
     create_markdown_artifact(key=artifact_key("rewind", run, "recovery"), markdown=timeline)
     if outcome["exit_code"] != 0:

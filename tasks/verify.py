@@ -61,3 +61,27 @@ def list_checkpoints(run: str | None = None) -> list[dict[str, Any]]:
             if ck.status in ("committed", "verified"):
                 out.append({"run": name, "step": ck.step, "checkpoint_id": ck.id})
     return out
+
+
+@task(name="checkpoint-table", **RETRY)
+def checkpoint_table(run: str) -> int:
+    """A table a person reads in the UI: every checkpoint of the run with status, size, digest and parent."""
+    cat = catalog()
+    rows = lineage.checkpoints(cat, run)
+    steps = {c.id: c.step for c in rows}
+    table = [
+        {
+            "step": c.step,
+            "status": c.status,
+            "bytes": c.total_bytes,
+            "manifest_digest": c.manifest_digest,
+            "parent_step": steps.get(c.parent_id) if c.parent_id else None,
+            "loss": (c.metrics or {}).get("loss"),
+            "reason": c.status_reason or "",
+        }
+        for c in rows
+    ]
+    create_table_artifact(
+        key=artifact_key("rewind", run, "checkpoints"), table=table, description=f"Checkpoints of {run}"
+    )
+    return len(table)

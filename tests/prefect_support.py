@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from infra.launch.process import find_pids
+
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
 
@@ -63,14 +65,5 @@ def deployment_ids(client: Any, names: list[str]) -> dict[str, Any]:
 
 
 def find_pid(*needles: str) -> int | None:
-    """The pid of a process whose command line holds every needle (a training job started by a flow)."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if all(n in cmdline for n in needles):
-            return int(entry.name)
-    return None
+    pids = find_pids(*needles)
+    return pids[0] if pids else None

@@ -117,3 +117,18 @@ class TrainingProcess:
         rc = self.proc.wait(timeout=30)
         self.ended_at = time.monotonic()
         return rc
+
+
+def find_pids(*needles: str) -> list[int]:
+    """Processes whose command line contains every needle (e.g. a job a flow started)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if all(n in cmdline for n in needles):
+            found.append(int(entry.name))
+    return found

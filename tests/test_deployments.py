@@ -1,0 +1,27 @@
+"""`prefect.yaml` and `rewind serve` describe the same deployments."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import yaml
+
+from flows.deployments import FAILURE_EVENT, build
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_prefect_yaml_matches_rewind_serve():
+    spec = yaml.safe_load((REPO / "prefect.yaml").read_text())
+    served = {d.name: d for d in build()}
+    declared = {d["name"]: d for d in spec["deployments"]}
+    assert declared.keys() == served.keys()
+    for name, d in declared.items():
+        module, _, attr = d["entrypoint"].partition(":")
+        flow = getattr(importlib.import_module(module.removesuffix(".py").replace("/", ".")), attr)
+        assert flow.name == served[name].flow_name
+    (trigger,) = declared["recover-training"]["triggers"]
+    assert trigger["expect"] == [FAILURE_EVENT]
+    assert served["recover-training"].triggers[0].expect == {FAILURE_EVENT}
+    assert served["verify-checkpoints"].schedules and served["replicate-offsite"].paused
