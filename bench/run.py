@@ -251,84 +251,101 @@ def bench_training(work: Path, steps: int) -> dict[str, float]:
     }
 
 
+def report_stall(results: dict, s: dict, repeat: int) -> None:
+    gb = s["bytes"] / 1e9
+    print(f"\n== stall per save of {gb:.2f} GB (median of {repeat}) ==")
+    for k, label in [
+        ("rewind_async", "rewind async"),
+        ("rewind_sync", "rewind sync"),
+        ("torch_save", "torch.save+fsync"),
+        ("dcp_save", "DCP save"),
+        ("dcp_async", "DCP async_save"),
+    ]:
+        print(f"  {label:18} {s[k]:8.3f} s   ratio vs rewind async: {s[k] / s['rewind_async']:6.1f}x")
+    print(f"\n== background persist vs raw fsync'd write of the same {gb:.2f} GB ==")
+    print(f"  rewind persist     {s['rewind_persist']:8.3f} s  {gb / s['rewind_persist']:6.2f} GB/s")
+    print(f"  python write+fsync {s['raw_write']:8.3f} s  {gb / s['raw_write']:6.2f} GB/s")
+    print(f"  dd conv=fsync      {s['dd_line']}")
+    results["stall"] = s
+    results["stall_ratio_vs_torch_save"] = s["rewind_async"] / s["torch_save"]
+    results["stall_ratio_vs_dcp_async"] = s["rewind_async"] / s["dcp_async"]
+    results["persist_ratio_vs_raw_write"] = s["raw_write"] / s["rewind_persist"]  # throughput ratio
+
+
+def report_restore(results: dict, r: dict) -> None:
+    print("\n== restore with deep verification vs torch.load(weights_only=True) ==")
+    print(f"  torch.load                 {r['torch_load']:8.3f} s")
+    ratio = r["rewind_read_verified"] / r["torch_load"]
+    print(f"  rewind read+verify         {r['rewind_read_verified']:8.3f} s   ratio {ratio:.2f}x")
+    print(f"  rewind restore into model  {r['rewind_restore_into_model']:8.3f} s")
+    results["restore"] = r
+    results["restore_ratio_vs_torch_load"] = ratio
+
+
+def report_training(results: dict, t: dict) -> None:
+    overhead = 100 * (t["interval_with_s"] / t["interval_without_s"] - 1)
+    share = 100 * t["persist_s"] / (t["every"] * t["step_s"])
+    print(f"\n== training overhead: {t['params_m']:.0f}M-param model, checkpoint every {t['every']} steps ==")
+    print(f"  step {t['step_s']:.3f} s, persist {t['persist_s']:.3f} s ({share:.0f}% of the interval)")
+    print(
+        f"  interval without checkpoint {t['interval_without_s']:.2f} s, with {t['interval_with_s']:.2f} s: overhead {overhead:.1f}%"
+    )
+    results["training"] = t
+    results["training_overhead_pct"] = overhead
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=1.0, help="state size for the save/restore benchmarks")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--train-steps", type=int, default=8)
     p.add_argument(
-        "--dir", type=Path, default=None, help="where to write (default: a temp dir on the repo's disk)"
+        "--dir", type=Path, default=None, help="where to write (default: a temp dir beside this file)"
     )
-    p.add_argument("--skip-training", action="store_true")
+    p.add_argument(
+        "--sections",
+        default="stall,restore,training",
+        help="comma-separated subset of stall,restore,training",
+    )
     args = p.parse_args(argv)
+    sections = set(args.sections.split(","))
     logging.basicConfig(level=logging.WARNING)
+    out = HERE / "results.json"
+    results: dict = (
+        json.loads(out.read_text()) if out.exists() and sections != {"stall", "restore", "training"} else {}
+    )
+    results |= {"machine": machine(), "gib": args.gib, "repeat": args.repeat}
+    print(f"machine: {results['machine']}")
     work = Path(tempfile.mkdtemp(prefix="rewind-bench-", dir=args.dir or HERE))
     try:
-        results: dict[str, object] = {"machine": machine(), "gib": args.gib, "repeat": args.repeat}
-        print(f"machine: {results['machine']}")
-        s = bench_stall_and_persist(work, args.gib, args.repeat, "cpu")
-        gb = s["bytes"] / 1e9
-        print(f"\n== stall per save of {gb:.2f} GB (median of {args.repeat}) ==")
-        for k, label in [
-            ("rewind_async", "rewind async"),
-            ("rewind_sync", "rewind sync"),
-            ("torch_save", "torch.save+fsync"),
-            ("dcp_save", "DCP save"),
-            ("dcp_async", "DCP async_save"),
-        ]:
-            print(f"  {label:18} {s[k]:8.3f} s   ratio vs rewind async: {s[k] / s['rewind_async']:6.1f}x")
-        results["stall_ratio_vs_torch_save"] = s["rewind_async"] / s["torch_save"]
-        results["stall_ratio_vs_dcp_async"] = s["rewind_async"] / s["dcp_async"]
-        print(f"\n== background persist vs raw fsync'd write of the same {gb:.2f} GB ==")
-        print(f"  rewind persist     {s['rewind_persist']:8.3f} s  {gb / s['rewind_persist']:6.2f} GB/s")
-        print(f"  python write+fsync {s['raw_write']:8.3f} s  {gb / s['raw_write']:6.2f} GB/s")
-        print(f"  dd conv=fsync      {s['dd_line']}")
-        results["persist_ratio_vs_raw_write"] = s["raw_write"] / s["rewind_persist"]  # throughput ratio
-        r = bench_restore(work, args.gib, args.repeat)
-        print("\n== restore with deep verification vs torch.load(weights_only=True) ==")
-        print(f"  torch.load                 {r['torch_load']:8.3f} s")
-        print(
-            f"  rewind read+verify         {r['rewind_read_verified']:8.3f} s   ratio {r['rewind_read_verified'] / r['torch_load']:.2f}x"
-        )
-        print(f"  rewind restore into model  {r['rewind_restore_into_model']:8.3f} s")
-        results["restore_ratio_vs_torch_load"] = r["rewind_read_verified"] / r["torch_load"]
-        results["stall"], results["restore"] = s, r
-        if torch.cuda.is_available():
-            g = bench_stall_and_persist(work, args.gib, args.repeat, "cuda")
-            print(f"\n== GPU stall ({torch.cuda.get_device_name(0)}) ==")
-            for k in ("rewind_async", "torch_save", "dcp_async"):
-                print(f"  {k:18} {g[k]:8.3f} s")
-            results["gpu"] = g
-            results["gpu_stall_ratio_vs_torch_save"] = g["rewind_async"] / g["torch_save"]
-            results["gpu_stall_ratio_vs_dcp_async"] = g["rewind_async"] / g["dcp_async"]
-        if not args.skip_training:
-            t = bench_training(work, args.train_steps)
-            overhead = 100 * (t["interval_with_s"] / t["interval_without_s"] - 1)
-            print(
-                f"\n== training overhead: {t['params_m']:.0f}M-param model, checkpoint every {t['every']} steps =="
-            )
-            print(
-                f"  step {t['step_s']:.3f} s, persist {t['persist_s']:.3f} s ({100 * t['persist_s'] / (t['every'] * t['step_s']):.0f}% of the interval)"
-            )
-            print(
-                f"  interval without checkpoint {t['interval_without_s']:.2f} s, with {t['interval_with_s']:.2f} s: overhead {overhead:.1f}%"
-            )
-            results["training_overhead_pct"] = overhead
-            results["training"] = t
-        print("\n== summary (ratios from this run) ==")
-        for k in (
-            "stall_ratio_vs_torch_save",
-            "stall_ratio_vs_dcp_async",
-            "persist_ratio_vs_raw_write",
-            "restore_ratio_vs_torch_load",
-            "training_overhead_pct",
-        ):
-            if k in results:
-                print(f"  {k:30} {results[k]:.3f}")
-        (HERE / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-        print(f"\nwrote {HERE / 'results.json'}")
+        if "stall" in sections:
+            report_stall(results, bench_stall_and_persist(work, args.gib, args.repeat, "cpu"), args.repeat)
+            if torch.cuda.is_available():
+                g = bench_stall_and_persist(work, args.gib, args.repeat, "cuda")
+                print(f"\n== GPU stall ({torch.cuda.get_device_name(0)}) ==")
+                for k in ("rewind_async", "torch_save", "dcp_async"):
+                    print(f"  {k:18} {g[k]:8.3f} s")
+                results["gpu"] = g
+                results["gpu_stall_ratio_vs_torch_save"] = g["rewind_async"] / g["torch_save"]
+                results["gpu_stall_ratio_vs_dcp_async"] = g["rewind_async"] / g["dcp_async"]
+        if "restore" in sections:
+            report_restore(results, bench_restore(work, args.gib, args.repeat))
+        if "training" in sections:
+            report_training(results, bench_training(work, args.train_steps))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print("\n== summary (ratios measured in one run) ==")
+    for k in (
+        "stall_ratio_vs_torch_save",
+        "stall_ratio_vs_dcp_async",
+        "persist_ratio_vs_raw_write",
+        "restore_ratio_vs_torch_load",
+        "training_overhead_pct",
+    ):
+        if k in results:
+            print(f"  {k:30} {results[k]:.3f}")
+    out.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    print(f"\nwrote {out}")
     return 0
 
 

@@ -156,6 +156,8 @@ def cmd_ckpt_verify(args: argparse.Namespace) -> int:
             f"run {args.run!r} has no committed checkpoint"
             + (f" at step {args.step}" if args.step is not None else "")
         )
+    if args.tier != "local":
+        return _verify_tier(args, cat, targets)
     results = []
     for ck in targets:
         report = verify_recorded(cat, ck, deep=args.deep)
@@ -178,6 +180,42 @@ def cmd_ckpt_verify(args: argparse.Namespace) -> int:
             lines += [f"  {f['path']}: {f['problem']}: {f['detail']}" for f in r["findings"]]
         bad = sum(not r["ok"] for r in results)
         lines.append(f"{len(results)} checked, {bad} corrupt")
+        return "\n".join(lines)
+
+    _emit(args, results, text)
+    return EXIT_FINDINGS if any(not r["ok"] for r in results) else 0
+
+
+def _verify_tier(args: argparse.Namespace, cat: Any, targets: list[Any]) -> int:
+    from infra.catalog import lineage
+    from infra.tiers import catalogued
+
+    results = []
+    for ck in targets:
+        for rep in lineage.replicas_of(cat, ck.id):
+            if rep.tier != args.tier or rep.status == "deleted":
+                continue
+            findings = catalogued.verify_replica(cat, ck, rep, deep=args.deep)
+            results.append(
+                {
+                    "step": ck.step,
+                    "tier": rep.tier,
+                    "uri": rep.uri,
+                    "ok": not any(f.fatal for f in findings),
+                    "deep": args.deep,
+                    "findings": [f.as_dict() for f in findings],
+                }
+            )
+    if not results:
+        raise RewindError(f"run {args.run!r} has no copy on the {args.tier} tier")
+
+    def text() -> str:
+        lines = []
+        for r in results:
+            lines.append(
+                f"step {r['step']}: {'ok' if r['ok'] else 'CORRUPT'} ({'deep' if r['deep'] else 'quick'}) {r['tier']} {r['uri']}"
+            )
+            lines += [f"  {f['path']}: {f['problem']}: {f['detail']}" for f in r["findings"]]
         return "\n".join(lines)
 
     _emit(args, results, text)
@@ -265,6 +303,15 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("run")
     ver.add_argument("--step", type=int, help="only this step (default: every committed checkpoint)")
     ver.add_argument("--deep", action="store_true", help="re-read and re-hash every byte, not only sizes")
+    ver.add_argument(
+        "--tier",
+        choices=["local", "shared", "offsite"],
+        default="local",
+        help="which copy to check; offsite quick compares server-side checksums without downloading",
+    )
+    from flows import cli_storage
+
+    cli_storage.register(sub, ck, add, lambda fn: lambda args: fn(args, _emit, _catalog))
     srv = add(sub, "serve", cmd_serve, "serve every Rewind deployment (schedules and the recovery trigger)")
     srv.add_argument(
         "--scrub-every", type=float, default=6 * 3600, metavar="SECONDS", help="deep verification interval"

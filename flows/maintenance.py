@@ -67,14 +67,14 @@ def restore_checkpoint_flow(
 
 @flow(name="replicate-offsite")
 def replicate_offsite(target: str | None = None, run: str | None = None) -> dict[str, Any]:
-    """Copy every committed checkpoint that has no verified copy yet to the shared tier.
+    """Copy every committed checkpoint without a verified copy there to a shared path or S3.
 
     Args:
-        target: Shared path (absolute path or file:// URL); default REWIND_SHARED_URI.
+        target: s3://bucket/prefix, or an absolute path for a shared filesystem; default REWIND_SHARED_URI.
         run: Only this run (default: every run).
     """
     target = target or os.environ.get("REWIND_SHARED_URI")
     if not target:
         raise ValueError("no replication target: pass `target` or set REWIND_SHARED_URI")
-    done = [replicate_checkpoint(ck_id, target) for ck_id in pending_replication("shared", run)]
-    return {"replicated": len(done), "bytes_copied": sum(d["bytes_copied"] for d in done)}
+    done = [replicate_checkpoint(ck_id, target) for ck_id in pending_replication(target, run)]
+    return {"replicated": len(done), "bytes_sent": sum(d["bytes_sent"] for d in done)}

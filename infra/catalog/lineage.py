@@ -265,8 +265,13 @@ def get_run_by_id(cat: Catalog, run_id: int) -> Run:
     return run
 
 
-def record_replica(cat: Catalog, checkpoint_id: int, tier: str, uri: str, nbytes: int) -> None:
-    """Register a verified copy; called only after the copy proved equal to the manifest."""
+def record_replica(
+    cat: Catalog, checkpoint_id: int, tier: str, uri: str, nbytes: int, status: str = "verified"
+) -> None:
+    """Register (or update) the copy of a checkpoint on a tier rooted at ``uri``.
+
+    Called with ``verified`` only after the copy proved equal to the manifest.
+    """
     now = utcnow()
     with cat.session() as s:
         existing = s.scalar(
@@ -280,13 +285,14 @@ def record_replica(cat: Catalog, checkpoint_id: int, tier: str, uri: str, nbytes
                     checkpoint_id=checkpoint_id,
                     tier=tier,
                     uri=uri,
-                    status="verified",
+                    status=status,
                     bytes=nbytes,
-                    verified_at=now,
+                    verified_at=now if status == "verified" else None,
                 )
             )
         else:
-            existing.status, existing.verified_at = "verified", now
+            existing.status = status
+            existing.verified_at = now if status == "verified" else existing.verified_at
 
 
 def without_replica(cat: Catalog, tier: str, run: str | None = None) -> list[Checkpoint]:
@@ -299,3 +305,38 @@ def without_replica(cat: Catalog, tier: str, run: str | None = None) -> list[Che
         if run is not None:
             q = q.join(Run, Run.id == Checkpoint.run_id).where(Run.name == run)
         return list(s.scalars(q.order_by(Checkpoint.id)))
+
+
+def mark_replicas_deleted(cat: Catalog, checkpoint_id: int) -> None:
+    with cat.session() as s:
+        s.execute(update(Replica).where(Replica.checkpoint_id == checkpoint_id).values(status="deleted"))
+
+
+def set_pinned(cat: Catalog, run: str, step: int, pinned: bool) -> int:
+    run_id = get_run(cat, run).id
+    with cat.session() as s:
+        n = s.execute(
+            update(Checkpoint)
+            .where(
+                Checkpoint.run_id == run_id,
+                Checkpoint.step == step,
+                Checkpoint.status.in_([st.value for st in LIVE_STATUSES]),
+            )
+            .values(pinned=pinned)
+        ).rowcount
+    if n == 0:
+        raise NotFoundError(f"run {run!r} has no live checkpoint at step {step}")
+    return n
+
+
+def replica_bytes(cat: Catalog, run: str | None = None) -> list[tuple[str, int]]:
+    """(tier, bytes) of every copy that is not deleted."""
+    with cat.session() as s:
+        q = select(Replica.tier, Replica.bytes).where(Replica.status != "deleted")
+        if run is not None:
+            q = (
+                q.join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
+                .join(Run, Run.id == Checkpoint.run_id)
+                .where(Run.name == run)
+            )
+        return [(t, b) for t, b in s.execute(q).all()]

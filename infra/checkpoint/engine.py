@@ -37,8 +37,9 @@ from infra.checkpoint.background import BackgroundRunner
 from infra.checkpoint.staging import Staged, StagingBuffer
 from infra.checkpoint.state import Stateful, as_stateful, environment
 from infra.checkpoint.verify import Finding, Problem
-from infra.errors import ConfigError, CorruptCheckpoint
+from infra.errors import ConfigError, CorruptCheckpoint, RewindError
 from infra.faults import fault_point
+from infra.tiers import catalogued
 
 log = logging.getLogger("rewind.checkpoint")
 S = CheckpointStatus
@@ -215,7 +216,7 @@ class Checkpointer:
         for ck in lineage.restorable(self.catalog, self.run_id):
             started = time.perf_counter()
             try:
-                states = self._read_verified(ck)
+                states = self._read_nearest(ck)
             except CorruptCheckpoint as exc:
                 record_corrupt(self.catalog, ck, exc.findings)
                 reason = "; ".join(str(f) for f in exc.findings)
@@ -233,6 +234,19 @@ class Checkpointer:
             log.warning("no checkpoint of run %r verifies; starting from scratch", self.run)
         self.skipped = tuple(skipped)
         return None
+
+    def _read_nearest(self, ck: Checkpoint) -> dict[str, Any]:
+        """The local copy if it verifies, else the nearest verified replica, downloaded and verified."""
+        try:
+            return self._read_verified(ck)
+        except CorruptCheckpoint as local:
+            for rep in catalogued.remote_replicas(self.catalog, ck.id):
+                try:
+                    catalogued.restore_to_local(self.catalog, ck, rep, self.root)
+                    return self._read_verified(lineage.get_checkpoint(self.catalog, ck.id))
+                except (RewindError, OSError) as exc:
+                    log.warning("step %d: %s copy at %s unusable: %s", ck.step, rep.tier, rep.uri, exc)
+            raise local
 
     def _read_verified(self, ck: Checkpoint) -> dict[str, Any]:
         directory = Path(ck.path)

@@ -1,51 +1,109 @@
-"""Copy a committed checkpoint to another filesystem (a shared path), with the same commit protocol.
+"""A tier on a filesystem path (an NFS/Lustre mount shared by machines, or another local disk).
 
-The copy is hashed as it is written and compared with the source manifest before
-its own manifest is written; a copy that differs is discarded, never registered.
+Objects are written to a temporary name, fsynced and linked into place with
+``os.link``, which fails if the name exists: nothing is ever overwritten, and a
+crash leaves only a temporary file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
-from collections.abc import Callable
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 from infra.checkpoint import manifest as mf
-from infra.checkpoint import store
-from infra.checkpoint.verify import verify_directory
-from infra.digest import CHUNK
-from infra.errors import ConfigError
+from infra.digest import CHUNK, HashingWriter
+from infra.tiers.base import AlreadyExists, ObjectInfo, ObjectNotFound, TierConfigError, TierUnavailable
 
 
-def target_root(uri: str) -> Path:
+def root_path(uri: str) -> Path:
     """``file:///shared/ckpt`` or a plain absolute path."""
     path = uri.removeprefix("file://")
     if "://" in path or not path.startswith("/"):
-        raise ConfigError(f"shared tier target must be an absolute path or file:// URL, got {uri!r}")
+        raise TierConfigError(f"a filesystem tier needs an absolute path or file:// URL, got {uri!r}")
     return Path(path)
 
 
-def _copier(src: Path) -> Callable[[BinaryIO], None]:
-    def fill(out: BinaryIO) -> None:
+class FileTier:
+    name = "shared"
+
+    def __init__(self, uri: str) -> None:
+        self.uri = uri
+        self.root = root_path(uri)
+
+    def _path(self, key: str) -> Path:
+        return self.root / mf.safe_relative(key)
+
+    def check(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TierUnavailable(f"shared tier {self.root} is not writable: {exc}") from exc
+
+    def _write(self, key: str, source: BinaryIO | bytes) -> tuple[int, str]:
+        dest = self._path(key)
+        if dest.exists():
+            raise AlreadyExists(f"{dest} already exists; replicas are never overwritten")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "xb") as raw:
+                out = HashingWriter(raw)
+                if isinstance(source, bytes):
+                    out.write(source)
+                else:
+                    shutil.copyfileobj(source, out, CHUNK)  # type: ignore[misc]
+                raw.flush()
+                os.fsync(raw.fileno())
+            try:
+                os.link(tmp, dest)
+            except FileExistsError as exc:
+                raise AlreadyExists(f"{dest} already exists; replicas are never overwritten") from exc
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        d = out.hasher.result()
+        return d.size, d.crc32c
+
+    def put(self, key: str, src: Path, *, crc32c: str) -> int:
         with open(src, "rb") as f:
-            shutil.copyfileobj(f, out, CHUNK)
+            size, got = self._write(key, f)
+        if got != crc32c:
+            self._path(key).unlink(missing_ok=True)
+            raise TierUnavailable(
+                f"copy of {src} to {self._path(key)} changed in transit (crc32c {got} != {crc32c})"
+            )
+        return size
 
-    return fill
+    def put_bytes(self, key: str, data: bytes, *, crc32c: str) -> None:
+        self._write(key, data)
 
+    def open(self, key: str) -> BinaryIO:
+        try:
+            return open(self._path(key), "rb")
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(f"{self._path(key)} does not exist") from exc
 
-def replicate(source: Path, root: Path, run: str) -> tuple[Path, int]:
-    """Copy ``source`` (a verified checkpoint directory) to ``root/run/step-N``; returns (path, bytes copied).
+    def stat(self, key: str) -> ObjectInfo:
+        try:
+            size = self._path(key).stat().st_size
+        except FileNotFoundError as exc:
+            raise ObjectNotFound(f"{self._path(key)} does not exist") from exc
+        return ObjectInfo(key, size, None)  # a filesystem keeps no checksum: deep verify reads it
 
-    Idempotent: a complete, verifying copy already there is kept and 0 bytes are copied.
-    """
-    src_manifest = mf.read(source)
-    dest = store.step_dir(root / run, src_manifest.step)
-    if dest.exists():
-        if verify_directory(dest, deep=True).ok and mf.read(dest).files == src_manifest.files:
-            return dest, 0
-        store.quarantine(dest, "stale-replica")
-    store.sweep_temp(root / run)
-    files = [(e.path, _copier(source / e.path)) for e in src_manifest.files]
-    final, written = store.write_checkpoint(root / run, src_manifest, files, expect=src_manifest.files)
-    return final, written.total_bytes
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        base = self.root / prefix if prefix else self.root
+        start = base if base.is_dir() else base.parent
+        if not start.is_dir():
+            return
+        for p in sorted(start.rglob("*")):
+            rel = p.relative_to(self.root).as_posix()
+            if p.is_file() and rel.startswith(prefix) and ".tmp-" not in p.name:
+                yield ObjectInfo(rel, p.stat().st_size, None)
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)

@@ -1,0 +1,71 @@
+"""The storage tier interface: the handful of methods every tier implements.
+
+Like litestream's ReplicaClient: put, open (read), stat, list, delete. Keys are
+``/``-separated paths below the tier's root. Every error a tier raises is one of
+the classes below, classified once as transient (retry) or permanent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Protocol
+
+from infra.errors import ConfigError, NotFoundError, RewindError, TransientError
+
+
+class ObjectNotFound(NotFoundError):
+    """``stat``/``open`` of a key that does not exist (``delete`` of one is not an error)."""
+
+
+class AlreadyExists(RewindError):
+    """``put`` of a key that exists: tiers never overwrite."""
+
+
+class TierUnavailable(TransientError):
+    """The tier cannot be reached right now (endpoint down, timeout, 5xx, throttling)."""
+
+
+class TierAccessDenied(RewindError):
+    """Missing or wrong credentials, or no permission: retrying will not help."""
+
+
+class TierConfigError(ConfigError):
+    """A target that cannot work: malformed URI, missing bucket."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    crc32c: str | None  # base64, as S3 reports it; None when the tier does not know
+
+
+class Tier(Protocol):
+    name: str  # "shared" or "offsite"
+    uri: str
+
+    def put(self, key: str, src: Path, *, crc32c: str) -> int:
+        """Store ``src`` under ``key``; returns bytes sent. Raises AlreadyExists; resumes a partial upload."""
+        ...
+
+    def put_bytes(self, key: str, data: bytes, *, crc32c: str) -> None:
+        """Store a small object (the manifest) under ``key``; raises AlreadyExists."""
+        ...
+
+    def open(self, key: str) -> BinaryIO:
+        """A readable stream of the object; raises ObjectNotFound."""
+        ...
+
+    def stat(self, key: str) -> ObjectInfo:
+        """Size and server-side checksum, without reading the data; raises ObjectNotFound."""
+        ...
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``."""
+        ...
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; a missing key is not an error."""
+        ...

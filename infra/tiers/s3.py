@@ -1,0 +1,268 @@
+"""S3-compatible object storage (AWS S3, MinIO, Ceph RGW, SeaweedFS, R2) through boto3.
+
+Credentials and endpoint come from the standard AWS environment and config
+(``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``,
+``AWS_ENDPOINT_URL``). Every upload carries a CRC32C the server checks
+(``BadDigest`` otherwise) and ``IfNoneMatch='*'`` so nothing is overwritten.
+
+Large files go up as multipart uploads driven here rather than by boto3's
+transfer manager, because a crash must be resumable: a re-run lists the parts
+the server already holds and sends only the missing ones.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import boto3
+import crc32c as crc32c_mod
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
+
+from infra.tiers.base import (
+    AlreadyExists,
+    ObjectInfo,
+    ObjectNotFound,
+    TierAccessDenied,
+    TierConfigError,
+    TierUnavailable,
+)
+
+MiB = 1 << 20
+_DENIED = {
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "InvalidToken",
+    "ExpiredToken",
+    "AccessDeniedException",
+}
+_TRANSIENT = {
+    "InternalError",
+    "SlowDown",
+    "ServiceUnavailable",
+    "RequestTimeout",
+    "BadDigest",
+    "XAmzContentSHA256Mismatch",
+    "InvalidDigest",
+}
+
+
+def parse_uri(uri: str) -> tuple[str, str]:
+    """``s3://bucket/prefix`` -> (bucket, prefix without slashes at the ends)."""
+    if not uri.startswith("s3://"):
+        raise TierConfigError(f"not an S3 URI: {uri!r} (expected s3://bucket/prefix)")
+    bucket, _, prefix = uri[5:].partition("/")
+    if not bucket:
+        raise TierConfigError(f"S3 URI {uri!r} names no bucket")
+    return bucket, prefix.strip("/")
+
+
+def crc32c_b64(value: int) -> str:
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
+class S3Tier:
+    name = "offsite"
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        part_size: int = 64 * MiB,
+        concurrency: int = 8,
+        immutable_days: int | None = None,
+        client: Any = None,
+    ) -> None:
+        if part_size < 5 * MiB:
+            raise TierConfigError("S3 multipart part size must be at least 5 MiB")
+        self.uri = uri
+        self.bucket, self.prefix = parse_uri(uri)
+        self.part_size = part_size
+        self.concurrency = max(1, concurrency)
+        self.immutable_days = immutable_days
+        self._client = client or boto3.session.Session().client(
+            "s3",
+            config=Config(
+                retries={"max_attempts": 2, "mode": "standard"},
+                connect_timeout=5,
+                read_timeout=120,
+                max_pool_connections=self.concurrency + 4,
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
+        self.endpoint = self._client.meta.endpoint_url
+
+    # -- errors -------------------------------------------------------------------
+
+    def _error(self, exc: Exception, key: str = "") -> Exception:
+        where = f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
+        if isinstance(exc, NoCredentialsError):
+            return TierAccessDenied(
+                "no S3 credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
+            )
+        if isinstance(exc, EndpointConnectionError):
+            return TierUnavailable(f"S3 endpoint {self.endpoint} is unreachable")
+        if isinstance(exc, ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code == "NoSuchBucket":
+                return TierConfigError(f"S3 bucket {self.bucket!r} does not exist at {self.endpoint}")
+            if code in ("NoSuchKey", "404", "NotFound", "NoSuchUpload"):
+                return ObjectNotFound(f"{where} does not exist")
+            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict") or status == 412:
+                return AlreadyExists(f"{where} already exists; replicas are never overwritten")
+            if code in _DENIED or status == 403:
+                return TierAccessDenied(f"S3 refused the credentials for {where} ({code or status})")
+            if code in _TRANSIENT or status >= 500:
+                return TierUnavailable(f"S3 error at {where}: {code or status}")
+            return TierConfigError(f"S3 error at {where}: {code or status}: {err.get('Message', '')}")
+        if isinstance(exc, BotoCoreError | OSError):
+            return TierUnavailable(f"S3 endpoint {self.endpoint}: {exc}")
+        return exc
+
+    def _call(self, op: str, key: str = "", **kwargs: Any) -> Any:
+        try:
+            return getattr(self._client, op)(Bucket=self.bucket, **kwargs)
+        except (ClientError, BotoCoreError) as exc:
+            raise self._error(exc, key) from exc
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _lock(self) -> dict[str, Any]:
+        if not self.immutable_days:
+            return {}
+        until = datetime.now(UTC) + timedelta(days=self.immutable_days)
+        return {"ObjectLockMode": "COMPLIANCE", "ObjectLockRetainUntilDate": until}
+
+    # -- the interface ------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Fail fast with one clear error: bucket missing, credentials wrong, endpoint down."""
+        self._call("head_bucket")
+
+    def stat(self, key: str) -> ObjectInfo:
+        k = self._key(key)
+        head = self._call("head_object", k, Key=k, ChecksumMode="ENABLED")
+        crc = head.get("ChecksumCRC32C")
+        if crc and "-" in crc:
+            crc = None  # a composite (per-part) checksum is not the object's CRC32C
+        return ObjectInfo(key, int(head["ContentLength"]), crc)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        full = self._key(prefix)
+        token: dict[str, str] = {}
+        while True:
+            page = self._call("list_objects_v2", full, Prefix=full, **token)
+            for obj in page.get("Contents", []):
+                key = obj["Key"][len(self.prefix) + 1 :] if self.prefix else obj["Key"]
+                yield ObjectInfo(key, int(obj["Size"]), None)
+            if not page.get("IsTruncated"):
+                return
+            token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def open(self, key: str) -> BinaryIO:
+        k = self._key(key)
+        return self._call("get_object", k, Key=k)["Body"]
+
+    def delete(self, key: str) -> None:
+        k = self._key(key)
+        self._call("delete_object", k, Key=k)
+
+    def put_bytes(self, key: str, data: bytes, *, crc32c: str) -> None:
+        k = self._key(key)
+        self._call(
+            "put_object",
+            k,
+            Key=k,
+            Body=data,
+            ContentLength=len(data),
+            ChecksumCRC32C=crc32c,
+            IfNoneMatch="*",
+            **self._lock(),
+        )
+
+    def put(self, key: str, src: Path, *, crc32c: str) -> int:
+        size = src.stat().st_size
+        if size <= self.part_size:
+            self.put_bytes(key, src.read_bytes(), crc32c=crc32c)
+            return size
+        return self._multipart(self._key(key), src, size, crc32c)
+
+    # -- resumable multipart ---------------------------------------------------------------
+
+    def _pending_upload(self, k: str) -> str | None:
+        page = self._call("list_multipart_uploads", k, Prefix=k)
+        ups = [u for u in page.get("Uploads", []) if u["Key"] == k]
+        return max(ups, key=lambda u: u["Initiated"])["UploadId"] if ups else None
+
+    def _parts_held(self, k: str, upload_id: str) -> dict[int, dict[str, Any]]:
+        held: dict[int, dict[str, Any]] = {}
+        marker: dict[str, int] = {}
+        while True:
+            page = self._call("list_parts", k, Key=k, UploadId=upload_id, **marker)
+            for p in page.get("Parts", []):
+                held[int(p["PartNumber"])] = p
+            if not page.get("IsTruncated"):
+                return held
+            marker = {"PartNumberMarker": int(page["NextPartNumberMarker"])}
+
+    def _multipart(self, k: str, src: Path, size: int, crc_full: str) -> int:
+        upload_id = self._pending_upload(k)
+        held = self._parts_held(k, upload_id) if upload_id else {}
+        if upload_id is None:
+            upload_id = self._call(
+                "create_multipart_upload",
+                k,
+                Key=k,
+                ChecksumAlgorithm="CRC32C",
+                ChecksumType="FULL_OBJECT",
+                **self._lock(),
+            )["UploadId"]
+        count = (size + self.part_size - 1) // self.part_size
+        fd = os.open(src, os.O_RDONLY)
+
+        def part(n: int) -> tuple[dict[str, Any], int]:
+            offset = (n - 1) * self.part_size
+            data = os.pread(fd, min(self.part_size, size - offset), offset)
+            crc = crc32c_b64(crc32c_mod.crc32c(data))
+            have = held.get(n)
+            if have and int(have["Size"]) == len(data) and have.get("ChecksumCRC32C") == crc:
+                return {"PartNumber": n, "ETag": have["ETag"], "ChecksumCRC32C": crc}, 0
+            r = self._call(
+                "upload_part",
+                k,
+                Key=k,
+                UploadId=upload_id,
+                PartNumber=n,
+                Body=data,
+                ContentLength=len(data),
+                ChecksumCRC32C=crc,
+            )
+            return {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": crc}, len(data)
+
+        try:
+            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="s3-part") as pool:
+                done = list(pool.map(part, range(1, count + 1)))
+        finally:
+            os.close(fd)
+        self._call(
+            "complete_multipart_upload",
+            k,
+            Key=k,
+            UploadId=upload_id,
+            MultipartUpload={"Parts": [p for p, _ in done]},
+            ChecksumCRC32C=crc_full,
+            ChecksumType="FULL_OBJECT",
+            IfNoneMatch="*",
+        )
+        return sum(n for _, n in done)
