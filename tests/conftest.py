@@ -97,3 +97,13 @@ def reference(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-unty
     assert rc == 0, out.text
     assert sorted(out.losses) == list(range(1, 61))
     return out.losses, home / "out" / "final.safetensors"
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[str]:
+    """A real Prefect server (the test harness), started once per test process."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield PREFECT_API_URL.value()

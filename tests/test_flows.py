@@ -16,8 +16,6 @@ from prefect.client.orchestration import get_client  # noqa: E402
 from prefect.client.schemas.filters import DeploymentFilter, FlowRunFilter  # noqa: E402
 from prefect.deployments import run_deployment  # noqa: E402
 from prefect.events.filters import EventFilter, EventNameFilter  # noqa: E402
-from prefect.settings import PREFECT_API_URL  # noqa: E402
-from prefect.testing.utilities import prefect_test_harness  # noqa: E402
 
 from infra.catalog import incidents, lineage  # noqa: E402
 from infra.catalog.db import Catalog  # noqa: E402
@@ -31,12 +29,6 @@ DEPLOYMENTS = [
     "restore-checkpoint",
     "replicate-offsite",
 ]
-
-
-@pytest.fixture(scope="module")
-def prefect_api():
-    with prefect_test_harness(server_startup_timeout=90):
-        yield PREFECT_API_URL.value()
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+from pathlib import Path
+
 import pytest
 
 from infra.digest import hash_file
@@ -74,3 +77,167 @@ def test_s3_multipart_carries_the_manifest_crc(s3_env, tmp_path):
     t = S3Tier(f"s3://{BUCKET}/crc", part_size=5 << 20)
     t.put("x", src, crc32c=hash_file(src).crc32c)
     assert t.stat("x").crc32c == hash_file(src).crc32c
+
+
+# -- replication end to end ----------------------------------------------------------------
+
+
+def _big_checkpoint(run: str, root: Path, mb: int = 260):  # type: ignore[no-untyped-def]
+    """A real multi-file checkpoint of ``mb`` MB (model + optimizer + rng + state.json)."""
+    import torch
+
+    from infra.catalog.db import Catalog
+    from infra.checkpoint.engine import Checkpointer
+    from infra.checkpoint.state import RNGState
+
+    torch.manual_seed(0)
+    n = mb * (1 << 20) // 4 // 3  # params + two Adam moments
+    model = torch.nn.Linear(n // 1024, 1024, bias=False)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(1, n // 1024)).sum().backward()
+    opt.step()
+    ck = Checkpointer(
+        run, states={"model": model, "optimizer": opt, "rng": RNGState()}, root=root, catalog=Catalog()
+    )
+    ck.save(1)
+    return ck.last_saved
+
+
+def test_s3_round_trip_checksums_and_deep_verify(s3_env, rewind_env, run_name, tmp_path, capsys):
+    from flows.cli import main as rewind
+    from infra.catalog import lineage
+    from infra.catalog.db import Catalog
+    from infra.checkpoint import manifest as mf
+    from infra.tiers import catalogued
+    from infra.tiers.replication import checkpoint_key
+
+    saved = _big_checkpoint(run_name, tmp_path / "ckpt")
+    assert saved.total_bytes >= 256 << 20
+    uri = f"s3://{BUCKET}/offsite"
+    assert rewind(["replicate", run_name, "--to", uri, "--part-size-mib", "16", "--concurrency", "4"]) == 0
+    manifest = mf.read(Path(saved.path))
+    tier = S3Tier(uri)
+    for e in manifest.files:  # the server's own checksums equal the manifest's
+        info = tier.stat(checkpoint_key(run_name, 1, e.path))
+        assert (info.size, info.crc32c) == (e.size, e.crc32c)
+    capsys.readouterr()
+    assert rewind(["ckpt", "verify", run_name, "--tier", "offsite"]) == 0
+    assert rewind(["replicate", run_name, "--to", uri]) == 0  # idempotent: nothing left to send
+    assert "nothing to replicate" in capsys.readouterr().out
+
+    # Flip one byte of the stored optimizer object behind Rewind's back (no checksum sent).
+    key = f"offsite/{checkpoint_key(run_name, 1, 'optimizer.safetensors')}"
+    client = s3_env.client()
+    body = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+    body[len(body) // 3] ^= 0x01
+    client.delete_object(Bucket=BUCKET, Key=key)
+    client.put_object(Bucket=BUCKET, Key=key, Body=bytes(body))
+    assert rewind(["ckpt", "verify", run_name, "--tier", "offsite", "--deep"]) == 1
+    assert "optimizer.safetensors: digest_mismatch" in capsys.readouterr().out
+    cat = Catalog()
+    (rep,) = [r for r in lineage.replicas_of(cat, saved.checkpoint_id) if r.tier == "offsite"]
+    assert rep.status == "corrupt"
+    assert catalogued.remote_replicas(cat, saved.checkpoint_id) == []  # never used for a restore
+
+
+def test_s3_outage_mid_replication_is_retried_and_resumed(
+    s3, s3_env, prefect_api, rewind_env, run_name, tmp_path
+):
+    from prefect import flow
+
+    from infra.catalog import lineage
+    from infra.catalog.db import Catalog
+    from infra.tiers.replication import checkpoint_key
+    from tasks.replicate import replicate_checkpoint
+    from tests.prefect_support import wait_until
+
+    saved = _big_checkpoint(run_name, tmp_path / "ckpt", mb=300)
+    uri = f"s3://{BUCKET}/outage"
+    manifest_key = f"outage/{checkpoint_key(run_name, 1, 'manifest.json')}"
+    observed: dict[str, object] = {}
+
+    def saboteur() -> None:
+        """Kill the S3 server once parts are on it, check no manifest exists, bring it back."""
+        client = s3.client()
+
+        def parts_uploaded():
+            ups = client.list_multipart_uploads(Bucket=BUCKET, Prefix="outage/").get("Uploads", [])
+            if not ups:
+                return 0
+            u = ups[0]
+            return len(
+                client.list_parts(Bucket=BUCKET, Key=u["Key"], UploadId=u["UploadId"]).get("Parts", [])
+            )
+
+        wait_until(lambda: parts_uploaded() >= 2, 120, "parts on the server", interval=0.05)
+        s3.kill()
+        s3.start()
+        observed["manifest_after_outage"] = bool(
+            client.list_objects_v2(Bucket=BUCKET, Prefix=manifest_key).get("Contents")
+        )
+        observed["parts_kept"] = parts_uploaded()
+
+    thread = threading.Thread(target=saboteur)
+    thread.start()
+
+    @flow(name="replicate-under-outage")
+    def under_outage() -> dict:
+        from tasks.replicate import replicate_checkpoint as task
+
+        return task.with_options(retries=5)(saved.checkpoint_id, uri, return_state=False)
+
+    state = under_outage(return_state=True)
+    thread.join(timeout=180)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert observed["manifest_after_outage"] is False  # never a manifest for an incomplete copy
+    assert 0 < result["bytes_sent"] < saved.total_bytes, (result, observed)  # only what was missing
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id={"any_": [state.state_details.flow_run_id]})
+        )
+    (task_run,) = [t for t in runs if t.name.startswith("replicate-checkpoint")]
+    assert task_run.run_count >= 2  # it failed during the outage and was retried
+    reps = [r for r in lineage.replicas_of(Catalog(), saved.checkpoint_id) if r.tier == "offsite"]
+    assert [r.status for r in reps] == ["verified"]
+    assert replicate_checkpoint  # the task used is the production one
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["wrong_credentials", "missing_bucket", "unreachable_endpoint"],
+)
+def test_bad_targets_fail_clearly_and_record_nothing(
+    case, s3_env, rewind_env, run_name, tmp_path, monkeypatch, capsys
+):
+    from flows.cli import main as rewind
+    from infra.catalog import lineage
+    from infra.catalog.db import Catalog
+
+    _big_checkpoint(run_name, tmp_path / "ckpt", mb=1)
+    uri = f"s3://{BUCKET}/bad"
+    if case == "wrong_credentials":
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    elif case == "missing_bucket":
+        uri = "s3://no-such-bucket/x"
+    else:
+        from tests.s3_support import free_port
+
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
+    capsys.readouterr()
+    code = rewind(["replicate", run_name, "--to", uri])
+    err = capsys.readouterr().err.strip()
+    assert code != 0 and len(err.splitlines()) == 1, err
+    expected = {
+        "wrong_credentials": "refused the credentials",
+        "missing_bucket": "does not exist",
+        "unreachable_endpoint": "unreachable",
+    }
+    assert expected[case] in err
+    assert "not-the-secret" not in err
+    cat = Catalog()
+    for ck in lineage.checkpoints(cat, run_name):
+        assert all(r.tier == "local" for r in lineage.replicas_of(cat, ck.id))

@@ -84,11 +84,17 @@ def _mac(key: str, body: dict[str, Any]) -> str:
     return hmac.new(key.encode(), canonical, hashlib.sha256).hexdigest()
 
 
-def safe_relative(path: str) -> str:
-    """Return ``path`` if it stays inside the checkpoint directory, else raise."""
+def contained(path: str) -> str:
+    """Return ``path`` if, joined to a directory, it stays inside that directory; else raise."""
     p = PurePosixPath(path)
     if not path or p.is_absolute() or "\\" in path or any(part in ("..", "") for part in path.split("/")):
         raise ManifestError(f"manifest names path {path!r}, which escapes the checkpoint directory")
+    return str(p)
+
+
+def safe_relative(path: str) -> str:
+    """A data file path from a manifest: contained, and not the manifest itself."""
+    p = PurePosixPath(contained(path))
     if p.name == MANIFEST_NAME:
         raise ManifestError(f"manifest lists itself as {path!r}")
     return str(p)

@@ -36,7 +36,7 @@ class FileTier:
         self.root = root_path(uri)
 
     def _path(self, key: str) -> Path:
-        return self.root / mf.safe_relative(key)
+        return self.root / mf.contained(key)
 
     def check(self) -> None:
         try:
