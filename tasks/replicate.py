@@ -18,12 +18,17 @@ def pending_replication(target: str, run: str | None = None) -> list[int]:
 
 
 @task(name="replicate-checkpoint", timeout_seconds=6 * 3600, **RETRY)
-def replicate_checkpoint(checkpoint_id: int, target: str) -> dict[str, Any]:
+def replicate_checkpoint(
+    checkpoint_id: int, target: str, part_size_mib: int = 64, concurrency: int = 8
+) -> dict[str, Any]:
     """Copy one checkpoint; only a copy the target proves equal to the manifest is registered."""
     cat = catalog()
     ck = lineage.get_checkpoint(cat, checkpoint_id)
     run = lineage.get_run_by_id(cat, ck.run_id).name
-    tier = open_tier(target)
+    options = (
+        {"part_size": part_size_mib << 20, "concurrency": concurrency} if target.startswith("s3://") else {}
+    )
+    tier = open_tier(target, **options)
     tier.check()
     sent = catalogued.replicate_recorded(cat, ck, tier)
     result = {

@@ -184,7 +184,7 @@ def test_s3_outage_mid_replication_is_retried_and_resumed(
     def under_outage() -> dict:
         from tasks.replicate import replicate_checkpoint as task
 
-        return task.with_options(retries=5)(saved.checkpoint_id, uri, return_state=False)
+        return task.with_options(retries=5)(saved.checkpoint_id, uri, part_size_mib=8, concurrency=2)
 
     state = under_outage(return_state=True)
     thread.join(timeout=180)

@@ -13,6 +13,7 @@ the server already holds and sends only the missing ones.
 from __future__ import annotations
 
 import base64
+import hashlib
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +67,13 @@ def parse_uri(uri: str) -> tuple[str, str]:
 
 def crc32c_b64(value: int) -> str:
     return base64.b64encode(value.to_bytes(4, "big")).decode()
+
+
+def _same_part(held: dict[str, Any], data: bytes, crc: str) -> bool:
+    """Is a part the server already holds the one we would send? Its CRC32C if listed, else its ETag (MD5)."""
+    if held.get("ChecksumCRC32C"):
+        return held["ChecksumCRC32C"] == crc
+    return str(held.get("ETag", "")).strip('"') == hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
 class S3Tier:
@@ -236,7 +244,7 @@ class S3Tier:
             data = os.pread(fd, min(self.part_size, size - offset), offset)
             crc = crc32c_b64(crc32c_mod.crc32c(data))
             have = held.get(n)
-            if have and int(have["Size"]) == len(data) and have.get("ChecksumCRC32C") == crc:
+            if have and int(have["Size"]) == len(data) and _same_part(have, data, crc):
                 return {"PartNumber": n, "ETag": have["ETag"], "ChecksumCRC32C": crc}, 0
             r = self._call(
                 "upload_part",
