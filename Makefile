@@ -27,6 +27,7 @@ lint: install
 
 bench: install
 	$(BIN)/python -m bench.run
+	$(BIN)/python -m bench.s3
 
 clean:
 	rm -rf $(VENV) .pytest_cache

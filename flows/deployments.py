@@ -21,7 +21,7 @@ def build(
     replicate_every: timedelta = timedelta(minutes=15),
     shared_target: str | None = None,
 ) -> list[RunnerDeployment]:
-    target = shared_target or os.environ.get("REWIND_SHARED_URI")
+    target = shared_target or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
     return [
         protect_training.to_deployment(name="protect-training", tags=["rewind", "training"]),
         recover_training.to_deployment(
@@ -47,6 +47,17 @@ def build(
             parameters={"target": target} if target else None,
             paused=target is None,  # nothing to replicate to until a target is configured
             tags=["rewind", "replication"],
+            triggers=[
+                DeploymentEventTrigger(
+                    name="replicate-on-verified",
+                    description="Replicate as soon as a checkpoint is verified.",
+                    expect={"rewind.checkpoint.verified"},
+                    match={"prefect.resource.id": "rewind.run.*"},
+                    parameters={"target": target, "run": "{{ event.payload.run }}"},
+                )
+            ]
+            if target
+            else None,
         ),
     ]
 

@@ -10,7 +10,7 @@ from prefect.artifacts import create_table_artifact
 
 from tasks.common import artifact_key
 from tasks.detect import record_failure, supervise_training
-from tasks.replicate import pending_replication, replicate_checkpoint
+from tasks.replicate import apply_retention, pending_replication, replicate_checkpoint
 from tasks.restore import restore_checkpoint
 from tasks.verify import list_checkpoints, verify_checkpoint
 
@@ -66,15 +66,34 @@ def restore_checkpoint_flow(
 
 
 @flow(name="replicate-offsite")
-def replicate_offsite(target: str | None = None, run: str | None = None) -> dict[str, Any]:
-    """Copy every committed checkpoint without a verified copy there to a shared path or S3.
+def replicate_offsite(
+    target: str | None = None,
+    run: str | None = None,
+    keep_last: int | None = None,
+    keep_every: int = 0,
+    part_size_mib: int = 64,
+    concurrency: int = 8,
+) -> dict[str, Any]:
+    """Copy every committed checkpoint without a verified copy there to S3 or a shared path, then apply retention.
 
     Args:
-        target: s3://bucket/prefix, or an absolute path for a shared filesystem; default REWIND_SHARED_URI.
+        target: s3://bucket/prefix, or an absolute path for a shared filesystem; default REWIND_OFFSITE_URI.
         run: Only this run (default: every run).
+        keep_last: Retention: keep the newest N checkpoints per run (default REWIND_KEEP_LAST; unset: no deletion).
+        keep_every: Retention: also keep every step divisible by K (default REWIND_KEEP_EVERY).
+        part_size_mib: S3 multipart part size.
+        concurrency: S3 parts in flight.
     """
-    target = target or os.environ.get("REWIND_SHARED_URI")
+    target = target or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
     if not target:
-        raise ValueError("no replication target: pass `target` or set REWIND_SHARED_URI")
-    done = [replicate_checkpoint(ck_id, target) for ck_id in pending_replication(target, run)]
-    return {"replicated": len(done), "bytes_sent": sum(d["bytes_sent"] for d in done)}
+        raise ValueError("no replication target: pass `target` or set REWIND_OFFSITE_URI")
+    done = [
+        replicate_checkpoint(ck_id, target, part_size_mib, concurrency)
+        for ck_id in pending_replication(target, run)
+    ]
+    keep_last = keep_last or (
+        int(os.environ["REWIND_KEEP_LAST"]) if os.environ.get("REWIND_KEEP_LAST") else None
+    )
+    keep_every = keep_every or int(os.environ.get("REWIND_KEEP_EVERY", "0"))
+    removed = apply_retention(run, keep_last, keep_every) if keep_last else {}
+    return {"replicated": len(done), "bytes_sent": sum(d["bytes_sent"] for d in done), "removed": removed}

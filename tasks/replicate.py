@@ -41,3 +41,14 @@ def replicate_checkpoint(
     }
     emit("rewind.checkpoint.replicated", run, result, step=ck.step, checkpoint_id=ck.id)
     return result
+
+
+@task(name="apply-retention", **RETRY)
+def apply_retention(run: str | None, keep_last: int, keep_every: int = 0) -> dict[str, list[int]]:
+    """Delete what the policy no longer keeps, on every tier; returns the removed steps per run."""
+    from infra import retention
+
+    cat = catalog()
+    policy = retention.Policy(keep_last=keep_last, keep_every=keep_every)
+    runs = [run] if run else [r["run"] for r in lineage.list_runs(cat)]
+    return {name: retention.execute(cat, retention.plan(cat, name, policy)) for name in runs}

@@ -241,3 +241,60 @@ def test_bad_targets_fail_clearly_and_record_nothing(
     cat = Catalog()
     for ck in lineage.checkpoints(cat, run_name):
         assert all(r.tier == "local" for r in lineage.replicas_of(cat, ck.id))
+
+
+def test_local_tier_lost_restore_from_offsite_is_bit_exact(
+    reference, s3_env, rewind_env, run_name, tmp_path, capsys
+):
+    import shutil
+
+    from flows.cli import main as rewind
+    from tests.trainproc import TrainProc, assert_same_weights
+
+    first = TrainProc(run_name, tmp_path / "out", extra=["--stop-after", "35"])
+    first.finish()
+    assert first.proc.returncode == 0
+    assert rewind(["replicate", run_name, "--to", f"s3://{BUCKET}/dr"]) == 0
+    shutil.rmtree(rewind_env["REWIND_CHECKPOINT_ROOT"])  # the training machine's disk is gone
+    second = TrainProc(run_name, tmp_path / "out")
+    out = second.finish()
+    assert second.proc.returncode == 0, out.text
+    assert out.resumed_at == 30, out.text
+    assert all(reference[0][s] == loss for s, loss in out.losses.items())
+    assert_same_weights(tmp_path / "out" / "final.safetensors", reference[1])
+
+
+def test_retention_keeps_last_every_and_pinned_on_every_tier(s3_env, rewind_env, run_name, tmp_path, capsys):
+    import json
+
+    import torch
+
+    from flows.cli import main as rewind
+    from infra.catalog import lineage
+    from infra.catalog.db import Catalog
+    from infra.checkpoint.engine import Checkpointer
+
+    model = torch.nn.Linear(16, 16)
+    ck = Checkpointer(run_name, states={"model": model}, root=tmp_path / "ckpt", catalog=Catalog())
+    for step in range(1, 13):
+        ck.save(step)
+    shared, offsite = str(tmp_path / "shared"), f"s3://{BUCKET}/retention"
+    assert rewind(["replicate", run_name, "--to", shared]) == 0
+    assert rewind(["replicate", run_name, "--to", offsite]) == 0
+    assert rewind(["ckpt", "pin", run_name, "2"]) == 0
+    capsys.readouterr()
+    assert rewind(["gc", run_name, "--keep-last", "3", "--keep-every", "5", "--dry-run", "--json"]) == 0
+    dry = json.loads(capsys.readouterr().out)
+    assert sorted(r["step"] for r in dry["remove"]) == [1, 3, 4, 6, 7, 8, 9]
+    assert len(list((tmp_path / "ckpt" / run_name).glob("step-*"))) == 12  # a dry run removes nothing
+    assert rewind(["gc", run_name, "--keep-last", "3", "--keep-every", "5", "--json"]) == 0
+    done = json.loads(capsys.readouterr().out)
+    expected = [2, 5, 10, 11, 12]
+    assert sorted(done["keep"]) == expected and done["freed_bytes"] > 0
+    local = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "ckpt" / run_name).glob("step-*"))
+    on_shared = sorted(int(p.name.split("-")[1]) for p in (tmp_path / "shared" / run_name).glob("step-*"))
+    on_s3 = sorted({int(o.key.split("/")[1].split("-")[1]) for o in S3Tier(offsite).list(f"{run_name}/")})
+    assert local == on_shared == on_s3 == expected
+    statuses = {c.step: c.status for c in lineage.checkpoints(Catalog(), run_name)}
+    assert sorted(s for s, st in statuses.items() if st != "deleted") == expected
+    assert {u["tier"] for u in done["usage"]} == {"local", "shared", "offsite"}

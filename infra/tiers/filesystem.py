@@ -106,4 +106,12 @@ class FileTier:
                 yield ObjectInfo(rel, p.stat().st_size, None)
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        for parent in path.parents:  # drop directories the delete left empty, never the root
+            if parent == self.root or not parent.is_relative_to(self.root):
+                break
+            try:
+                parent.rmdir()
+            except OSError:
+                break

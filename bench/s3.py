@@ -1,0 +1,111 @@
+"""Off-site replication speed against plain boto3, on a real S3 server (SeaweedFS) on loopback.
+
+    python -m bench.s3 [--gib 1.0] [--repeat 3]
+
+Rewind's replication of a checkpoint vs ``boto3 upload_file`` of the same bytes
+to the same server, in the same run (medians); and the time of a quick verify
+of the off-site copy (server-side checksums and sizes, no download).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from boto3.s3.transfer import TransferConfig
+
+from bench.run import HERE, Blob, machine
+from infra.catalog.db import Catalog
+from infra.checkpoint.engine import Checkpointer
+from infra.tiers.replication import replicate, verify_remote
+from infra.tiers.s3 import S3Tier
+from tests.s3_support import SeaweedS3
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=1.0)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--part-size-mib", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=8)
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="rewind-s3bench-", dir=HERE))
+    server = SeaweedS3(work / "weed")
+    server.start()
+    try:
+        import os
+
+        os.environ.update(server.env)
+        client = server.client()
+        client.create_bucket(Bucket="bench")
+        torch.manual_seed(0)
+        blob = Blob(args.gib)
+        ck = Checkpointer(
+            "s3bench",
+            states={"model": blob},
+            root=work / "ckpt",
+            catalog=Catalog(f"sqlite:///{work / 'c.db'}"),
+        )
+        ck.save(1)
+        src = Path(ck.last_saved.path)
+        data_file = src / "model.safetensors"
+        nbytes = ck.last_saved.total_bytes
+        cfg = TransferConfig(multipart_chunksize=args.part_size_mib << 20, max_concurrency=args.concurrency)
+        ours, theirs, quick = [], [], []
+        for i in range(args.repeat):
+            t0 = time.perf_counter()
+            client.upload_file(str(data_file), "bench", f"plain/{i}/model.safetensors", Config=cfg)
+            theirs.append(time.perf_counter() - t0)
+            tier = S3Tier(
+                f"s3://bench/rewind{i}", part_size=args.part_size_mib << 20, concurrency=args.concurrency
+            )
+            t0 = time.perf_counter()
+            replicate(src, tier, "s3bench")
+            ours.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            findings = verify_remote(tier, "s3bench", 1, None, deep=False)
+            quick.append(time.perf_counter() - t0)
+            assert not findings, findings
+        gb = nbytes / 1e9
+        res = {
+            "machine": machine(),
+            "bytes": nbytes,
+            "boto3_upload_file_s": statistics.median(theirs),
+            "rewind_replicate_s": statistics.median(ours),
+            "quick_verify_s": statistics.median(quick),
+        }
+        res["replicate_throughput_ratio_vs_upload_file"] = (
+            res["boto3_upload_file_s"] / res["rewind_replicate_s"]
+        )
+        print(f"== replicate {gb:.2f} GB to SeaweedFS on loopback (median of {args.repeat}) ==")
+        print(
+            f"  boto3 upload_file   {res['boto3_upload_file_s']:7.2f} s  {gb / res['boto3_upload_file_s']:6.3f} GB/s"
+        )
+        print(
+            f"  rewind replicate    {res['rewind_replicate_s']:7.2f} s  {gb / res['rewind_replicate_s']:6.3f} GB/s"
+        )
+        print(f"  throughput ratio    {res['replicate_throughput_ratio_vs_upload_file']:.2f}x of upload_file")
+        print(
+            f"  quick verify        {res['quick_verify_s']:.3f} s (server-side CRC32C and sizes, no download)"
+        )
+        out = HERE / "results.json"
+        merged = json.loads(out.read_text()) if out.exists() else {}
+        merged["s3"] = res
+        merged["replicate_ratio_vs_upload_file"] = res["replicate_throughput_ratio_vs_upload_file"]
+        merged["offsite_quick_verify_s"] = res["quick_verify_s"]
+        out.write_text(json.dumps(merged, indent=1, default=str) + "\n")
+    finally:
+        server.stop()
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
