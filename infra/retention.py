@@ -1,7 +1,7 @@
 """Retention that follows lineage: which checkpoints a policy keeps, and removing the rest safely.
 
-Never removed: the newest restorable checkpoint, anything pinned, anything the
-policy keeps. Removal takes the catalog reference away first (a guarded status
+Never removed: the newest restorable checkpoint, anything pinned, anything being
+restored, anything the policy keeps. Removal takes the catalog reference away first (a guarded status
 change, so a concurrent restore that already chose the checkpoint keeps its
 row), then the bytes: on every tier the manifest goes first, so a half-deleted
 copy is never mistaken for a checkpoint.
@@ -65,6 +65,7 @@ def plan(cat: Catalog, run: str, policy: Policy) -> GcPlan:
     live = lineage.restorable(cat, lineage.get_run(cat, run).id)  # newest first
     keep = {c.id for c in live[: policy.keep_last]}
     keep |= {c.id for c in live if c.pinned}
+    keep |= {c.id for c in live if any(r.status == "restoring" for r in lineage.replicas_of(cat, c.id))}
     by_every = [c for c in live if policy.keep_every and c.step % policy.keep_every == 0 and c.id not in keep]
     if policy.byte_budget is not None:
         total = sum((c.total_bytes or 0) for c in live if c.id in keep)

@@ -52,9 +52,15 @@ def restore_to_local(cat: Catalog, ck: Checkpoint, replica: Replica, root: Path)
     """Materialise a replica into the local tier (verified byte for byte) and point the catalog at it."""
     run = lineage.get_run_by_id(cat, ck.run_id).name
     final = store.step_dir(root / run, ck.step)
-    if final.exists():
-        store.quarantine(final, "replaced-from-replica")
-    path, manifest = replication.materialize(open_tier(replica.uri), run, ck.step, root / run)
+    # While this runs, retention must leave the checkpoint alone (see retention.plan).
+    lineage.record_replica(cat, ck.id, "local", str(final), ck.total_bytes or 0, status="restoring")
+    try:
+        if final.exists():
+            store.quarantine(final, "replaced-from-replica")
+        path, manifest = replication.materialize(open_tier(replica.uri), run, ck.step, root / run)
+    except BaseException:
+        lineage.record_replica(cat, ck.id, "local", str(final), ck.total_bytes or 0, status="corrupt")
+        raise
     lineage.set_path(cat, ck.id, str(path))
     lineage.record_replica(cat, ck.id, "local", str(path), manifest.total_bytes)
     if ck.status == CheckpointStatus.CORRUPT:  # the local copy was bad, the checkpoint itself is fine
