@@ -222,6 +222,21 @@ def _verify_tier(args: argparse.Namespace, cat: Any, targets: list[Any]) -> int:
     return EXIT_FINDINGS if any(not r["ok"] for r in results) else 0
 
 
+def cmd_gpu(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from infra.health import nvml
+
+    gpus = nvml.probe()
+    rows = [asdict(g) | {"healthy": g.healthy} for g in gpus]
+    _emit(
+        args,
+        rows,
+        lambda: _table(rows, ["index", "name", "temperature_c", "ecc_uncorrected", "healthy", "problems"]),
+    )
+    return 0 if all(g.healthy for g in gpus) else EXIT_FINDINGS
+
+
 # -- prefect ---------------------------------------------------------------------
 
 
@@ -312,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     from flows import cli_storage
 
     cli_storage.register(sub, ck, add, lambda fn: lambda args: fn(args, _emit, _catalog))
+    add(
+        sub,
+        "gpu",
+        cmd_gpu,
+        "GPU health through NVML: temperature, ECC, remapped rows, throttling",
+        json_flag=True,
+    )
     srv = add(sub, "serve", cmd_serve, "serve every Rewind deployment (schedules and the recovery trigger)")
     srv.add_argument(
         "--scrub-every", type=float, default=6 * 3600, metavar="SECONDS", help="deep verification interval"

@@ -1,0 +1,101 @@
+"""Detection signals, layout planning and the NVML probe (a stand-in only where no GPU exists)."""
+
+from __future__ import annotations
+
+import math
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from infra.errors import ConfigError
+from infra.health import layout, nvml
+from infra.health.signals import Heartbeats, LossWatch, exit_detection
+
+
+def test_heartbeat_silence_past_timeout_is_a_hang():
+    hb = Heartbeats(timeout_s=5.0)
+    for rank in range(4):
+        hb.beat(rank, step=10, now=100.0)
+    hb.beat(0, 11, 104.0)
+    hb.beat(1, 11, 104.0)
+    hb.beat(3, 11, 104.0)
+    assert hb.hung(now=105.0) == []
+    (d,) = hb.hung(now=105.5)
+    assert (d.kind, d.rank, d.step) == ("hang", 2, 10)
+
+
+def test_exit_codes_and_signals():
+    assert exit_detection(0, 0, 5) is None
+    assert "SIGKILL" in exit_detection(1, -signal.SIGKILL, 5).reason
+    assert exit_detection(2, 3, 5).kind == "crash"
+
+
+def test_nan_and_spikes():
+    w = LossWatch(spike_factor=3.0, min_history=5)
+    assert all(w.observe(i, 2.0 + 0.01 * i) is None for i in range(10))
+    assert w.observe(10, 5.0) is None  # 2.4x the median: not a spike
+    assert w.observe(11, 9.0).kind == "loss_spike"
+    assert w.observe(12, math.nan).kind == "nan"
+    assert w.observe(13, math.inf).kind == "nan"
+
+
+def test_layout_prefers_old_tp_then_pp_and_reports_batch_and_lr():
+    shape = layout.ModelShape(heads=16, hidden=2048, layers=24)
+    old = layout.Layout(tp=2, pp=2, dp=2)
+    p = layout.plan(6, shape, old, global_batch=512, lr=3e-4)
+    assert p.layout == layout.Layout(2, 1, 3)  # old TP kept; no PP=2 fits 3 devices; then the widest DP
+    p = layout.plan(4, shape, old, global_batch=512, lr=3e-4)
+    assert p.layout == layout.Layout(2, 2, 1)
+    assert p.global_batch == 256 and p.lr == pytest.approx(1.5e-4)
+    assert "kept TP" in p.reason and "kept PP" in p.reason
+    odd = layout.plan(
+        3, layout.ModelShape(heads=4, hidden=64, layers=2), layout.Layout(1, 1, 4), global_batch=64, lr=1.0
+    )
+    assert odd.layout == layout.Layout(1, 1, 3) and odd.global_batch == 48
+    for c in layout.candidates(12, shape):
+        assert c.world_size == 12 and shape.heads % c.tp == 0 and shape.layers % c.pp == 0
+    with pytest.raises(ConfigError):
+        layout.plan(0, shape, old, global_batch=1, lr=1.0)
+
+
+def test_nvml_probe_without_a_driver_says_so():
+    try:
+        gpus = nvml.probe()
+    except nvml.NoNvidiaDriver as exc:
+        assert "no NVIDIA driver" in str(exc)
+    else:  # a machine with a GPU: the real probe answered
+        assert gpus and all(g.name for g in gpus)
+
+
+def _fake_nvml(temp: int, ecc: int, throttle: int, remap_pending: int):  # type: ignore[no-untyped-def]
+    def not_supported(*_a):  # type: ignore[no-untyped-def]
+        raise RuntimeError("NVMLError_NotSupported")
+
+    return SimpleNamespace(
+        NVML_TEMPERATURE_GPU=0,
+        NVML_MEMORY_ERROR_TYPE_UNCORRECTED=1,
+        NVML_VOLATILE_ECC=0,
+        NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR=1,
+        nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=lambda i: i,
+        nvmlDeviceGetName=lambda h: b"NVIDIA H200" if h == 0 else "NVIDIA H200",
+        nvmlDeviceGetTemperature=lambda h, _k: temp if h == 1 else 40,
+        nvmlDeviceGetTotalEccErrors=lambda h, _t, _c: ecc if h == 1 else 0,
+        nvmlDeviceGetRetiredPages=not_supported,
+        nvmlDeviceGetRemappedRows=lambda h: (0, 0, remap_pending if h == 1 else 0, 0),
+        nvmlDeviceGetCurrentClocksThrottleReasons=lambda h: throttle if h == 1 else 0,
+    )
+
+
+def test_nvml_parsing_flags_sick_gpus():
+    healthy, sick = nvml.read_devices(_fake_nvml(temp=91, ecc=3, throttle=0x40 | 0x4, remap_pending=1))
+    assert healthy.healthy and healthy.name == "NVIDIA H200" and healthy.retired_pages is None
+    assert not sick.healthy
+    assert set(sick.problems) == {
+        "temperature 91C",
+        "3 uncorrected ECC errors",
+        "row remapping pending (reset needed)",
+        "throttled: hw_thermal",
+    }
+    assert "sw_power_cap" in sick.throttle_reasons  # reported, but power capping alone is not a fault
