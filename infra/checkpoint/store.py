@@ -51,7 +51,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, fill: FileWriter) -> mf.FileEntry:
+def write_file(path: Path, fill: FileWriter) -> mf.FileEntry:
+    """Create ``path`` (never overwrite), stream ``fill`` into it through the hasher, fsync it."""
     with open(path, "xb") as raw:
         out = HashingWriter(raw)
         fill(out)  # type: ignore[arg-type]
@@ -59,6 +60,32 @@ def _write_file(path: Path, fill: FileWriter) -> mf.FileEntry:
         os.fsync(raw.fileno())
     d = out.hasher.result()
     return mf.FileEntry(path=path.name, size=d.size, xxh3=d.xxh3, crc32c=d.crc32c)
+
+
+def temp_dir(run_dir: Path, step: int) -> Path:
+    """A fresh ``step-<N>.tmp-<pid>-<id>/`` for a save in flight."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f"step-{step}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    tmp.mkdir()
+    return tmp
+
+
+def commit(tmp: Path, manifest: mf.Manifest) -> Path:
+    """Write the manifest into ``tmp``, fsync, rename to ``step-<N>/``, fsync the parent."""
+    run_dir = tmp.parent
+    final = step_dir(run_dir, manifest.step)
+    fault_point("save.before_manifest", manifest.step)
+    with open(tmp / mf.MANIFEST_NAME, "xb") as f:
+        f.write(manifest.to_bytes())
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    fault_point("save.before_rename", manifest.step)
+    if final.exists():
+        raise FileExistsError(f"{final} already exists")
+    os.rename(tmp, final)
+    fsync_dir(run_dir)
+    return final
 
 
 def write_checkpoint(
@@ -75,14 +102,11 @@ def write_checkpoint(
     before any manifest is written. Raises ``FileExistsError`` if ``step-<N>/``
     already exists: the caller decides what happens to it.
     """
-    run_dir.mkdir(parents=True, exist_ok=True)
-    final = step_dir(run_dir, manifest.step)
-    tmp = run_dir / f"step-{manifest.step}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-    tmp.mkdir()
+    tmp = temp_dir(run_dir, manifest.step)
     try:
         entries = []
         for name, fill in files:
-            entries.append(_write_file(tmp / mf.safe_relative(name), fill))
+            entries.append(write_file(tmp / mf.safe_relative(name), fill))
             fault_point("save.file_written", manifest.step)
         fsync_dir(tmp)
         if expect is not None and tuple(entries) != expect:
@@ -94,18 +118,8 @@ def write_checkpoint(
             raise CorruptCheckpoint(
                 str(tmp), bad or [Finding(Problem.MISSING, "*", "file list differs from its source")]
             )
-        fault_point("save.before_manifest", manifest.step)
         manifest = replace(manifest, files=tuple(entries))
-        with open(tmp / mf.MANIFEST_NAME, "xb") as f:
-            f.write(manifest.to_bytes())
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        fault_point("save.before_rename", manifest.step)
-        if final.exists():
-            raise FileExistsError(f"{final} already exists")
-        os.rename(tmp, final)
-        fsync_dir(run_dir)
+        final = commit(tmp, manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

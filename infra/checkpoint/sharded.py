@@ -1,0 +1,122 @@
+"""Multi-rank checkpoints through torch.distributed.checkpoint (DCP), with Rewind's integrity.
+
+Every rank writes its own shards (DCP), hashes the files it wrote and reports
+their digests; rank 0 writes the manifest, renames the directory and commits it
+only after every rank succeeded. DCP's ``.metadata`` is a pickle, so loading
+first proves every file, ``.metadata`` included, against the manifest: only
+bytes Rewind wrote are ever unpickled. A checkpoint saved by W ranks loads into
+W' ranks (DCP reshards), optimizer state included.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from infra.checkpoint import manifest as mf
+from infra.checkpoint import store, tree
+from infra.checkpoint.state import environment
+from infra.checkpoint.verify import Finding, Problem, verify_directory
+from infra.digest import hash_file
+from infra.errors import CorruptCheckpoint
+
+RANK_STATE = "rank-{rank}.json"
+
+
+def _rank_state_file(rank: int) -> str:
+    return RANK_STATE.format(rank=rank)
+
+
+def save(
+    run_dir: Path,
+    run: str,
+    step: int,
+    tensors: dict[str, Any],
+    rank_state: dict[str, Any],
+    *,
+    layout: dict[str, int],
+    metrics: dict[str, float] | None = None,
+) -> Path:
+    """Collective: every rank calls it. Returns the committed directory on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    box: list[Any] = [str(store.temp_dir(run_dir, step)) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    tmp = Path(box[0])
+    error: str | None = None
+    entries: list[mf.FileEntry] = []
+    try:
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+        json_tree, extra = tree.split(rank_state, f"rank{rank}")
+        if extra:
+            raise TypeError("per-rank state must not hold tensors; put them in the sharded state")
+        entries.append(
+            store.write_file(
+                tmp / _rank_state_file(rank), lambda out: out.write(json.dumps(json_tree).encode())
+            )
+        )
+        for p in sorted(tmp.glob(f"__{rank}_*.distcp")):
+            d = hash_file(p)
+            entries.append(mf.FileEntry(p.name, d.size, d.xxh3, d.crc32c))
+    except Exception as exc:  # reported to rank 0, which then refuses to commit
+        error = f"rank {rank}: {exc}"
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, (error, entries))
+    errors = [e for e, _ in gathered if e]
+    final = store.step_dir(run_dir, step)
+    outcome: list[Any] = [None]
+    if rank == 0:
+        try:
+            if errors:
+                raise RuntimeError("; ".join(errors))
+            files = [e for _, es in gathered for e in es]
+            d = hash_file(tmp / ".metadata")
+            files.append(mf.FileEntry(".metadata", d.size, d.xxh3, d.crc32c))
+            store.fsync_dir(tmp)
+            manifest = mf.Manifest(
+                run=run,
+                step=step,
+                files=tuple(sorted(files, key=lambda e: e.path)),
+                created_at=datetime.now(UTC).isoformat(),
+                layout=layout,
+                environment=environment(),
+                metrics=metrics or {},
+            )
+            store.commit(tmp, manifest)
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome[0] = str(exc)
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0]:
+        raise RuntimeError(f"sharded save of step {step} failed: {outcome[0]}")
+    return final
+
+
+def load(directory: Path, tensors: dict[str, Any]) -> dict[str, Any]:
+    """Collective: verify everything (rank 0, deep), then load ``tensors`` in place; returns this rank's state.
+
+    A rank that did not exist when the checkpoint was saved gets rank 0's per-rank state.
+    """
+    rank = dist.get_rank()
+    verdict: list[Any] = [None]
+    if rank == 0:
+        report = verify_directory(directory, deep=True)
+        verdict[0] = None if report.ok else [f.as_dict() for f in report.findings if f.fatal]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise CorruptCheckpoint(
+            str(directory), [Finding(Problem(f["problem"]), f["path"], f["detail"]) for f in verdict[0]]
+        )
+    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(directory)))
+    own = directory / _rank_state_file(rank)
+    path = own if own.exists() else directory / _rank_state_file(0)
+    return tree.join(json.loads(path.read_text()), {})
+
+
+def layout_of(world: int) -> dict[str, int]:
+    return {"world_size": world, "tp": 1, "pp": 1, "dp": world}
