@@ -34,21 +34,9 @@ def say(msg: str) -> None:
 
 
 def tiny_lm(run: str, out: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "examples.tiny_lm",
-        "--run",
-        run,
-        "--steps",
-        str(STEPS),
-        "--checkpoint-every",
-        str(EVERY),
-        "--seed",
-        "0",
-        "--out",
-        str(out),
-    ]
+    from examples.tiny_lm import command
+
+    return command(run, out, steps=STEPS, every=EVERY, seed=0)
 
 
 def wait_until(probe, timeout: float, what: str):  # type: ignore[no-untyped-def]

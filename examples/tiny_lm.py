@@ -153,6 +153,28 @@ def warmup_cosine(total: int, warmup: int):  # type: ignore[no-untyped-def]
     return factor
 
 
+def command(
+    run: str, out: Path, *, steps: int = 60, every: int = 10, seed: int = 0, extra: list[str] | None = None
+) -> list[str]:
+    """The command line that runs this example (for supervisors, the demo and the tests)."""
+    return [
+        sys.executable,
+        "-m",
+        "examples.tiny_lm",
+        "--run",
+        run,
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        str(every),
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+        *(extra or []),
+    ]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m examples.tiny_lm", description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True, help="run name in the catalog; resumes if it has checkpoints")

@@ -44,17 +44,17 @@ def pg_url() -> Iterator[str]:
     if given:
         yield given
         return
-    name = f"rewind_test_{uuid.uuid4().hex[:10]}"
-    _admin(f'CREATE DATABASE "{name}"')
-    base = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    yield f"{base}/{name}"
-    _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    yield from _database("rewind_test")
 
 
 @pytest.fixture
 def fresh_pg_url() -> Iterator[str]:
     """An empty Postgres database for one test (migration tests)."""
-    name = f"rewind_mig_{uuid.uuid4().hex[:10]}"
+    yield from _database("rewind_mig")
+
+
+def _database(prefix: str) -> Iterator[str]:
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
     _admin(f'CREATE DATABASE "{name}"')
     base = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
     yield f"{base}/{name}"

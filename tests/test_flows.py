@@ -17,10 +17,11 @@ from prefect.client.schemas.filters import DeploymentFilter, FlowRunFilter  # no
 from prefect.deployments import run_deployment  # noqa: E402
 from prefect.events.filters import EventFilter, EventNameFilter  # noqa: E402
 
+from examples.tiny_lm import command as tiny_lm_cmd  # noqa: E402
 from infra.catalog import incidents, lineage  # noqa: E402
 from infra.catalog.db import Catalog  # noqa: E402
-from tests.prefect_support import deployment_ids, find_pid, rewind_serve, wait_until  # noqa: E402
-from tests.trainproc import REPO, TrainProc, assert_same_weights, tiny_lm_cmd  # noqa: E402
+from tests.prefect_support import deployment_ids, find_pid, rewind_serve, stop_group, wait_until  # noqa: E402
+from tests.trainproc import REPO, TrainProc, assert_same_weights  # noqa: E402
 
 DEPLOYMENTS = [
     "protect-training",
@@ -217,12 +218,7 @@ def test_schedules_have_upcoming_runs_on_a_real_server(flow_env, tmp_path):
             assert "verify-checkpoints" in scheduled
             assert "replicate-offsite" not in scheduled  # paused until a target is configured
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=10)
+        stop_group(server)
 
 
 def _healthy(httpx, api: str) -> bool:  # type: ignore[no-untyped-def]

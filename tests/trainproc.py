@@ -2,41 +2,20 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
+from examples.tiny_lm import command
 from infra.launch.process import Output, TrainingProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def tiny_lm_cmd(
-    run: str, out: Path, *, steps: int = 60, every: int = 10, seed: int = 0, extra: list[str] | None = None
-) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "examples.tiny_lm",
-        "--run",
-        run,
-        "--steps",
-        str(steps),
-        "--checkpoint-every",
-        str(every),
-        "--seed",
-        str(seed),
-        "--out",
-        str(out),
-        *(extra or []),
-    ]
-
-
 class TrainProc(TrainingProcess):
     def __init__(self, run: str, out: Path, *, env: dict[str, str] | None = None, **kw) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(tiny_lm_cmd(run, out, **kw), cwd=REPO, env=env)
+        super().__init__(command(run, out, **kw), cwd=REPO, env=env)
 
     def wait_for(self, pred, timeout: float = 120) -> bool:  # type: ignore[no-untyped-def,override]
         return super().wait_for(pred, timeout)
