@@ -78,9 +78,8 @@ def main(mode: str, kind: str, workdir: str) -> None:
         opt.step()
         opt.zero_grad()
         msd, osd = get_state_dict(model, opt)
-        state = {"model": msd, "optim": osd}
-        mine = sharded.load(root / "ckpt" / "step-3", state)
-        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        restored, mine = sharded.load(root / "ckpt" / "step-3", {"model": msd, "optim": osd})
+        set_state_dict(model, opt, model_state_dict=restored["model"], optim_state_dict=restored["optim"])
         full = _full(model, opt)
         if rank == 0:
             save_file(full, str(root / f"loaded-{world}.safetensors"))

@@ -47,7 +47,12 @@ def test_save_with_4_ranks_load_with_2_and_1(kind, tmp_path):
     directory = tmp_path / "ckpt" / "step-3"
     report = verify_directory(directory, deep=True)
     assert report.ok, report.findings
-    assert {f.path for f in report.manifest.files} >= {".metadata", "rank-0.json", "rank-3.json"}
+    assert {f.path for f in report.manifest.files} >= {
+        ".metadata",
+        "state.json",
+        "rank-0.json",
+        "rank-3.json",
+    }
     expected = load_file(str(tmp_path / "expected.safetensors"))
     assert any(k.startswith("optim/") for k in expected)
     for n in (2, 1):

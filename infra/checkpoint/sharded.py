@@ -2,10 +2,14 @@
 
 Every rank writes its own shards (DCP), hashes the files it wrote and reports
 their digests; rank 0 writes the manifest, renames the directory and commits it
-only after every rank succeeded. DCP's ``.metadata`` is a pickle, so loading
-first proves every file, ``.metadata`` included, against the manifest: only
-bytes Rewind wrote are ever unpickled. A checkpoint saved by W ranks loads into
-W' ranks (DCP reshards), optimizer state included.
+only after every rank succeeded. A checkpoint saved by W ranks loads into W'
+ranks (DCP reshards), optimizer state included.
+
+DCP would pickle non-tensor values (learning rates, betas, steps) and load them
+with an unrestricted ``torch.load``; Rewind hands DCP tensors only and keeps
+the rest of the tree in JSON (``state.json``). DCP's own ``.metadata`` is still
+a pickle, so loading first proves every file, ``.metadata`` included, against
+the manifest: only bytes Rewind wrote are ever unpickled.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from infra.digest import hash_file
 from infra.errors import CorruptCheckpoint
 
 RANK_STATE = "rank-{rank}.json"
+SHARED_STATE = "state.json"
 
 
 def _rank_state_file(rank: int) -> str:
@@ -37,13 +42,17 @@ def save(
     run_dir: Path,
     run: str,
     step: int,
-    tensors: dict[str, Any],
+    state: dict[str, Any],
     rank_state: dict[str, Any],
     *,
     layout: dict[str, int],
     metrics: dict[str, float] | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Returns the committed directory on every rank."""
+    """Collective: every rank calls it. Returns the committed directory on every rank.
+
+    ``state`` is the same tree on every rank (model and optimizer state dicts with
+    sharded or replicated tensors); ``rank_state`` is this rank's own JSON-able state.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     box: list[Any] = [str(store.temp_dir(run_dir, step)) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -51,6 +60,7 @@ def save(
     error: str | None = None
     entries: list[mf.FileEntry] = []
     try:
+        shared_tree, tensors = tree.split(state, "s")
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
         json_tree, extra = tree.split(rank_state, f"rank{rank}")
         if extra:
@@ -60,6 +70,10 @@ def save(
                 tmp / _rank_state_file(rank), lambda out: out.write(json.dumps(json_tree).encode())
             )
         )
+        if rank == 0:
+            entries.append(
+                store.write_file(tmp / SHARED_STATE, lambda out: out.write(json.dumps(shared_tree).encode()))
+            )
         for p in sorted(tmp.glob(f"__{rank}_*.distcp")):
             d = hash_file(p)
             entries.append(mf.FileEntry(p.name, d.size, d.xxh3, d.crc32c))
@@ -97,10 +111,11 @@ def save(
     return final
 
 
-def load(directory: Path, tensors: dict[str, Any]) -> dict[str, Any]:
-    """Collective: verify everything (rank 0, deep), then load ``tensors`` in place; returns this rank's state.
+def load(directory: Path, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Collective: verify everything (rank 0, deep), then load into ``state``'s tensors in place.
 
-    A rank that did not exist when the checkpoint was saved gets rank 0's per-rank state.
+    Returns (the saved tree with the loaded tensors, this rank's own state). A
+    rank that did not exist when the checkpoint was saved gets rank 0's state.
     """
     rank = dist.get_rank()
     verdict: list[Any] = [None]
@@ -112,10 +127,12 @@ def load(directory: Path, tensors: dict[str, Any]) -> dict[str, Any]:
         raise CorruptCheckpoint(
             str(directory), [Finding(Problem(f["problem"]), f["path"], f["detail"]) for f in verdict[0]]
         )
+    _, tensors = tree.split(state, "s")  # the same names as at save time: where to load into
     dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(directory)))
+    restored = tree.join(json.loads((directory / SHARED_STATE).read_text()), tensors)
     own = directory / _rank_state_file(rank)
     path = own if own.exists() else directory / _rank_state_file(0)
-    return tree.join(json.loads(path.read_text()), {})
+    return restored, tree.join(json.loads(path.read_text()), {})
 
 
 def layout_of(world: int) -> dict[str, int]:
