@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_TASKS_DEFAULT_NO_CACHE", "true")
+    # The first start of the ephemeral server migrates its database: give a busy machine time.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
     import torch
     from prefect.client.orchestration import get_client
@@ -79,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     if ref.finish(timeout=300) != 0:
         raise SystemExit(ref.output.text[-2000:])
 
+    say("starting Prefect (ephemeral server unless PREFECT_API_URL is set)")
+    with get_client(sync_client=True) as client:
+        client.hello()
     say("2/5 protect-training flow; the training process will be SIGKILLed after step 35")
     result: dict = {}
     flow_thread = threading.Thread(

@@ -176,6 +176,10 @@ def command(
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parser().parse_args(argv)
+
+
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m examples.tiny_lm", description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True, help="run name in the catalog; resumes if it has checkpoints")
     p.add_argument("--steps", type=int, required=True, help="total optimizer steps")
@@ -192,7 +196,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--async-save", action="store_true", help="stage to memory, persist in the background")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed for reproducibility)")
-    return p.parse_args(argv)
+    return p
 
 
 def train(args: argparse.Namespace) -> int:

@@ -137,3 +137,95 @@ def load(directory: Path, state: dict[str, Any]) -> tuple[dict[str, Any], dict[s
 
 def layout_of(world: int) -> dict[str, int]:
     return {"world_size": world, "tp": 1, "pp": 1, "dp": world}
+
+
+class ShardedCheckpointer:
+    """The multi-rank counterpart of ``Checkpointer``: every rank calls every method.
+
+    Rank 0 alone talks to the catalog; the others learn its decisions through
+    broadcasts, so all ranks always load the same checkpoint.
+    """
+
+    def __init__(self, run: str, *, root: Path, catalog: Any = None) -> None:
+        from infra.catalog import lineage
+        from infra.catalog.db import Catalog
+
+        self.run = run
+        self.run_dir = Path(root).expanduser().resolve() / run
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.catalog = (catalog or Catalog()) if self.rank == 0 else None
+        self.run_id = lineage.ensure_run(self.catalog, run) if self.catalog else None
+        self._parent_id: int | None = None
+        if self.rank == 0:
+            store.sweep_temp(self.run_dir)
+        dist.barrier()
+
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        rank_state: dict[str, Any],
+        metrics: dict[str, float] | None = None,
+    ) -> None:
+        from infra.catalog import lineage
+        from infra.catalog.models import CheckpointStatus as S
+
+        ck_id = None
+        if self.catalog is not None:
+            old = lineage.live_at(self.catalog, self.run_id, step)
+            if old is not None:
+                lineage.transition(
+                    self.catalog,
+                    old.id,
+                    (S.WRITING, S.COMMITTED, S.VERIFIED),
+                    S.SUPERSEDED,
+                    f"superseded at step {step}",
+                )
+            final = store.step_dir(self.run_dir, step)
+            if final.exists():
+                store.quarantine(final, "superseded")
+            ck_id = lineage.begin(
+                self.catalog,
+                self.run_id,
+                step,
+                str(final),
+                parent_id=self._parent_id,
+                layout=layout_of(self.world),
+                environment=environment(),
+            )
+        try:
+            final = save(
+                self.run_dir, self.run, step, state, rank_state, layout=layout_of(self.world), metrics=metrics
+            )
+        except BaseException as exc:
+            if self.catalog is not None and ck_id is not None:
+                lineage.transition(self.catalog, ck_id, (S.WRITING,), S.ABORTED, f"save failed: {exc}"[:2000])
+            raise
+        if self.catalog is not None and ck_id is not None:
+            lineage.commit(self.catalog, ck_id, mf.read(final), stall_s=None, uri=str(final))
+            self._parent_id = ck_id
+        dist.barrier()  # no rank goes on before the checkpoint is committed
+
+    def restore_latest(self, state: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+        """(step, restored tree, this rank's state) of the newest checkpoint that verifies, or None."""
+        from infra.catalog import lineage
+        from infra.checkpoint.audit import record_corrupt
+
+        box: list[Any] = [None]
+        if self.catalog is not None:
+            box[0] = [(c.id, c.step, c.path) for c in lineage.restorable(self.catalog, self.run_id)]
+        dist.broadcast_object_list(box, src=0)
+        for ck_id, step, path in box[0]:
+            try:
+                restored, mine = load(Path(path), state)
+            except CorruptCheckpoint as exc:
+                if self.catalog is not None:
+                    record_corrupt(self.catalog, lineage.get_checkpoint(self.catalog, ck_id), exc.findings)
+                continue
+            if self.catalog is not None:
+                from infra.catalog.models import CheckpointStatus as S
+
+                lineage.transition(self.catalog, ck_id, (S.COMMITTED,), S.VERIFIED)
+                self._parent_id = ck_id
+            return step, restored, mine
+        return None

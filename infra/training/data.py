@@ -48,6 +48,7 @@ class ResumableLoader:
         self.num_workers = num_workers
         self.epoch = 0
         self.consumed = 0  # samples of this epoch's global order already handed out
+        self.last_indices: list[int] = []  # dataset indices of the batch most recently handed out
 
     @property
     def global_batch(self) -> int:
@@ -87,7 +88,8 @@ class ResumableLoader:
                 drop_last=True,
                 generator=torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch),
             )
-            for batch in loader:
+            for i, batch in enumerate(loader):
+                self.last_indices = indices[i * self.batch_size : (i + 1) * self.batch_size]
                 self.consumed += self.global_batch
                 yield batch
             self.epoch, self.consumed = self.epoch + 1, 0
