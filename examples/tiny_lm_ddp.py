@@ -177,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sample-log", type=Path, default=None, help="test seam: log each rank's sample indices per step"
     )
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--"]:  # torchrun hands our arguments over after a "--"
+        argv = argv[1:]
     args = p.parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         return train(args)
-    argv = sys.argv[1:] if argv is None else argv
     launcher = [
         sys.executable,
         "-m",
@@ -191,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "--max-restarts=0",
         "-m",
         "examples.tiny_lm_ddp",
+        "--",
         *argv,
     ]
     os.execv(sys.executable, launcher)
