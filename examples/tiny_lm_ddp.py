@@ -12,7 +12,8 @@ Test seams (documented, off by default): ``--sample-log DIR`` writes the dataset
 indices each rank consumed per step; ``REWIND_POISON_SAMPLE=i`` turns the loss
 of any batch holding sample i into NaN (a bad data window);
 ``TINY_LM_DUMP_DIR`` makes rank 0 write the full model and optimizer state after
-every save and restore.
+every save and restore; ``REWIND_HANG_AT_STEP=s`` (with ``REWIND_HANG_RANK=r``)
+makes rank r stop stepping at step s.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import os
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -140,7 +142,10 @@ def train(args: Any) -> int:
 
     batches = iter(loader)
     step = start
+    hang_at = int(os.environ.get("REWIND_HANG_AT_STEP", "0"))
     for step in range(start + 1, args.steps + 1):
+        if step == hang_at and rank == int(os.environ.get("REWIND_HANG_RANK", "0")):
+            threading.Event().wait()  # test seam: this rank stops stepping; a supervisor must notice
         x, y = next(batches)
         logits = model(x)
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
@@ -154,7 +159,9 @@ def train(args: Any) -> int:
             with open(Path(args.sample_log) / f"rank-{rank}.log", "a") as f:
                 f.write(json.dumps({"step": step, "world": world, "samples": loader.last_indices}) + "\n")
         if heartbeat is not None:
-            heartbeat.write_text(json.dumps({"step": step, "time": time.time(), "pid": os.getpid()}))
+            tmp = heartbeat.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"step": step, "time": time.time(), "pid": os.getpid()}))
+            os.replace(tmp, heartbeat)
         if rank == 0:
             print(f"step={step} loss={loss.item()!r}", flush=True)
         if args.checkpoint_every and step % args.checkpoint_every == 0:

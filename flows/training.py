@@ -22,7 +22,9 @@ from tasks.verify import checkpoint_table
 
 
 @flow(name="protect-training")
-def protect_training(run: str, command: list[str], cwd: str | None = None) -> dict[str, Any]:
+def protect_training(
+    run: str, command: list[str], cwd: str | None = None, heartbeat_timeout_s: float | None = None
+) -> dict[str, Any]:
     """Run a training job under watch: verify every checkpoint it commits; a crash becomes an incident.
 
     Args:
@@ -30,17 +32,25 @@ def protect_training(run: str, command: list[str], cwd: str | None = None) -> di
         command: The training command, one list item per argument, e.g.
             ["python", "-m", "examples.tiny_lm", "--run", "demo", "--steps", "60", "--checkpoint-every", "10", "--out", "out"].
         cwd: Working directory of the command (default: the worker's).
+        heartbeat_timeout_s: A rank silent this long (per-rank heartbeats) is hung and the job is stopped.
     """
-    outcome = supervise_training(run, command, cwd)
+    outcome = supervise_training(run, command, cwd, heartbeat_timeout_s=heartbeat_timeout_s)
     checkpoint_table(run)
     if outcome["exit_code"] == 0:
         return {"run": run, "status": "finished", "last_step": outcome["last_step"]}
     incident_id = record_failure(outcome)
-    return {"run": run, "status": "crashed", "incident_id": incident_id, "last_step": outcome["last_step"]}
+    return {
+        "run": run,
+        "status": outcome["kind"],
+        "incident_id": incident_id,
+        "last_step": outcome["last_step"],
+    }
 
 
 @flow(name="recover-training")
-def recover_training(incident_id: int, max_incidents: int = 5, window_s: float = 3600.0) -> dict[str, Any]:
+def recover_training(
+    incident_id: int, max_incidents: int = 5, window_s: float = 3600.0, shrink_on_crash: bool = True
+) -> dict[str, Any]:
     """Bring a crashed job back: newest verified checkpoint, same command, watched again.
 
     Started by the automation on `rewind.failure.detected`; can also be run by hand.
@@ -49,6 +59,7 @@ def recover_training(incident_id: int, max_incidents: int = 5, window_s: float =
         incident_id: The incident the failure detector recorded.
         max_incidents: Stop recovering automatically after this many incidents of the run within `window_s`.
         window_s: The window for `max_incidents`, in seconds.
+        shrink_on_crash: Relaunch a crashed multi-rank (`--nproc N`) job on one rank fewer, resharded.
     """
     log = get_run_logger()
     flow_started = time.time()
@@ -68,7 +79,7 @@ def recover_training(incident_id: int, max_incidents: int = 5, window_s: float =
     annotate_incident(
         incident_id, load_s=load_s, restored_checkpoint_id=chosen["checkpoint_id"], replayed_steps=replayed
     )
-    rebuilt = rebuild_environment(run, incident_id, details["command"])
+    rebuilt = rebuild_environment(run, incident_id, details["command"], shrink_on_crash)
     log.info("restarting %s from step %d (replaying %d steps)", run, chosen["step"], replayed)
 
     outcome = supervise_training(

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import signal
+import tempfile
 import time
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -13,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from infra.catalog import incidents, lineage
 from infra.catalog.models import CheckpointStatus
+from infra.health.signals import Heartbeats
 from infra.launch.process import STEP_LINE, TrainingProcess
 from tasks.common import RETRY, artifact_key, catalog, emit
 from tasks.verify import verify_checkpoint
@@ -35,18 +39,24 @@ def supervise_training(
     incident_id: int | None = None,
     died_at: float | None = None,
     poll_s: float = 1.0,
+    heartbeat_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Run the job to its end; verify each checkpoint as it is committed; report how it ended.
 
-    When this is a relaunch (``incident_id`` given), the first training step
-    after restore completes the incident's timings: relaunch seconds and RTO.
+    With ``heartbeat_timeout_s``, ranks heartbeat through ``REWIND_HEARTBEAT_DIR``;
+    a rank silent for longer is hung, and the job is stopped. When this is a
+    relaunch (``incident_id`` given), the first training step after restore
+    completes the incident's timings: relaunch seconds and RTO.
     """
     log = get_run_logger()
     cat = catalog()
     run_id = lineage.ensure_run(cat, run)
     seen = {c.id for c in lineage.checkpoints(cat, run) if c.status != CheckpointStatus.COMMITTED}
     launched = time.time()
-    proc = TrainingProcess(command, cwd=cwd)
+    beats = Heartbeats(heartbeat_timeout_s) if heartbeat_timeout_s else None
+    hb_dir = Path(tempfile.mkdtemp(prefix=f"rewind-heartbeats-{run[:40]}-")) if beats else None
+    proc = TrainingProcess(command, cwd=cwd, env={"REWIND_HEARTBEAT_DIR": str(hb_dir)} if hb_dir else None)
+    hang: dict[str, Any] | None = None
     log.info("launched pid %d: %s", proc.pid, shlex.join(command))
     first_step_at: float | None = None
     last_check = 0.0
@@ -83,11 +93,19 @@ def supervise_training(
                 state = verify_checkpoint(ck.id, deep=True, return_state=True)
                 if state.is_failed():
                     log.error("checkpoint step %d failed verification: %s", ck.step, state.message)
+        if beats is not None and hb_dir is not None and alive and hang is None:
+            hang = _check_heartbeats(beats, hb_dir)
+            if hang is not None:
+                log.error("hang detected: %s; stopping the job", hang["reason"])
+                proc.kill(signal.SIGTERM, timeout=60)
+                alive = False
         if not alive:
             break
     code = proc.finish()
     ended = time.time()
     outcome = {
+        "kind": "hang" if hang else "crash",
+        "hang": hang,
         "run": run,
         "command": command,
         "cwd": cwd,
@@ -104,18 +122,45 @@ def supervise_training(
     return outcome
 
 
+def _check_heartbeats(beats: Heartbeats, hb_dir: Path) -> dict[str, Any] | None:
+    for f in hb_dir.glob("rank-*"):
+        if f.suffix == ".tmp":
+            continue
+        try:
+            hb = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        beats.beat(int(f.name.split("-")[1]), int(hb["step"]), float(hb["time"]))
+    now = time.time()
+    hung = beats.hung(now)
+    if not hung:
+        return None
+    silent = max(now - beats.last[d.rank][0] for d in hung if d.rank is not None)
+    return {
+        "ranks": [d.rank for d in hung],
+        "step": min(d.step or 0 for d in hung),
+        "silent_s": silent,
+        "timeout_s": beats.timeout_s,
+        "reason": "; ".join(d.reason for d in hung),
+    }
+
+
 @task(name="record-failure", **RETRY)
 def record_failure(outcome: dict[str, Any]) -> int:
     """One incident and one ``rewind.failure.detected`` event per abnormal end."""
     cat = catalog()
     run = outcome["run"]
     now = time.time()
+    kind = outcome.get("kind", "crash")
+    hang = outcome.get("hang")
+    reason = hang["reason"] if hang else f"training {outcome['how']} after step {outcome['last_step']}"
     incident_id = incidents.open_incident(
         cat,
         run,
-        "crash",
-        f"training {outcome['how']} after step {outcome['last_step']}",
-        detection_s=now - outcome["died_at"],
+        kind,
+        reason,
+        # a hang is detected when a rank's silence passes its timeout: measured from its last heartbeat
+        detection_s=hang["silent_s"] if hang else now - outcome["died_at"],
         details={
             "died_at": outcome["died_at"],
             "exit_code": outcome["exit_code"],
@@ -123,6 +168,7 @@ def record_failure(outcome: dict[str, Any]) -> int:
             "command": outcome["command"],
             "cwd": outcome["cwd"],
             "tail": outcome["tail"],
+            "hang": hang,
         },
     )
     died = datetime.fromtimestamp(outcome["died_at"], UTC).isoformat(timespec="milliseconds")
@@ -138,7 +184,7 @@ def record_failure(outcome: dict[str, Any]) -> int:
         run,
         {
             "incident_id": incident_id,
-            "kind": "crash",
+            "kind": kind,
             "exit_code": outcome["exit_code"],
             "last_step": outcome["last_step"],
             "died_at": outcome["died_at"],

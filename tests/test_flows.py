@@ -20,6 +20,7 @@ from prefect.events.filters import EventFilter, EventNameFilter  # noqa: E402
 from examples.tiny_lm import command as tiny_lm_cmd  # noqa: E402
 from infra.catalog import incidents, lineage  # noqa: E402
 from infra.catalog.db import Catalog  # noqa: E402
+from infra.launch.process import find_pids  # noqa: E402
 from tests.prefect_support import deployment_ids, find_pid, rewind_serve, stop_group, wait_until  # noqa: E402
 from tests.trainproc import REPO, TrainProc, assert_same_weights  # noqa: E402
 
@@ -101,6 +102,63 @@ def test_crash_is_recovered_by_the_event_driven_deployment(reference, served, fl
         f"detection {inc.detection_s:.3f}s, restore {inc.load_s:.2f}s, relaunch {inc.rebuild_s:.2f}s, "
         f"replayed {inc.replayed_steps} steps"
     )
+
+
+def test_lost_rank_is_relaunched_on_fewer_ranks_automatically(served, flow_env, run_name, tmp_path):
+    cat = Catalog()
+    command = [
+        sys.executable,
+        "-m",
+        "examples.tiny_lm_ddp",
+        "--run",
+        run_name,
+        "--steps",
+        "30",
+        "--checkpoint-every",
+        "5",
+        "--out",
+        str(tmp_path / "out"),
+        "--nproc",
+        "4",
+    ]
+    run_deployment(
+        "protect-training/protect-training",
+        parameters={"run": run_name, "command": command, "cwd": str(REPO)},
+        timeout=0,
+    )
+    run_id = wait_until(lambda: _run_id(cat, run_name), 120, "the run to appear")
+    wait_until(
+        lambda: len(lineage.restorable(cat, run_id)) >= 2, 240, "two committed checkpoints", interval=0.5
+    )
+    workers = [
+        p
+        for p in find_pids("examples.tiny_lm_ddp", f"--run {run_name} ")
+        if "torch.distributed.run" not in _cmdline(p)
+    ]
+    assert len(workers) == 4, workers
+    os.kill(workers[1], signal.SIGKILL)
+
+    def recovered():
+        incs = incidents.incidents_of(cat, run_name)
+        return incs[0] if incs and incs[0].resolved_at is not None else None
+
+    inc = wait_until(recovered, 400, "the automatic recovery on fewer ranks", interval=1)
+    assert inc.layout_before["dp"] == 4 and inc.layout_after["dp"] == 3, (inc.layout_before, inc.layout_after)
+    assert "relaunch on 3 ranks" in inc.decision
+    assert (tmp_path / "out" / "final.safetensors").exists()
+    assert inc.details["resumed_at_step"] in (5, 10, 15, 20, 25)
+    print(
+        f"\nELASTIC 4->3 ranks: detection {inc.detection_s:.3f}s, rebuild (relaunch to first step) {inc.rebuild_s:.2f}s, "
+        f"load {inc.load_s:.2f}s, replayed {inc.replayed_steps} steps, RTO {inc.rto_s:.2f}s, "
+        f"kill->flow start {inc.details['flow_start_s']:.2f}s; {inc.decision}"
+    )
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def _run_id(cat: Catalog, name: str) -> int | None:
