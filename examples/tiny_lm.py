@@ -228,6 +228,9 @@ def train(args: argparse.Namespace) -> int:
     start = 0
     if restored is not None:
         start = restored.step
+        skip_to = int(os.environ.get("REWIND_SKIP_TO_SAMPLE", "0"))
+        if skip_to > loader.consumed:
+            loader.consumed = skip_to  # set by recover-training to step over a bad data window
         print(f"rewind: resumed run {args.run} at step {start} from {restored.path}", file=sys.stderr)
 
     model.train()

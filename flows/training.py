@@ -72,18 +72,37 @@ def recover_training(
     )
     check_recovery_budget(run, max_incidents, window_s)
 
+    bad_step = details.get("bad_step")
+    anomaly = incident["kind"] in ("nan", "loss_spike") and bad_step is not None
     t0 = time.time()
-    chosen = restore_checkpoint(run)
+    if anomaly:  # go back to before the anomaly, and retire what came after it
+        chosen = restore_checkpoint(
+            run,
+            roll_back=True,
+            before_step=bad_step,
+            reason=f"after the {incident['kind']} at step {bad_step}",
+        )
+    else:
+        chosen = restore_checkpoint(run)
     load_s = time.time() - t0
     replayed = (details.get("last_step") or chosen["step"]) - chosen["step"]
     annotate_incident(
         incident_id, load_s=load_s, restored_checkpoint_id=chosen["checkpoint_id"], replayed_steps=replayed
     )
     rebuilt = rebuild_environment(run, incident_id, details["command"], shrink_on_crash)
+    env = None
+    if anomaly:  # skip the data window that produced the anomaly
+        start = chosen["data"]["consumed"]
+        skip_to = start + (bad_step - chosen["step"]) * rebuilt["global_batch"]
+        env = {"REWIND_SKIP_TO_SAMPLE": str(skip_to)}
+        annotate_incident(
+            incident_id,
+            details={"skipped_samples": [start, skip_to], "skipped_steps": [chosen["step"] + 1, bad_step]},
+        )
     log.info("restarting %s from step %d (replaying %d steps)", run, chosen["step"], replayed)
 
     outcome = supervise_training(
-        run, rebuilt["command"], details.get("cwd"), incident_id=incident_id, died_at=died_at
+        run, rebuilt["command"], details.get("cwd"), incident_id=incident_id, died_at=died_at, env=env
     )
     checkpoint_table(run)
     timeline = _timeline(run, incident_id, died_at, flow_started, load_s, chosen, outcome, replayed)

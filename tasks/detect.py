@@ -16,7 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from infra.catalog import incidents, lineage
 from infra.catalog.models import CheckpointStatus
-from infra.health.signals import Heartbeats
+from infra.health.signals import Detection, Heartbeats, LossWatch
 from infra.launch.process import STEP_LINE, TrainingProcess
 from tasks.common import RETRY, artifact_key, catalog, emit
 from tasks.verify import verify_checkpoint
@@ -40,11 +40,15 @@ def supervise_training(
     died_at: float | None = None,
     poll_s: float = 1.0,
     heartbeat_timeout_s: float | None = None,
+    loss_spike_factor: float | None = None,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """Run the job to its end; verify each checkpoint as it is committed; report how it ended.
 
     With ``heartbeat_timeout_s``, ranks heartbeat through ``REWIND_HEARTBEAT_DIR``;
-    a rank silent for longer is hung, and the job is stopped. When this is a
+    a rank silent for longer is hung, and the job is stopped. A NaN/Inf loss (or,
+    with ``loss_spike_factor``, a spike above that multiple of the running median)
+    stops it too. ``env`` adds to the job's environment. When this is a
     relaunch (``incident_id`` given), the first training step after restore
     completes the incident's timings: relaunch seconds and RTO.
     """
@@ -55,8 +59,12 @@ def supervise_training(
     launched = time.time()
     beats = Heartbeats(heartbeat_timeout_s) if heartbeat_timeout_s else None
     hb_dir = Path(tempfile.mkdtemp(prefix=f"rewind-heartbeats-{run[:40]}-")) if beats else None
-    proc = TrainingProcess(command, cwd=cwd, env={"REWIND_HEARTBEAT_DIR": str(hb_dir)} if hb_dir else None)
+    child_env = {**(env or {}), **({"REWIND_HEARTBEAT_DIR": str(hb_dir)} if hb_dir else {})}
+    proc = TrainingProcess(command, cwd=cwd, env=child_env)
     hang: dict[str, Any] | None = None
+    watch = LossWatch(spike_factor=loss_spike_factor or float("inf"))
+    anomaly: Detection | None = None
+    seen_lines = 0
     log.info("launched pid %d: %s", proc.pid, shlex.join(command))
     first_step_at: float | None = None
     last_check = 0.0
@@ -93,6 +101,15 @@ def supervise_training(
                 state = verify_checkpoint(ck.id, deep=True, return_state=True)
                 if state.is_failed():
                     log.error("checkpoint step %d failed verification: %s", ck.step, state.message)
+        for line in proc.output.lines[seen_lines:]:
+            m = STEP_LINE.match(line)
+            if m and anomaly is None:
+                anomaly = watch.observe(int(m.group(1)), float(m.group(2)))
+        seen_lines = len(proc.output.lines)
+        if anomaly is not None and alive:
+            log.error("%s; stopping the job", anomaly.reason)
+            proc.kill(signal.SIGTERM, timeout=60)
+            alive = False
         if beats is not None and hb_dir is not None and alive and hang is None:
             hang = _check_heartbeats(beats, hb_dir)
             if hang is not None:
@@ -104,8 +121,10 @@ def supervise_training(
     code = proc.finish()
     ended = time.time()
     outcome = {
-        "kind": "hang" if hang else "crash",
+        "kind": anomaly.kind if anomaly else "hang" if hang else "crash",
         "hang": hang,
+        "bad_step": anomaly.step if anomaly else None,
+        "anomaly": anomaly.reason if anomaly else None,
         "run": run,
         "command": command,
         "cwd": cwd,
@@ -153,7 +172,9 @@ def record_failure(outcome: dict[str, Any]) -> int:
     now = time.time()
     kind = outcome.get("kind", "crash")
     hang = outcome.get("hang")
-    reason = hang["reason"] if hang else f"training {outcome['how']} after step {outcome['last_step']}"
+    reason = outcome.get("anomaly") or (
+        hang["reason"] if hang else f"training {outcome['how']} after step {outcome['last_step']}"
+    )
     incident_id = incidents.open_incident(
         cat,
         run,
@@ -169,6 +190,7 @@ def record_failure(outcome: dict[str, Any]) -> int:
             "cwd": outcome["cwd"],
             "tail": outcome["tail"],
             "hang": hang,
+            "bad_step": outcome.get("bad_step"),
         },
     )
     died = datetime.fromtimestamp(outcome["died_at"], UTC).isoformat(timespec="milliseconds")
@@ -185,6 +207,7 @@ def record_failure(outcome: dict[str, Any]) -> int:
         {
             "incident_id": incident_id,
             "kind": kind,
+            "bad_step": outcome.get("bad_step"),
             "exit_code": outcome["exit_code"],
             "last_step": outcome["last_step"],
             "died_at": outcome["died_at"],

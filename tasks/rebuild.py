@@ -33,9 +33,9 @@ def rebuild_environment(
     """
     inc = incidents.get_incident(catalog(), incident_id)
     nproc = int(_flag(command, "--nproc", "1"))
+    per_rank = int(_flag(command, "--batch-size", "16"))
     old = layout.Layout(tp=1, pp=1, dp=nproc)  # a data-parallel job: TP and PP stay 1
     if nproc > 1 and shrink_on_crash and inc.kind == "crash":
-        per_rank = int(_flag(command, "--batch-size", "16"))
         lr = float(_flag(command, "--lr", "3e-3"))
         plan = layout.plan(
             nproc - 1,
@@ -53,4 +53,11 @@ def rebuild_environment(
     incidents.update_incident(
         catalog(), incident_id, decision=decision, layout_before=old.as_dict(), layout_after=after.as_dict()
     )
-    return {"run": run, "command": new_command, "layout": after.as_dict(), "decision": decision}
+    global_batch = per_rank * after.dp
+    return {
+        "run": run,
+        "command": new_command,
+        "layout": after.as_dict(),
+        "decision": decision,
+        "global_batch": global_batch,
+    }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from prefect import task
@@ -23,7 +24,11 @@ def plan_restore(run: str, step: int | None = None) -> dict[str, Any]:
 
 @task(name="restore-checkpoint", timeout_seconds=3600, **RETRY)
 def restore_checkpoint(
-    run: str, step: int | None = None, roll_back: bool = False, reason: str = ""
+    run: str,
+    step: int | None = None,
+    roll_back: bool = False,
+    reason: str = "",
+    before_step: int | None = None,
 ) -> dict[str, Any]:
     """Deep-verify candidates in plan order and pick the first good one.
 
@@ -31,7 +36,7 @@ def restore_checkpoint(
     the chosen one. A chosen step that is corrupt fails at once (not retried).
     """
     cat = catalog()
-    plan = recovery.plan(cat, run, step)
+    plan = recovery.plan(cat, run, step, before_step=before_step)
     try:
         chosen = recovery.execute(cat, plan)
     except CorruptCheckpoint as exc:  # the step the user chose is damaged
@@ -54,6 +59,7 @@ def restore_checkpoint(
         "path": chosen.path,
         "skipped": [{"step": s, "why": w} for s, w in chosen.skipped],
         "retired_checkpoint_ids": retired,
+        "data": recovery.data_position(Path(chosen.path)),
     }
     lines = [f"# Restore of `{run}`", "", f"Restore point: **step {chosen.step}** (`{chosen.path}`)", ""]
     lines += [f"- skipped step {s}: {w}" for s, w in chosen.skipped] or ["- no checkpoint skipped"]

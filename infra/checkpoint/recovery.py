@@ -6,7 +6,9 @@ that order, marks each failure corrupt, and stops at the first that passes.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
@@ -37,9 +39,12 @@ class Chosen:
     skipped: tuple[tuple[int, str], ...]  # (step, why) for each candidate that failed
 
 
-def plan(cat: Catalog, run: str, step: int | None = None) -> Plan:
+def plan(cat: Catalog, run: str, step: int | None = None, *, before_step: int | None = None) -> Plan:
+    """Candidates newest first: exactly ``step``, or any step below ``before_step`` (an anomaly), or all."""
     run_id = lineage.get_run(cat, run).id
     rows = lineage.restorable(cat, run_id)
+    if before_step is not None:
+        rows = [r for r in rows if r.step < before_step]
     if step is not None:
         rows = [r for r in rows if r.step == step]
         if not rows:
@@ -64,3 +69,10 @@ def execute(cat: Catalog, p: Plan) -> Chosen:
 def roll_back_to(cat: Catalog, run: str, chosen: Chosen, reason: str) -> list[int]:
     """Make ``chosen`` the newest restorable checkpoint of the run."""
     return lineage.supersede_after(cat, lineage.get_run(cat, run).id, chosen.step, reason)
+
+
+def data_position(directory: Path) -> dict[str, int]:
+    """The data loader position a checkpoint recorded (its ``data`` state: epoch and samples consumed)."""
+    tree = json.loads((directory / "state.json").read_text())
+    data = tree.get("data") or {}
+    return {"epoch": int(data.get("epoch", 0)), "consumed": int(data.get("consumed", 0))}
