@@ -16,6 +16,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from infra.catalog import incidents, lineage
 from infra.catalog.models import CheckpointStatus
+from infra.health import nvml
 from infra.health.signals import Detection, Heartbeats, LossWatch
 from infra.launch.process import STEP_LINE, TrainingProcess
 from tasks.common import RETRY, artifact_key, catalog, emit
@@ -42,13 +43,15 @@ def supervise_training(
     heartbeat_timeout_s: float | None = None,
     loss_spike_factor: float | None = None,
     env: dict[str, str] | None = None,
+    gpu_check_s: float | None = 30.0,
 ) -> dict[str, Any]:
     """Run the job to its end; verify each checkpoint as it is committed; report how it ended.
 
     With ``heartbeat_timeout_s``, ranks heartbeat through ``REWIND_HEARTBEAT_DIR``;
     a rank silent for longer is hung, and the job is stopped. A NaN/Inf loss (or,
     with ``loss_spike_factor``, a spike above that multiple of the running median)
-    stops it too. ``env`` adds to the job's environment. When this is a
+    stops it too, and so does an unhealthy GPU (NVML, every ``gpu_check_s``, where
+    a driver exists). ``env`` adds to the job's environment. When this is a
     relaunch (``incident_id`` given), the first training step after restore
     completes the incident's timings: relaunch seconds and RTO.
     """
@@ -65,6 +68,7 @@ def supervise_training(
     watch = LossWatch(spike_factor=loss_spike_factor or float("inf"))
     anomaly: Detection | None = None
     seen_lines = 0
+    next_gpu_check = time.monotonic() + (gpu_check_s or 0)
     log.info("launched pid %d: %s", proc.pid, shlex.join(command))
     first_step_at: float | None = None
     last_check = 0.0
@@ -106,6 +110,17 @@ def supervise_training(
             if m and anomaly is None:
                 anomaly = watch.observe(int(m.group(1)), float(m.group(2)))
         seen_lines = len(proc.output.lines)
+        if gpu_check_s and anomaly is None and alive and time.monotonic() >= next_gpu_check:
+            next_gpu_check = time.monotonic() + gpu_check_s
+            try:
+                sick = [g for g in nvml.probe() if not g.healthy]
+            except nvml.NoNvidiaDriver as exc:
+                log.info("%s: GPU health is not monitored", exc)
+                gpu_check_s = None
+                sick = []
+            if sick:
+                why = "; ".join(f"GPU {g.index} ({g.name}): {', '.join(g.problems)}" for g in sick)
+                anomaly = Detection("gpu", None, proc.output.last_step, why)
         if anomaly is not None and alive:
             log.error("%s; stopping the job", anomaly.reason)
             proc.kill(signal.SIGTERM, timeout=60)

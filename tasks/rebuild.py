@@ -35,7 +35,7 @@ def rebuild_environment(
     nproc = int(_flag(command, "--nproc", "1"))
     per_rank = int(_flag(command, "--batch-size", "16"))
     old = layout.Layout(tp=1, pp=1, dp=nproc)  # a data-parallel job: TP and PP stay 1
-    if nproc > 1 and shrink_on_crash and inc.kind == "crash":
+    if nproc > 1 and shrink_on_crash and inc.kind in ("crash", "gpu"):
         lr = float(_flag(command, "--lr", "3e-3"))
         plan = layout.plan(
             nproc - 1,
