@@ -154,13 +154,20 @@ def warmup_cosine(total: int, warmup: int):  # type: ignore[no-untyped-def]
 
 
 def command(
-    run: str, out: Path, *, steps: int = 60, every: int = 10, seed: int = 0, extra: list[str] | None = None
+    run: str,
+    out: Path,
+    *,
+    steps: int = 60,
+    every: int = 10,
+    seed: int = 0,
+    extra: list[str] | None = None,
+    module: str = "examples.tiny_lm",
 ) -> list[str]:
-    """The command line that runs this example (for supervisors, the demo and the tests)."""
+    """The command line that runs this example, or ``examples.tiny_lm_ddp`` (same contract)."""
     return [
         sys.executable,
         "-m",
-        "examples.tiny_lm",
+        module,
         "--run",
         run,
         "--steps",

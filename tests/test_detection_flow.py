@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from infra.catalog import incidents
 from infra.catalog.db import Catalog
 from tests.trainproc import REPO
+
+
+def ddp_command(run: str, out, **kw) -> list[str]:  # type: ignore[no-untyped-def]
+    from examples.tiny_lm import command
+
+    return command(run, out, module="examples.tiny_lm_ddp", **kw)
+
 
 pytestmark = pytest.mark.xdist_group("prefect")
 
@@ -21,21 +26,7 @@ def test_hung_rank_is_detected_within_its_heartbeat_timeout(
     monkeypatch.setenv("REWIND_HANG_AT_STEP", "8")
     monkeypatch.setenv("REWIND_HANG_RANK", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    command = [
-        sys.executable,
-        "-m",
-        "examples.tiny_lm_ddp",
-        "--run",
-        run_name,
-        "--steps",
-        "30",
-        "--checkpoint-every",
-        "5",
-        "--out",
-        str(tmp_path / "out"),
-        "--nproc",
-        "2",
-    ]
+    command = ddp_command(run_name, tmp_path / "out", steps=30, every=5, extra=["--nproc", "2"])
     timeout, poll = 5.0, 1.0
     result = protect_training(run_name, command, str(REPO), heartbeat_timeout_s=timeout)
     assert result["status"] == "hang", result
@@ -62,23 +53,9 @@ def test_nan_rolls_back_before_the_anomaly_and_skips_the_data_window(
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     log = tmp_path / "samples"
     log.mkdir()
-    command = [
-        sys.executable,
-        "-m",
-        "examples.tiny_lm_ddp",
-        "--run",
-        run_name,
-        "--steps",
-        "24",
-        "--checkpoint-every",
-        "5",
-        "--out",
-        str(tmp_path / "out"),
-        "--nproc",
-        "2",
-        "--sample-log",
-        str(log),
-    ]
+    command = ddp_command(
+        run_name, tmp_path / "out", steps=24, every=5, extra=["--nproc", "2", "--sample-log", str(log)]
+    )
     result = protect_training(run_name, command, str(REPO))
     assert result["status"] == "nan", result
     for f in log.glob("rank-*.log"):

@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-from examples.tiny_lm import CharDataset, corpus
+from examples.tiny_lm import CharDataset, command, corpus
 from infra.launch.process import TrainingProcess, find_pids
 from infra.training.data import epoch_order
 
@@ -19,25 +18,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def ddp_cmd(run: str, out: Path, nproc: int, log: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "examples.tiny_lm_ddp",
-        "--run",
+    return command(
         run,
-        "--steps",
-        "30",
-        "--checkpoint-every",
-        "5",
-        "--seed",
-        "0",
-        "--out",
-        str(out),
-        "--nproc",
-        str(nproc),
-        "--sample-log",
-        str(log),
-    ]
+        out,
+        steps=30,
+        every=5,
+        extra=["--nproc", str(nproc), "--sample-log", str(log)],
+        module="examples.tiny_lm_ddp",
+    )
 
 
 def test_lost_rank_relaunch_on_three_resumes_resharded(rewind_env, run_name, tmp_path):

@@ -106,21 +106,9 @@ def test_crash_is_recovered_by_the_event_driven_deployment(reference, served, fl
 
 def test_lost_rank_is_relaunched_on_fewer_ranks_automatically(served, flow_env, run_name, tmp_path):
     cat = Catalog()
-    command = [
-        sys.executable,
-        "-m",
-        "examples.tiny_lm_ddp",
-        "--run",
-        run_name,
-        "--steps",
-        "30",
-        "--checkpoint-every",
-        "5",
-        "--out",
-        str(tmp_path / "out"),
-        "--nproc",
-        "4",
-    ]
+    command = tiny_lm_cmd(
+        run_name, tmp_path / "out", steps=30, every=5, extra=["--nproc", "4"], module="examples.tiny_lm_ddp"
+    )
     run_deployment(
         "protect-training/protect-training",
         parameters={"run": run_name, "command": command, "cwd": str(REPO)},

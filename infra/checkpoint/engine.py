@@ -144,7 +144,7 @@ class Checkpointer:
         self, step: int, trees: dict[str, Any], staged: Staged, metrics: dict[str, float], stall: float
     ) -> SaveResult:
         """Write, fsync, manifest, rename, then catalog commit. ``stall`` is a start time in sync mode."""
-        self._make_room(step)
+        make_room(self.catalog, self.run_id, self.run_dir, step)
         final = store.step_dir(self.run_dir, step)
         env = environment()
         ck_id = lineage.begin(
@@ -189,23 +189,6 @@ class Checkpointer:
             stall,
         )
         return result
-
-    def _make_room(self, step: int) -> None:
-        """A new save at a step that already has a live checkpoint supersedes it (a replayed timeline)."""
-        old = lineage.live_at(self.catalog, self.run_id, step)
-        final = store.step_dir(self.run_dir, step)
-        if old is not None:
-            lineage.transition(
-                self.catalog,
-                old.id,
-                (S.WRITING, S.COMMITTED, S.VERIFIED),
-                S.ABORTED if old.status == S.WRITING else S.SUPERSEDED,
-                f"superseded by a new save at step {step}",
-            )
-        if final.exists():
-            moved = store.quarantine(final, "superseded")
-            if old is not None:
-                lineage.set_path(self.catalog, old.id, str(moved))
 
     # -- restore --------------------------------------------------------------
 
@@ -290,3 +273,21 @@ class Checkpointer:
                 store.quarantine(final, "uncommitted")
             lineage.transition(self.catalog, ck.id, (S.WRITING,), S.ABORTED, "writer died before commit")
             log.info("checkpoint step %d was never committed (writer died); discarded", ck.step)
+
+
+def make_room(cat: Catalog, run_id: int, run_dir: Path, step: int) -> None:
+    """A new save at a step that already has a live checkpoint supersedes it (a replayed timeline)."""
+    old = lineage.live_at(cat, run_id, step)
+    final = store.step_dir(run_dir, step)
+    if old is not None:
+        lineage.transition(
+            cat,
+            old.id,
+            (S.WRITING, S.COMMITTED, S.VERIFIED),
+            S.ABORTED if old.status == S.WRITING else S.SUPERSEDED,
+            f"superseded by a new save at step {step}",
+        )
+    if final.exists():
+        moved = store.quarantine(final, "superseded")
+        if old is not None:
+            lineage.set_path(cat, old.id, str(moved))

@@ -172,18 +172,10 @@ class ShardedCheckpointer:
 
         ck_id = None
         if self.catalog is not None:
-            old = lineage.live_at(self.catalog, self.run_id, step)
-            if old is not None:
-                lineage.transition(
-                    self.catalog,
-                    old.id,
-                    (S.WRITING, S.COMMITTED, S.VERIFIED),
-                    S.SUPERSEDED,
-                    f"superseded at step {step}",
-                )
+            from infra.checkpoint.engine import make_room
+
+            make_room(self.catalog, self.run_id, self.run_dir, step)
             final = store.step_dir(self.run_dir, step)
-            if final.exists():
-                store.quarantine(final, "superseded")
             ck_id = lineage.begin(
                 self.catalog,
                 self.run_id,
