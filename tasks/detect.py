@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import signal
 import tempfile
 import time
@@ -135,6 +136,8 @@ def supervise_training(
             break
     code = proc.finish()
     ended = time.time()
+    if hb_dir is not None:
+        shutil.rmtree(hb_dir, ignore_errors=True)
     outcome = {
         "kind": anomaly.kind if anomaly else "hang" if hang else "crash",
         "hang": hang,
