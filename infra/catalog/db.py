@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from alembic import command
 from alembic.config import Config
@@ -16,7 +17,9 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError, Programm
 from sqlalchemy.orm import Session, sessionmaker
 
 from infra import config
-from infra.errors import CatalogUnavailable, ConfigError
+from infra.errors import CatalogUnavailable, ConfigError, NotFoundError
+
+T = TypeVar("T")
 
 MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 _MIGRATION_LOCK = 0x52455749  # "REWI": serialises concurrent `db upgrade` on Postgres
@@ -84,6 +87,14 @@ class Catalog:
             first = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
             return CatalogUnavailable(f"catalog {self.safe_url} is unreachable: {first}")
         return exc
+
+    def get(self, model: type[T], key: int, what: str) -> T:
+        """One row by primary key; ``NotFoundError`` naming ``what`` when there is none."""
+        with self.session() as s:
+            row = s.get(model, key)
+        if row is None:
+            raise NotFoundError(f"no {what} with id {key}")
+        return row
 
     # -- migrations -------------------------------------------------------------
 

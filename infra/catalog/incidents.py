@@ -40,11 +40,7 @@ def update_incident(
 
 
 def get_incident(cat: Catalog, incident_id: int) -> Incident:
-    with cat.session() as s:
-        inc = s.get(Incident, incident_id)
-    if inc is None:
-        raise NotFoundError(f"no incident {incident_id}")
-    return inc
+    return cat.get(Incident, incident_id, "incident")
 
 
 def incidents_of(cat: Catalog, run: str) -> list[Incident]:

@@ -232,11 +232,7 @@ def iso(ts: datetime | None) -> str | None:
 
 
 def get_checkpoint(cat: Catalog, checkpoint_id: int) -> Checkpoint:
-    with cat.session() as s:
-        ck = s.get(Checkpoint, checkpoint_id)
-    if ck is None:
-        raise NotFoundError(f"no checkpoint with id {checkpoint_id}")
-    return ck
+    return cat.get(Checkpoint, checkpoint_id, "checkpoint")
 
 
 def supersede_after(cat: Catalog, run_id: int, step: int, reason: str) -> list[int]:
@@ -258,11 +254,7 @@ def supersede_after(cat: Catalog, run_id: int, step: int, reason: str) -> list[i
 
 
 def get_run_by_id(cat: Catalog, run_id: int) -> Run:
-    with cat.session() as s:
-        run = s.get(Run, run_id)
-    if run is None:
-        raise NotFoundError(f"no run with id {run_id}")
-    return run
+    return cat.get(Run, run_id, "run")
 
 
 def record_replica(

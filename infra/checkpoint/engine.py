@@ -15,11 +15,12 @@ against the manifest before anything is loaded, marks what fails as corrupt
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -144,29 +145,26 @@ class Checkpointer:
         self, step: int, trees: dict[str, Any], staged: Staged, metrics: dict[str, float], stall: float
     ) -> SaveResult:
         """Write, fsync, manifest, rename, then catalog commit. ``stall`` is a start time in sync mode."""
-        make_room(self.catalog, self.run_id, self.run_dir, step)
-        final = store.step_dir(self.run_dir, step)
         env = environment()
-        ck_id = lineage.begin(
+        with recorded_save(
             self.catalog,
             self.run_id,
+            self.run_dir,
             step,
-            str(final),
             parent_id=self._parent_id,
             layout=self.layout,
             environment=env,
-        )
-        draft = mf.Manifest(
-            run=self.run,
-            step=step,
-            files=(),
-            parent_step=self._parent_step,
-            created_at=datetime.now(UTC).isoformat(),
-            layout=self.layout,
-            environment=env,
-            metrics=metrics,
-        )
-        try:
+        ) as (ck_id, final):
+            draft = mf.Manifest(
+                run=self.run,
+                step=step,
+                files=(),
+                parent_step=self._parent_step,
+                created_at=datetime.now(UTC).isoformat(),
+                layout=self.layout,
+                environment=env,
+                metrics=metrics,
+            )
             staged.ready()
             _, manifest = store.write_checkpoint(
                 self.run_dir, draft, payload.file_writers(trees, staged.parts)
@@ -175,9 +173,6 @@ class Checkpointer:
             if self.mode is SaveMode.SYNC:
                 stall = time.perf_counter() - stall
             lineage.commit(self.catalog, ck_id, manifest, stall_s=stall, uri=str(final))
-        except BaseException as exc:
-            lineage.transition(self.catalog, ck_id, (S.WRITING,), S.ABORTED, f"save failed: {exc}"[:2000])
-            raise
         self._parent_id, self._parent_step = ck_id, step
         result = SaveResult(step, ck_id, str(final), manifest.total_bytes, stall, manifest.digest())
         self.last_saved = result
@@ -275,8 +270,21 @@ class Checkpointer:
             log.info("checkpoint step %d was never committed (writer died); discarded", ck.step)
 
 
-def make_room(cat: Catalog, run_id: int, run_dir: Path, step: int) -> None:
-    """A new save at a step that already has a live checkpoint supersedes it (a replayed timeline)."""
+@contextlib.contextmanager
+def recorded_save(
+    cat: Catalog,
+    run_id: int,
+    run_dir: Path,
+    step: int,
+    *,
+    parent_id: int | None,
+    layout: dict,
+    environment: dict,
+) -> Iterator[tuple[int, Path]]:
+    """The catalog side of one save: a ``writing`` row for the body to commit, ``aborted`` if it raises.
+
+    A live checkpoint already at this step is superseded first (a replayed timeline).
+    """
     old = lineage.live_at(cat, run_id, step)
     final = store.step_dir(run_dir, step)
     if old is not None:
@@ -291,3 +299,11 @@ def make_room(cat: Catalog, run_id: int, run_dir: Path, step: int) -> None:
         moved = store.quarantine(final, "superseded")
         if old is not None:
             lineage.set_path(cat, old.id, str(moved))
+    ck_id = lineage.begin(
+        cat, run_id, step, str(final), parent_id=parent_id, layout=layout, environment=environment
+    )
+    try:
+        yield ck_id, final
+    except BaseException as exc:
+        lineage.transition(cat, ck_id, (S.WRITING,), S.ABORTED, f"save failed: {exc}"[:2000])
+        raise

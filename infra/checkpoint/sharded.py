@@ -14,6 +14,7 @@ the manifest: only bytes Rewind wrote are ever unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from datetime import UTC, datetime
@@ -23,8 +24,13 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from infra.catalog import lineage
+from infra.catalog.db import Catalog
+from infra.catalog.models import CheckpointStatus as S
 from infra.checkpoint import manifest as mf
 from infra.checkpoint import store, tree
+from infra.checkpoint.audit import record_corrupt
+from infra.checkpoint.engine import recorded_save
 from infra.checkpoint.state import environment
 from infra.checkpoint.verify import Finding, Problem, verify_directory
 from infra.digest import hash_file
@@ -147,9 +153,6 @@ class ShardedCheckpointer:
     """
 
     def __init__(self, run: str, *, root: Path, catalog: Any = None) -> None:
-        from infra.catalog import lineage
-        from infra.catalog.db import Catalog
-
         self.run = run
         self.run_dir = Path(root).expanduser().resolve() / run
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -167,42 +170,30 @@ class ShardedCheckpointer:
         rank_state: dict[str, Any],
         metrics: dict[str, float] | None = None,
     ) -> None:
-        from infra.catalog import lineage
-        from infra.catalog.models import CheckpointStatus as S
-
-        ck_id = None
-        if self.catalog is not None:
-            from infra.checkpoint.engine import make_room
-
-            make_room(self.catalog, self.run_id, self.run_dir, step)
-            final = store.step_dir(self.run_dir, step)
-            ck_id = lineage.begin(
+        recording = (
+            recorded_save(
                 self.catalog,
                 self.run_id,
+                self.run_dir,
                 step,
-                str(final),
                 parent_id=self._parent_id,
                 layout=layout_of(self.world),
                 environment=environment(),
             )
-        try:
+            if self.catalog is not None
+            else contextlib.nullcontext((None, None))
+        )
+        with recording as (ck_id, _):
             final = save(
                 self.run_dir, self.run, step, state, rank_state, layout=layout_of(self.world), metrics=metrics
             )
-        except BaseException as exc:
-            if self.catalog is not None and ck_id is not None:
-                lineage.transition(self.catalog, ck_id, (S.WRITING,), S.ABORTED, f"save failed: {exc}"[:2000])
-            raise
-        if self.catalog is not None and ck_id is not None:
-            lineage.commit(self.catalog, ck_id, mf.read(final), stall_s=None, uri=str(final))
-            self._parent_id = ck_id
+            if self.catalog is not None:
+                lineage.commit(self.catalog, ck_id, mf.read(final), stall_s=None, uri=str(final))
+                self._parent_id = ck_id
         dist.barrier()  # no rank goes on before the checkpoint is committed
 
     def restore_latest(self, state: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
         """(step, restored tree, this rank's state) of the newest checkpoint that verifies, or None."""
-        from infra.catalog import lineage
-        from infra.checkpoint.audit import record_corrupt
-
         box: list[Any] = [None]
         if self.catalog is not None:
             box[0] = [(c.id, c.step, c.path) for c in lineage.restorable(self.catalog, self.run_id)]
@@ -215,8 +206,6 @@ class ShardedCheckpointer:
                     record_corrupt(self.catalog, lineage.get_checkpoint(self.catalog, ck_id), exc.findings)
                 continue
             if self.catalog is not None:
-                from infra.catalog.models import CheckpointStatus as S
-
                 lineage.transition(self.catalog, ck_id, (S.COMMITTED,), S.VERIFIED)
                 self._parent_id = ck_id
             return step, restored, mine
