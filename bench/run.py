@@ -193,7 +193,7 @@ def bench_restore(work: Path, gib: float, repeat: int) -> dict[str, float]:
 
 
 def bench_training(work: Path, steps: int) -> dict[str, float]:
-    from examples.tiny_lm import TinyLM
+    from examples.tiny_lm_model import TinyLM
 
     torch.manual_seed(0)
     torch.set_num_threads(os.cpu_count() or 1)

@@ -34,7 +34,8 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn import functional as F
 
-from examples.tiny_lm import CharDataset, TinyLM, corpus, parser, warmup_cosine
+from examples.tiny_lm import parser, warmup_cosine
+from examples.tiny_lm_model import CharDataset, TinyLM, corpus
 from infra import config
 from infra.checkpoint.sharded import ShardedCheckpointer
 from infra.training.data import ResumableLoader

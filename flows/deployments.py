@@ -10,6 +10,7 @@ from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 
 from flows.maintenance import replicate_offsite, restore_checkpoint_flow, verify_checkpoints
+from flows.serving import deploy_model, rollback_model, rollout_model
 from flows.training import protect_training, recover_training
 
 FAILURE_EVENT = "rewind.failure.detected"
@@ -41,6 +42,9 @@ def build(
             name="verify-checkpoints", interval=scrub_every, tags=["rewind", "scrub"]
         ),
         restore_checkpoint_flow.to_deployment(name="restore-checkpoint", tags=["rewind", "restore"]),
+        deploy_model.to_deployment(name="deploy-model", tags=["rewind", "serving"]),
+        rollout_model.to_deployment(name="rollout-model", tags=["rewind", "serving"]),
+        rollback_model.to_deployment(name="rollback-model", tags=["rewind", "serving"]),
         replicate_offsite.to_deployment(
             name="replicate-offsite",
             interval=replicate_every,

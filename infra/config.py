@@ -20,3 +20,8 @@ def catalog_url() -> str:
 
 def checkpoint_root() -> Path:
     return Path(os.environ.get("REWIND_CHECKPOINT_ROOT") or home() / "checkpoints").expanduser()
+
+
+def serving_home() -> Path:
+    """Where `rewind serving start` keeps the serving stack: configs, key file, model store, logs."""
+    return Path(os.environ.get("REWIND_SERVING_HOME") or home() / "serving").expanduser()

@@ -40,3 +40,7 @@ class CorruptCheckpoint(RewindError):
 
 class NoRestorableCheckpoint(NotFoundError):
     """No checkpoint of a run passed verification."""
+
+
+class ServingUnavailable(TransientError):
+    """The model server or the proxy in front of it cannot be reached right now."""

@@ -1,7 +1,7 @@
 """Retention that follows lineage: which checkpoints a policy keeps, and removing the rest safely.
 
 Never removed: the newest restorable checkpoint, anything pinned, anything being
-restored, anything the policy keeps. Removal takes the catalog reference away first (a guarded status
+restored, anything a serving version points at, anything the policy keeps. Removal takes the catalog reference away first (a guarded status
 change, so a concurrent restore that already chose the checkpoint keeps its
 row), then the bytes: on every tier the manifest goes first, so a half-deleted
 copy is never mistaken for a checkpoint.
@@ -14,7 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.catalog import lineage
+from infra.catalog import lineage, serving
 from infra.catalog.db import Catalog
 from infra.catalog.models import CheckpointStatus
 from infra.checkpoint import manifest as mf
@@ -65,6 +65,7 @@ def plan(cat: Catalog, run: str, policy: Policy) -> GcPlan:
     live = lineage.restorable(cat, lineage.get_run(cat, run).id)  # newest first
     keep = {c.id for c in live[: policy.keep_last]}
     keep |= {c.id for c in live if c.pinned}
+    keep |= {c.id for c in live} & serving.protected_checkpoints(cat)
     keep |= {c.id for c in live if any(r.status == "restoring" for r in lineage.replicas_of(cat, c.id))}
     by_every = [c for c in live if policy.keep_every and c.step % policy.keep_every == 0 and c.id not in keep]
     if policy.byte_budget is not None:

@@ -92,6 +92,16 @@ def emit(
     emit_event(event=event, resource=run_resource(run), related=related, payload={"run": run, **payload})
 
 
+def emit_for_model(event: str, model: str, payload: dict[str, Any]) -> None:
+    """Emit a Rewind serving event about a model (primary resource ``rewind.model.<name>``)."""
+    resource = {
+        "prefect.resource.id": f"rewind.model.{model}",
+        "prefect.resource.name": model,
+        "prefect.resource.role": "model",
+    }
+    emit_event(event=event, resource=resource, payload={"model": model, **payload})
+
+
 def artifact_key(*parts: object) -> str:
     """Artifact keys allow lowercase letters, digits and dashes only."""
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(str(p) for p in parts).lower()).strip("-")[:200]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from infra.launch.process import find_pids
+from infra.launch.process import stop_group as stop_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -50,13 +50,7 @@ def rewind_serve(api_url: str, env: dict[str, str], *extra: str) -> Iterator[sub
 
 
 def stop_group(proc: subprocess.Popen, timeout: float = 20) -> None:
-    """SIGTERM a process group started with start_new_session; SIGKILL it after a bounded wait."""
-    os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
+    stop_process_group(proc.pid, timeout_s=timeout)
 
 
 def deployment_ids(client: Any, names: list[str]) -> dict[str, Any]:

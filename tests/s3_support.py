@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,9 @@ from pathlib import Path
 
 import boto3
 from botocore.config import Config
+
+from infra.launch.process import stop_group
+from infra.net import free_port
 
 ACCESS_KEY, SECRET_KEY = "rewind-test", "rewind-test-secret"
 _PORT_FLAGS = [
@@ -29,12 +31,6 @@ _PORT_FLAGS = [
     "admin.port",
     "admin.port.grpc",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def weed_binary() -> str:
@@ -108,12 +104,7 @@ class SeaweedS3:
     def stop(self, timeout: float = 20) -> None:
         if self.proc is None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
+        stop_group(self.proc.pid, timeout_s=timeout)
         self.proc = None
 
     def kill(self) -> None:

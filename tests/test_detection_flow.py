@@ -42,7 +42,7 @@ def test_nan_rolls_back_before_the_anomaly_and_skips_the_data_window(
 ):
     import json
 
-    from examples.tiny_lm import CharDataset, corpus
+    from examples.tiny_lm_model import CharDataset, corpus
     from flows.training import protect_training, recover_training
     from infra.catalog import lineage
     from infra.training.data import epoch_order

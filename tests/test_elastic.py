@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from examples.tiny_lm import CharDataset, command, corpus
+from examples.tiny_lm import command
+from examples.tiny_lm_model import CharDataset, corpus
 from infra.launch.process import TrainingProcess, find_pids
 from infra.training.data import epoch_order
 

@@ -218,11 +218,9 @@ def test_transient_fault_is_retried_and_corruption_is_not(served, flow_env, run_
 
 def test_schedules_have_upcoming_runs_on_a_real_server(flow_env, tmp_path):
     """Cron/interval schedules need the scheduler service: a `prefect server start`, not the harness."""
-    import socket
+    from infra.net import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     home = tmp_path / "prefect-home"
     env = {
         **os.environ,

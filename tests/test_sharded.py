@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from infra.checkpoint.verify import verify_directory
-from tests.s3_support import free_port
+from infra.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -224,7 +224,7 @@ def test_bad_targets_fail_clearly_and_record_nothing(
     elif case == "missing_bucket":
         uri = "s3://no-such-bucket/x"
     else:
-        from tests.s3_support import free_port
+        from infra.net import free_port
 
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     capsys.readouterr()

@@ -22,6 +22,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    UniqueConstraint,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -157,3 +158,92 @@ class Incident(Base):
     rto_s: Mapped[float | None] = mapped_column(Float)
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)
     resolved_at: Mapped[datetime | None]
+
+
+class VersionState(StrEnum):
+    EXPORTED = "exported"  # archive built, not loaded
+    LOADED = "loaded"  # loaded next to the stable version, no traffic yet
+    CANARY = "canary"  # taking a share of traffic under gates
+    STABLE = "stable"  # takes all traffic; one per model
+    PREVIOUS = "previous"  # the stable version before the last promotion, kept loaded until the bake ends
+    RETIRED = "retired"  # was stable once, unloaded: a known-good rollback target
+    ROLLED_BACK = "rolled_back"  # failed its gates (or was rolled back by hand) and was unloaded
+    FAILED = "failed"  # could not be loaded
+
+
+_STABLE_SQL = "state = 'stable'"
+
+
+class ServingVersion(Base):
+    """One model version in serving, with the training checkpoint it came from."""
+
+    __tablename__ = "serving_version"
+    __table_args__ = (
+        UniqueConstraint("model", "version"),
+        Index(
+            "uq_serving_version_stable",
+            "model",
+            unique=True,
+            postgresql_where=text(_STABLE_SQL),
+            sqlite_where=text(_STABLE_SQL),
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(String(63))
+    version: Mapped[str] = mapped_column(String(63))
+    checkpoint_id: Mapped[int | None] = mapped_column(
+        ForeignKey("checkpoint.id", ondelete="SET NULL"), index=True
+    )
+    # Copied from the checkpoint so the lineage survives the checkpoint's deletion.
+    run: Mapped[str] = mapped_column(String(200))
+    step: Mapped[int] = mapped_column(BigInteger)
+    manifest_digest: Mapped[str] = mapped_column(String(64))
+    artifact_uri: Mapped[str] = mapped_column(Text)
+    artifact_digest: Mapped[str] = mapped_column(String(64))
+    artifact_bytes: Mapped[int] = mapped_column(BigInteger)
+    state: Mapped[str] = mapped_column(String(16), default=VersionState.EXPORTED.value)
+    weight: Mapped[int] = mapped_column(Integer, default=0)
+    was_stable: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    loaded_at: Mapped[datetime | None]
+    promoted_at: Mapped[datetime | None]
+    unloaded_at: Mapped[datetime | None]
+
+
+class Rollout(Base):
+    """One change of what serves a model: a deploy, a gated rollout or a rollback."""
+
+    __tablename__ = "rollout"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    model: Mapped[str] = mapped_column(String(63), index=True)
+    kind: Mapped[str] = mapped_column(String(16))  # deploy | rollout | rollback
+    from_version: Mapped[str | None] = mapped_column(String(63))
+    to_version: Mapped[str] = mapped_column(String(63))
+    state: Mapped[str] = mapped_column(
+        String(16), default="running"
+    )  # running | promoted | rolled_back | failed | done
+    triggered_by: Mapped[str] = mapped_column(Text)
+    params: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    reason: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    decided_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    switch_s: Mapped[float | None] = mapped_column(Float)
+
+
+class RolloutStep(Base):
+    """One entry of a rollout's timeline: weights set, a gate evaluated, a version loaded or unloaded."""
+
+    __tablename__ = "rollout_step"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("rollout.id", ondelete="CASCADE"), index=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    action: Mapped[str] = mapped_column(String(32))
+    actor: Mapped[str] = mapped_column(String(200))
+    weights: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    gates: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    passed: Mapped[bool | None] = mapped_column(Boolean)
+    detail: Mapped[str | None] = mapped_column(Text)

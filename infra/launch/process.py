@@ -7,6 +7,7 @@ supervisor knows how far the job got when it died.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -132,3 +133,24 @@ def find_pids(*needles: str) -> list[int]:
         if all(n in cmdline for n in needles):
             found.append(int(entry.name))
     return found
+
+
+def stop_group(pid: int, *, timeout_s: float = 20) -> None:
+    """SIGTERM a process group started with ``start_new_session``; SIGKILL it after a bounded wait.
+
+    Works for a group this process did not start (a server started by an earlier CLI call).
+    """
+    for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)  # reap our own child, or it lingers as a zombie
+            try:
+                os.killpg(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)

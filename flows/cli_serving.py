@@ -1,0 +1,208 @@
+"""`rewind serving ...`: start the stack, deploy, roll out, roll back, and show where versions came from."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+Emit = Callable[..., None]
+
+
+def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+    from flows.cli import _table as table
+
+    return table(rows, cols)
+
+
+def cmd_start(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+    from infra.serving import stack
+
+    st = stack.start(inference_port=args.port)
+    out = {**st.endpoints.as_dict(), "key_file": str(st.endpoints.key_file), "pid": st.pid}
+    emit(args, out, lambda: f"TorchServe up: inference {out['inference']}, management {out['management']}\n"
+                            f"keys in {out['key_file']} (token auth on); proxies start per model on deploy")  # fmt: skip
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+    from infra.serving import stack
+
+    stack.stop()
+    print("serving stack stopped")
+    return 0
+
+
+def _rollout_text(out: dict[str, Any]) -> str:
+    line = f"{out.get('state')}: version {out.get('version')}"
+    if out.get("reason"):
+        line += f" ({out['reason']})"
+    if out.get("switch_s") is not None:
+        line += f"; traffic switched {out['switch_s'] * 1000:.1f} ms after the decision"
+    return line
+
+
+def cmd_deploy(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+    from flows.serving import deploy_model
+
+    out = deploy_model(args.model, args.run, args.step, version=args.version, handler=args.handler,
+                       extra_files=args.extra_file, triggered_by=args.by)  # fmt: skip
+    emit(args, out, lambda: f"{args.model} {out['version']} loaded from {args.run}@{args.step}; "
+                            f"stable: {out['stable']}")  # fmt: skip
+    return 0
+
+
+def cmd_rollout(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+    from flows.serving import rollout_model
+    from infra.errors import ConfigError
+
+    try:
+        steps = [int(x) for x in args.steps.split(",")]
+    except ValueError:
+        raise ConfigError(f"--steps takes percentages like 10,50,100, got {args.steps!r}") from None
+    out = rollout_model(
+        args.model, args.run, args.step, traffic_steps=steps, bake_s=args.bake, checks_per_step=args.checks,
+        max_error_rate=args.max_error_rate, max_p95_latency_ms=args.max_p95_ms, min_quality=args.min_quality,
+        probe_set=args.probe_set, failure_limit=args.failure_limit, version=args.version, handler=args.handler,
+        extra_files=args.extra_file, triggered_by=args.by,
+    )  # fmt: skip
+    emit(args, out, lambda: _rollout_text(out))
+    return 0 if out["state"] == "promoted" else 1
+
+
+def cmd_rollback(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+    from flows.serving import rollback_model
+
+    out = rollback_model(args.model, to_version=args.to, reason=args.reason, triggered_by=args.by)
+    emit(args, out, lambda: _rollout_text(out))
+    return 0
+
+
+def cmd_status(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+    from infra.catalog import serving as sv
+    from infra.serving import stack
+    from infra.serving.backend import TorchServeBackend
+
+    rows = sv.versions(catalog(), args.model, sv.LOADED)
+    b = TorchServeBackend(stack.load())
+    try:
+        live = b.traffic(args.model)
+        endpoint = b.endpoint(args.model) if live else None
+        out = {
+            "model": args.model,
+            "endpoint": f"{endpoint}/predictions/{args.model}" if endpoint else None,
+            "versions": [
+                {
+                    "version": r.version,
+                    "state": r.state,
+                    "weight": live.get(r.version, r.weight),
+                    "healthy": b.health(args.model, r.version).ok,
+                    "run": r.run,
+                    "step": r.step,
+                }
+                for r in rows
+            ],
+        }
+    finally:
+        b.close()
+    emit(args, out, lambda: f"{args.model} at {out['endpoint']}\n"
+                            + _table(out["versions"], ["version", "state", "weight", "healthy", "run", "step"]))  # fmt: skip
+    return 0
+
+
+def cmd_history(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+    from infra.catalog import serving as sv
+
+    cat = catalog()
+    versions = [
+        {
+            "version": r.version,
+            "state": r.state,
+            "run": r.run,
+            "step": r.step,
+            "manifest_digest": r.manifest_digest,
+            "artifact_digest": r.artifact_digest,
+            "created_at": r.created_at.isoformat(timespec="seconds"),
+            "promoted_at": r.promoted_at.isoformat(timespec="seconds") if r.promoted_at else None,
+        }
+        for r in sv.versions(cat, args.model)
+    ]
+    changes = [
+        {
+            "id": r.id,
+            "kind": r.kind,
+            "from": r.from_version,
+            "to": r.to_version,
+            "state": r.state,
+            "triggered_by": r.triggered_by,
+            "reason": r.reason,
+            "switch_ms": round(r.switch_s * 1000, 1) if r.switch_s is not None else None,
+            "started_at": r.started_at.isoformat(timespec="seconds"),
+        }
+        for r in sv.rollouts(cat, args.model)
+    ]
+    out = {"model": args.model, "versions": versions, "rollouts": changes}
+    emit(args, out, lambda: _table(versions, ["version", "state", "run", "step", "manifest_digest", "promoted_at"])
+         + "\n\n" + _table(changes, ["id", "kind", "from", "to", "state", "switch_ms", "triggered_by", "reason"]))  # fmt: skip
+    return 0
+
+
+def _artifact_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model")
+    p.add_argument("--run", required=True, help="the training run the checkpoint belongs to")
+    p.add_argument("--step", type=int, required=True, help="a verified checkpoint of that run")
+    p.add_argument("--version", help="version name (default: the next number)")
+    p.add_argument("--handler", help="TorchServe handler file (default: the tiny LM example's)")
+    p.add_argument("--extra-file", action="append", help="file the handler needs (repeatable)")
+    p.add_argument("--by", help="who triggered this, for the record (default: your user name)")
+
+
+def register(
+    sub: Any,
+    add: Callable[..., argparse.ArgumentParser],
+    wrap: Callable[[Callable[..., int]], Callable[[argparse.Namespace], int]],
+) -> None:
+    sv = sub.add_parser("serving", help="model serving: deploy, canary, roll back").add_subparsers(
+        dest="serving_command", required=True, metavar="ACTION"
+    )
+    start = add(sv, "start", wrap(cmd_start), "start TorchServe on 127.0.0.1 (token auth on)", json_flag=True)
+    start.add_argument("--port", type=int, help="inference port (default: a free one)")
+    add(sv, "stop", wrap(cmd_stop), "stop the proxies and the TorchServe that `start` started")
+    _artifact_options(
+        add(sv, "deploy", wrap(cmd_deploy), "export a verified checkpoint and load it", json_flag=True)
+    )
+    ro = add(
+        sv,
+        "rollout",
+        wrap(cmd_rollout),
+        "canary a checkpoint under gates; promote or roll back",
+        json_flag=True,
+    )
+    _artifact_options(ro)
+    ro.add_argument("--steps", default="10,50,100", help="traffic percentages (default 10,50,100)")
+    ro.add_argument("--bake", type=float, default=60.0, help="seconds per step")
+    ro.add_argument("--checks", type=int, default=1, help="gate checks per step")
+    ro.add_argument("--max-error-rate", type=float, default=0.05)
+    ro.add_argument("--max-p95-ms", type=float, default=1000.0)
+    ro.add_argument("--min-quality", type=float, help="share of probes answered right (needs --probe-set)")
+    ro.add_argument("--probe-set", help="JSON lines {input, expected}")
+    ro.add_argument(
+        "--failure-limit", type=int, default=0, help="failed checks tolerated before rolling back"
+    )
+    rb = add(
+        sv, "rollback", wrap(cmd_rollback), "all traffic back to a known-good version, now", json_flag=True
+    )
+    rb.add_argument("model")
+    rb.add_argument("--to", help="version (default: the previous stable one)")
+    rb.add_argument("--reason", default="manual rollback")
+    rb.add_argument("--by", help="who triggered this, for the record")
+    st = add(sv, "status", wrap(cmd_status), "loaded versions, live weights, health", json_flag=True)
+    st.add_argument("model")
+    hi = add(
+        sv,
+        "history",
+        wrap(cmd_history),
+        "every version with its run, step and manifest digest",
+        json_flag=True,
+    )
+    hi.add_argument("model")

@@ -1,0 +1,212 @@
+"""Serving flows: deploy a model version, roll it out under gates, roll back in one weight change.
+
+The flow owns the rollout loop (traffic steps, bake windows, gates, failure
+limit); the backend only loads versions and sets weights. The previous stable
+version stays loaded through the whole rollout, so every rollback is a routing
+change, measured from the flow's decision to the proxy taking the new weights.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import time
+from typing import Any
+
+from prefect import flow
+from prefect.runtime import deployment, flow_run
+
+from infra.errors import ConfigError
+from infra.serving.gates import Gates
+from tasks.serving import (
+    deploy_version,
+    finish_rollout,
+    open_rollout,
+    promote_version,
+    rollback_target,
+    serving_state,
+    shift_traffic,
+    still_running,
+    switch_back,
+    unload_version,
+    watch_canary,
+)
+
+
+def _actor(triggered_by: str | None) -> str:
+    """Who started this: the caller's word, else the Prefect deployment/automation, else the OS user."""
+    if triggered_by:
+        return triggered_by
+    if deployment.name:
+        return f"deployment {deployment.name} (flow run {flow_run.name})"
+    return f"user {os.environ.get('USER') or getpass.getuser()}"
+
+
+def _check_steps(steps: list[int]) -> list[int]:
+    ok = steps and all(0 < s <= 100 for s in steps) and steps == sorted(set(steps)) and steps[-1] == 100
+    if not ok:
+        raise ConfigError(f"traffic_steps must rise strictly within 1-100 and end at 100, got {steps}")
+    return steps
+
+
+@flow(name="deploy-model")
+def deploy_model(
+    model: str,
+    run: str,
+    step: int,
+    version: str | None = None,
+    handler: str | None = None,
+    extra_files: list[str] | None = None,
+    triggered_by: str | None = None,
+) -> dict[str, Any]:
+    """Export a verified checkpoint and load it. The model's first version takes all traffic at once;
+    a later one waits, loaded at weight 0, for `rollout-model`."""
+    actor = _actor(triggered_by)
+    loaded = deploy_version(model, run, step, version=version, handler=handler, extra_files=extra_files)
+    try:
+        stable = serving_state(model)["stable"]
+    except Exception:
+        stable = None
+    v = loaded["version"]
+    rid = open_rollout(
+        model,
+        "deploy",
+        v,
+        from_version=stable,
+        triggered_by=actor,
+        params={"run": run, "step": step},
+        load=loaded,
+    )
+    if stable is None:
+        promote_version(model, v, rid, actor)
+    finish_rollout(rid, "promoted" if stable is None else "done")
+    return {**loaded, "stable": v if stable is None else stable, "rollout_id": rid}
+
+
+@flow(name="rollout-model")
+def rollout_model(
+    model: str,
+    run: str,
+    step: int,
+    traffic_steps: list[int] = [10, 50, 100],  # noqa: B006 (Prefect parameters are copied per run)
+    bake_s: float = 60.0,
+    checks_per_step: int = 1,
+    max_error_rate: float = 0.05,
+    max_p95_latency_ms: float = 1000.0,
+    min_quality: float | None = None,
+    probe_set: str | None = None,
+    failure_limit: int = 0,
+    version: str | None = None,
+    handler: str | None = None,
+    extra_files: list[str] | None = None,
+    triggered_by: str | None = None,
+) -> dict[str, Any]:
+    """Canary a checkpoint of `run` at `step` against the stable version of `model`.
+
+    Traffic goes through `traffic_steps` percent; each step bakes `bake_s` seconds,
+    judged `checks_per_step` times on error rate (real traffic and probes), p95
+    latency and, with a JSONL `probe_set`, quality. More than `failure_limit`
+    failed checks roll back to the stable version at once and emit
+    `rewind.rollout.rolled_back`; passing every step promotes the canary and
+    unloads the old version.
+    """
+    _check_steps(traffic_steps)
+    gate_values = {
+        "max_error_rate": max_error_rate,
+        "max_p95_latency_ms": max_p95_latency_ms,
+        "min_quality": min_quality,
+    }
+    Gates(**gate_values)  # bad thresholds fail here, before anything is loaded
+    if min_quality is not None and not probe_set:
+        raise ConfigError("min_quality needs a probe_set (JSON lines of input and expected output)")
+    if checks_per_step < 1 or failure_limit < 0 or bake_s <= 0:
+        raise ConfigError("checks_per_step >= 1, failure_limit >= 0 and bake_s > 0 are required")
+    actor = _actor(triggered_by)
+    stable = serving_state(model)["stable"]
+    if stable is None:
+        raise ConfigError(f"{model} has no stable version to canary against; deploy its first version")
+    loaded = deploy_version(model, run, step, version=version, handler=handler, extra_files=extra_files)
+    new = loaded["version"]
+    if new == stable:
+        raise ConfigError(f"{model} {new} ({run}@{step}) is already the stable version")
+    params = {
+        "run": run,
+        "step": step,
+        "traffic_steps": traffic_steps,
+        "bake_s": bake_s,
+        "checks_per_step": checks_per_step,
+        "failure_limit": failure_limit,
+        "probe_set": probe_set,
+        **gate_values,
+    }
+    rid = open_rollout(
+        model, "rollout", new, from_version=stable, triggered_by=actor, params=params, load=loaded
+    )
+
+    failures = 0
+    for pct in traffic_steps:
+        shift_traffic(model, {new: pct, stable: 100 - pct}, rid, actor)
+        for _ in range(checks_per_step):
+            verdict = watch_canary(model, new, rid, bake_s / checks_per_step, gate_values, probe_set)
+            if not still_running(rid):  # a manual rollback took over meanwhile
+                return {"rollout_id": rid, "state": "interrupted", "version": new}
+            if verdict["passed"]:
+                continue
+            failures += 1
+            if failures > failure_limit:
+                reason = f"gates failed at {pct}%: " + "; ".join(verdict["reasons"])
+                decided = time.time()
+                switched = switch_back(model, stable, rid, actor="gates", reason=reason, decided_at=decided)
+                unload_version(model, new, rid, "rolled_back", "gates")
+                finish_rollout(rid, "rolled_back", reason, decided, switched["switch_s"])
+                return {
+                    "rollout_id": rid,
+                    "state": "rolled_back",
+                    "version": new,
+                    "stable": stable,
+                    "reason": reason,
+                    "switch_s": switched["switch_s"],
+                    "failures": failures,
+                }
+    promote_version(model, new, rid, actor)
+    unload_version(model, stable, rid, "retired", actor)  # after the 100% bake, as promised
+    finish_rollout(rid, "promoted")
+    return {"rollout_id": rid, "state": "promoted", "version": new, "previous": stable, "failures": failures}
+
+
+@flow(name="rollback-model")
+def rollback_model(
+    model: str,
+    to_version: str | None = None,
+    reason: str = "manual rollback",
+    triggered_by: str | None = None,
+) -> dict[str, Any]:
+    """Send all traffic back to a known-good version of `model` (default: the previous stable one).
+
+    No gates: the target already served all traffic. When it is still loaded (within a
+    rollout, or until the bake after a promotion ends) this is one weight change;
+    otherwise it is loaded first. Any rollout in progress stops.
+    """
+    actor = _actor(triggered_by)
+    target = rollback_target(model, to_version)
+    v = target["version"]
+    rid = open_rollout(
+        model, "rollback", v, from_version=target["current"], triggered_by=actor, params={"reason": reason}
+    )
+    if not target["loaded"]:
+        deploy_version(model, target["run"], target["step"], version=v)
+    serving = serving_state(model)["loaded"]  # taking traffic now: what is rolled back
+    decided = time.time()
+    switched = switch_back(model, v, rid, actor=actor, reason=reason, decided_at=decided)
+    for other, state in serving.items():
+        if other != v and state in ("canary", "stable"):
+            unload_version(model, other, rid, "rolled_back", actor)
+    finish_rollout(rid, "rolled_back", reason, decided, switched["switch_s"])
+    return {
+        "rollout_id": rid,
+        "state": "rolled_back",
+        "version": v,
+        "from": target["current"],
+        "switch_s": switched["switch_s"],
+        "decided_at": decided,
+    }

@@ -1,0 +1,127 @@
+"""The serving backend: loads versions, routes traffic, reports health. It decides nothing.
+
+The rollout loop (steps, bake time, gates, failure limit) belongs to the Prefect
+flow; a backend only does what it is told, as Argo Rollouts and Flagger split
+the work. :class:`TorchServeBackend` is the first one: TorchServe loads the
+versions and HAProxy splits the traffic between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+from infra.errors import ConfigError, NotFoundError, RewindError
+from infra.serving.haproxy import ServerStats
+from infra.serving.stack import Stack
+from infra.serving.torchserve import TorchServe
+
+
+@dataclass(frozen=True, slots=True)
+class Health:
+    loaded: bool
+    ready_workers: int
+    routed: bool  # the proxy has a server for it
+
+    @property
+    def ok(self) -> bool:
+        return self.loaded and self.ready_workers > 0 and self.routed
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    status: int
+    body: bytes
+    version: str | None  # which version answered, when the endpoint says
+    latency_s: float
+
+
+class Backend(Protocol):
+    def deploy(self, model: str, version: str, archive: str) -> None: ...
+    def set_traffic(self, model: str, weights: dict[str, int]) -> None: ...
+    def traffic(self, model: str) -> dict[str, int]: ...
+    def counters(self, model: str) -> dict[str, ServerStats]: ...
+    def health(self, model: str, version: str) -> Health: ...
+    def predict(self, model: str, payload: bytes, version: str | None = None) -> Prediction: ...
+    def undeploy(self, model: str, version: str) -> None: ...
+    def endpoint(self, model: str) -> str: ...
+
+
+def check_weights(weights: dict[str, int]) -> None:
+    if not weights or any(not 0 <= w <= 100 for w in weights.values()) or sum(weights.values()) != 100:
+        raise ConfigError(f"traffic weights must be 0-100 and add up to 100, got {weights}")
+
+
+class TorchServeBackend:
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.ts = TorchServe(stack.endpoints)
+
+    def close(self) -> None:
+        self.ts.close()
+
+    def endpoint(self, model: str) -> str:
+        return self.stack.proxy(model).url
+
+    def _proxy(self, model: str):  # type: ignore[no-untyped-def]
+        proxy = self.stack.proxy(model)
+        proxy.start(self.stack.endpoints.inference.removeprefix("http://"))
+        return proxy
+
+    def loaded(self, model: str) -> list[str]:
+        return [str(v["modelVersion"]) for v in self.ts.describe(model)]
+
+    def deploy(self, model: str, version: str, archive: str) -> None:
+        """Load the archive and give it a proxy server at weight 0; undone if any part fails."""
+        fresh = version not in self.loaded(model)
+        if fresh:
+            self.ts.register(archive)
+        try:
+            self._proxy(model).add(version, 0)
+        except RewindError:
+            if fresh:
+                self.ts.unregister(model, version)
+            raise
+
+    def set_traffic(self, model: str, weights: dict[str, int]) -> None:
+        check_weights(weights)
+        loaded = set(self.loaded(model))
+        missing = [v for v in weights if v not in loaded]
+        if missing:
+            raise NotFoundError(f"{model} versions {missing} are not loaded in TorchServe")
+        proxy = self._proxy(model)
+        present = proxy.stats()
+        for v in weights:
+            if v not in present:
+                proxy.add(v, 0)  # a restarted proxy: put the loaded versions back
+        proxy.set_weights(weights)
+        full = [v for v, w in weights.items() if w == 100]
+        if full:
+            self.ts.set_default(model, full[0])  # direct TorchServe clients follow too
+
+    def traffic(self, model: str) -> dict[str, int]:
+        return {v: s.weight for v, s in self.counters(model).items()}
+
+    def counters(self, model: str) -> dict[str, ServerStats]:
+        proxy = self.stack.proxy(model)
+        return proxy.stats() if proxy.running() else {}
+
+    def health(self, model: str, version: str) -> Health:
+        rows = [v for v in self.ts.describe(model) if str(v["modelVersion"]) == version]
+        ready = sum(1 for w in (rows[0].get("workers", []) if rows else []) if w.get("status") == "READY")
+        return Health(bool(rows), ready, version in self.counters(model))
+
+    def predict(self, model: str, payload: bytes, version: str | None = None) -> Prediction:
+        started = time.perf_counter()
+        r = self.ts.predict(model, version, payload)
+        return Prediction(r.status_code, r.content, version, time.perf_counter() - started)
+
+    def undeploy(self, model: str, version: str) -> None:
+        """Drain and remove the version's proxy server, then unload it from TorchServe."""
+        proxy = self.stack.proxy(model)
+        if proxy.running():
+            proxy.remove(version)
+        with contextlib.suppress(NotFoundError):  # already unloaded
+            self.ts.unregister(model, version)

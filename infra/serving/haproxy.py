@@ -1,0 +1,215 @@
+"""HAProxy in front of one model's versions: fractional traffic, changed live through the runtime API.
+
+One HAProxy per model. Its ``versions`` backend has one server per loaded version,
+named after the version, all pointing at an internal ``router`` listener; HAProxy
+sends the chosen server's name in a header and the router appends it to the path,
+so ``/predictions/<model>`` reaches TorchServe's ``/predictions/<model>/<version>``.
+Weights are server weights: ``set server ... weight`` takes effect for the next
+request with no reload, and the previous version stays loaded behind weight 0.
+Every server is added at run time (``add server``), so every one can be removed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.errors import ConfigError, ServingUnavailable
+from infra.launch.process import stop_group
+from infra.net import LOOPBACK, free_port
+
+BACKEND = "versions"
+VERSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def render(*, port: int, router_port: int, upstream: str, socket_path: Path) -> str:
+    """The whole configuration; the servers come later, through the runtime API."""
+    return f"""# Written by Rewind; weights change through the runtime API at {socket_path}, never by editing this.
+global
+    stats socket {socket_path} mode 600 level admin
+    maxconn 4096
+
+defaults
+    mode http
+    timeout connect 2s
+    timeout client 60s
+    timeout server 60s
+    timeout http-keep-alive 10s
+    option redispatch
+    retries 2
+
+frontend model
+    bind {LOOPBACK}:{port}
+    default_backend {BACKEND}
+
+backend {BACKEND}
+    balance roundrobin
+    http-send-name-header x-rewind-version
+    http-response set-header x-rewind-version %[srv_name]
+
+listen router
+    bind {LOOPBACK}:{router_port}
+    http-request set-path %[path]/%[req.hdr(x-rewind-version)] if {{ path_reg ^/predictions/[^/]+$ }}
+    server torchserve {upstream}
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    weight: int
+    responses: int  # every HTTP response the version gave, 1xx-5xx
+    errors: int  # 5xx answers plus failed connections and responses
+    current: int  # requests in flight now
+
+
+class Proxy:
+    """The HAProxy of one model, kept in ``directory`` (config, socket, pid, ports)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.socket = directory / "admin.sock"
+        self.state_file = directory / "proxy.json"
+
+    # -- lifecycle ------------------------------------------------------------------
+
+    def state(self) -> dict[str, int | str] | None:
+        try:
+            return json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            return None
+
+    @property
+    def url(self) -> str:
+        st = self.state()
+        if st is None:
+            raise ConfigError(f"no proxy in {self.directory}")
+        return f"http://{LOOPBACK}:{st['port']}"
+
+    def running(self) -> bool:
+        if self.state() is None or not self.socket.exists():
+            return False
+        try:
+            self.command("show info")
+        except ServingUnavailable:
+            return False
+        return True
+
+    def start(self, upstream: str, *, port: int | None = None, timeout_s: float = 20) -> str:
+        """Start HAProxy (daemonised, its own session) unless it already runs; returns its URL."""
+        if self.running():
+            return self.url
+        binary = shutil.which("haproxy")
+        if binary is None:
+            raise ConfigError("haproxy is not installed (Debian/Ubuntu: apt-get install haproxy)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.socket.unlink(missing_ok=True)
+        port, router_port = port or free_port(), free_port()
+        config = self.directory / "haproxy.cfg"
+        config.write_text(
+            render(port=port, router_port=router_port, upstream=upstream, socket_path=self.socket)
+        )
+        check = subprocess.run([binary, "-c", "-q", "-f", str(config)], capture_output=True, text=True)
+        if check.returncode != 0:
+            raise ConfigError(f"haproxy rejected {config}: {check.stderr.strip() or check.stdout.strip()}")
+        pid_file = self.directory / "haproxy.pid"
+        with open(self.directory / "haproxy.out", "ab") as out:
+            subprocess.run(
+                [binary, "-D", "-f", str(config), "-p", str(pid_file)],
+                stdout=out, stderr=subprocess.STDOUT, check=True, start_new_session=True, timeout=timeout_s,
+            )  # fmt: skip
+        pid = int(pid_file.read_text().split()[0])
+        self.state_file.write_text(json.dumps({"port": port, "router_port": router_port, "pid": pid}))
+        deadline = time.monotonic() + timeout_s
+        while not self.running():
+            if time.monotonic() > deadline:
+                raise ServingUnavailable(
+                    f"HAProxy in {self.directory} did not open its socket in {timeout_s}s"
+                )
+            time.sleep(0.05)
+        return self.url
+
+    def stop(self) -> None:
+        st = self.state()
+        if st is not None:
+            stop_group(int(st["pid"]), timeout_s=10)
+            self.state_file.unlink(missing_ok=True)
+
+    # -- runtime API -----------------------------------------------------------------
+
+    def command(self, line: str, *, timeout_s: float = 5) -> str:
+        """One runtime API command; HAProxy answers and closes the connection."""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                s.settimeout(timeout_s)
+                s.connect(str(self.socket))
+                s.sendall(line.encode() + b"\n")
+                chunks = []
+                while chunk := s.recv(65536):
+                    chunks.append(chunk)
+        except OSError as exc:
+            raise ServingUnavailable(f"HAProxy runtime API at {self.socket} is unreachable: {exc}") from exc
+        answer = b"".join(chunks).decode()
+        refused = ("unknown command", "no such", "error", "require", "not found", "cannot", "invalid")
+        if not line.startswith("show ") and any(word in answer.lower() for word in refused):
+            raise ServingUnavailable(f"HAProxy refused {line.split()[0:3]}: {answer.strip()}")
+        return answer
+
+    def add(self, version: str, upstream_weight: int = 0) -> None:
+        """Add a version's server (weight 0 unless told) and put it in service."""
+        if not VERSION_NAME.match(version):
+            raise ConfigError(f"version {version!r}: use letters, digits, '.', '_' or '-'")
+        if version in self.stats():
+            return
+        router = self._router()
+        self.command(f"add server {BACKEND}/{version} {router} weight {upstream_weight}")
+        self.command(f"enable server {BACKEND}/{version}")
+
+    def set_weights(self, weights: dict[str, int]) -> None:
+        """Raise weights before lowering others, so no moment has every server at 0."""
+        order = sorted(weights.items(), key=lambda kv: -kv[1])
+        for version, weight in order:
+            self.command(f"set server {BACKEND}/{version} weight {int(weight)}")
+
+    def remove(self, version: str, *, drain_s: float = 30) -> None:
+        """Take a version out: weight 0, wait (bounded) for its requests to finish, then delete it."""
+        if version not in self.stats():
+            return
+        self.command(f"set server {BACKEND}/{version} weight 0")
+        deadline = time.monotonic() + drain_s
+        while self.stats()[version].current and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.command(f"disable server {BACKEND}/{version}")
+        self.command(f"del server {BACKEND}/{version}")
+
+    def stats(self) -> dict[str, ServerStats]:
+        """Per version: weight and cumulative response/error counters since it was added."""
+        raw = self.command("show stat").lstrip("# ")
+        out = {}
+        for row in csv.DictReader(raw.splitlines()):
+            if row.get("pxname") != BACKEND or row.get("svname") in ("BACKEND", "FRONTEND"):
+                continue
+
+            def n(field: str, row: dict[str, str] = row) -> int:
+                return int(row.get(field) or 0)
+
+            responses = sum(n(f"hrsp_{k}xx") for k in range(1, 6)) + n("hrsp_other")
+            out[row["svname"]] = ServerStats(
+                weight=n("weight"),
+                responses=responses,
+                errors=n("hrsp_5xx") + n("econ") + n("eresp"),
+                current=n("scur"),
+            )
+        return out
+
+    def _router(self) -> str:
+        st = self.state()
+        if st is None:
+            raise ConfigError(f"no proxy in {self.directory}")
+        return f"{LOOPBACK}:{st['router_port']}"

@@ -1,0 +1,65 @@
+"""Load for serving tests: concurrent requests through the proxy, each recorded with the version that answered."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    started: float  # epoch seconds
+    ended: float
+    status: int  # 0: no HTTP answer at all
+    version: str | None
+
+
+@dataclass
+class Load:
+    """``workers`` threads posting to ``url`` until stopped; bounded by ``max_s`` whatever happens."""
+
+    url: str
+    key: str
+    workers: int = 4
+    max_s: float = 120.0
+    samples: list[Sample] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._loop, daemon=True) for _ in range(self.workers)]
+
+    def _loop(self) -> None:
+        deadline = time.monotonic() + self.max_s
+        headers = {"Authorization": f"Bearer {self.key}"}
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                t0 = time.time()
+                try:
+                    r = client.post(self.url, content=b"the model learns to pred", headers=headers)
+                    s = Sample(t0, time.time(), r.status_code, r.headers.get("x-rewind-version"))
+                except httpx.HTTPError:
+                    s = Sample(t0, time.time(), 0, None)
+                with self._lock:
+                    self.samples.append(s)
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=60)
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self.samples)
+
+    @property
+    def failed(self) -> list[Sample]:
+        return [s for s in self.samples if s.status != 200]

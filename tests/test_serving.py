@@ -1,0 +1,283 @@
+"""Serving rollouts against real TorchServe and HAProxy on loopback, Postgres and a Prefect server.
+
+The tests run in file order on one worker and share one stack: the stable version
+each test starts from is the one the previous test left.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.xdist_group("prefect")
+
+from examples.tiny_lm_model import TinyLM, alphabet, probes  # noqa: E402
+from infra.catalog import lineage  # noqa: E402
+from infra.catalog import serving as sv  # noqa: E402
+from infra.catalog.db import Catalog  # noqa: E402
+from infra.checkpoint.audit import verify_recorded  # noqa: E402
+from infra.errors import ConfigError, NotFoundError, ServingUnavailable  # noqa: E402
+from tests.serving_support import Load  # noqa: E402
+from tests.trainproc import REPO, run_to_end  # noqa: E402
+
+MODEL = "tiny"
+PROBES = str(REPO / "examples" / "tiny_lm_probes.jsonl")
+FLAKY = str(REPO / "tests" / "serving_files" / "flaky_handler.py")
+HANDLER_FILES = [str(REPO / "examples" / "tiny_lm_handler.py"), str(REPO / "examples" / "tiny_lm_model.py")]
+
+
+def _accuracy(weights: dict[str, torch.Tensor]) -> float:
+    model = TinyLM(len(alphabet()), weights["pos"].shape[1], dropout=0.0)
+    model.load_state_dict(weights)
+    model.eval()
+    index = {c: i for i, c in enumerate(alphabet())}
+    right = 0
+    with torch.no_grad():
+        for p in probes():
+            logits = model(torch.tensor([[index[c] for c in p["input"]]]))
+            right += alphabet()[int(logits[0, -1].argmax())] == p["expected"]
+    return right / len(probes())
+
+
+@pytest.fixture(scope="module")
+def stack_env(pg_url, tmp_path_factory, prefect_api):
+    """A trained run (verified at 60, 90, 120; 30 left unverified), a damaged copy, and a running stack."""
+    from infra.checkpoint import manifest as mf
+    from infra.checkpoint import payload
+    from infra.checkpoint.engine import Checkpointer
+    from infra.serving import stack
+
+    home = tmp_path_factory.mktemp("serving")
+    env = {
+        "REWIND_HOME": str(home),
+        "REWIND_CATALOG_URL": pg_url,
+        "REWIND_CHECKPOINT_ROOT": str(home / "ckpt"),
+        "REWIND_SERVING_HOME": str(home / "serving"),
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        mp.delenv("REWIND_FAULT", raising=False)
+        rc, out = run_to_end(
+            "lm", home / "out", env=env, steps=120, every=30, extra=["--lr", "0.01", "--batch-size", "32"]
+        )
+        assert rc == 0, out.text
+        cat = Catalog()
+        for ck in lineage.checkpoints(cat, "lm"):
+            if ck.step != 30:
+                assert verify_recorded(cat, ck, deep=True).ok
+        # The same weights with the embedding rows shuffled: loads fine, answers wrong.
+        (good,) = [c for c in lineage.checkpoints(cat, "lm", 90)]
+        weights = payload.read_states(Path(good.path), mf.read(Path(good.path)))["model"]
+        model = TinyLM(len(alphabet()), weights["pos"].shape[1])
+        model.load_state_dict(weights)
+        with torch.no_grad():
+            perm = torch.randperm(len(alphabet()), generator=torch.Generator().manual_seed(1))
+            model.tok.weight.copy_(model.tok.weight[perm])
+        damaged = Checkpointer("lm-damaged", states={"model": model}, catalog=cat)
+        damaged.save(90)
+        damaged.close()
+        (bad,) = lineage.checkpoints(cat, "lm-damaged", 90)
+        assert verify_recorded(cat, bad, deep=True).ok  # intact bytes: only the model is wrong
+        # The premise of the quality gate: the canaries meant to pass answer far better than the damaged one.
+        (later,) = [c for c in lineage.checkpoints(cat, "lm", 120)]
+        good_q = min(
+            _accuracy(weights),
+            _accuracy(payload.read_states(Path(later.path), mf.read(Path(later.path)))["model"]),
+        )
+        bad_q = _accuracy(dict(model.state_dict()))
+        assert good_q >= 0.2 and bad_q < good_q / 2, (good_q, bad_q)
+        st = stack.start()
+        try:
+            yield {"env": env, "cat": cat, "stack": st, "min_quality": round(good_q / 2, 3)}
+        finally:
+            stack.stop()
+
+
+def _key(st) -> str:  # type: ignore[no-untyped-def]
+    return json.loads(st.endpoints.key_file.read_text())["inference"]["key"]
+
+
+def _traffic(st) -> dict[str, int]:  # type: ignore[no-untyped-def]
+    return {v: s.weight for v, s in st.proxy(MODEL).stats().items()}
+
+
+def _loaded(st) -> list[str]:  # type: ignore[no-untyped-def]
+    from infra.serving.torchserve import TorchServe
+
+    ts = TorchServe(st.endpoints)
+    try:
+        return sorted(str(v["modelVersion"]) for v in ts.describe(MODEL))
+    finally:
+        ts.close()
+
+
+def _gates(stack_env, **kw):  # type: ignore[no-untyped-def]
+    return {"max_error_rate": 0.05, "max_p95_latency_ms": 5000, "min_quality": stack_env["min_quality"],
+            "probe_set": PROBES, **kw}  # fmt: skip
+
+
+def test_first_deploy_takes_all_traffic(stack_env):
+    from flows.serving import deploy_model
+
+    st = stack_env["stack"]
+    out = deploy_model(MODEL, "lm", 60, triggered_by="test")
+    assert out["version"] == "1" and out["stable"] == "1"
+    assert _traffic(st) == {"1": 100}
+    with Load(st.proxy(MODEL).url + f"/predictions/{MODEL}", _key(st), workers=2) as load:
+        _wait(lambda: load.count() >= 20, "20 answers")
+    assert not load.failed and {s.version for s in load.samples} == {"1"}
+
+
+def test_flaky_version_is_rolled_back_by_the_error_rate_gate(stack_env):
+    from flows.serving import rollout_model
+
+    st = stack_env["stack"]
+    with Load(st.proxy(MODEL).url + f"/predictions/{MODEL}", _key(st), workers=2):
+        out = rollout_model(MODEL, "lm", 90, traffic_steps=[50, 100], bake_s=2.0, version="flaky",
+                            handler=FLAKY, extra_files=HANDLER_FILES, triggered_by="test", **_gates(stack_env))  # fmt: skip
+    assert out["state"] == "rolled_back" and "error rate" in out["reason"], out
+    assert _traffic(st) == {"1": 100}
+    assert _loaded(st) == ["1"]
+    assert sv.get_version(stack_env["cat"], MODEL, "flaky").state == "rolled_back"
+    _assert_event("rewind.rollout.rolled_back", out["rollout_id"])
+
+
+def test_damaged_weights_are_rolled_back_by_the_quality_gate(stack_env):
+    from flows.serving import rollout_model
+
+    st = stack_env["stack"]
+    out = rollout_model(MODEL, "lm-damaged", 90, traffic_steps=[50, 100], bake_s=1.0, triggered_by="test",
+                        **_gates(stack_env))  # fmt: skip
+    assert out["state"] == "rolled_back" and "quality" in out["reason"], out
+    assert "error rate" not in out["reason"]  # it answered every request, just wrongly
+    assert _traffic(st) == {"1": 100} and _loaded(st) == ["1"]
+
+
+def test_manual_rollback_under_load_fails_no_request(stack_env):
+    """A rollback in the middle of a canary: one weight change, measured from the flow's decision."""
+    import threading
+
+    from flows.serving import rollback_model, rollout_model
+
+    st, cat = stack_env["stack"], stack_env["cat"]
+    result: dict = {}
+    canary = threading.Thread(
+        target=lambda: result.update(rollout_model(MODEL, "lm", 90, traffic_steps=[50, 100], bake_s=6.0,
+                                                   checks_per_step=3, triggered_by="test", **_gates(stack_env))),
+        daemon=True,
+    )  # fmt: skip
+    with Load(st.proxy(MODEL).url + f"/predictions/{MODEL}", _key(st), workers=4) as load:
+        canary.start()
+        new = _wait(
+            lambda: next((v for v, w in _traffic(st).items() if v != "1" and w == 50), None), "50% canary"
+        )
+        _wait(lambda: sum(s.version == new for s in load.samples) >= 10, "canary answers")
+        out = rollback_model(MODEL, reason="operator saw bad outputs", triggered_by="test")
+        settle = load.count()
+        _wait(lambda: load.count() >= settle + 40, "40 answers after the rollback")
+    canary.join(timeout=60)
+    assert not canary.is_alive() and result["state"] == "interrupted"
+    decided = out["decided_at"]
+    late = [s for s in load.samples if s.version == new and s.started > decided]
+    on_old_after = max((s.started for s in late), default=decided) - decided
+    print(f"\nrollback: weights switched {out['switch_s'] * 1000:.1f} ms after the decision; last request to "
+          f"{new} started {on_old_after * 1000:.1f} ms after it; {len(load.samples)} requests, "
+          f"{len(load.failed)} failed")  # fmt: skip
+    assert load.failed == []
+    assert on_old_after < 1.0 and out["switch_s"] < 1.0
+    assert all(s.version == "1" for s in load.samples if s.started > decided + on_old_after)
+    assert _traffic(st) == {"1": 100} and _loaded(st) == ["1"]
+    assert sv.get_version(cat, MODEL, new).state == "rolled_back"
+
+
+def test_good_version_is_promoted_and_the_old_one_unloaded(stack_env):
+    from flows.serving import rollout_model
+
+    st = stack_env["stack"]
+    with Load(st.proxy(MODEL).url + f"/predictions/{MODEL}", _key(st), workers=2) as load:
+        out = rollout_model(MODEL, "lm", 120, traffic_steps=[10, 50, 100], bake_s=1.0, triggered_by="test",
+                            **_gates(stack_env))  # fmt: skip
+    assert out["state"] == "promoted", out
+    new = out["version"]
+    assert _traffic(st) == {new: 100} and _loaded(st) == [new]
+    assert sv.get_version(stack_env["cat"], MODEL, "1").state == "retired"
+    assert not load.failed
+    steps = sv.steps_of(stack_env["cat"], out["rollout_id"])
+    assert [s.weights for s in steps if s.action == "set_traffic"] == [
+        {new: 10, "1": 90},
+        {new: 50, "1": 50},
+        {new: 100, "1": 0},
+    ]
+    assert [s.passed for s in steps if s.action == "gate"] == [True, True, True]
+
+
+def test_history_traces_every_version_to_its_checkpoint(stack_env, capsys):
+    from flows.cli import main
+
+    cat = stack_env["cat"]
+    assert main(["serving", "history", MODEL, "--json"]) == 0
+    history = json.loads(capsys.readouterr().out)
+    for v in history["versions"]:
+        (ck,) = [c for c in lineage.checkpoints(cat, v["run"], v["step"]) if c.status == "verified"]
+        assert v["manifest_digest"] == ck.manifest_digest
+    served = {v["version"]: (v["run"], v["step"]) for v in history["versions"] if v["promoted_at"]}
+    assert served == {"1": ("lm", 60), history["rollouts"][-1]["to"]: ("lm", 120)}
+    kinds = [(r["kind"], r["state"]) for r in history["rollouts"]]
+    assert kinds == [("deploy", "promoted"), ("rollout", "rolled_back"), ("rollout", "rolled_back"),
+                     ("rollout", "rolled_back"), ("rollback", "rolled_back"), ("rollout", "promoted")]  # fmt: skip
+
+
+def test_bad_input_fails_clearly_and_deploys_nothing(stack_env, tmp_path, monkeypatch, capsys):
+    from flows.cli import main
+    from flows.serving import deploy_model, rollout_model
+
+    cat = stack_env["cat"]
+    before = len(sv.versions(cat, MODEL))
+    store = stack_env["stack"].endpoints.model_store
+    archives = sorted(store.glob("*.mar"))
+
+    assert main(["serving", "rollout", "nope", "--run", "lm", "--step", "90"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "rewind: error: unknown model 'nope': nothing was ever deployed under that name"
+    with pytest.raises(ConfigError, match=r"lm@30 is committed, not verified"):
+        rollout_model(MODEL, "lm", 30, bake_s=1.0, **_gates(stack_env))
+    with pytest.raises(NotFoundError, match="no checkpoint at step 45"):
+        rollout_model(MODEL, "lm", 45, bake_s=1.0, **_gates(stack_env))
+
+    # TorchServe down: a stack description whose server is gone.
+    dead = tmp_path / "dead"
+    dead.mkdir()
+    (dead / "stack.json").write_text(json.dumps({"inference": "http://127.0.0.1:9", "management": "http://127.0.0.1:9",
+                                                 "directory": str(dead)}))  # fmt: skip
+    (dead / "key_file.json").write_text(json.dumps({"inference": {"key": "x"}, "management": {"key": "y"}}))
+    monkeypatch.setenv("REWIND_SERVING_HOME", str(dead))
+    with pytest.raises(ServingUnavailable, match="does not answer /ping"):
+        deploy_model(MODEL, "lm", 90)
+    assert len(sv.versions(cat, MODEL)) == before and sorted(store.glob("*.mar")) == archives
+    assert not list(dead.glob("**/*.mar"))
+
+
+def _wait(probe, what: str, timeout: float = 60):  # type: ignore[no-untyped-def]
+    from tests.prefect_support import wait_until
+
+    return wait_until(probe, timeout, what, interval=0.05)
+
+
+def _assert_event(name: str, rollout_id: int) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter
+
+    from tests.prefect_support import wait_until
+
+    with get_client(sync_client=True) as client:
+
+        def found():  # type: ignore[no-untyped-def]
+            page = client.read_events(EventFilter(event=EventNameFilter(name=[name])), limit=50)
+            return [e for e in page.events if e.payload.get("rollout_id") == rollout_id]
+
+        (event,) = wait_until(found, 30, name)
+    assert event.resource.id == f"rewind.model.{MODEL}"
