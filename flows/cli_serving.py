@@ -17,11 +17,20 @@ def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
 
 def cmd_start(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
     from infra.serving import stack
+    from infra.serving.backend import TorchServeBackend
+    from infra.serving.restart import reload_stable
 
     st = stack.start(inference_port=args.port)
-    out = {**st.endpoints.as_dict(), "key_file": str(st.endpoints.key_file), "pid": st.pid}
+    b = TorchServeBackend(st)
+    try:
+        reloaded = reload_stable(catalog(), b)
+    finally:
+        b.close()
+    out = {**st.endpoints.as_dict(), "key_file": str(st.endpoints.key_file), "pid": st.pid,
+           "reloaded": [f"{m} {v}" for m, v in reloaded]}  # fmt: skip
     emit(args, out, lambda: f"TorchServe up: inference {out['inference']}, management {out['management']}\n"
-                            f"keys in {out['key_file']} (token auth on); proxies start per model on deploy")  # fmt: skip
+                            f"keys in {out['key_file']} (token auth on); stable versions loaded again: "
+                            f"{', '.join(out['reloaded']) or 'none'}")  # fmt: skip
     return 0
 
 

@@ -8,6 +8,7 @@ change, measured from the flow's decision to the proxy taking the new weights.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import time
@@ -143,6 +144,39 @@ def rollout_model(
         model, "rollout", new, from_version=stable, triggered_by=actor, params=params, load=loaded
     )
 
+    try:
+        ended = _walk(model, new, stable, rid, actor, traffic_steps, bake_s, checks_per_step, failure_limit,
+                      gate_values, probe_set)  # fmt: skip
+    except Exception as exc:
+        # Whatever broke (a task out of retries, a dead proxy), the stable version gets the traffic back
+        # and the record is closed, so nothing is left half-rolled-out.
+        reason = f"rollout failed: {type(exc).__name__}: {exc}"[:2000]
+        with contextlib.suppress(Exception):
+            switch_back(model, stable, rid, actor="rollout-model", reason=reason, decided_at=time.time())
+        finish_rollout(rid, "failed", reason)
+        raise
+    if ended is not None:
+        return ended
+    promote_version(model, new, rid, actor)
+    unload_version(model, stable, rid, "retired", actor)  # after the 100% bake, as promised
+    finish_rollout(rid, "promoted")
+    return {"rollout_id": rid, "state": "promoted", "version": new, "previous": stable}
+
+
+def _walk(
+    model: str,
+    new: str,
+    stable: str,
+    rid: int,
+    actor: str,
+    traffic_steps: list[int],
+    bake_s: float,
+    checks_per_step: int,
+    failure_limit: int,
+    gate_values: dict[str, Any],
+    probe_set: str | None,
+) -> dict[str, Any] | None:
+    """The rollout loop: traffic steps, bake windows, gates, failure limit. None: every check passed."""
     failures = 0
     for pct in traffic_steps:
         shift_traffic(model, {new: pct, stable: 100 - pct}, rid, actor)
@@ -168,10 +202,7 @@ def rollout_model(
                     "switch_s": switched["switch_s"],
                     "failures": failures,
                 }
-    promote_version(model, new, rid, actor)
-    unload_version(model, stable, rid, "retired", actor)  # after the 100% bake, as promised
-    finish_rollout(rid, "promoted")
-    return {"rollout_id": rid, "state": "promoted", "version": new, "previous": stable, "failures": failures}
+    return None
 
 
 @flow(name="rollback-model")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from infra.catalog import incidents
 from infra.catalog.db import Catalog
 from tests.trainproc import REPO
@@ -13,9 +11,6 @@ def ddp_command(run: str, out, **kw) -> list[str]:  # type: ignore[no-untyped-de
     from examples.tiny_lm import command
 
     return command(run, out, module="examples.tiny_lm_ddp", **kw)
-
-
-pytestmark = pytest.mark.xdist_group("prefect")
 
 
 def test_hung_rank_is_detected_within_its_heartbeat_timeout(

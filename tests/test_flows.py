@@ -9,20 +9,17 @@ import sys
 from pathlib import Path
 
 import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import DeploymentFilter, FlowRunFilter
+from prefect.deployments import run_deployment
+from prefect.events.filters import EventFilter, EventNameFilter
 
-pytestmark = pytest.mark.xdist_group("prefect")
-
-from prefect.client.orchestration import get_client  # noqa: E402
-from prefect.client.schemas.filters import DeploymentFilter, FlowRunFilter  # noqa: E402
-from prefect.deployments import run_deployment  # noqa: E402
-from prefect.events.filters import EventFilter, EventNameFilter  # noqa: E402
-
-from examples.tiny_lm import command as tiny_lm_cmd  # noqa: E402
-from infra.catalog import incidents, lineage  # noqa: E402
-from infra.catalog.db import Catalog  # noqa: E402
-from infra.launch.process import find_pids  # noqa: E402
-from tests.prefect_support import deployment_ids, find_pid, rewind_serve, stop_group, wait_until  # noqa: E402
-from tests.trainproc import REPO, TrainProc, assert_same_weights  # noqa: E402
+from examples.tiny_lm import command as tiny_lm_cmd
+from infra.catalog import incidents, lineage
+from infra.catalog.db import Catalog
+from infra.launch.process import find_pids
+from tests.prefect_support import deployment_ids, find_pid, rewind_serve, stop_group, wait_until
+from tests.trainproc import REPO, TrainProc, assert_same_weights
 
 DEPLOYMENTS = [
     "protect-training",

@@ -12,16 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-pytestmark = pytest.mark.xdist_group("prefect")
-
-from examples.tiny_lm_model import TinyLM, alphabet, probes  # noqa: E402
-from infra.catalog import lineage  # noqa: E402
-from infra.catalog import serving as sv  # noqa: E402
-from infra.catalog.db import Catalog  # noqa: E402
-from infra.checkpoint.audit import verify_recorded  # noqa: E402
-from infra.errors import ConfigError, NotFoundError, ServingUnavailable  # noqa: E402
-from tests.serving_support import Load  # noqa: E402
-from tests.trainproc import REPO, run_to_end  # noqa: E402
+from examples.tiny_lm_model import TinyLM, alphabet, probes
+from infra.catalog import lineage
+from infra.catalog import serving as sv
+from infra.catalog.db import Catalog
+from infra.checkpoint.audit import verify_recorded
+from infra.errors import ConfigError, NotFoundError, ServingUnavailable
+from tests.serving_support import Load
+from tests.trainproc import REPO, run_to_end
 
 MODEL = "tiny"
 PROBES = str(REPO / "examples" / "tiny_lm_probes.jsonl")
@@ -132,6 +130,26 @@ def test_first_deploy_takes_all_traffic(stack_env):
     assert not load.failed and {s.version for s in load.samples} == {"1"}
 
 
+def test_rotated_keys_are_picked_up_from_the_key_file(stack_env):
+    """TorchServe answers InvalidKeyException to an old key; the client re-reads the key file and goes on."""
+    import httpx
+
+    from infra.serving.torchserve import TorchServe
+
+    st = stack_env["stack"]
+    client = TorchServe(st.endpoints)
+    try:
+        assert client.ping()  # keys read and cached
+        old = _key(st)
+        api_key = json.loads(st.endpoints.key_file.read_text())["API"]["key"]
+        r = httpx.get(f"{st.endpoints.management}/token", params={"type": "inference"},
+                      headers={"Authorization": f"Bearer {api_key}"})  # fmt: skip
+        assert r.status_code == 200 and _key(st) != old
+        assert client.predict(MODEL, "1", b"the model lea").status_code == 200
+    finally:
+        client.close()
+
+
 def test_flaky_version_is_rolled_back_by_the_error_rate_gate(stack_env):
     from flows.serving import rollout_model
 
@@ -226,6 +244,11 @@ def test_history_traces_every_version_to_its_checkpoint(stack_env, capsys):
         assert v["manifest_digest"] == ck.manifest_digest
     served = {v["version"]: (v["run"], v["step"]) for v in history["versions"] if v["promoted_at"]}
     assert served == {"1": ("lm", 60), history["rollouts"][-1]["to"]: ("lm", 120)}
+    # Retention keeps what serving points at, whatever the policy says.
+    from infra import retention
+
+    plan = retention.plan(cat, "lm", retention.Policy(keep_last=1))
+    assert {60, 120} <= set(plan.keep) and 90 not in plan.keep
     kinds = [(r["kind"], r["state"]) for r in history["rollouts"]]
     assert kinds == [("deploy", "promoted"), ("rollout", "rolled_back"), ("rollout", "rolled_back"),
                      ("rollout", "rolled_back"), ("rollback", "rolled_back"), ("rollout", "promoted")]  # fmt: skip

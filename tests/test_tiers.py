@@ -13,7 +13,6 @@ from infra.tiers.filesystem import FileTier
 from infra.tiers.s3 import S3Tier
 from tests.s3_support import SeaweedS3
 
-pytestmark = pytest.mark.xdist_group("prefect")  # shares the worker (and CPU budget) with the flow tests
 BUCKET = "rewind"
 
 

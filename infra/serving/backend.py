@@ -96,7 +96,8 @@ class TorchServeBackend:
         for v in weights:
             if v not in present:
                 proxy.add(v, 0)  # a restarted proxy: put the loaded versions back
-        proxy.set_weights(weights)
+        # The split is complete: a server the caller did not name gets no traffic.
+        proxy.set_weights({**dict.fromkeys((v for v in present if v not in weights), 0), **weights})
         full = [v for v, w in weights.items() if w == 100]
         if full:
             self.ts.set_default(model, full[0])  # direct TorchServe clients follow too
