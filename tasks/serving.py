@@ -215,6 +215,8 @@ def watch_canary(
     with backend() as b:
         before = b.counters(model).get(version)
         time.sleep(window_s)  # the bake: real traffic reaches the canary meanwhile
+        if version not in b.loaded(model):  # unloaded meanwhile (a manual rollback): nothing to judge
+            return {"passed": False, "reasons": [f"{version} is no longer loaded"]}
         after = b.counters(model).get(version)
         result = gates.evaluate(b, model, version, g, probes, traffic_before=before, traffic_after=after)
     out = result.as_dict()

@@ -24,6 +24,7 @@ class Load:
     url: str
     key: str
     workers: int = 4
+    pause_s: float = 0.02  # between a worker's requests: bounded load, CPU left for the other tests
     max_s: float = 120.0
     samples: list[Sample] = field(default_factory=list)
 
@@ -45,6 +46,7 @@ class Load:
                     s = Sample(t0, time.time(), 0, None)
                 with self._lock:
                     self.samples.append(s)
+                self._stop.wait(self.pause_s)
 
     def __enter__(self) -> Load:
         for t in self._threads:
