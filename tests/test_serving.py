@@ -198,7 +198,13 @@ def test_manual_rollback_under_load_fails_no_request(stack_env):
         settle = load.count()
         _wait(lambda: load.count() >= settle + 40, "40 answers after the rollback")
     canary.join(timeout=60)
-    assert not canary.is_alive() and result["state"] == "interrupted"
+    if canary.is_alive():
+        import sys
+        import traceback
+
+        stack = "".join(traceback.format_stack(sys._current_frames()[canary.ident]))
+        pytest.fail(f"the interrupted rollout is still running after 60 s:\n{stack}")
+    assert result["state"] == "interrupted"
     decided = out["decided_at"]
     late = [s for s in load.samples if s.version == new and s.started > decided]
     on_old_after = max((s.started for s in late), default=decided) - decided

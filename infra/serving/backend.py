@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from infra.errors import ConfigError, NotFoundError, RewindError
+from infra.errors import ConfigError, NotFoundError, RewindError, ServingUnavailable
 from infra.serving.haproxy import ServerStats
 from infra.serving.stack import Stack
 from infra.serving.torchserve import TorchServe
@@ -44,7 +44,9 @@ class Backend(Protocol):
     def traffic(self, model: str) -> dict[str, int]: ...
     def counters(self, model: str) -> dict[str, ServerStats]: ...
     def health(self, model: str, version: str) -> Health: ...
-    def predict(self, model: str, payload: bytes, version: str | None = None) -> Prediction: ...
+    def predict(
+        self, model: str, payload: bytes, version: str | None = None, *, timeout_s: float | None = None
+    ) -> Prediction: ...
     def undeploy(self, model: str, version: str) -> None: ...
     def endpoint(self, model: str) -> str: ...
 
@@ -114,9 +116,15 @@ class TorchServeBackend:
         ready = sum(1 for w in (rows[0].get("workers", []) if rows else []) if w.get("status") == "READY")
         return Health(bool(rows), ready, version in self.counters(model))
 
-    def predict(self, model: str, payload: bytes, version: str | None = None) -> Prediction:
+    def predict(
+        self, model: str, payload: bytes, version: str | None = None, *, timeout_s: float | None = None
+    ) -> Prediction:
+        """One request; no answer within ``timeout_s`` is status 0, a failed request, not an exception."""
         started = time.perf_counter()
-        r = self.ts.predict(model, version, payload)
+        try:
+            r = self.ts.predict(model, version, payload, timeout_s=timeout_s)
+        except ServingUnavailable:
+            return Prediction(0, b"", version, time.perf_counter() - started)
         return Prediction(r.status_code, r.content, version, time.perf_counter() - started)
 
     def undeploy(self, model: str, version: str) -> None:

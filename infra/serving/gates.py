@@ -110,16 +110,22 @@ def evaluate(
         errors += traffic_after.errors - base.errors
     latencies: list[float] = []
     right = 0
+    # A probe slower than twice the latency limit fails whatever it answers; and once more requests
+    # failed than the error budget of the whole window allows, the verdict is known: stop probing.
+    timeout_s = max(1.0, 2 * gates.max_p95_latency_ms / 1000)
+    budget = gates.max_error_rate * (requests + len(probes))
     for probe in probes:
-        answer = backend.predict(model, probe.input.encode(), version)
+        answer = backend.predict(model, probe.input.encode(), version, timeout_s=timeout_s)
         requests += 1
         if answer.status != 200:
             errors += 1
+            if errors > budget:
+                break
             continue
         latencies.append(answer.latency_s * 1000)
         right += _output(answer.body) == probe.expected
     error_rate = errors / requests if requests else None
-    quality = right / len(probes) if probes else None
+    quality = right / len(probes) if probes else None  # probes skipped after the verdict count as wrong
     latency = p95(latencies)
     reasons = []
     if requests == 0:

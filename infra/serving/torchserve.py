@@ -176,9 +176,12 @@ class TorchServe:
             return []
         return list(self._ok(r, f"describing {model}").json())
 
-    def predict(self, model: str, version: str | None, body: bytes) -> httpx.Response:
+    def predict(
+        self, model: str, version: str | None, body: bytes, *, timeout_s: float | None = None
+    ) -> httpx.Response:
         path = f"/predictions/{model}" + (f"/{version}" if version else "")
-        return self.request("inference", "POST", path, content=body)
+        extra = {"timeout": timeout_s} if timeout_s is not None else {}
+        return self.request("inference", "POST", path, content=body, **extra)
 
 
 # -- the process ------------------------------------------------------------------
