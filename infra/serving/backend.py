@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from infra.errors import ConfigError, NotFoundError, RewindError, ServingUnavailable
-from infra.serving.haproxy import ServerStats
+from infra.serving.haproxy import Proxy, ServerStats
 from infra.serving.stack import Stack
 from infra.serving.torchserve import TorchServe
 
@@ -67,7 +67,7 @@ class TorchServeBackend:
     def endpoint(self, model: str) -> str:
         return self.stack.proxy(model).url
 
-    def _proxy(self, model: str):  # type: ignore[no-untyped-def]
+    def _proxy(self, model: str) -> Proxy:
         proxy = self.stack.proxy(model)
         proxy.start(self.stack.endpoints.inference.removeprefix("http://"))
         return proxy

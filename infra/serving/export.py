@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
+from infra.catalog.models import Checkpoint
 from infra.catalog.models import CheckpointStatus as S
 from infra.checkpoint import manifest as mf
 from infra.checkpoint import payload
@@ -57,7 +58,7 @@ def archive_name(model: str, version: str) -> str:
     return f"{model}-{version}.mar"
 
 
-def verified_checkpoint(cat: Catalog, run: str, step: int):  # type: ignore[no-untyped-def]
+def verified_checkpoint(cat: Catalog, run: str, step: int) -> Checkpoint:
     """The live checkpoint at ``run@step``; refuses one that is not verified, saying how to fix it."""
     live = [
         c for c in lineage.checkpoints(cat, run, step) if c.status in (S.COMMITTED, S.VERIFIED, S.WRITING)
