@@ -64,10 +64,7 @@ def deploy_model(
     a later one waits, loaded at weight 0, for `rollout-model`."""
     actor = _actor(triggered_by)
     loaded = deploy_version(model, run, step, version=version, handler=handler, extra_files=extra_files)
-    try:
-        stable = serving_state(model)["stable"]
-    except Exception:
-        stable = None
+    stable = serving_state(model)["stable"]  # the model exists now: deploy_version recorded it
     v = loaded["version"]
     rid = open_rollout(
         model,
