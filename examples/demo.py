@@ -2,7 +2,9 @@
 
 1. train tiny_lm without interruption: the reference;
 2. `protect-training` runs it again under watch, verifying each checkpoint; the
-   demo SIGKILLs the training process mid-run and the flow records an incident;
+   training process is SIGKILLed in the middle of its step-40 save (through the
+   documented ``REWIND_FAULT`` seam, so the crash lands at the same place on a
+   fast or a slow machine) and the flow records an incident;
 3. one byte of the newest checkpoint is flipped;
 4. `recover-training` (what `rewind serve`'s automation starts on the failure
    event) refuses the damaged checkpoint, restores the one before, relaunches the
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import threading
 import time
@@ -27,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 60, 10
+KILL_AT = 40  # a save that never completes: the newest checkpoint stays at 30
 
 
 def say(msg: str) -> None:
@@ -37,15 +39,6 @@ def tiny_lm(run: str, out: Path) -> list[str]:
     from examples.tiny_lm import command
 
     return command(run, out, steps=STEPS, every=EVERY, seed=0)
-
-
-def wait_until(probe, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not (got := probe()):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"demo: timed out waiting for {what}")
-        time.sleep(0.2)
-    return got
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from infra import config
     from infra.catalog import incidents, lineage
     from infra.catalog.db import Catalog
-    from infra.launch.process import TrainingProcess, find_pids
+    from infra.launch.process import TrainingProcess
 
     cat = Catalog()
     work = config.home() / "demo" / args.name
@@ -84,27 +77,22 @@ def main(argv: list[str] | None = None) -> int:
     say("starting Prefect (ephemeral server unless PREFECT_API_URL is set)")
     with get_client(sync_client=True) as client:
         client.hello()
-    say("2/5 protect-training flow; the training process will be SIGKILLed after step 35")
+    say(f"2/5 protect-training flow; the training process will be SIGKILLed inside its step-{KILL_AT} save")
     result: dict = {}
+    os.environ["REWIND_FAULT"] = f"kill:save.file_written@{KILL_AT}"  # inherited by the training process only
     flow_thread = threading.Thread(
         target=lambda: result.update(protect_training(run, tiny_lm(run, work / "run"), str(REPO))),
         daemon=True,
     )
     flow_thread.start()
-    run_id = wait_until(lambda: _run_id(lineage, cat, run), 120, "the run")
-    wait_until(lambda: any(c.step >= 30 for c in lineage.restorable(cat, run_id)), 180, "checkpoint 30")
-    wait_until(
-        lambda: any(c.step == 30 and c.status == "verified" for c in lineage.checkpoints(cat, run)),
-        60,
-        "verification of 30",
-    )
-    pid = wait_until(lambda: find_pids("examples.tiny_lm", f"--run {run} "), 10, "the training process")[0]
-    os.kill(pid, signal.SIGKILL)
-    say(f"SIGKILLed training pid {pid}")
-    flow_thread.join(timeout=120)
+    flow_thread.join(timeout=300)
+    os.environ.pop("REWIND_FAULT")  # the relaunch must not crash again
+    if "incident_id" not in result:
+        raise SystemExit(f"demo: protect-training did not record an incident: {result}")
     incident_id = result["incident_id"]
     say(f"protect-training recorded incident {incident_id}: {result}")
 
+    run_id = lineage.get_run(cat, run).id
     newest = lineage.restorable(cat, run_id)[0]
     target = Path(newest.path) / "model.safetensors"
     data = bytearray(target.read_bytes())
@@ -148,13 +136,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nfinal weights bit-identical to the uninterrupted run: {equal}")
     print(f"demo took {time.monotonic() - t0:.1f}s")
     return 0 if equal else 1
-
-
-def _run_id(lineage, cat, name: str):  # type: ignore[no-untyped-def]
-    try:
-        return lineage.get_run(cat, name).id
-    except Exception:
-        return None
 
 
 if __name__ == "__main__":
