@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -296,8 +297,6 @@ def finish_rollout(
     switch_s: float | None = None,
 ) -> dict[str, Any]:
     """Close the rollout record and publish its timeline as a table artifact."""
-    from datetime import UTC, datetime
-
     cat = catalog()
     when = datetime.fromtimestamp(decided_at, UTC) if decided_at else None
     sv.finish_rollout(cat, rollout_id, state, reason=reason, decided_at=when, switch_s=switch_s)

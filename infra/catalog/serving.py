@@ -231,9 +231,17 @@ def finish_rollout(
         )
 
 
-def running_rollouts(cat: Catalog, model: str) -> list[Rollout]:
+def models(cat: Catalog) -> list[str]:
     with cat.session() as s:
-        q = select(Rollout).where(Rollout.model == model, Rollout.state == "running")
+        return sorted(set(s.scalars(select(ServingVersion.model)).all()))
+
+
+def running_rollouts(cat: Catalog, model: str | None = None) -> list[Rollout]:
+    """Rollouts still in progress, of one model or (None) of every model."""
+    with cat.session() as s:
+        q = select(Rollout).where(Rollout.state == "running")
+        if model is not None:
+            q = q.where(Rollout.model == model)
         return list(s.scalars(q.order_by(Rollout.id)))
 
 

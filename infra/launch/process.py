@@ -11,13 +11,17 @@ import contextlib
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from infra.errors import ConfigError
 
 STEP_LINE = re.compile(r"^step=(\d+) loss=(\S+)$")
 RESUMED_LINE = re.compile(r"resumed run \S+ at step (\d+)")
@@ -154,3 +158,11 @@ def stop_group(pid: int, *, timeout_s: float = 20) -> None:
             except ProcessLookupError:
                 return
             time.sleep(0.1)
+
+
+def program(name: str, install_hint: str) -> str:
+    """Path of an executable on PATH or beside this Python (a venv's console scripts); ConfigError if absent."""
+    found = shutil.which(name) or str(Path(sys.executable).parent / name)
+    if not Path(found).exists():
+        raise ConfigError(f"{name} is not installed: {install_hint}")
+    return found

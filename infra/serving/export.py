@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -32,6 +30,7 @@ from infra.checkpoint import manifest as mf
 from infra.checkpoint import payload
 from infra.digest import hash_file
 from infra.errors import ConfigError, NotFoundError
+from infra.launch.process import program
 from infra.serving.haproxy import VERSION_NAME
 
 WEIGHTS = "weights.safetensors"
@@ -122,9 +121,7 @@ def export(
 
 
 def _archive(model: str, version: str, weights: Path, handler: Path, extras: list[str], out: Path) -> None:
-    tool = shutil.which("torch-model-archiver") or str(Path(sys.executable).parent / "torch-model-archiver")
-    if not Path(tool).exists():
-        raise ConfigError("torch-model-archiver is not installed: pip install torch-model-archiver")
+    tool = program("torch-model-archiver", "pip install torch-model-archiver")
     cmd = [
         tool, "--model-name", model, "--version", version, "--serialized-file", str(weights),
         "--handler", str(handler), "--extra-files", ",".join(extras), "--export-path", str(out),

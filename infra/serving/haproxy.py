@@ -14,7 +14,6 @@ from __future__ import annotations
 import csv
 import json
 import re
-import shutil
 import socket
 import subprocess
 import time
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from infra.errors import ConfigError, ServingUnavailable
-from infra.launch.process import stop_group
+from infra.launch.process import program, stop_group
 from infra.net import LOOPBACK, free_port
 
 BACKEND = "versions"
@@ -85,12 +84,15 @@ class Proxy:
         except FileNotFoundError:
             return None
 
-    @property
-    def url(self) -> str:
+    def _started(self) -> dict[str, int | str]:
         st = self.state()
         if st is None:
             raise ConfigError(f"no proxy in {self.directory}")
-        return f"http://{LOOPBACK}:{st['port']}"
+        return st
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self._started()['port']}"
 
     def running(self) -> bool:
         if self.state() is None or not self.socket.exists():
@@ -105,9 +107,7 @@ class Proxy:
         """Start HAProxy (daemonised, its own session) unless it already runs; returns its URL."""
         if self.running():
             return self.url
-        binary = shutil.which("haproxy")
-        if binary is None:
-            raise ConfigError("haproxy is not installed (Debian/Ubuntu: apt-get install haproxy)")
+        binary = program("haproxy", "Debian/Ubuntu: apt-get install haproxy")
         self.directory.mkdir(parents=True, exist_ok=True)
         self.socket.unlink(missing_ok=True)
         port, router_port = port or free_port(), free_port()
@@ -209,7 +209,4 @@ class Proxy:
         return out
 
     def _router(self) -> str:
-        st = self.state()
-        if st is None:
-            raise ConfigError(f"no proxy in {self.directory}")
-        return f"{LOOPBACK}:{st['router_port']}"
+        return f"{LOOPBACK}:{self._started()['router_port']}"

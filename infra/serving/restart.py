@@ -11,27 +11,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import select
-
 from infra.catalog import serving as sv
 from infra.catalog.db import Catalog
-from infra.catalog.models import Rollout, ServingVersion
 from infra.catalog.models import VersionState as V
 from infra.serving.backend import TorchServeBackend
 
 
 def reload_stable(cat: Catalog, backend: TorchServeBackend) -> list[tuple[str, str]]:
     """Returns (model, version) for every stable version loaded again."""
-    with cat.session() as s:
-        models = sorted(set(s.scalars(select(ServingVersion.model)).all()))
-        running = list(s.scalars(select(Rollout).where(Rollout.state == "running")))
-    for ro in running:
+    for ro in sv.running_rollouts(cat):
         sv.record_step(
             cat, ro.id, "interrupted", actor="rewind serving start", detail="serving stack restarted"
         )
         sv.finish_rollout(cat, ro.id, "failed", reason="the serving stack restarted during the rollout")
     reloaded = []
-    for model in models:
+    for model in sv.models(cat):
         loaded_now = set(backend.loaded(model))
         for row in sv.versions(cat, model, (V.LOADED, V.CANARY, V.PREVIOUS)):
             if row.version not in loaded_now:

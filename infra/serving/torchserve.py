@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any, Literal
 import httpx
 
 from infra.errors import ConfigError, NotFoundError, RewindError, ServingUnavailable
-from infra.launch.process import stop_group
+from infra.launch.process import program, stop_group
 from infra.net import LOOPBACK, free_port
 
 log = logging.getLogger(__name__)
@@ -208,9 +207,7 @@ def _config(inference: int, management: int, store: Path) -> str:
 
 
 def executable() -> str:
-    found = shutil.which("torchserve") or str(Path(sys.executable).parent / "torchserve")
-    if not Path(found).exists():
-        raise ConfigError("torchserve is not installed: pip install torchserve torch-model-archiver pyyaml")
+    found = program("torchserve", "pip install torchserve torch-model-archiver pyyaml")
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         raise ConfigError("TorchServe needs Java 17: install a JDK or set JAVA_HOME")
     return found
