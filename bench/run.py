@@ -30,9 +30,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from infra.catalog.db import Catalog
-from infra.checkpoint import manifest as mf
-from infra.checkpoint import payload
 from infra.checkpoint.engine import Checkpointer, SaveMode
+from infra.format import manifest as mf
+from infra.format import payload
 
 HERE = Path(__file__).resolve().parent
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")

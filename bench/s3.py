@@ -2,9 +2,10 @@
 
     python -m bench.s3 [--gib 1.0] [--repeat 3]
 
-Rewind's replication of a checkpoint vs ``boto3 upload_file`` of the same bytes
-to the same server, in the same run (medians); and the time of a quick verify
-of the off-site copy (server-side checksums and sizes, no download).
+Rewind's replication of a checkpoint (the local copy re-verified against the
+catalog first, then sent, then proven on the server) vs ``boto3 upload_file`` of
+the same bytes to the same server, in the same run (medians); and the time of a
+quick verify of the off-site copy (server-side checksums and sizes, no download).
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ import torch
 from boto3.s3.transfer import TransferConfig
 
 from bench.run import HERE, Blob, machine
+from infra.catalog import lineage
 from infra.catalog.db import Catalog
 from infra.checkpoint.engine import Checkpointer
-from infra.tiers.replication import replicate, verify_remote
+from infra.format import keyring
+from infra.replication import replicate
 from infra.tiers.s3 import S3Tier
+from infra.tiers.transfer import check_remote
 from tests.s3_support import SeaweedS3
 
 
@@ -45,13 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         client.create_bucket(Bucket="bench")
         torch.manual_seed(0)
         blob = Blob(args.gib)
-        ck = Checkpointer(
-            "s3bench",
-            states={"model": blob},
-            root=work / "ckpt",
-            catalog=Catalog(f"sqlite:///{work / 'c.db'}"),
-        )
+        cat = Catalog(f"sqlite:///{work / 'c.db'}")
+        ck = Checkpointer("s3bench", states={"model": blob}, root=work / "ckpt", catalog=cat)
         ck.save(1)
+        row = lineage.get_checkpoint(cat, ck.last_saved.checkpoint_id)
         src = Path(ck.last_saved.path)
         data_file = src / "model.safetensors"
         nbytes = ck.last_saved.total_bytes
@@ -64,13 +65,16 @@ def main(argv: list[str] | None = None) -> int:
             tier = S3Tier(
                 f"s3://bench/rewind{i}", part_size=args.part_size_mib << 20, concurrency=args.concurrency
             )
-            t0 = time.perf_counter()
-            replicate(src, tier, "s3bench")
+            t0 = time.perf_counter()  # the whole path: source proven against the catalog, sent, proven there
+            done = replicate(cat, row, tier, root=work / "ckpt")
             ours.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            findings = verify_remote(tier, "s3bench", 1, None, deep=False)
+            report = check_remote(
+                tier, done.key, str(row.manifest_digest), deep=False, keyring=keyring.from_env()
+            )
             quick.append(time.perf_counter() - t0)
-            assert not findings, findings
+            if not report.ok:
+                raise RuntimeError(f"off-site copy does not verify: {report.findings}")
         gb = nbytes / 1e9
         res = {
             "machine": machine(),

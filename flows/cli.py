@@ -143,7 +143,7 @@ def cmd_ckpt_show(args: argparse.Namespace) -> int:
 
 def cmd_ckpt_verify(args: argparse.Namespace) -> int:
     from infra.catalog import lineage
-    from infra.checkpoint.audit import verify_recorded
+    from infra.restore.scrub import scrub
 
     cat = _catalog()
     targets = [
@@ -156,70 +156,55 @@ def cmd_ckpt_verify(args: argparse.Namespace) -> int:
             f"run {args.run!r} has no committed checkpoint"
             + (f" at step {args.step}" if args.step is not None else "")
         )
-    if args.tier != "local":
-        return _verify_tier(args, cat, targets)
+    tiers = None if args.tier is None else (args.tier,)
     results = []
     for ck in targets:
-        report = verify_recorded(cat, ck, deep=args.deep)
+        check = scrub(cat, ck, deep=args.deep, tiers=tiers)
+        if not check.copies and ck.status == "corrupt":
+            continue  # condemned earlier and nothing left to look at: history, not news
         results.append(
             {
                 "step": ck.step,
                 "id": ck.id,
-                "ok": report.ok,
+                "ok": check.ok,
+                "status": check.status,
                 "deep": args.deep,
                 "path": ck.path,
-                "findings": [f.as_dict() for f in report.findings],
+                "copies": [
+                    {
+                        "tier": c.tier,
+                        "where": c.where,
+                        "verdict": c.verdict.value,
+                        "findings": [f.as_dict() for f in c.findings],
+                    }
+                    for c in check.copies
+                ],
+                "findings": [f.as_dict() for f in check.findings],
             }
         )
-
-    def text() -> str:
-        lines = []
-        for r in results:
-            verdict = "ok" if r["ok"] else "CORRUPT"
-            lines.append(f"step {r['step']}: {verdict} ({'deep' if r['deep'] else 'quick'}) {r['path']}")
-            lines += [f"  {f['path']}: {f['problem']}: {f['detail']}" for f in r["findings"]]
-        bad = sum(not r["ok"] for r in results)
-        lines.append(f"{len(results)} checked, {bad} corrupt")
-        return "\n".join(lines)
-
-    _emit(args, results, text)
-    return EXIT_FINDINGS if any(not r["ok"] for r in results) else 0
-
-
-def _verify_tier(args: argparse.Namespace, cat: Any, targets: list[Any]) -> int:
-    from infra.catalog import lineage
-    from infra.tiers import catalogued
-
-    results = []
-    for ck in targets:
-        for rep in lineage.replicas_of(cat, ck.id):
-            if rep.tier != args.tier or rep.status == "deleted":
-                continue
-            findings = catalogued.verify_replica(cat, ck, rep, deep=args.deep)
-            results.append(
-                {
-                    "step": ck.step,
-                    "tier": rep.tier,
-                    "uri": rep.uri,
-                    "ok": not any(f.fatal for f in findings),
-                    "deep": args.deep,
-                    "findings": [f.as_dict() for f in findings],
-                }
-            )
     if not results:
-        raise RewindError(f"run {args.run!r} has no copy on the {args.tier} tier")
-
-    def text() -> str:
-        lines = []
-        for r in results:
-            lines.append(
-                f"step {r['step']}: {'ok' if r['ok'] else 'CORRUPT'} ({'deep' if r['deep'] else 'quick'}) {r['tier']} {r['uri']}"
-            )
-            lines += [f"  {f['path']}: {f['problem']}: {f['detail']}" for f in r["findings"]]
-        return "\n".join(lines)
-
-    _emit(args, results, text)
+        raise RewindError(
+            f"run {args.run!r} has no copy" + (f" on the {args.tier} tier" if args.tier else "") + " to check"
+        )
+    _emit(args, results, lambda: _verify_text(results))
     return EXIT_FINDINGS if any(not r["ok"] for r in results) else 0
+
+
+def _verify_text(results: list[dict[str, Any]]) -> str:
+    lines = []
+    for r in results:
+        mode = "deep" if r["deep"] else "quick"
+        lines.append(
+            f"step {r['step']}: {'ok' if r['ok'] else 'PROBLEMS'} ({mode}), checkpoint {r['status']}"
+        )
+        for c in r["copies"]:
+            lines.append(
+                f"  {c['tier']:8} {c['verdict'].upper() if c['verdict'] != 'verified' else 'ok'}  {c['where']}"
+            )
+            lines += [f"    {f['path']}: {f['problem']}: {f['detail']}" for f in c["findings"]]
+    bad = sum(not r["ok"] for r in results)
+    lines.append(f"{len(results)} checked, {bad} with problems")
+    return "\n".join(lines)
 
 
 def cmd_gpu(args: argparse.Namespace) -> int:
@@ -312,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         ck,
         "verify",
         cmd_ckpt_verify,
-        "check checkpoints against their manifests (exit 1 if any is corrupt)",
+        "check every copy against the catalog's manifest digest (exit 1 on any problem)",
         json_flag=True,
     )
     ver.add_argument("run")
@@ -321,8 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument(
         "--tier",
         choices=["local", "shared", "offsite"],
-        default="local",
-        help="which copy to check; offsite quick compares server-side checksums without downloading",
+        default=None,
+        help="only the copies on this tier (default: every copy); offsite quick compares server-side "
+        "checksums without downloading",
     )
     from flows import cli_storage
 

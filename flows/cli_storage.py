@@ -35,8 +35,8 @@ def _open(uri: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def cmd_replicate(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
     import os
 
-    from infra.catalog import lineage
-    from infra.tiers import catalogued
+    from infra.catalog import copies
+    from infra.replication import replicate
 
     target = args.to or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
     if not target:
@@ -45,11 +45,20 @@ def cmd_replicate(args: argparse.Namespace, emit: Callable[..., None], catalog: 
     tier = _open(target, args)
     tier.check()
     rows = []
-    for ck in lineage.without_replica(cat, tier.name, args.run):
-        sent = catalogued.replicate_recorded(cat, ck, tier)
-        rows.append({"step": ck.step, "bytes_sent": sent, "tier": tier.name, "uri": target})
+    for ck in copies.without_copy(cat, tier.name, tier.uri, args.run):
+        done = replicate(cat, ck, tier)
+        rows.append(
+            {
+                "step": ck.step,
+                "bytes_sent": done.bytes_sent,
+                "tier": tier.name,
+                "uri": tier.uri,
+                "key": done.key,
+            }
+        )
         if not args.json:
-            print(f"step {ck.step}: replicated to {target} ({sent} bytes sent)", flush=True)
+            how = "already there, verified" if done.already_there else f"{done.bytes_sent} bytes sent"
+            print(f"step {ck.step}: replicated to {tier.uri}/{done.key} ({how})", flush=True)
     if args.json:
         emit(args, rows, lambda: "")
     elif not rows:
@@ -61,37 +70,36 @@ def cmd_replicate(args: argparse.Namespace, emit: Callable[..., None], catalog: 
 
 def cmd_restore(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
     from infra import config
-    from infra.catalog import lineage
-    from infra.tiers import catalogued
+    from infra.format.verify import verify_files
+    from infra.restore import execute, plan
 
     cat = catalog()
-    run = lineage.get_run(cat, args.run)
-    candidates = [c for c in lineage.restorable(cat, run.id) if args.step is None or c.step == args.step]
-    if not candidates:
+    tiers = None if args.source is None else (args.source,)
+    p = plan.plan(cat, args.run, root=config.checkpoint_root(), step=args.step, tiers=tiers)
+    if not p.candidates:
         raise RewindError(
-            f"run {args.run!r} has no committed checkpoint"
-            + (f" at step {args.step}" if args.step is not None else "")
+            f"run {args.run!r} has no restorable checkpoint"
+            + (f" on the {args.source} tier" if tiers else "")
         )
-    errors = []
-    for ck in candidates:
-        for rep in catalogued.remote_replicas(cat, ck.id):
-            if args.source not in (None, rep.tier):
-                continue
-            try:
-                path = catalogued.restore_to_local(cat, ck, rep, config.checkpoint_root())
-            except RewindError as exc:
-                errors.append(f"step {ck.step} from {rep.tier}: {exc}")
-                continue
-            row = {"step": ck.step, "from": rep.tier, "uri": rep.uri, "path": str(path)}
-            emit(
-                args,
-                row,
-                lambda row=row: (
-                    f"restored step {row['step']} from {row['from']} ({row['uri']}) into {row['path']}"
-                ),
-            )
-            return 0
-    raise RewindError("no verified replica could be restored" + (": " + "; ".join(errors) if errors else ""))
+    done = execute.execute(cat, p, verify_files)
+    row = {
+        "step": done.step,
+        "from": done.source,
+        "fetched": done.fetched,
+        "path": str(done.directory),
+        "seconds": round(done.seconds, 3),
+        "skipped": [str(s) for s in done.skipped],
+    }
+
+    def text() -> str:
+        how = f"downloaded from {done.source}" if done.fetched else "the local copy, verified in place"
+        lines = [
+            f"restored step {done.step}: {how}, every byte checked ({done.seconds:.2f}s) into {done.directory}"
+        ]
+        return "\n".join(lines + [f"  skipped {s}" for s in done.skipped])
+
+    emit(args, row, text)
+    return 0
 
 
 def cmd_pin(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
@@ -112,15 +120,23 @@ def cmd_gc(args: argparse.Namespace, emit: Callable[..., None], catalog: Callabl
         keep_last=args.keep_last,
         keep_every=args.keep_every,
         byte_budget=int(args.budget_gb * 1e9) if args.budget_gb is not None else None,
+        grace_s=args.grace_days * 86400,
     )
     gc = retention.plan(cat, args.run, policy)
-    removed = [] if args.dry_run else retention.execute(cat, gc)
+    removed = [] if args.dry_run else retention.execute(cat, gc, policy)
     usage = retention.usage(cat, args.run, args.price_per_gb_month)
     out = {
         "run": args.run,
         "dry_run": args.dry_run,
         "keep": gc.keep,
-        "remove": [{"step": r.step, "bytes": r.bytes, "copies": [t for t, _ in r.copies]} for r in gc.remove],
+        "verified_first": gc.verified_first,
+        "remove": [
+            {"step": r.step, "bytes": r.bytes, "copies": [c.tier for c in r.copies]} for r in gc.remove
+        ],
+        "reclaim": [
+            {"step": r.step, "bytes": r.bytes, "copies": [c.tier for c in r.copies]} for r in gc.reclaim
+        ],
+        "quarantine": [str(p) for p in gc.quarantine],
         "freed_bytes": gc.freed_bytes,
         "removed": removed,
         "usage": usage,
@@ -128,11 +144,22 @@ def cmd_gc(args: argparse.Namespace, emit: Callable[..., None], catalog: Callabl
 
     def text() -> str:
         verb = "would remove" if args.dry_run else "removed"
-        lines = [f"keep steps {gc.keep}"]
+        lines = [f"verified steps {gc.verified_first} first"] if gc.verified_first else []
+        lines.append(f"keep steps {gc.keep}")
         lines += [
-            f"{verb} step {r.step} ({r.bytes} bytes x {len(r.copies)} copies: {', '.join(t for t, _ in r.copies)})"
+            f"{verb} step {r.step} ({r.bytes} bytes x {len(r.copies)} copies: {', '.join(c.tier for c in r.copies)})"
             for r in gc.remove
+            if args.dry_run or r.step in removed
         ]
+        lines += [
+            f"kept step {r.step}: needed again since the plan"
+            for r in gc.remove
+            if not args.dry_run and r.step not in removed
+        ]
+        lines += [
+            f"{verb} dead copies of step {r.step} ({', '.join(c.tier for c in r.copies)})" for r in gc.reclaim
+        ]
+        lines += [f"{verb} {p}" for p in gc.quarantine]
         lines.append(f"{'would free' if args.dry_run else 'freed'} {gc.freed_bytes} bytes")
         lines += [f"{u['tier']:8} {u['gb']:10.3f} GB  ${u['usd_per_month']:.2f}/month" for u in usage]
         return "\n".join(lines)
@@ -161,12 +188,17 @@ def register(
         ck,
         "restore",
         wrap(cmd_restore),
-        "download a checkpoint from a replica into the local tier",
+        "put a verified copy of a checkpoint in the local tier, from the nearest copy that proves itself",
         json_flag=True,
     )
     res.add_argument("run")
-    res.add_argument("--step", type=int, help="default: the newest with a verified replica")
-    res.add_argument("--from", dest="source", choices=["shared", "offsite"], help="default: the nearest tier")
+    res.add_argument("--step", type=int, help="default: the newest checkpoint with a copy that verifies")
+    res.add_argument(
+        "--from",
+        dest="source",
+        choices=["shared", "offsite"],
+        help="only copies on this tier (default: nearest first)",
+    )
     pin = add(ck, "pin", wrap(cmd_pin), "keep a checkpoint whatever the retention policy says")
     pin.add_argument("run")
     pin.add_argument("step", type=int)
@@ -175,12 +207,15 @@ def register(
         sub,
         "gc",
         wrap(cmd_gc),
-        "apply retention to a run: keep the last N, every K-th, pinned",
+        "apply retention to a run: keep the last N verified, every K-th, pinned; reclaim dead copies",
         json_flag=True,
     )
     gc.add_argument("run")
     gc.add_argument("--keep-last", type=int, default=3)
     gc.add_argument("--keep-every", type=int, default=0)
     gc.add_argument("--budget-gb", type=float, default=None)
+    gc.add_argument(
+        "--grace-days", type=float, default=7.0, help="reclaim dead copies and quarantine after this"
+    )
     gc.add_argument("--dry-run", action="store_true", help="show what would go and the bytes freed")
     gc.add_argument("--price-per-gb-month", type=float, default=0.023, help="for the cost report (USD)")

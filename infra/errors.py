@@ -29,17 +29,63 @@ class CatalogUnavailable(TransientError):
 
 
 class CorruptCheckpoint(RewindError):
-    """A checkpoint failed verification; never load it."""
+    """A copy of a checkpoint failed verification; never load it."""
+
+    verdict = "is corrupt"
 
     def __init__(self, location: str, findings: list) -> None:
         self.location = location
         self.findings = findings
         detail = "; ".join(str(f) for f in findings) or "unknown reason"
-        super().__init__(f"checkpoint {location} is corrupt: {detail}")
+        super().__init__(f"checkpoint {location} {self.verdict}: {detail}")
+
+    def __reduce__(self) -> tuple:  # survives pickling (DCP gathers exceptions across ranks)
+        return (type(self), (self.location, self.findings))
+
+
+class UnloadableCheckpoint(CorruptCheckpoint):
+    """Every byte matched the catalog, yet the content does not decode into (or load into) a state.
+
+    Every copy holds the same bytes, so no other copy can help: the checkpoint itself is bad
+    (or, when no checkpoint of the run loads, the job no longer fits its checkpoints).
+    """
+
+    verdict = "cannot be loaded"
+
+
+class StateMismatch(UnloadableCheckpoint):
+    """The checkpoint decodes, but the job's state objects refuse it (``load_state_dict`` raised).
+
+    Either the checkpoint is bad or the job changed shape; only an older checkpoint
+    that loads tells which, so no checkpoint is condemned on this alone.
+    """
+
+    verdict = "does not fit this job"
 
 
 class NoRestorableCheckpoint(NotFoundError):
-    """No checkpoint of a run passed verification."""
+    """No checkpoint of a run passed verification; ``skipped`` says what was tried and why it failed."""
+
+    def __init__(self, message: str, skipped: tuple = ()) -> None:
+        super().__init__(message)
+        self.skipped = skipped
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.skipped))
+
+
+class CheckpointUnverifiable(TransientError):
+    """A checkpoint that may well be good could not be checked right now (I/O error, unknown key).
+
+    Never a reason to start a run over: whoever restores waits, retries, or is told.
+    """
+
+    def __init__(self, message: str, skipped: tuple = ()) -> None:
+        super().__init__(message)
+        self.skipped = skipped
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (str(self), self.skipped))
 
 
 class ServingUnavailable(TransientError):

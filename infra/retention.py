@@ -1,44 +1,69 @@
-"""Retention that follows lineage: which checkpoints a policy keeps, and removing the rest safely.
+"""Retention that keeps what restores, and reclaims what never will.
 
-Never removed: the newest restorable checkpoint, anything pinned, anything being
-restored, anything a serving version points at, anything the policy keeps. Removal takes the catalog reference away first (a guarded status
-change, so a concurrent restore that already chose the checkpoint keeps its
-row), then the bytes: on every tier the manifest goes first, so a half-deleted
-copy is never mistaken for a checkpoint.
+``keep_last`` counts *verified* checkpoints: a committed one nobody has proven
+does not stand in for one that was, and a corrupt one counts for nothing. Before
+planning, the newest committed checkpoints are deep-verified until ``keep_last``
+verified ones exist, so a run that was never scrubbed is not emptied either.
+Checkpoints newer than the newest verified one are never removed (they are
+progress not yet proven), nor pinned ones, nor ones a serving version needs.
+
+The plan is only a read. Each deletion is re-checked in one guarded statement
+(:func:`leases.delete_guarded`: no restore lease, still restorable, not pinned,
+not serving, enough newer verified checkpoints), so a plan made before a
+roll-back cannot delete the step the roll-back chose. The catalog reference goes
+first, then the bytes, manifest first on every tier; a copy whose bytes could not
+be removed stays listed and is reclaimed by the next run.
+
+Dead copies (of superseded, aborted, deleted or corrupt checkpoints) and
+``.quarantine/`` directories are reclaimed once older than ``grace_s``.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra.catalog import lineage, serving
+from infra.catalog import copies, leases, lineage, serving
 from infra.catalog.db import Catalog
-from infra.catalog.models import CheckpointStatus
-from infra.checkpoint import manifest as mf
+from infra.catalog.models import Checkpoint, CheckpointStatus, utcnow
+from infra.catalog.models import ReplicaStatus as R
 from infra.errors import ConfigError
-from infra.tiers import open_tier, replication
+from infra.format import manifest as mf
+from infra.restore.scrub import QUARANTINE, scrub
+from infra.tiers import open_tier, transfer
 
 log = logging.getLogger("rewind.gc")
 S = CheckpointStatus
+DEAD = (S.SUPERSEDED, S.ABORTED, S.DELETED, S.CORRUPT)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Policy:
     keep_last: int = 3
-    """The newest N restorable checkpoints are kept (at least 1: the one a restart would use)."""
+    """The newest N verified checkpoints are kept (at least 1: the one a restart would use)."""
     keep_every: int = 0
     """Checkpoints whose step is a multiple of K are kept as well (0: none)."""
     byte_budget: int | None = None
     """If set, the oldest checkpoints kept only by ``keep_every`` go until the local bytes fit."""
+    grace_s: float = 7 * 86400.0
+    """Copies of dead checkpoints and quarantined directories older than this are reclaimed."""
 
     def __post_init__(self) -> None:
         if self.keep_last < 1:
             raise ConfigError("keep_last must be at least 1: the newest checkpoint is what a restart needs")
-        if self.keep_every < 0 or (self.byte_budget is not None and self.byte_budget < 0):
-            raise ConfigError("keep_every and byte_budget cannot be negative")
+        if self.keep_every < 0 or (self.byte_budget is not None and self.byte_budget < 0) or self.grace_s < 0:
+            raise ConfigError("keep_every, byte_budget and grace cannot be negative")
+
+
+@dataclass(frozen=True, slots=True)
+class CopyRef:
+    replica_id: int
+    tier: str
+    uri: str
+    key: str | None
 
 
 @dataclass
@@ -46,7 +71,7 @@ class Removal:
     checkpoint_id: int
     step: int
     bytes: int
-    copies: list[tuple[str, str]]  # (tier, uri) including local
+    copies: list[CopyRef]
 
 
 @dataclass
@@ -54,66 +79,138 @@ class GcPlan:
     run: str
     keep: list[int]
     remove: list[Removal] = field(default_factory=list)
+    reclaim: list[Removal] = field(default_factory=list)  # copies of dead checkpoints
+    quarantine: list[Path] = field(default_factory=list)
+    verified_first: list[int] = field(default_factory=list)  # steps deep-verified before planning
 
     @property
     def freed_bytes(self) -> int:
-        return sum(r.bytes * len(r.copies) for r in self.remove)
+        return sum(r.bytes * len(r.copies) for r in (*self.remove, *self.reclaim))
 
 
-def plan(cat: Catalog, run: str, policy: Policy) -> GcPlan:
-    """A pure read of the catalog: what stays, what goes, and how many bytes that frees."""
-    live = lineage.restorable(cat, lineage.get_run(cat, run).id)  # newest first
-    keep = {c.id for c in live[: policy.keep_last]}
-    keep |= {c.id for c in live if c.pinned}
-    keep |= {c.id for c in live} & serving.protected_checkpoints(cat)
-    keep |= {c.id for c in live if any(r.status == "restoring" for r in lineage.replicas_of(cat, c.id))}
-    by_every = [c for c in live if policy.keep_every and c.step % policy.keep_every == 0 and c.id not in keep]
-    if policy.byte_budget is not None:
-        total = sum((c.total_bytes or 0) for c in live if c.id in keep)
-        for c in by_every:  # newest first: the oldest are the ones left out
-            if total + (c.total_bytes or 0) > policy.byte_budget:
+def prove_newest(cat: Catalog, run: str, keep_last: int) -> list[int]:
+    """Deep-verify the newest unproven checkpoints until ``keep_last`` verified ones lead the run."""
+    proven, checked = 0, []
+    for ck in lineage.restorable(cat, lineage.get_run(cat, run).id):
+        if proven >= keep_last:
+            break
+        if ck.status == S.COMMITTED:
+            checked.append(ck.step)
+            if scrub(cat, ck, deep=True).status != S.VERIFIED:
                 continue
+        proven += 1
+    return checked
+
+
+def _refs(cat: Catalog, ids: list[int]) -> dict[int, list[CopyRef]]:
+    return {
+        i: [CopyRef(r.id, r.tier, r.uri, r.key) for r in reps if r.status != R.DELETED.value]
+        for i, reps in copies.copies_of(cat, ids).items()
+    }
+
+
+def _kept(cat: Catalog, live: list[Checkpoint], policy: Policy) -> set[int]:
+    verified = [c for c in live if c.status == S.VERIFIED]
+    keep = {c.id for c in verified[: policy.keep_last]}
+    if verified:
+        keep |= {c.id for c in live if c.step > verified[0].step}  # progress not yet proven
+    else:
+        keep |= {c.id for c in live}  # nothing proven: nothing can be let go
+    keep |= {c.id for c in live if c.pinned or leases.leased(cat, c.id)}
+    keep |= {c.id for c in live} & serving.protected_checkpoints(cat)
+    by_every = [c for c in live if policy.keep_every and c.step % policy.keep_every == 0 and c.id not in keep]
+    if policy.byte_budget is None:
+        return keep | {c.id for c in by_every}
+    total = sum((c.total_bytes or 0) for c in live if c.id in keep)
+    for c in by_every:  # newest first: the oldest are the ones left out
+        if total + (c.total_bytes or 0) <= policy.byte_budget:
             total += c.total_bytes or 0
             keep.add(c.id)
-    else:
-        keep |= {c.id for c in by_every}
-    out = GcPlan(run, sorted(c.step for c in live if c.id in keep))
-    for c in live:
-        if c.id in keep:
-            continue
-        copies = [(r.tier, r.uri) for r in lineage.replicas_of(cat, c.id) if r.status != "deleted"]
-        out.remove.append(Removal(c.id, c.step, c.total_bytes or 0, copies))
+    return keep
+
+
+def _dead(cat: Catalog, run: str, policy: Policy) -> list[Removal]:
+    """Copies of checkpoints that can never be restored, past the grace period."""
+    cutoff = utcnow().timestamp() - policy.grace_s
+    rows = [
+        c for c in lineage.checkpoints(cat, run) if c.status in DEAD and c.created_at.timestamp() <= cutoff
+    ]
+    refs = _refs(cat, [c.id for c in rows])
+    by_id = copies.copies_of(cat, [c.id for c in rows])
+    out = []
+    for c in rows:
+        usable = any(r.status in {u.value for u in copies.USABLE} for r in by_id[c.id])
+        if refs[c.id] and not (c.status == S.CORRUPT and usable and not copies.condemned(c)):
+            out.append(Removal(c.id, c.step, c.total_bytes or 0, refs[c.id]))
     return out
 
 
-def execute(cat: Catalog, gc: GcPlan) -> list[int]:
-    """Remove what the plan says; returns the steps actually removed."""
+def _quarantined(root: Path, run: str, grace_s: float) -> list[Path]:
+    where = root / run / QUARANTINE
+    if not where.is_dir():
+        return []
+    cutoff = time.time() - grace_s
+    return sorted(p for p in where.iterdir() if p.stat().st_mtime <= cutoff)
+
+
+def plan(cat: Catalog, run: str, policy: Policy, *, root: Path | None = None) -> GcPlan:
+    """What stays, what goes, and how many bytes that frees (after proving the newest checkpoints)."""
+    from infra import config
+
+    checked = prove_newest(cat, run, policy.keep_last)
+    live = lineage.restorable(cat, lineage.get_run(cat, run).id)  # newest first
+    keep = _kept(cat, live, policy)
+    gone = [c for c in live if c.id not in keep]
+    refs = _refs(cat, [c.id for c in gone])
+    out = GcPlan(run, sorted(c.step for c in live if c.id in keep), verified_first=checked)
+    out.remove = [Removal(c.id, c.step, c.total_bytes or 0, refs[c.id]) for c in gone]
+    out.reclaim = _dead(cat, run, policy)
+    out.quarantine = _quarantined(Path(root or config.checkpoint_root()), run, policy.grace_s)
+    return out
+
+
+def _delete_copies(cat: Catalog, run: str, r: Removal) -> None:
+    for ref in r.copies:
+        try:
+            _delete_copy(ref, run, r.step)
+        except Exception as exc:  # still listed: the next run tries again
+            log.warning(
+                "could not delete %s copy of %s step %d at %s: %s", ref.tier, run, r.step, ref.uri, exc
+            )
+            continue
+        copies.mark_deleted(cat, ref.replica_id)
+
+
+def execute(cat: Catalog, gc: GcPlan, policy: Policy) -> list[int]:
+    """Remove what the plan says, each deletion re-checked; returns the steps actually removed."""
     removed = []
     for r in gc.remove:
-        if not lineage.transition(
-            cat, r.checkpoint_id, (S.COMMITTED, S.VERIFIED), S.DELETED, "retention policy"
+        if not leases.delete_guarded(
+            cat, r.checkpoint_id, keep_last=policy.keep_last, reason="retention policy"
         ):
-            continue  # changed under us (pinned, restored, already gone): leave it
-        lineage.mark_replicas_deleted(cat, r.checkpoint_id)
-        for tier, uri in r.copies:
-            try:
-                _delete_copy(tier, uri, gc.run, r.step)
-            except Exception as exc:  # the catalog no longer points here; the bytes are orphans, not a risk
-                log.warning(
-                    "could not delete %s copy of %s step %d at %s: %s", tier, gc.run, r.step, uri, exc
-                )
+            log.info(
+                "kept %s step %d: it is needed again (restored, pinned, or the newest verified)",
+                gc.run,
+                r.step,
+            )
+            continue
+        _delete_copies(cat, gc.run, r)
         removed.append(r.step)
+    for r in gc.reclaim:
+        _delete_copies(cat, gc.run, r)
+    for p in gc.quarantine:
+        shutil.rmtree(p, ignore_errors=True)
     return removed
 
 
-def _delete_copy(tier: str, uri: str, run: str, step: int) -> None:
-    if tier == "local":
-        path = Path(uri)
+def _delete_copy(ref: CopyRef, run: str, step: int) -> None:
+    if ref.tier == copies.LOCAL:
+        path = Path(ref.uri)
         (path / mf.MANIFEST_NAME).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
         return
-    t = open_tier(uri)
-    base = replication.checkpoint_key(run, step)
+    t = open_tier(ref.uri)
+    base = ref.key or transfer.copy_key(run, step)
     t.delete(f"{base}/{mf.MANIFEST_NAME}")
     for obj in list(t.list(f"{base}/")):
         t.delete(obj.key)

@@ -1,4 +1,4 @@
-"""Phase 3, replicate: copy committed checkpoints to another tier, verified before they count."""
+"""Phase 3, replicate: copy checkpoints to another tier, from a verified source, registered only when proven there."""
 
 from __future__ import annotations
 
@@ -6,22 +6,25 @@ from typing import Any
 
 from prefect import task
 
-from infra.catalog import lineage
-from infra.tiers import catalogued, open_tier
+from infra import retention
+from infra.catalog import copies, lineage
+from infra.replication import replicate
+from infra.tiers import open_tier
 from tasks.common import RETRY, catalog, emit
 
 
 @task(name="pending-replication", **RETRY)
 def pending_replication(target: str, run: str | None = None) -> list[int]:
-    """Committed checkpoints without a verified copy on the tier of ``target``."""
-    return [ck.id for ck in lineage.without_replica(catalog(), open_tier(target).name, run)]
+    """Restorable checkpoints without a verified copy on ``target`` yet."""
+    tier = open_tier(target)
+    return [ck.id for ck in copies.without_copy(catalog(), tier.name, tier.uri, run)]
 
 
 @task(name="replicate-checkpoint", timeout_seconds=6 * 3600, **RETRY)
 def replicate_checkpoint(
     checkpoint_id: int, target: str, part_size_mib: int = 64, concurrency: int = 8
 ) -> dict[str, Any]:
-    """Copy one checkpoint; only a copy the target proves equal to the manifest is registered."""
+    """Copy one checkpoint; only a copy the target proves equal to the catalog's manifest is registered."""
     cat = catalog()
     ck = lineage.get_checkpoint(cat, checkpoint_id)
     run = lineage.get_run_by_id(cat, ck.run_id).name
@@ -30,14 +33,15 @@ def replicate_checkpoint(
     )
     tier = open_tier(target, **options)
     tier.check()
-    sent = catalogued.replicate_recorded(cat, ck, tier)
+    done = replicate(cat, ck, tier)
     result = {
         "run": run,
         "step": ck.step,
         "checkpoint_id": ck.id,
         "tier": tier.name,
         "uri": target,
-        "bytes_sent": sent,
+        "key": done.key,
+        "bytes_sent": done.bytes_sent,
     }
     emit("rewind.checkpoint.replicated", run, result, step=ck.step, checkpoint_id=ck.id)
     return result
@@ -45,10 +49,8 @@ def replicate_checkpoint(
 
 @task(name="apply-retention", **RETRY)
 def apply_retention(run: str | None, keep_last: int, keep_every: int = 0) -> dict[str, list[int]]:
-    """Delete what the policy no longer keeps, on every tier; returns the removed steps per run."""
-    from infra import retention
-
+    """Delete what the policy no longer keeps, on every tier, each deletion re-checked; removed steps per run."""
     cat = catalog()
     policy = retention.Policy(keep_last=keep_last, keep_every=keep_every)
     runs = [run] if run else [r["run"] for r in lineage.list_runs(cat)]
-    return {name: retention.execute(cat, retention.plan(cat, name, policy)) for name in runs}
+    return {name: retention.execute(cat, retention.plan(cat, name, policy), policy) for name in runs}

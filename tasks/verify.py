@@ -1,4 +1,4 @@
-"""Phase 2, verify: prove a checkpoint's bytes match its manifest."""
+"""Phase 2, verify: prove each copy of a checkpoint holds the bytes its catalog recorded."""
 
 from __future__ import annotations
 
@@ -7,34 +7,54 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from infra.catalog import lineage
-from infra.checkpoint.audit import verify_recorded
-from infra.errors import CorruptCheckpoint
+from infra.catalog import copies, lineage
+from infra.catalog.models import CheckpointStatus
+from infra.errors import CheckpointUnverifiable, CorruptCheckpoint
+from infra.format.verify import Verdict
+from infra.restore.scrub import scrub
 from tasks.common import RETRY, artifact_key, catalog, emit
 
 
 @task(name="verify-checkpoint", timeout_seconds=3600, **RETRY)
-def verify_checkpoint(checkpoint_id: int, deep: bool = True) -> dict[str, Any]:
-    """Check one checkpoint; corrupt ones are marked, announced and raised (never retried)."""
+def verify_checkpoint(checkpoint_id: int, deep: bool = True, tier: str | None = None) -> dict[str, Any]:
+    """Check every copy of one checkpoint and record each verdict.
+
+    A checkpoint with no copy left that verifies is announced and raised (never
+    retried); a damaged copy of a checkpoint that another copy still holds is
+    announced as a copy event; a copy that could not be read raises a transient
+    error, so the task is retried.
+    """
     cat = catalog()
     ck = lineage.get_checkpoint(cat, checkpoint_id)
     run = lineage.get_run_by_id(cat, ck.run_id).name
-    report = verify_recorded(cat, ck, deep=deep)
+    check = scrub(cat, ck, deep=deep, tiers=None if tier is None else (tier,))
     result = {
         "run": run,
         "step": ck.step,
         "checkpoint_id": ck.id,
-        "ok": report.ok,
+        "ok": check.ok,
+        "status": check.status,
         "deep": deep,
         "manifest_digest": ck.manifest_digest,
-        "findings": [f.as_dict() for f in report.findings],
+        "copies": [{"tier": c.tier, "where": c.where, "verdict": c.verdict.value} for c in check.copies],
+        "findings": [f.as_dict() for f in check.findings],
     }
-    if report.ok:
-        if deep:
-            emit("rewind.checkpoint.verified", run, result, step=ck.step, checkpoint_id=ck.id)
-        return result
-    announce_corrupt(run, ck.step, ck.id, ck.path, result["findings"])
-    raise CorruptCheckpoint(ck.path, [f for f in report.findings if f.fatal])
+    for c in check.copies:
+        if c.verdict in (Verdict.CORRUPT, Verdict.MISSING):
+            payload = {"tier": c.tier, "where": c.where, "findings": [f.as_dict() for f in c.findings]}
+            emit("rewind.copy.corrupt", run, payload, step=ck.step, checkpoint_id=ck.id)
+    if check.status == CheckpointStatus.CORRUPT:
+        announce_corrupt(run, ck.step, ck.id, ck.path, result["findings"])
+        raise CorruptCheckpoint(f"{run} step {ck.step}", [f for f in check.findings if f.fatal])
+    unreadable = [c for c in check.copies if c.verdict is Verdict.UNVERIFIABLE]
+    if unreadable:
+        raise CheckpointUnverifiable(
+            f"{run} step {ck.step}: "
+            + "; ".join(f"{c.tier} copy unverifiable: {c.findings[0]}" for c in unreadable)
+        )
+    if deep and check.status == CheckpointStatus.VERIFIED:
+        emit("rewind.checkpoint.verified", run, result, step=ck.step, checkpoint_id=ck.id)
+    return result
 
 
 def announce_corrupt(
@@ -52,13 +72,16 @@ def announce_corrupt(
 
 @task(name="list-checkpoints", **RETRY)
 def list_checkpoints(run: str | None = None) -> list[dict[str, Any]]:
-    """Committed and verified checkpoints of one run, or of every run."""
+    """Checkpoints worth checking (committed, verified, or corrupt with a copy left) of one run, or all."""
     cat = catalog()
     runs = [run] if run else [r["run"] for r in lineage.list_runs(cat)]
     out = []
     for name in runs:
-        for ck in lineage.checkpoints(cat, name):
-            if ck.status in ("committed", "verified"):
+        rows = [c for c in lineage.checkpoints(cat, name) if c.status in ("committed", "verified", "corrupt")]
+        found = copies.copies_of(cat, [c.id for c in rows])
+        for ck in rows:
+            usable = any(r.status in {u.value for u in copies.USABLE} for r in found[ck.id])
+            if ck.status != "corrupt" or (usable and not copies.condemned(ck)):
                 out.append({"run": name, "step": ck.step, "checkpoint_id": ck.id})
     return out
 

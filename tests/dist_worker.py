@@ -45,6 +45,7 @@ def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch
 
 def main(mode: str, kind: str, workdir: str) -> None:
     from infra.checkpoint import sharded
+    from infra.format import manifest as mf
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -78,7 +79,8 @@ def main(mode: str, kind: str, workdir: str) -> None:
         opt.step()
         opt.zero_grad()
         msd, osd = get_state_dict(model, opt)
-        restored, mine = sharded.load(root / "ckpt" / "step-3", {"model": msd, "optim": osd})
+        directory = root / "ckpt" / "step-3"
+        restored, mine = sharded.load(directory, mf.read(directory), {"model": msd, "optim": osd})
         set_state_dict(model, opt, model_state_dict=restored["model"], optim_state_dict=restored["optim"])
         full = _full(model, opt)
         if rank == 0:

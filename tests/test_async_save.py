@@ -10,10 +10,10 @@ import torch
 
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
-from infra.checkpoint import manifest as mf
 from infra.checkpoint.background import BackgroundSaveError
 from infra.checkpoint.engine import Checkpointer, SaveMode
 from infra.checkpoint.state import RNGState
+from infra.format import manifest as mf
 from tests.test_resume import FAULT_POINTS
 from tests.trainproc import TrainProc, assert_same_weights
 

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
+from sqlalchemy.exc import IntegrityError
 
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
-from infra.catalog.models import Base, CheckpointStatus
+from infra.catalog.models import LIVE_STATUSES, Base, CheckpointStatus
 from infra.errors import CatalogUnavailable, ConfigError
 
 S = CheckpointStatus
@@ -44,6 +45,55 @@ def test_migrations_upgrade_downgrade_and_match_models(empty_url):
     assert _tables(cat) == set()
     cat.migrate("head")  # and back up again, cleanly
     assert _tables(cat) >= TABLES
+    cat.close()
+
+
+def test_migration_0003_maps_old_statuses_and_enforces_enums(empty_url):
+    cat = Catalog(empty_url, auto_upgrade=False)
+    cat.migrate("0002")
+    at = {"at": "2026-11-29 12:00:00+00:00"}
+    with cat.engine.begin() as conn:
+        conn.execute(text("INSERT INTO run (id, name, created_at) VALUES (1, 'old', :at)"), at)
+        conn.execute(
+            text(
+                "INSERT INTO checkpoint (id, run_id, step, status, path, layout, environment, metrics,"
+                " pinned, created_at) VALUES (1, 1, 10, 'verified', '/old/step-10', '{}', '{}', '{}',"
+                " false, :at)"
+            ),
+            at,
+        )
+        for replica_id, status in ((1, "restoring"), (2, "verified")):
+            conn.execute(
+                text(
+                    "INSERT INTO replica (id, checkpoint_id, tier, uri, status, created_at)"
+                    " VALUES (:id, 1, 'local', '/old/step-10', :status, :at)"
+                ),
+                {"id": replica_id, "status": status, **at},
+            )
+        conn.execute(
+            text(
+                "INSERT INTO rollout (id, model, kind, to_version, state, triggered_by, params, started_at)"
+                " VALUES (1, 'm', 'deploy', 'v1', 'running', 'test', '{}', :at)"
+            ),
+            at,
+        )
+
+    cat.migrate("head")
+    with cat.engine.connect() as conn:
+        # Both replicas survive (rebuilding a parent table on SQLite must not cascade into them).
+        assert dict(conn.execute(text("SELECT id, status FROM replica")).all()) == {
+            1: "pending",
+            2: "verified",
+        }
+        assert conn.execute(text("SELECT state FROM rollout")).scalar_one() == "running"
+    bogus = text("UPDATE replica SET status = 'bogus' WHERE id = 2")
+    with pytest.raises(IntegrityError, match="ck_replica_status"), cat.engine.begin() as conn:
+        conn.execute(bogus)
+
+    cat.migrate("0002", down=True)
+    with cat.engine.begin() as conn:
+        conn.execute(bogus)  # the constraint is gone with the revision
+        assert conn.execute(text("SELECT status FROM replica WHERE id = 2")).scalar_one() == "bogus"
     cat.close()
 
 
@@ -84,7 +134,8 @@ def test_racing_transitions_exactly_one_wins(backend, pg_url, tmp_path, run_name
         for t in threads:
             t.join(timeout=30)
         assert sum(results) == 1, f"step {step}: winners {results}"
-        final = lineage.live_at(cats[0], lineage.get_run(cats[0], run_name).id, step)
+        live = lineage.checkpoints_at(cats[0], lineage.get_run(cats[0], run_name).id, step, LIVE_STATUSES)
+        final = live[0] if live else None
         expected = S.VERIFIED if results[0] else S.CORRUPT
         if expected is S.VERIFIED:
             assert final is not None and final.status == S.VERIFIED

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from flows.cli import main as rewind
-from infra.checkpoint.manifest import MANIFEST_NAME
+from infra.format.manifest import MANIFEST_NAME
 from tests.trainproc import TrainProc, assert_same_weights
 
 
@@ -52,14 +52,15 @@ def wrong_size(d: Path) -> None:
     _edit_manifest(d, edit)
 
 
-# (damage, the finding `rewind ckpt verify --deep` must report: problem, path)
+# (damage, the finding `rewind ckpt verify --deep` must report: problem, path). An edited manifest
+# is refused before anything in it is believed: it is not the one the catalog recorded.
 CASES = {
     "flipped_byte": (flip_byte, "digest_mismatch", "optimizer.safetensors"),
     "truncated": (truncate, "size_mismatch", "model.safetensors"),
     "deleted_file": (delete_file, "missing", "state.json"),
     "deleted_manifest": (delete_manifest, "manifest", MANIFEST_NAME),
     "escaping_path": (escape_path, "manifest", MANIFEST_NAME),
-    "wrong_size": (wrong_size, "size_mismatch", None),
+    "wrong_size": (wrong_size, "manifest", MANIFEST_NAME),
 }
 
 
@@ -73,8 +74,6 @@ def test_damaged_newest_checkpoint(case, reference, rewind_env, run_name, tmp_pa
     newest = Path(rewind_env["REWIND_CHECKPOINT_ROOT"]) / run_name / "step-30"
     assert (newest / MANIFEST_NAME).exists()
     damage(newest)
-    if path is None:  # wrong_size edits the first listed file, whichever it is
-        path = json.loads((newest / MANIFEST_NAME).read_text())["files"][0]["path"]
 
     capsys.readouterr()
     assert rewind(["ckpt", "verify", run_name, "--deep", "--json"]) == 1
@@ -82,8 +81,8 @@ def test_damaged_newest_checkpoint(case, reference, rewind_env, run_name, tmp_pa
     assert [s for s, r in report.items() if not r["ok"]] == [30]
     findings = {(f["problem"], f["path"]) for f in report[30]["findings"]}
     assert (problem, path) in findings, findings
-    if case == "escaping_path":
-        assert any("escapes the checkpoint directory" in f["detail"] for f in report[30]["findings"])
+    if case in ("escaping_path", "wrong_size"):
+        assert any("not the manifest the catalog recorded" in f["detail"] for f in report[30]["findings"])
 
     capsys.readouterr()
     assert rewind(["ckpt", "list", run_name, "--json"]) == 0
@@ -107,6 +106,7 @@ def test_damage_found_at_restore_names_file_and_reason(reference, rewind_env, ru
     flip_byte(Path(rewind_env["REWIND_CHECKPOINT_ROOT"]) / run_name / "step-30")
     second = TrainProc(run_name, tmp_path / "out", extra=["--stop-after", "21"])
     out = second.finish()
-    assert "skipped step 30: optimizer.safetensors: digest_mismatch" in out.text
+    skipped = [line for line in out.text.splitlines() if "skipped step 30" in line]
+    assert skipped and "optimizer.safetensors: digest_mismatch" in skipped[0], out.text
     assert out.resumed_at == 20
     assert out.losses[21] == reference[0][21]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import numpy as np
@@ -9,10 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infra.checkpoint import manifest as mf
-from infra.checkpoint import tensorfile, tree
 from infra.checkpoint.state import RNGState
-from infra.digest import HashingWriter
+from infra.errors import ConfigError
+from infra.format import keyring as kr
+from infra.format import manifest as mf
+from infra.format import tensorfile, tree
+from infra.format.digest import Hasher, HashingReader, HashingWriter
 from infra.training.data import ResumableLoader
 
 
@@ -63,16 +66,49 @@ def test_tensorfile_is_plain_safetensors_and_aligned(tmp_path):
         tensorfile.write(w, tensors)
     assert w.hasher.result().size == path.stat().st_size
     other = load_file(str(path))  # the reference implementation reads our files
-    buf = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-    ours, _ = tensorfile.parse(buf)
+    with open(path, "rb") as f:
+        reader = HashingReader(f, Hasher())
+        ours, _ = tensorfile.read(reader, path.stat().st_size)
+    assert reader.hasher.result() == w.hasher.result()  # every byte went through the hasher once
+    storages = set()
     for k, t in tensors.items():
         assert torch.equal(other[k], t) and torch.equal(ours[k], t) and ours[k].dtype == t.dtype
+        assert ours[k].storage_offset() == 0  # its own storage, not a view into a shared buffer
+        storages.add(ours[k].untyped_storage().data_ptr())
+    assert (
+        len(storages) == len([t for t in tensors.values() if t.numel()]) + 1
+    )  # one per tensor (empties share 0)
 
 
-def test_tensorfile_rejects_lying_headers():
-    buf = torch.frombuffer(bytearray(b"\xff" * 8 + b"{}"), dtype=torch.uint8)
-    with pytest.raises(ValueError, match="runs past"):
-        tensorfile.parse(buf)
+def _read_bytes(raw: bytes):  # type: ignore[no-untyped-def]
+    import io
+
+    return tensorfile.read(HashingReader(io.BytesIO(raw), Hasher()), len(raw))
+
+
+def _file(header: object, data: bytes) -> bytes:
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+def _span(dtype: str, shape: list[int], start: int, end: int) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [start, end]}
+
+
+@pytest.mark.parametrize(
+    ("raw", "error"),
+    [
+        (b"\xff" * 8 + b"{}", "runs past"),
+        (_file([], b""), "not a JSON object"),
+        (_file({"a": _span("F32", [4], 0, 16)}, b"\x00" * 8), "do not fit"),
+        (_file({"a": _span("F32", [3], 0, 16)}, b"\x00" * 16), "do not fit"),
+        (_file({"a": _span("U8", [4], 0, 4), "b": _span("U8", [4], 2, 6)}, b"\x00" * 6), "overlap"),
+        (_file({"a": _span("PICKLE", [1], 0, 1)}, b"\x00"), "unsupported dtype"),
+    ],
+)
+def test_tensorfile_rejects_lying_headers(raw, error):
+    with pytest.raises(ValueError, match=error):
+        _read_bytes(raw)
 
 
 @pytest.mark.parametrize(
@@ -83,16 +119,33 @@ def test_manifest_refuses_escaping_paths(path):
         mf.safe_relative(path)
 
 
-def test_manifest_hmac_detects_tampering(monkeypatch):
-    monkeypatch.setenv(mf.KEY_ENV, "k1")
+def test_keyring_signs_rotates_and_tells_unknown_keys_from_tampering():
     m = mf.Manifest(run="r", step=3, files=(mf.FileEntry("a", 1, "00", "AAAAAA=="),))
-    raw = m.to_bytes()
+    k1, k2 = kr.Keyring(("k1",)), kr.Keyring(("k2", "k1"))
+    raw = m.to_bytes(k1)
     assert mf.parse(raw).step == 3
-    with pytest.raises(mf.ManifestError, match="HMAC"):
-        mf.parse(raw.replace(b'"size": 1', b'"size": 2'))
-    monkeypatch.setenv(mf.KEY_ENV, "k2")
-    with pytest.raises(mf.ManifestError, match="HMAC"):
-        mf.parse(raw)
+    assert mf.signature(raw, k1) is kr.Signature.VALID
+    assert mf.signature(raw, k2) is kr.Signature.VALID  # rotated: the previous key still verifies
+    assert mf.signature(raw.replace(b'"size": 1', b'"size": 2'), k1) is kr.Signature.INVALID
+    assert mf.signature(raw, kr.Keyring(("k2",))) is kr.Signature.UNKNOWN_KEY  # not corrupt: unknowable here
+    assert mf.signature(m.to_bytes(kr.Keyring()), k1) is kr.Signature.UNSIGNED
+    assert b"k1" not in raw and kr.key_id("k1") in raw.decode()  # the id names the key, never reveals it
+
+
+def test_manifest_format_1_is_still_read():
+    body = mf.Manifest(run="r", step=1, files=()).body() | {"format": "rewind.checkpoint/1"}
+    assert mf.parse(json.dumps(body).encode()).run == "r"
+
+
+def test_key_file_must_be_private(tmp_path, monkeypatch):
+    key = tmp_path / "keys"
+    key.write_text("new\nold\n")
+    key.chmod(0o644)
+    monkeypatch.setenv(kr.FILE_ENV, str(key))
+    with pytest.raises(ConfigError, match="chmod 600"):
+        kr.from_env()
+    key.chmod(0o600)
+    assert kr.from_env().keys == ("new", "old")
 
 
 class Seq(torch.utils.data.Dataset):

@@ -9,7 +9,8 @@ import pytest
 
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
-from infra.checkpoint.verify import verify_directory
+from infra.catalog.models import LIVE_STATUSES
+from infra.format.verify import check_copy
 from tests.trainproc import TrainProc, assert_same_weights
 
 
@@ -69,9 +70,9 @@ def test_sigkill_at_twenty_random_moments(reference, rewind_env, run_name, tmp_p
         for step, loss in p.output.losses.items():
             assert loss == ref_losses[step], f"seed={seed}: step {step} differs after resume at {got}"
         if got:
-            ck = lineage.live_at(cat, lineage.get_run(cat, run_name).id, got)
-            assert ck is not None and ck.status == "verified"
-            assert verify_directory(Path(ck.path), deep=True).ok
+            (ck,) = lineage.checkpoints_at(cat, lineage.get_run(cat, run_name).id, got, LIVE_STATUSES)
+            assert ck.status == "verified"
+            assert check_copy(Path(ck.path), ck.manifest_digest, deep=True).ok
         nxt = lineage.restorable(cat, lineage.get_run(cat, run_name).id)
         start = nxt[0].step if nxt else 0
         assert start in allowed, (

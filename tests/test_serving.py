@@ -16,8 +16,8 @@ from examples.tiny_lm_model import TinyLM, alphabet, probes
 from infra.catalog import lineage
 from infra.catalog import serving as sv
 from infra.catalog.db import Catalog
-from infra.checkpoint.audit import verify_recorded
 from infra.errors import ConfigError, NotFoundError, ServingUnavailable
+from infra.restore.scrub import scrub
 from tests.serving_support import Load
 from tests.trainproc import REPO, run_to_end
 
@@ -43,9 +43,9 @@ def _accuracy(weights: dict[str, torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def stack_env(pg_url, tmp_path_factory, prefect_api):
     """A trained run (verified at 60, 90, 120; 30 left unverified), a damaged copy, and a running stack."""
-    from infra.checkpoint import manifest as mf
-    from infra.checkpoint import payload
     from infra.checkpoint.engine import Checkpointer
+    from infra.format import manifest as mf
+    from infra.format import payload
     from infra.serving import stack
 
     home = tmp_path_factory.mktemp("serving")
@@ -66,7 +66,7 @@ def stack_env(pg_url, tmp_path_factory, prefect_api):
         cat = Catalog()
         for ck in lineage.checkpoints(cat, "lm"):
             if ck.step != 30:
-                assert verify_recorded(cat, ck, deep=True).ok
+                assert scrub(cat, ck, deep=True).ok
         # The same weights with the embedding rows shuffled: loads fine, answers wrong.
         (good,) = [c for c in lineage.checkpoints(cat, "lm", 90)]
         weights = payload.read_states(Path(good.path), mf.read(Path(good.path)))["model"]
@@ -79,7 +79,7 @@ def stack_env(pg_url, tmp_path_factory, prefect_api):
         damaged.save(90)
         damaged.close()
         (bad,) = lineage.checkpoints(cat, "lm-damaged", 90)
-        assert verify_recorded(cat, bad, deep=True).ok  # intact bytes: only the model is wrong
+        assert scrub(cat, bad, deep=True).ok  # intact bytes: only the model is wrong
         # The premise of the quality gate: the canaries meant to pass answer far better than the damaged one.
         (later,) = [c for c in lineage.checkpoints(cat, "lm", 120)]
         good_q = min(

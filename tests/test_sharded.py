@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infra.checkpoint.verify import verify_directory
+from infra.format.verify import check_copy
 from infra.net import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def torchrun(n: int, mode: str, kind: str, work: Path) -> None:
 def test_save_with_4_ranks_load_with_2_and_1(kind, tmp_path):
     torchrun(4, "save", kind, tmp_path)
     directory = tmp_path / "ckpt" / "step-3"
-    report = verify_directory(directory, deep=True)
+    report = check_copy(directory, None, deep=True)
     assert report.ok, report.findings
     assert {f.path for f in report.manifest.files} >= {
         ".metadata",

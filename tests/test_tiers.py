@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.digest import hash_file
+from infra.format.digest import hash_file
 from infra.tiers.base import AlreadyExists, ObjectNotFound
 from infra.tiers.filesystem import FileTier
 from infra.tiers.s3 import S3Tier
@@ -64,7 +64,7 @@ def test_tier_conformance(tier, tmp_path):
 
 
 def hash_file_bytes(data: bytes) -> str:
-    from infra.digest import hash_bytes
+    from infra.format.digest import hash_bytes
 
     return hash_bytes(data).crc32c
 
@@ -106,9 +106,9 @@ def test_s3_round_trip_checksums_and_deep_verify(s3_env, rewind_env, run_name, t
     from flows.cli import main as rewind
     from infra.catalog import lineage
     from infra.catalog.db import Catalog
-    from infra.checkpoint import manifest as mf
-    from infra.tiers import catalogued
-    from infra.tiers.replication import checkpoint_key
+    from infra.format import manifest as mf
+    from infra.restore import plan
+    from infra.tiers.transfer import copy_key
 
     saved = _big_checkpoint(run_name, tmp_path / "ckpt")
     assert saved.total_bytes >= 256 << 20
@@ -117,7 +117,7 @@ def test_s3_round_trip_checksums_and_deep_verify(s3_env, rewind_env, run_name, t
     manifest = mf.read(Path(saved.path))
     tier = S3Tier(uri)
     for e in manifest.files:  # the server's own checksums equal the manifest's
-        info = tier.stat(checkpoint_key(run_name, 1, e.path))
+        info = tier.stat(f"{copy_key(run_name, 1)}/{e.path}")
         assert (info.size, info.crc32c) == (e.size, e.crc32c)
     capsys.readouterr()
     assert rewind(["ckpt", "verify", run_name, "--tier", "offsite"]) == 0
@@ -125,7 +125,7 @@ def test_s3_round_trip_checksums_and_deep_verify(s3_env, rewind_env, run_name, t
     assert "nothing to replicate" in capsys.readouterr().out
 
     # Flip one byte of the stored optimizer object behind Rewind's back (no checksum sent).
-    key = f"offsite/{checkpoint_key(run_name, 1, 'optimizer.safetensors')}"
+    key = f"offsite/{copy_key(run_name, 1)}/optimizer.safetensors"
     client = s3_env.client()
     body = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())
     body[len(body) // 3] ^= 0x01
@@ -136,7 +136,8 @@ def test_s3_round_trip_checksums_and_deep_verify(s3_env, rewind_env, run_name, t
     cat = Catalog()
     (rep,) = [r for r in lineage.replicas_of(cat, saved.checkpoint_id) if r.tier == "offsite"]
     assert rep.status == "corrupt"
-    assert catalogued.remote_replicas(cat, saved.checkpoint_id) == []  # never used for a restore
+    p = plan.plan(cat, run_name, root=tmp_path / "ckpt", checkpoint_id=saved.checkpoint_id)
+    assert [c.tier for c in p.candidates[0].copies] == ["local"]  # the damaged copy is never used again
 
 
 def test_s3_outage_mid_replication_is_retried_and_resumed(
@@ -146,13 +147,13 @@ def test_s3_outage_mid_replication_is_retried_and_resumed(
 
     from infra.catalog import lineage
     from infra.catalog.db import Catalog
-    from infra.tiers.replication import checkpoint_key
+    from infra.tiers.transfer import copy_key
     from tasks.replicate import replicate_checkpoint
     from tests.prefect_support import wait_until
 
     saved = _big_checkpoint(run_name, tmp_path / "ckpt", mb=300)
     uri = f"s3://{BUCKET}/outage"
-    manifest_key = f"outage/{checkpoint_key(run_name, 1, 'manifest.json')}"
+    manifest_key = f"outage/{copy_key(run_name, 1)}/manifest.json"
     observed: dict[str, object] = {}
 
     def saboteur() -> None:

@@ -20,11 +20,12 @@ from infra.catalog.models import (
     CheckpointFile,
     CheckpointStatus,
     Replica,
+    ReplicaStatus,
     Run,
     utcnow,
 )
-from infra.checkpoint.manifest import Manifest
 from infra.errors import NotFoundError, RewindError
+from infra.format.manifest import Manifest
 
 S = CheckpointStatus
 
@@ -98,8 +99,10 @@ def begin(
         return ck.id
 
 
-def commit(cat: Catalog, checkpoint_id: int, manifest: Manifest, *, stall_s: float | None, uri: str) -> None:
-    """``writing -> committed`` together with its files and local replica, in one transaction."""
+def commit(
+    cat: Catalog, checkpoint_id: int, manifest: Manifest, *, digest: str, stall_s: float | None, uri: str
+) -> None:
+    """``writing -> committed`` with its manifest digest, files and local copy, in one transaction."""
     now = utcnow()
     with cat.session() as s:
         won = s.execute(
@@ -109,7 +112,7 @@ def commit(cat: Catalog, checkpoint_id: int, manifest: Manifest, *, stall_s: flo
                 status=S.COMMITTED.value,
                 committed_at=now,
                 total_bytes=manifest.total_bytes,
-                manifest_digest=manifest.digest(),
+                manifest_digest=digest,
                 metrics=manifest.metrics,
                 save_stall_s=stall_s,
             )
@@ -127,7 +130,7 @@ def commit(cat: Catalog, checkpoint_id: int, manifest: Manifest, *, stall_s: flo
                 checkpoint_id=checkpoint_id,
                 tier="local",
                 uri=uri,
-                status="pending",
+                status=ReplicaStatus.PENDING.value,
                 bytes=manifest.total_bytes,
             )
         )
@@ -146,12 +149,6 @@ def transition(
             .where(Checkpoint.id == checkpoint_id, Checkpoint.status.in_([a.value for a in allowed_from]))
             .values(**values)
         ).rowcount
-        if won and to in (S.VERIFIED, S.CORRUPT):
-            s.execute(
-                update(Replica)
-                .where(Replica.checkpoint_id == checkpoint_id, Replica.tier == "local")
-                .values(status=to.value, verified_at=values.get("verified_at"))
-            )
     return won == 1
 
 
@@ -169,13 +166,15 @@ def restorable(cat: Catalog, run_id: int) -> list[Checkpoint]:
         )
 
 
-def live_at(cat: Catalog, run_id: int, step: int) -> Checkpoint | None:
+def checkpoints_at(cat: Catalog, run_id: int, step: int, statuses: Iterable[S]) -> list[Checkpoint]:
     with cat.session() as s:
-        return s.scalar(
-            select(Checkpoint).where(
-                Checkpoint.run_id == run_id,
-                Checkpoint.step == step,
-                Checkpoint.status.in_([st.value for st in LIVE_STATUSES]),
+        return list(
+            s.scalars(
+                select(Checkpoint).where(
+                    Checkpoint.run_id == run_id,
+                    Checkpoint.step == step,
+                    Checkpoint.status.in_([st.value for st in statuses]),
+                )
             )
         )
 
@@ -217,16 +216,6 @@ def replicas_of(cat: Catalog, checkpoint_id: int) -> list[Replica]:
         )
 
 
-def set_path(cat: Catalog, checkpoint_id: int, path: str) -> None:
-    with cat.session() as s:
-        s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(path=path))
-        s.execute(
-            update(Replica)
-            .where(Replica.checkpoint_id == checkpoint_id, Replica.tier == "local")
-            .values(uri=path)
-        )
-
-
 def iso(ts: datetime | None) -> str | None:
     return ts.isoformat() if ts else None
 
@@ -238,6 +227,7 @@ def get_checkpoint(cat: Catalog, checkpoint_id: int) -> Checkpoint:
 def supersede_after(cat: Catalog, run_id: int, step: int, reason: str) -> list[int]:
     """Roll a run's head back: restorable checkpoints newer than ``step`` stop being candidates."""
     with cat.session() as s:
+        s.execute(select(Run.id).where(Run.id == run_id).with_for_update())  # see leases.lock_run
         ids = list(
             s.scalars(
                 update(Checkpoint)
@@ -255,53 +245,6 @@ def supersede_after(cat: Catalog, run_id: int, step: int, reason: str) -> list[i
 
 def get_run_by_id(cat: Catalog, run_id: int) -> Run:
     return cat.get(Run, run_id, "run")
-
-
-def record_replica(
-    cat: Catalog, checkpoint_id: int, tier: str, uri: str, nbytes: int, status: str = "verified"
-) -> None:
-    """Register (or update) the copy of a checkpoint on a tier rooted at ``uri``.
-
-    Called with ``verified`` only after the copy proved equal to the manifest.
-    """
-    now = utcnow()
-    with cat.session() as s:
-        existing = s.scalar(
-            select(Replica).where(
-                Replica.checkpoint_id == checkpoint_id, Replica.tier == tier, Replica.uri == uri
-            )
-        )
-        if existing is None:
-            s.add(
-                Replica(
-                    checkpoint_id=checkpoint_id,
-                    tier=tier,
-                    uri=uri,
-                    status=status,
-                    bytes=nbytes,
-                    verified_at=now if status == "verified" else None,
-                )
-            )
-        else:
-            existing.status = status
-            existing.verified_at = now if status == "verified" else existing.verified_at
-
-
-def without_replica(cat: Catalog, tier: str, run: str | None = None) -> list[Checkpoint]:
-    """Verified or committed checkpoints that have no verified copy on ``tier`` yet."""
-    with cat.session() as s:
-        has_copy = select(Replica.checkpoint_id).where(Replica.tier == tier, Replica.status == "verified")
-        q = select(Checkpoint).where(
-            Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value]), Checkpoint.id.not_in(has_copy)
-        )
-        if run is not None:
-            q = q.join(Run, Run.id == Checkpoint.run_id).where(Run.name == run)
-        return list(s.scalars(q.order_by(Checkpoint.id)))
-
-
-def mark_replicas_deleted(cat: Catalog, checkpoint_id: int) -> None:
-    with cat.session() as s:
-        s.execute(update(Replica).where(Replica.checkpoint_id == checkpoint_id).values(status="deleted"))
 
 
 def set_pinned(cat: Catalog, run: str, step: int, pinned: bool) -> int:
@@ -324,7 +267,7 @@ def set_pinned(cat: Catalog, run: str, step: int, pinned: bool) -> int:
 def replica_bytes(cat: Catalog, run: str | None = None) -> list[tuple[str, int]]:
     """(tier, bytes) of every copy that is not deleted."""
     with cat.session() as s:
-        q = select(Replica.tier, Replica.bytes).where(Replica.status != "deleted")
+        q = select(Replica.tier, Replica.bytes).where(Replica.status != ReplicaStatus.DELETED.value)
         if run is not None:
             q = (
                 q.join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)

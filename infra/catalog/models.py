@@ -15,6 +15,7 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     DateTime,
+    Enum,
     Float,
     ForeignKey,
     Index,
@@ -59,6 +60,38 @@ LIVE_STATUSES = (CheckpointStatus.WRITING, CheckpointStatus.COMMITTED, Checkpoin
 _LIVE_SQL = "status IN ('writing', 'committed', 'verified')"
 
 
+class ReplicaStatus(StrEnum):
+    """What the last check of one copy found. Findings belong to copies, not to checkpoints."""
+
+    PENDING = "pending"  # written, not yet proven byte for byte
+    VERIFIED = "verified"  # every byte matched the catalog's manifest
+    UNVERIFIABLE = "unverifiable"  # could not be read (I/O error, unknown key): says nothing about the bytes
+    CORRUPT = "corrupt"  # bytes or manifest differ from the catalog's: never used again
+    MISSING = "missing"  # the copy is gone
+    DELETED = "deleted"  # removed on purpose (retention)
+
+
+class RolloutState(StrEnum):
+    RUNNING = "running"
+    PROMOTED = "promoted"
+    ROLLED_BACK = "rolled_back"
+    FAILED = "failed"
+    DONE = "done"
+
+
+def _enum(cls: type[StrEnum], name: str) -> Enum:
+    """A string column limited to ``cls``'s values by a named CHECK constraint (no native enum type)."""
+    return Enum(
+        cls,
+        name=name,
+        native_enum=False,
+        create_constraint=True,
+        length=16,
+        values_callable=lambda e: [m.value for m in e],
+        validate_strings=True,
+    )
+
+
 class Run(Base):
     __tablename__ = "run"
 
@@ -89,7 +122,9 @@ class Checkpoint(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
     step: Mapped[int] = mapped_column(BigInteger)
     parent_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoint.id", ondelete="SET NULL"))
-    status: Mapped[str] = mapped_column(String(16), default=CheckpointStatus.WRITING.value)
+    status: Mapped[str] = mapped_column(
+        _enum(CheckpointStatus, "status"), default=CheckpointStatus.WRITING.value
+    )
     status_reason: Mapped[str | None] = mapped_column(Text)
     path: Mapped[str] = mapped_column(Text)
     layout: Mapped[dict[str, Any]] = mapped_column(default=dict)
@@ -128,13 +163,28 @@ class Replica(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoint.id", ondelete="CASCADE"), index=True)
     tier: Mapped[str] = mapped_column(String(16))  # local | shared | offsite
+    # local: the copy's directory; shared/offsite: the tier's root URI, with ``key`` below it.
     uri: Mapped[str] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(
-        String(16), default="pending"
-    )  # pending | verified | corrupt | deleted
+    # Where the copy lies below ``uri`` (``<run>/step-<N>`` unless that name held another timeline).
+    key: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(_enum(ReplicaStatus, "status"), default=ReplicaStatus.PENDING.value)
+    detail: Mapped[str | None] = mapped_column(Text)  # what the last check found
     bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     verified_at: Mapped[datetime | None]
+    checked_at: Mapped[datetime | None]
+
+
+class RestoreLease(Base):
+    """A restore in progress holds its checkpoint: retention re-checks leases in its delete statement."""
+
+    __tablename__ = "restore_lease"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoint.id", ondelete="CASCADE"), index=True)
+    holder: Mapped[str] = mapped_column(Text)
+    taken_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime]
 
 
 class Incident(Base):
@@ -202,7 +252,7 @@ class ServingVersion(Base):
     artifact_uri: Mapped[str] = mapped_column(Text)
     artifact_digest: Mapped[str] = mapped_column(String(64))
     artifact_bytes: Mapped[int] = mapped_column(BigInteger)
-    state: Mapped[str] = mapped_column(String(16), default=VersionState.EXPORTED.value)
+    state: Mapped[str] = mapped_column(_enum(VersionState, "state"), default=VersionState.EXPORTED.value)
     weight: Mapped[int] = mapped_column(Integer, default=0)
     was_stable: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -221,9 +271,7 @@ class Rollout(Base):
     kind: Mapped[str] = mapped_column(String(16))  # deploy | rollout | rollback
     from_version: Mapped[str | None] = mapped_column(String(63))
     to_version: Mapped[str] = mapped_column(String(63))
-    state: Mapped[str] = mapped_column(
-        String(16), default="running"
-    )  # running | promoted | rolled_back | failed | done
+    state: Mapped[str] = mapped_column(_enum(RolloutState, "state"), default=RolloutState.RUNNING.value)
     triggered_by: Mapped[str] = mapped_column(Text)
     params: Mapped[dict[str, Any]] = mapped_column(default=dict)
     reason: Mapped[str | None] = mapped_column(Text)

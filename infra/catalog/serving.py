@@ -22,6 +22,8 @@ from infra.errors import NotFoundError
 LOADED = (V.LOADED, V.CANARY, V.STABLE, V.PREVIOUS)
 # A version that ever served all traffic and was not rolled back since: a rollback needs no gates.
 KNOWN_GOOD = (V.STABLE, V.PREVIOUS, V.RETIRED)
+# Versions whose checkpoint retention keeps: loaded, rollback-ready, or exported and about to load.
+KEEPS_CHECKPOINT = (*LOADED, V.RETIRED, V.EXPORTED)
 
 
 def add_version(cat: Catalog, **fields: Any) -> int:
@@ -150,11 +152,11 @@ def promote(cat: Catalog, model: str, version: str) -> str | None:
 
 def protected_checkpoints(cat: Catalog) -> set[int]:
     """Checkpoints a loaded (or rollback-ready) serving version points at: retention keeps them."""
-    keep = (*LOADED, V.RETIRED, V.EXPORTED)
     with cat.session() as s:
         ids = s.scalars(
             select(ServingVersion.checkpoint_id).where(
-                ServingVersion.state.in_([k.value for k in keep]), ServingVersion.checkpoint_id.is_not(None)
+                ServingVersion.state.in_([k.value for k in KEEPS_CHECKPOINT]),
+                ServingVersion.checkpoint_id.is_not(None),
             )
         ).all()
     return {int(i) for i in ids}

@@ -8,19 +8,20 @@ Usage::
     ...
     ckpt.save(step, metrics={"loss": loss})
 
-Restore walks the run's committed checkpoints newest first, proves every byte
-against the manifest before anything is loaded, marks what fails as corrupt
-(saying which file and why) and falls back to the previous one.
+Restore goes through the one restore path (:mod:`infra.restore`): the run's
+checkpoints newest first, each copy nearest first, every byte proven against the
+manifest digest the catalog recorded before anything is loaded; what fails is
+recorded against the copy (saying which file and why) and the next copy, then the
+previous checkpoint, is tried.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -30,17 +31,19 @@ from typing import Any
 from infra import config
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
-from infra.catalog.models import Checkpoint, CheckpointStatus
-from infra.checkpoint import manifest as mf
-from infra.checkpoint import payload, store
-from infra.checkpoint.audit import manifest_matches_catalog, record_corrupt
+from infra.catalog.models import CheckpointStatus
 from infra.checkpoint.background import BackgroundRunner
+from infra.checkpoint.recording import recorded_save
 from infra.checkpoint.staging import Staged, StagingBuffer
 from infra.checkpoint.state import Stateful, as_stateful, environment
-from infra.checkpoint.verify import Finding, Problem
-from infra.errors import ConfigError, CorruptCheckpoint, RewindError
+from infra.errors import ConfigError, NoRestorableCheckpoint, StateMismatch
 from infra.faults import fault_point
-from infra.tiers import catalogued
+from infra.format import manifest as mf
+from infra.format import payload, store
+from infra.format.verify import Finding, Problem
+from infra.restore import execute as restore_exec
+from infra.restore import plan as restore_plan
+from infra.restore.execute import Skip
 
 log = logging.getLogger("rewind.checkpoint")
 S = CheckpointStatus
@@ -52,19 +55,12 @@ class SaveMode(StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class Skipped:
-    step: int
-    checkpoint_id: int
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
 class RestoreResult:
     step: int
     checkpoint_id: int
     path: str
     load_s: float
-    skipped: tuple[Skipped, ...] = ()
+    skipped: tuple[Skip, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +103,7 @@ class Checkpointer:
         self._staging = StagingBuffer()
         self._runner = BackgroundRunner(f"rewind-{self.run}", self.exit_timeout_s)
         self.last_saved: SaveResult | None = None  # the newest committed save of this process
-        self.skipped: tuple[Skipped, ...] = ()  # what the last restore passed over, and why
+        self.skipped: tuple[Skip, ...] = ()  # what the last restore passed over, and why
         self._recover_leftovers()
 
     # -- save -----------------------------------------------------------------
@@ -166,15 +162,14 @@ class Checkpointer:
                 metrics=metrics,
             )
             staged.ready()
-            _, manifest = store.write_checkpoint(
-                self.run_dir, draft, payload.file_writers(trees, staged.parts)
-            )
+            done = store.write_checkpoint(self.run_dir, draft, payload.file_writers(trees, staged.parts))
+            manifest = done.manifest
             fault_point("save.before_catalog", step)
             if self.mode is SaveMode.SYNC:
                 stall = time.perf_counter() - stall
-            lineage.commit(self.catalog, ck_id, manifest, stall_s=stall, uri=str(final))
+            lineage.commit(self.catalog, ck_id, manifest, digest=done.digest, stall_s=stall, uri=str(final))
         self._parent_id, self._parent_step = ck_id, step
-        result = SaveResult(step, ck_id, str(final), manifest.total_bytes, stall, manifest.digest())
+        result = SaveResult(step, ck_id, str(final), manifest.total_bytes, stall, done.digest)
         self.last_saved = result
         log.info(
             "checkpoint step %d committed: %s (%d bytes, stall %.3fs)",
@@ -188,66 +183,49 @@ class Checkpointer:
     # -- restore --------------------------------------------------------------
 
     def restore_latest(self) -> RestoreResult | None:
-        """Load the newest checkpoint that verifies; None when the run has none."""
+        """Load the newest checkpoint that proves itself; None when the run has none that could.
+
+        Refuses to start over (``CheckpointUnverifiable``) while a checkpoint exists
+        that could not be checked right now: an I/O error or an unknown key is not
+        a reason to throw a run's progress away.
+        """
         self._runner.wait()
-        skipped: list[Skipped] = []
-        for ck in lineage.restorable(self.catalog, self.run_id):
-            started = time.perf_counter()
-            try:
-                states = self._read_nearest(ck)
-            except CorruptCheckpoint as exc:
-                record_corrupt(self.catalog, ck, exc.findings)
-                reason = "; ".join(str(f) for f in exc.findings)
-                skipped.append(Skipped(ck.step, ck.id, reason))
-                log.warning("skipping checkpoint step %d (%s): %s", ck.step, ck.path, reason)
-                continue
-            self._apply(states)
-            lineage.transition(self.catalog, ck.id, (S.COMMITTED,), S.VERIFIED)
-            self._parent_id, self._parent_step = ck.id, ck.step
-            self.skipped = tuple(skipped)
-            result = RestoreResult(ck.step, ck.id, ck.path, time.perf_counter() - started, self.skipped)
-            log.info("restored step %d from %s in %.3fs", ck.step, ck.path, result.load_s)
-            return result
-        if skipped:
-            log.warning("no checkpoint of run %r verifies; starting from scratch", self.run)
-        self.skipped = tuple(skipped)
-        return None
-
-    def _read_nearest(self, ck: Checkpoint) -> dict[str, Any]:
-        """The local copy if it verifies, else the nearest verified replica, downloaded and verified."""
+        p = restore_plan.plan(self.catalog, self.run, root=self.root)
         try:
-            return self._read_verified(ck)
-        except CorruptCheckpoint as local:
-            for rep in catalogued.remote_replicas(self.catalog, ck.id):
-                try:
-                    catalogued.restore_to_local(self.catalog, ck, rep, self.root)
-                    return self._read_verified(lineage.get_checkpoint(self.catalog, ck.id))
-                except (RewindError, OSError) as exc:
-                    log.warning("step %d: %s copy at %s unusable: %s", ck.step, rep.tier, rep.uri, exc)
-            raise local
+            done = restore_exec.execute(self.catalog, p, self._load)
+        except NoRestorableCheckpoint as exc:
+            self.skipped = exc.skipped
+            if p.candidates:
+                log.warning("%s; starting from scratch", exc)
+            return None
+        self.skipped = done.skipped
+        self._parent_id, self._parent_step = done.checkpoint_id, done.step
+        result = RestoreResult(done.step, done.checkpoint_id, str(done.directory), done.seconds, done.skipped)
+        log.info(
+            "restored step %d from the %s copy %s in %.3fs",
+            done.step,
+            done.source,
+            done.directory,
+            done.seconds,
+        )
+        return result
 
-    def _read_verified(self, ck: Checkpoint) -> dict[str, Any]:
-        directory = Path(ck.path)
-        try:
-            manifest = mf.read(directory)
-        except mf.ManifestError as exc:
-            raise CorruptCheckpoint(ck.path, [Finding(Problem.MANIFEST, mf.MANIFEST_NAME, str(exc))]) from exc
-        wrong = manifest_matches_catalog(directory, ck)
-        if wrong is None and (manifest.run, manifest.step) != (self.run, ck.step):
-            wrong = Finding(Problem.MANIFEST, mf.MANIFEST_NAME, f"names {manifest.run}@{manifest.step}")
-        if wrong is not None:
-            raise CorruptCheckpoint(ck.path, [wrong])
+    def _load(self, directory: Path, manifest: mf.Manifest) -> None:
+        """Read (verifying every byte) and apply; a state the job refuses is a ``StateMismatch``."""
         states = payload.read_states(directory, manifest)
-        missing = set(self._stateful) - set(states)
+        missing = sorted(set(self._stateful) - set(states))
         if missing:
-            raise ConfigError(
-                f"checkpoint {ck.path} has no state for {sorted(missing)}; it was written by another job"
+            raise StateMismatch(
+                str(directory), [Finding(Problem.CONTENT, ",".join(missing), "no such state saved")]
             )
-        return states
-
-    def _apply(self, states: Mapping[str, Any]) -> None:
         for name, stateful in self._stateful.items():
-            stateful.load_state_dict(states[name])
+            try:
+                stateful.load_state_dict(states[name])
+            except (
+                Exception
+            ) as exc:  # the user's object refused it: which side is wrong is decided by the caller
+                detail = f"{type(exc).__name__}: {str(exc)[:300]}"
+                raise StateMismatch(str(directory), [Finding(Problem.CONTENT, name, detail)]) from exc
 
     # -- start-up hygiene -------------------------------------------------------
 
@@ -268,42 +246,3 @@ class Checkpointer:
                 store.quarantine(final, "uncommitted")
             lineage.transition(self.catalog, ck.id, (S.WRITING,), S.ABORTED, "writer died before commit")
             log.info("checkpoint step %d was never committed (writer died); discarded", ck.step)
-
-
-@contextlib.contextmanager
-def recorded_save(
-    cat: Catalog,
-    run_id: int,
-    run_dir: Path,
-    step: int,
-    *,
-    parent_id: int | None,
-    layout: dict,
-    environment: dict,
-) -> Iterator[tuple[int, Path]]:
-    """The catalog side of one save: a ``writing`` row for the body to commit, ``aborted`` if it raises.
-
-    A live checkpoint already at this step is superseded first (a replayed timeline).
-    """
-    old = lineage.live_at(cat, run_id, step)
-    final = store.step_dir(run_dir, step)
-    if old is not None:
-        lineage.transition(
-            cat,
-            old.id,
-            (S.WRITING, S.COMMITTED, S.VERIFIED),
-            S.ABORTED if old.status == S.WRITING else S.SUPERSEDED,
-            f"superseded by a new save at step {step}",
-        )
-    if final.exists():
-        moved = store.quarantine(final, "superseded")
-        if old is not None:
-            lineage.set_path(cat, old.id, str(moved))
-    ck_id = lineage.begin(
-        cat, run_id, step, str(final), parent_id=parent_id, layout=layout, environment=environment
-    )
-    try:
-        yield ck_id, final
-    except BaseException as exc:
-        lineage.transition(cat, ck_id, (S.WRITING,), S.ABORTED, f"save failed: {exc}"[:2000])
-        raise

@@ -7,9 +7,14 @@ ranks (DCP reshards), optimizer state included.
 
 DCP would pickle non-tensor values (learning rates, betas, steps) and load them
 with an unrestricted ``torch.load``; Rewind hands DCP tensors only and keeps
-the rest of the tree in JSON (``state.json``). DCP's own ``.metadata`` is still
-a pickle, so loading first proves every file, ``.metadata`` included, against
-the manifest: only bytes Rewind wrote are ever unpickled.
+the rest of the tree in JSON (``state.json``). DCP's own ``.metadata`` is still a
+pickle. Restore goes through the one restore path (:mod:`infra.restore`) on rank
+0: the copy is held to the manifest digest the catalog recorded (a remote copy is
+fetched first); then every rank loads through :class:`infra.format.dcp.VerifiedReader`,
+which reads each file whole, hashes it against the manifest, and only then hands
+DCP the bytes, ``.metadata`` unpickled by an unpickler that admits DCP's own
+metadata classes and nothing else. The verdict of every rank goes back to rank 0,
+which records it against the copy and, if need be, tries the next one.
 """
 
 from __future__ import annotations
@@ -26,15 +31,16 @@ import torch.distributed.checkpoint as dcp
 
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
-from infra.catalog.models import CheckpointStatus as S
-from infra.checkpoint import manifest as mf
-from infra.checkpoint import store, tree
-from infra.checkpoint.audit import record_corrupt
-from infra.checkpoint.engine import recorded_save
+from infra.checkpoint.recording import recorded_save
 from infra.checkpoint.state import environment
-from infra.checkpoint.verify import Finding, Problem, verify_directory
-from infra.digest import hash_file
-from infra.errors import CorruptCheckpoint
+from infra.errors import CorruptCheckpoint, NoRestorableCheckpoint, UnloadableCheckpoint
+from infra.format import dcp as verified_dcp
+from infra.format import manifest as mf
+from infra.format import payload, store, tree
+from infra.format.digest import hash_file
+from infra.format.verify import Finding, Problem
+from infra.restore import execute as restore_exec
+from infra.restore import plan as restore_plan
 
 RANK_STATE = "rank-{rank}.json"
 SHARED_STATE = "state.json"
@@ -53,8 +59,8 @@ def save(
     *,
     layout: dict[str, int],
     metrics: dict[str, float] | None = None,
-) -> Path:
-    """Collective: every rank calls it. Returns the committed directory on every rank.
+) -> tuple[Path, str]:
+    """Collective: every rank calls it. Returns the committed directory and its manifest digest, on every rank.
 
     ``state`` is the same tree on every rank (model and optimizer state dicts with
     sharded or replicated tensors); ``rank_state`` is this rank's own JSON-able state.
@@ -107,38 +113,64 @@ def save(
                 environment=environment(),
                 metrics=metrics or {},
             )
-            store.commit(tmp, manifest)
+            outcome[0] = ("ok", store.commit(tmp, manifest).digest)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            outcome[0] = str(exc)
+            outcome[0] = ("error", str(exc))
     dist.broadcast_object_list(outcome, src=0)
-    if outcome[0]:
-        raise RuntimeError(f"sharded save of step {step} failed: {outcome[0]}")
-    return final
+    kind, value = outcome[0]
+    if kind == "error":
+        raise RuntimeError(f"sharded save of step {step} failed: {value}")
+    return final, value
 
 
-def load(directory: Path, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Collective: verify everything (rank 0, deep), then load into ``state``'s tensors in place.
+def _unwrap(directory: Path, exc: BaseException) -> BaseException:
+    """DCP gathers every rank's failure into one CheckpointException: the most telling one, as Rewind's."""
+    failures = [e for e, _trace in getattr(exc, "failures", {}).values()] or [exc]
+    corrupt = [
+        e for e in failures if isinstance(e, CorruptCheckpoint) and not isinstance(e, UnloadableCheckpoint)
+    ]
+    if corrupt:
+        return CorruptCheckpoint(str(directory), [f for e in corrupt for f in e.findings])
+    for kind in (UnloadableCheckpoint, OSError):
+        found = [e for e in failures if isinstance(e, kind)]
+        if found:
+            return found[0]
+    return failures[0]
 
-    Returns (the saved tree with the loaded tensors, this rank's own state). A
-    rank that did not exist when the checkpoint was saved gets rank 0's state.
+
+def load(
+    directory: Path, manifest: mf.Manifest, state: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Collective: load a copy whose manifest matched the catalog into ``state``'s tensors, in place.
+
+    Every file is verified as it is read (``VerifiedReader``). Returns (the saved tree
+    with the loaded tensors, this rank's own state); a rank that did not exist when
+    the checkpoint was saved gets rank 0's state.
     """
-    rank = dist.get_rank()
-    verdict: list[Any] = [None]
-    if rank == 0:
-        report = verify_directory(directory, deep=True)
-        verdict[0] = None if report.ok else [f.as_dict() for f in report.findings if f.fatal]
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0]:
-        raise CorruptCheckpoint(
-            str(directory), [Finding(Problem(f["problem"]), f["path"], f["detail"]) for f in verdict[0]]
-        )
+    entries = {e.path: e for e in manifest.files}
     _, tensors = tree.split(state, "s")  # the same names as at save time: where to load into
-    dcp.load(tensors, storage_reader=dcp.FileSystemReader(str(directory)))
-    restored = tree.join(json.loads((directory / SHARED_STATE).read_text()), tensors)
-    own = directory / _rank_state_file(rank)
-    path = own if own.exists() else directory / _rank_state_file(0)
-    return restored, tree.join(json.loads(path.read_text()), {})
+    try:
+        verified_dcp.load(tensors, directory, entries)
+    except BaseException as exc:  # CheckpointException is a BaseException
+        if isinstance(exc, KeyboardInterrupt | SystemExit):
+            raise
+        raise _unwrap(directory, exc) from exc
+    own = _rank_state_file(dist.get_rank())
+    own = own if own in entries else _rank_state_file(0)
+    for needed in (SHARED_STATE, own):
+        if needed not in entries:
+            raise UnloadableCheckpoint(
+                str(directory), [Finding(Problem.CONTENT, needed, "not in the manifest")]
+            )
+    try:
+        restored = tree.join(payload.read_json(directory, entries[SHARED_STATE]), tensors)
+        mine = tree.join(payload.read_json(directory, entries[own]), {})
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise UnloadableCheckpoint(
+            str(directory), [Finding(Problem.CONTENT, SHARED_STATE, str(exc))]
+        ) from exc
+    return restored, mine
 
 
 def layout_of(world: int) -> dict[str, int]:
@@ -148,13 +180,14 @@ def layout_of(world: int) -> dict[str, int]:
 class ShardedCheckpointer:
     """The multi-rank counterpart of ``Checkpointer``: every rank calls every method.
 
-    Rank 0 alone talks to the catalog; the others learn its decisions through
-    broadcasts, so all ranks always load the same checkpoint.
+    Rank 0 alone talks to the catalog and runs the restore plan; the others follow
+    its broadcasts, so all ranks always load the same checkpoint.
     """
 
     def __init__(self, run: str, *, root: Path, catalog: Any = None) -> None:
         self.run = run
-        self.run_dir = Path(root).expanduser().resolve() / run
+        self.root = Path(root).expanduser().resolve()
+        self.run_dir = self.root / run
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.catalog = (catalog or Catalog()) if self.rank == 0 else None
         self.run_id = lineage.ensure_run(self.catalog, run) if self.catalog else None
@@ -184,29 +217,75 @@ class ShardedCheckpointer:
             else contextlib.nullcontext((None, None))
         )
         with recording as (ck_id, _):
-            final = save(
+            final, digest = save(
                 self.run_dir, self.run, step, state, rank_state, layout=layout_of(self.world), metrics=metrics
             )
             if self.catalog is not None:
-                lineage.commit(self.catalog, ck_id, mf.read(final), stall_s=None, uri=str(final))
+                manifest = mf.read(final)
+                lineage.commit(self.catalog, ck_id, manifest, digest=digest, stall_s=None, uri=str(final))
                 self._parent_id = ck_id
         dist.barrier()  # no rank goes on before the checkpoint is committed
 
     def restore_latest(self, state: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
-        """(step, restored tree, this rank's state) of the newest checkpoint that verifies, or None."""
-        box: list[Any] = [None]
-        if self.catalog is not None:
-            box[0] = [(c.id, c.step, c.path) for c in lineage.restorable(self.catalog, self.run_id)]
-        dist.broadcast_object_list(box, src=0)
-        for ck_id, step, path in box[0]:
-            try:
-                restored, mine = load(Path(path), state)
-            except CorruptCheckpoint as exc:
-                if self.catalog is not None:
-                    record_corrupt(self.catalog, lineage.get_checkpoint(self.catalog, ck_id), exc.findings)
-                continue
-            if self.catalog is not None:
-                lineage.transition(self.catalog, ck_id, (S.COMMITTED,), S.VERIFIED)
-                self._parent_id = ck_id
-            return step, restored, mine
-        return None
+        """(step, restored tree, this rank's state) of the newest checkpoint that proves itself, or None."""
+        if self.rank == 0:
+            return self._lead_restore(state)
+        return self._follow_restore(state)
+
+    def _attempt(self, directory: Path, manifest: mf.Manifest, state: dict[str, Any]) -> Any:
+        """One collective try: every rank loads, every verdict is gathered; rank 0 raises the worst."""
+        mine: Any = None
+        error: BaseException | None = None
+        try:
+            mine = load(directory, manifest, state)
+        except Exception as exc:  # every rank must reach the gather below, whatever went wrong
+            error = exc
+        errors: list[Any] = [None] * self.world
+        dist.all_gather_object(errors, error)
+        failed = [e for e in errors if e is not None]
+        if failed and self.rank == 0:
+            raise _unwrap(directory, CheckpointFailures(failed))
+        return mine if not failed else None
+
+    def _lead_restore(self, state: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+        def load_everywhere(directory: Path, manifest: mf.Manifest) -> Any:
+            dist.broadcast_object_list([("try", str(directory), manifest)], src=0)
+            return self._attempt(directory, manifest, state)
+
+        p = restore_plan.plan(self.catalog, self.run, root=self.root)
+        try:
+            done = restore_exec.execute(self.catalog, p, load_everywhere)
+        except NoRestorableCheckpoint:
+            dist.broadcast_object_list([("none", None, None)], src=0)
+            return None
+        except BaseException as exc:
+            dist.broadcast_object_list([("error", f"{type(exc).__name__}: {exc}", None)], src=0)
+            raise
+        dist.broadcast_object_list([("done", done.step, None)], src=0)
+        self._parent_id = done.checkpoint_id
+        restored, mine = done.value
+        return done.step, restored, mine
+
+    def _follow_restore(self, state: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+        last: Any = None
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0)
+            kind, value, manifest = box[0]
+            if kind == "try":
+                last = self._attempt(Path(value), manifest, state)
+            elif kind == "done":
+                restored, mine = last
+                return int(value), restored, mine
+            elif kind == "none":
+                return None
+            else:
+                raise RuntimeError(f"restore failed on rank 0: {value}")
+
+
+class CheckpointFailures(Exception):
+    """Failures gathered from every rank, shaped like DCP's CheckpointException for :func:`_unwrap`."""
+
+    def __init__(self, errors: list[BaseException]) -> None:
+        super().__init__(f"{len(errors)} rank(s) failed")
+        self.failures = {i: (e, None) for i, e in enumerate(errors)}

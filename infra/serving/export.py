@@ -1,8 +1,9 @@
 """Export: a verified checkpoint becomes a TorchServe model archive that knows where it came from.
 
 Only a checkpoint the catalog holds as ``verified`` is exported, and its bytes are
-read through the verifying reader, so an archive never carries weights whose digest
-did not match. The archive holds ``weights.safetensors`` (one part of the
+read through the one restore path (the nearest copy held to the catalog's manifest
+digest, every byte hashed as it is read), so an archive never carries weights
+whose digest did not match the catalog's record. The archive holds ``weights.safetensors`` (one part of the
 checkpoint, ``model`` by default), the handler and its files, and ``rewind.json``
 with the lineage (run, step, checkpoint id, manifest digest). It is built in a
 temporary directory and renamed into the model store; an existing version is
@@ -22,15 +23,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from infra import config
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
 from infra.catalog.models import Checkpoint
 from infra.catalog.models import CheckpointStatus as S
-from infra.checkpoint import manifest as mf
-from infra.checkpoint import payload
-from infra.digest import hash_file
 from infra.errors import ConfigError, NotFoundError
+from infra.format import payload
+from infra.format.digest import hash_file
 from infra.launch.process import program
+from infra.restore import execute, plan
 from infra.serving.haproxy import VERSION_NAME
 
 WEIGHTS = "weights.safetensors"
@@ -94,8 +96,9 @@ def export(
     target = store / archive_name(model, version)
     if target.exists():
         raise ConfigError(f"{target} already exists; versions are never overwritten")
-    directory = Path(ck.path)
-    states = payload.read_states(directory, mf.read(directory))  # every byte digest-checked
+    # The one restore path: the nearest copy held to the catalog's digest, every byte checked as read.
+    p = plan.plan(cat, run, root=config.checkpoint_root(), checkpoint_id=ck.id)
+    states = execute.execute(cat, p, payload.read_states).value
     if part not in states:
         raise ConfigError(f"checkpoint {run}@{step} has no {part!r} state (it has {sorted(states)})")
     weights = {

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from infra.checkpoint import manifest as mf
-from infra.digest import CHUNK, HashingWriter
+from infra.format import manifest as mf
+from infra.format.digest import CHUNK, HashingWriter
 from infra.tiers.base import AlreadyExists, ObjectInfo, ObjectNotFound, TierConfigError, TierUnavailable
 
 
@@ -32,8 +32,8 @@ class FileTier:
     name = "shared"
 
     def __init__(self, uri: str) -> None:
-        self.uri = uri
         self.root = root_path(uri)
+        self.uri = str(self.root)  # one spelling per tier: catalog rows compare it
 
     def _path(self, key: str) -> Path:
         return self.root / mf.contained(key)

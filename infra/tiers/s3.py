@@ -90,8 +90,8 @@ class S3Tier:
     ) -> None:
         if part_size < 5 * MiB:
             raise TierConfigError("S3 multipart part size must be at least 5 MiB")
-        self.uri = uri
         self.bucket, self.prefix = parse_uri(uri)
+        self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self.part_size = part_size
         self.concurrency = max(1, concurrency)
         self.immutable_days = immutable_days

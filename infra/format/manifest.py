@@ -2,29 +2,31 @@
 
 A directory without a manifest that parses, names only paths inside the
 directory and matches every file's size and digest does not exist for restore.
-With ``REWIND_MANIFEST_KEY`` set, manifests also carry an HMAC-SHA256 so that a
-tampered manifest (not just a damaged one) is refused.
+The catalog records the SHA-256 of the manifest's bytes (:func:`digest.manifest_digest`):
+that record, not the manifest's own word, is what a copy is checked against. With
+a key configured (:mod:`infra.format.keyring`), manifests also carry the key's id and
+an HMAC-SHA256, so a manifest stays checkable where the catalog is not at hand.
+
+Format 2 added ``key_id``; format 1 manifests are still read.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from infra.digest import DIGEST_ALGORITHM, hash_bytes
+from infra.format import keyring as kr
+from infra.format.digest import DIGEST_ALGORITHM, manifest_digest
 
 MANIFEST_NAME = "manifest.json"
-FORMAT = "rewind.checkpoint/1"
-KEY_ENV = "REWIND_MANIFEST_KEY"
+FORMAT = "rewind.checkpoint/2"
+READABLE_FORMATS = ("rewind.checkpoint/1", FORMAT)
 
 
 class ManifestError(ValueError):
-    """The manifest itself is unreadable, malformed or fails its HMAC."""
+    """The manifest itself is unreadable or malformed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,21 +69,14 @@ class Manifest:
             "files": [f.as_dict() for f in self.files],
         }
 
-    def to_bytes(self) -> bytes:
-        body = self.body()
-        key = os.environ.get(KEY_ENV)
-        if key:
-            body["hmac_sha256"] = _mac(key, body)
+    def to_bytes(self, keyring: kr.Keyring | None = None) -> bytes:
+        """The bytes to write, signed with the current key (the environment's keyring by default)."""
+        body = (keyring if keyring is not None else kr.from_env()).sign(self.body())
         return json.dumps(body, indent=1, sort_keys=True).encode() + b"\n"
 
-    def digest(self) -> str:
+    def digest(self, keyring: kr.Keyring | None = None) -> str:
         """Identity of the manifest bytes as written; recorded in the catalog."""
-        return hash_bytes(self.to_bytes()).xxh3
-
-
-def _mac(key: str, body: dict[str, Any]) -> str:
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(key.encode(), canonical, hashlib.sha256).hexdigest()
+        return manifest_digest(self.to_bytes(keyring))
 
 
 def contained(path: str) -> str:
@@ -100,19 +95,21 @@ def safe_relative(path: str) -> str:
     return str(p)
 
 
-def parse(raw: bytes) -> Manifest:
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """The manifest's JSON object, format checked; what a signature is verified over."""
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"manifest is not valid JSON ({exc})") from exc
-    if not isinstance(body, dict) or body.get("format") != FORMAT:
-        raise ManifestError(
-            f"manifest format is {body.get('format') if isinstance(body, dict) else None!r}, expected {FORMAT!r}"
-        )
-    key = os.environ.get(KEY_ENV)
-    mac = body.pop("hmac_sha256", None)
-    if key and (mac is None or not hmac.compare_digest(mac, _mac(key, body))):
-        raise ManifestError("manifest HMAC does not match: tampered, or written with another key")
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ManifestError(f"manifest is not valid JSON ({str(exc)[:200]})") from exc
+    found = body.get("format") if isinstance(body, dict) else None
+    if found not in READABLE_FORMATS:
+        raise ManifestError(f"manifest format is {found!r}, expected one of {READABLE_FORMATS}")
+    return body
+
+
+def parse(raw: bytes) -> Manifest:
+    """Structure only: whether the bytes are the ones the catalog recorded is the caller's check."""
+    body = parse_body(raw)
     try:
         files = []
         seen: set[str] = set()
@@ -125,17 +122,18 @@ def parse(raw: bytes) -> Manifest:
             if size < 0:
                 raise ManifestError(f"manifest gives {path!r} a negative size")
             files.append(FileEntry(path=path, size=size, xxh3=str(f["xxh3"]), crc32c=str(f["crc32c"])))
+        parent = body.get("parent_step")
         return Manifest(
             run=str(body["run"]),
             step=int(body["step"]),
             files=tuple(files),
-            parent_step=body.get("parent_step"),
+            parent_step=None if parent is None else int(parent),
             created_at=str(body.get("created_at", "")),
             layout=dict(body.get("layout") or {}),
             environment=dict(body.get("environment") or {}),
             metrics=dict(body.get("metrics") or {}),
         )
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, ManifestError):
             raise
         raise ManifestError(f"manifest is missing or mistypes a field ({exc!r})") from exc
@@ -147,3 +145,8 @@ def read(directory: Path) -> Manifest:
     except FileNotFoundError as exc:
         raise ManifestError(f"{MANIFEST_NAME} is missing") from exc
     return parse(raw)
+
+
+def signature(raw: bytes, keyring: kr.Keyring) -> kr.Signature:
+    """How the manifest's signature stands against ``keyring`` (UNSIGNED when there is none)."""
+    return keyring.check(parse_body(raw))

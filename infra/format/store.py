@@ -15,20 +15,29 @@ import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
-from infra.checkpoint import manifest as mf
-from infra.checkpoint.verify import Finding, Problem
-from infra.digest import HashingWriter
 from infra.errors import CorruptCheckpoint
 from infra.faults import fault_point
+from infra.format import manifest as mf
+from infra.format.digest import HashingWriter, manifest_digest
+from infra.format.verify import Finding, Problem
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-\d+\.tmp-(\d+)-[0-9a-f]+$")
 
 FileWriter = Callable[[BinaryIO], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """A checkpoint directory as committed, and the digest of its manifest's bytes (the catalog's record)."""
+
+    path: Path
+    manifest: mf.Manifest
+    digest: str
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -70,13 +79,14 @@ def temp_dir(run_dir: Path, step: int) -> Path:
     return tmp
 
 
-def commit(tmp: Path, manifest: mf.Manifest) -> Path:
-    """Write the manifest into ``tmp``, fsync, rename to ``step-<N>/``, fsync the parent."""
+def commit(tmp: Path, manifest: mf.Manifest, raw: bytes | None = None) -> Committed:
+    """Write the manifest (``raw``, or ``manifest`` signed now) into ``tmp``, fsync, rename, fsync the parent."""
     run_dir = tmp.parent
     final = step_dir(run_dir, manifest.step)
+    raw = manifest.to_bytes() if raw is None else raw
     fault_point("save.before_manifest", manifest.step)
     with open(tmp / mf.MANIFEST_NAME, "xb") as f:
-        f.write(manifest.to_bytes())
+        f.write(raw)
         f.flush()
         os.fsync(f.fileno())
     fsync_dir(tmp)
@@ -85,7 +95,7 @@ def commit(tmp: Path, manifest: mf.Manifest) -> Path:
         raise FileExistsError(f"{final} already exists")
     os.rename(tmp, final)
     fsync_dir(run_dir)
-    return final
+    return Committed(final, manifest, manifest_digest(raw))
 
 
 def write_checkpoint(
@@ -93,14 +103,15 @@ def write_checkpoint(
     manifest: mf.Manifest,
     files: Iterable[tuple[str, FileWriter]],
     *,
-    expect: tuple[mf.FileEntry, ...] | None = None,
-) -> tuple[Path, mf.Manifest]:
-    """Write ``files`` and then the manifest; return the final directory and manifest.
+    copy_of: bytes | None = None,
+) -> Committed:
+    """Write ``files`` and then the manifest.
 
-    ``manifest`` supplies everything but the file list. With ``expect`` (a copy
-    of another checkpoint), the bytes written must hash to exactly those entries
-    before any manifest is written. Raises ``FileExistsError`` if ``step-<N>/``
-    already exists: the caller decides what happens to it.
+    ``manifest`` supplies everything but the file list. With ``copy_of`` (the raw
+    manifest of the checkpoint being copied, already held to the catalog's digest),
+    the bytes written must hash to exactly its entries before that same manifest is
+    written, byte for byte. Raises ``FileExistsError`` if ``step-<N>/`` already
+    exists: the caller decides what happens to it.
     """
     tmp = temp_dir(run_dir, manifest.step)
     try:
@@ -109,21 +120,27 @@ def write_checkpoint(
             entries.append(write_file(tmp / mf.safe_relative(name), fill))
             fault_point("save.file_written", manifest.step)
         fsync_dir(tmp)
-        if expect is not None and tuple(entries) != expect:
-            bad = [
-                Finding(Problem.DIGEST, e.path, "copy differs from its source")
-                for e in entries
-                if e not in expect
-            ]
-            raise CorruptCheckpoint(
-                str(tmp), bad or [Finding(Problem.MISSING, "*", "file list differs from its source")]
-            )
-        manifest = replace(manifest, files=tuple(entries))
-        final = commit(tmp, manifest)
+        if copy_of is not None:
+            _same_files(tmp, manifest.files, entries)
+            return commit(tmp, manifest, copy_of)
+        return commit(tmp, replace(manifest, files=tuple(entries)))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return final, manifest
+
+
+def _same_files(tmp: Path, expected: tuple[mf.FileEntry, ...], written: list[mf.FileEntry]) -> None:
+    """A copy must hash to exactly the entries of the manifest it copies, before that manifest is written."""
+    want = {e.path: e for e in expected}
+    bad = [
+        Finding(Problem.DIGEST, e.path, "differs from the manifest it copies")
+        for e in written
+        if want.get(e.path) is None or (want[e.path].size, want[e.path].xxh3) != (e.size, e.xxh3)
+    ]
+    if len(written) != len(want):
+        bad.append(Finding(Problem.MISSING, "*", "the copy's file list differs from the manifest's"))
+    if bad:
+        raise CorruptCheckpoint(str(tmp), bad)
 
 
 def pid_alive(pid: int) -> bool:
@@ -157,6 +174,7 @@ def quarantine(path: Path, reason: str) -> Path:
     target_dir.mkdir(exist_ok=True)
     target = target_dir / f"{path.name}-{reason}-{uuid.uuid4().hex[:8]}"
     os.rename(path, target)
+    os.utime(target)  # retention counts the grace period from the move
     with contextlib.suppress(OSError):
         fsync_dir(path.parent)
     return target

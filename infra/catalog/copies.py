@@ -1,0 +1,150 @@
+"""Copies of checkpoints (one ``replica`` row per copy, on any tier) and what their checks found.
+
+Findings belong to copies. A checkpoint's own status follows from its copies in
+one guarded statement (:func:`settle`): it is verified as soon as one copy is,
+and corrupt only when no copy is left that could verify. An unverifiable copy
+(an I/O error, a key this process lacks) keeps the checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from sqlalchemy import select, update
+
+from infra.catalog.db import Catalog
+from infra.catalog.models import Checkpoint, Replica, Run, utcnow
+from infra.catalog.models import CheckpointStatus as S
+from infra.catalog.models import ReplicaStatus as R
+
+LOCAL = "local"
+TIER_ORDER = {LOCAL: 0, "shared": 1, "offsite": 2}  # nearest first
+USABLE = (R.PENDING, R.VERIFIED, R.UNVERIFIABLE)  # a copy worth trying
+GONE = (R.CORRUPT, R.MISSING, R.DELETED)
+CONTENT_REASON = "content: "  # a checkpoint condemned for its content: no copy can save it
+
+
+def copies_of(cat: Catalog, checkpoint_ids: Iterable[int]) -> dict[int, list[Replica]]:
+    """Every copy of each checkpoint, nearest tier first."""
+    ids = list(checkpoint_ids)
+    out: dict[int, list[Replica]] = {i: [] for i in ids}
+    if not ids:
+        return out
+    with cat.session() as s:
+        for r in s.scalars(select(Replica).where(Replica.checkpoint_id.in_(ids)).order_by(Replica.id)):
+            out[r.checkpoint_id].append(r)
+    for reps in out.values():
+        reps.sort(key=lambda r: TIER_ORDER.get(r.tier, 9))
+    return out
+
+
+def add(
+    cat: Catalog, checkpoint_id: int, tier: str, uri: str, *, key: str | None, nbytes: int, status: R
+) -> int:
+    """Register a copy (or update the row of the same copy); returns its id."""
+    now = utcnow()
+    with cat.session() as s:
+        row = s.scalar(
+            select(Replica).where(
+                Replica.checkpoint_id == checkpoint_id, Replica.tier == tier, Replica.uri == uri
+            )
+        )
+        if row is None:
+            row = Replica(checkpoint_id=checkpoint_id, tier=tier, uri=uri, key=key, bytes=nbytes)
+            s.add(row)
+        row.key, row.bytes, row.status, row.checked_at, row.detail = key, nbytes, status.value, now, None
+        if status is R.VERIFIED:
+            row.verified_at = now
+        s.flush()
+        return row.id
+
+
+def record(
+    cat: Catalog, replica_id: int, status: R, detail: str | None = None, *, uri: str | None = None
+) -> None:
+    """What a check of one copy found (and, for a local copy moved aside, where it lies now)."""
+    now = utcnow()
+    values: dict[str, object] = {"status": status.value, "detail": detail, "checked_at": now}
+    if status is R.VERIFIED:
+        values["verified_at"] = now
+    if uri is not None:
+        values["uri"] = uri
+    with cat.session() as s:
+        s.execute(update(Replica).where(Replica.id == replica_id).values(**values))
+
+
+def set_local(cat: Catalog, checkpoint_id: int, path: str, status: R, nbytes: int) -> int:
+    """Point the checkpoint's one local copy at ``path`` (a fresh copy fetched from another tier)."""
+    with cat.session() as s:
+        s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(path=path))
+        row = s.scalar(select(Replica).where(Replica.checkpoint_id == checkpoint_id, Replica.tier == LOCAL))
+        rid = row.id if row is not None else None
+    if rid is None:
+        return add(cat, checkpoint_id, LOCAL, path, key=None, nbytes=nbytes, status=status)
+    record(cat, rid, status, uri=path)
+    return rid
+
+
+def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str) -> None:
+    """A local directory was moved aside: every copy row that pointed at it follows, marked corrupt."""
+    with cat.session() as s:
+        s.execute(
+            update(Replica)
+            .where(Replica.tier == LOCAL, Replica.uri == old_uri, Replica.status != R.DELETED.value)
+            .values(uri=new_uri, status=R.CORRUPT.value, detail=reason, checked_at=utcnow())
+        )
+
+
+def condemned(ck: Checkpoint) -> bool:
+    """Corrupt for its content (not for its copies): nothing a copy shows can make it restorable."""
+    return ck.status == S.CORRUPT.value and (ck.status_reason or "").startswith(CONTENT_REASON)
+
+
+def settle(cat: Catalog, checkpoint_id: int) -> str:
+    """Bring the checkpoint's status in line with its copies; returns the status it has now."""
+    with cat.session() as s:
+        ck = s.get(Checkpoint, checkpoint_id, with_for_update=True)
+        if ck is None:
+            return S.DELETED.value
+        reps = s.scalars(select(Replica).where(Replica.checkpoint_id == checkpoint_id)).all()
+        alive = [r for r in reps if r.status != R.DELETED.value]
+        one_good = any(r.status == R.VERIFIED.value for r in alive)
+        none_left = all(r.status in (R.CORRUPT.value, R.MISSING.value) for r in alive)
+        if one_good and ck.status in (S.COMMITTED.value, S.CORRUPT.value) and not condemned(ck):
+            ck.status, ck.status_reason, ck.verified_at = S.VERIFIED.value, None, utcnow()
+        elif none_left and ck.status in (S.COMMITTED.value, S.VERIFIED.value):
+            why = "; ".join(f"{r.tier}: {r.status} ({r.detail or 'no detail'})" for r in alive)
+            ck.status, ck.status_reason = S.CORRUPT.value, f"no copy verifies: {why or 'no copy left'}"[:2000]
+        return str(ck.status)
+
+
+def condemn(cat: Catalog, checkpoint_id: int, reason: str) -> bool:
+    """Mark a checkpoint corrupt for its content: every byte matched, yet it cannot be loaded."""
+    with cat.session() as s:
+        won = s.execute(
+            update(Checkpoint)
+            .where(
+                Checkpoint.id == checkpoint_id,
+                Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]),
+            )
+            .values(status=S.CORRUPT.value, status_reason=(CONTENT_REASON + reason)[:2000])
+        ).rowcount
+    return won == 1
+
+
+def without_copy(cat: Catalog, tier: str, uri: str, run: str | None = None) -> list[Checkpoint]:
+    """Restorable checkpoints with no verified copy on the tier rooted at ``uri`` yet, oldest first."""
+    with cat.session() as s:
+        has_copy = select(Replica.checkpoint_id).where(
+            Replica.tier == tier, Replica.uri == uri, Replica.status == R.VERIFIED.value
+        )
+        q = select(Checkpoint).where(
+            Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value]), Checkpoint.id.not_in(has_copy)
+        )
+        if run is not None:
+            q = q.join(Run, Run.id == Checkpoint.run_id).where(Run.name == run)
+        return list(s.scalars(q.order_by(Checkpoint.id)))
+
+
+def mark_deleted(cat: Catalog, replica_id: int) -> None:
+    record(cat, replica_id, R.DELETED, "removed by retention")

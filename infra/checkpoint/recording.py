@@ -1,0 +1,50 @@
+"""The catalog side of one save, shared by the single-process and the sharded checkpointer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from infra.catalog import copies, lineage
+from infra.catalog.db import Catalog
+from infra.catalog.models import CheckpointStatus as S
+from infra.format import store
+
+
+@contextlib.contextmanager
+def recorded_save(
+    cat: Catalog,
+    run_id: int,
+    run_dir: Path,
+    step: int,
+    *,
+    parent_id: int | None,
+    layout: dict,
+    environment: dict,
+) -> Iterator[tuple[int, Path]]:
+    """A ``writing`` row for the body to commit, ``aborted`` if it raises.
+
+    Whatever the run held at this step before (a replayed timeline) is superseded
+    first, and a directory already at ``step-<N>/`` is moved aside, with every row
+    that pointed at it following it, so no old row ever describes the new bytes.
+    """
+    final = store.step_dir(run_dir, step)
+    for old in lineage.checkpoints_at(cat, run_id, step, (S.WRITING, S.COMMITTED, S.VERIFIED, S.CORRUPT)):
+        lineage.transition(
+            cat,
+            old.id,
+            (old.status,),
+            S.ABORTED if old.status == S.WRITING else S.SUPERSEDED,
+            f"superseded by a new save at step {step}",
+        )
+    if final.exists():
+        copies.moved(cat, str(final), str(store.quarantine(final, "superseded")), "superseded by a new save")
+    ck_id = lineage.begin(
+        cat, run_id, step, str(final), parent_id=parent_id, layout=layout, environment=environment
+    )
+    try:
+        yield ck_id, final
+    except BaseException as exc:
+        lineage.transition(cat, ck_id, (S.WRITING,), S.ABORTED, f"save failed: {exc}"[:2000])
+        raise

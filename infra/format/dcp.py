@@ -1,0 +1,319 @@
+"""Loading torch.distributed.checkpoint (DCP) checkpoints through Rewind's verification.
+
+DCP's own ``FileSystemReader`` opens shard files itself and unpickles
+``.metadata`` with plain ``pickle.load``: a damaged or forged file would be
+used, or executed, before anyone checked it. ``VerifiedReader`` keeps DCP's
+planning and resharding but routes every file through a read-only file system
+that reads the whole file once, hashes those bytes and hands DCP only the bytes
+that matched the manifest, so there is no window between check and use.
+``.metadata`` is further decoded with an unpickler that can build nothing but
+DCP's own metadata types, and non-tensor values (which DCP unpickles with
+``weights_only=False``) must first decode with ``weights_only=True``, so even
+files whose digests were forged together with the catalog cannot run code.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import io
+import os
+import pickle
+import sys
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from infra.errors import CorruptCheckpoint
+from infra.format.digest import CHUNK, Hasher
+from infra.format.manifest import FileEntry
+from infra.format.verify import Finding, Problem
+
+METADATA_NAME = ".metadata"
+_DCP_MODULE = "torch.distributed.checkpoint"
+_TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+
+# Everything a real .metadata names besides DCP's dataclasses, enums and torch dtypes
+# (see tests/test_dcp_reader.py): torch.Size for shapes and offsets, torch's layout
+# decoder, and the pathlib class StorageMeta.checkpoint_id holds. ``pathlib._local``
+# is where Python 3.13+ pickles path classes from.
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("pathlib", "PosixPath"): Path if os.name == "posix" else PurePosixPath,
+    ("pathlib", "PurePosixPath"): PurePosixPath,
+    ("pathlib._local", "PosixPath"): Path if os.name == "posix" else PurePosixPath,
+    ("pathlib._local", "PurePosixPath"): PurePosixPath,
+}
+
+
+def _refuse(location: str, problem: Problem, path: str, detail: str) -> CorruptCheckpoint:
+    return CorruptCheckpoint(location, [Finding(problem, path, detail)])
+
+
+def _torch_constant(module: str, name: str) -> Any:
+    """A dtype, layout or memory format; memory formats pickle as ``torch._utils``/``torch.<name>``."""
+    if module == "torch._utils" and name.startswith("torch."):
+        name = name.removeprefix("torch.")
+    elif module != "torch":
+        return None
+    obj = getattr(torch, name, None) if "." not in name else None
+    return obj if isinstance(obj, _TORCH_CONSTANTS) else None
+
+
+def _dcp_type(module: str, name: str) -> type | None:
+    """A dataclass or enum defined in an already imported DCP module (nothing is imported here)."""
+    if module != _DCP_MODULE and not module.startswith(_DCP_MODULE + "."):
+        return None
+    obj = getattr(sys.modules.get(module), name, None) if "." not in name else None
+    if not isinstance(obj, type) or obj.__module__ != module:
+        return None
+    return obj if dataclasses.is_dataclass(obj) or issubclass(obj, Enum) else None
+
+
+def allowed_global(module: str, name: str) -> Any:
+    """The object a metadata pickle may name as ``module.name``, or None when it is refused."""
+    if (module, name) in _ALLOWED:
+        return _ALLOWED[module, name]
+    found = _torch_constant(module, name)
+    return found if found is not None else _dcp_type(module, name)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """An unpickler that resolves only the globals DCP metadata consists of."""
+
+    def __init__(self, data: bytes | bytearray | memoryview, location: str, name: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self._location = location
+        self._name = name
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = allowed_global(module, name)
+        if found is None:
+            raise _refuse(
+                self._location, Problem.MANIFEST, self._name, f"refuses to unpickle {module}.{name}"
+            )
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _refuse(self._location, Problem.MANIFEST, self._name, "refuses a persistent id")
+
+
+def load_metadata(
+    raw: bytes | bytearray | memoryview, *, location: str = "<memory>", name: str = METADATA_NAME
+) -> Metadata:
+    """Decode DCP ``.metadata`` bytes without letting them name any other code.
+
+    Callers must already have checked ``raw`` against its digest; this guards
+    against a digest forged together with the file.
+    """
+    try:
+        metadata = _MetadataUnpickler(raw, location, name).load()
+    except CorruptCheckpoint:
+        raise
+    except Exception as exc:  # any decoding failure of verified bytes means a bad file
+        raise _refuse(location, Problem.MANIFEST, name, f"not DCP metadata: {exc!r}") from exc
+    if not isinstance(metadata, Metadata):
+        raise _refuse(location, Problem.MANIFEST, name, f"holds a {type(metadata).__name__}, not Metadata")
+    return metadata
+
+
+class VerifiedFileSystem(FileSystemBase):
+    """DCP's file system, read-only, yielding only whole files whose digest matched.
+
+    The whole file is read into memory because DCP seeks around in it: hashing
+    while streaming could not stop DCP from using bytes before the digest is known.
+    """
+
+    def __init__(self, directory: Path, entries: Mapping[str, FileEntry]) -> None:
+        self.directory = Path(directory)
+        self.entries = entries
+
+    def _relative(self, path: str | os.PathLike) -> str:
+        try:
+            rel = Path(path).relative_to(self.directory)
+        except ValueError:
+            rel = None
+        if rel is None or ".." in rel.parts:
+            raise _refuse(
+                str(self.directory), Problem.MANIFEST, str(path), "outside the checkpoint directory"
+            )
+        return rel.as_posix()
+
+    def read_verified(self, path: str | os.PathLike) -> io.BytesIO:
+        """The file's bytes, read once and proven to match its entry."""
+        rel = self._relative(path)
+        entry = self.entries.get(rel)
+        if entry is None:
+            raise _refuse(str(self.directory), Problem.MANIFEST, rel, "not listed in the manifest")
+        try:
+            f = open(self.directory / rel, "rb", buffering=0)  # noqa: SIM115 - closed below
+        except FileNotFoundError:
+            raise _refuse(str(self.directory), Problem.MISSING, rel, "listed but not on disk") from None
+        with f:
+            return self._read_whole(f, entry)
+
+    def _read_whole(self, f: io.FileIO, entry: FileEntry) -> io.BytesIO:
+        location = str(self.directory)
+        size = os.fstat(f.fileno()).st_size
+        if size != entry.size:
+            raise _refuse(
+                location, Problem.SIZE, entry.path, f"manifest says {entry.size} bytes, file has {size}"
+            )
+        # bytes(n) is calloc'd and the BytesIO's own buffer is filled in place: one copy in memory.
+        stream = io.BytesIO(bytes(entry.size))
+        h = Hasher(with_crc=False)
+        pos = 0
+        with stream.getbuffer() as view:
+            while pos < entry.size:
+                n = f.readinto(view[pos : pos + CHUNK])
+                if not n:
+                    break
+                h.update(view[pos : pos + n])
+                pos += n
+        if pos != entry.size or f.read(1):
+            raise _refuse(location, Problem.SIZE, entry.path, "file changed size while being read")
+        got = h.result()
+        if got.xxh3 != entry.xxh3:
+            raise _refuse(location, Problem.DIGEST, entry.path, f"xxh3 {got.xxh3} != manifest {entry.xxh3}")
+        return stream
+
+    @contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
+        if mode != "rb":
+            raise ValueError(f"a verified checkpoint is read-only; refused mode {mode!r}")
+        with self.read_verified(path) as stream:
+            yield stream
+
+    def concat_path(self, path: str | os.PathLike, suffix: str) -> str | os.PathLike:
+        return Path(path) / suffix
+
+    def init_path(self, path: str | os.PathLike) -> str | os.PathLike:
+        return Path(path)
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        raise ValueError("a verified checkpoint is read-only; refused rename")
+
+    def mkdir(self, path: str | os.PathLike) -> None:
+        raise ValueError("a verified checkpoint is read-only; refused mkdir")
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+    def exists(self, path: str | os.PathLike) -> bool:
+        return self.entries.get(self._relative(path)) is not None
+
+    def rm_file(self, path: str | os.PathLike) -> None:
+        raise ValueError("a verified checkpoint is read-only; refused rm_file")
+
+
+def _first_reason(exc: BaseException) -> str:
+    """The line of torch's weights-only refusal that names the global, else its first line."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or [repr(exc)]
+    return next((ln for ln in lines if "GLOBAL" in ln), lines[0])
+
+
+class _SafeValues:
+    """Passes the planner only non-tensor values that decode with ``torch.load(weights_only=True)``.
+
+    DCP's planners unpickle those values with ``weights_only=False``: a shard forged
+    together with its digest could otherwise run code, as ``.metadata`` could.
+    """
+
+    def __init__(self, planner: LoadPlanner, reader: VerifiedReader) -> None:
+        self._planner = planner
+        self._reader = reader
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._planner, name)
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        try:
+            torch.load(value, map_location="cpu", weights_only=True)
+        except Exception as exc:  # any decoding failure of verified bytes means a bad file
+            fqn = read_item.storage_index.fqn
+            info = self._reader.storage_data.get(read_item.storage_index)
+            raise _refuse(
+                str(self._reader.fs.directory),
+                Problem.MANIFEST,
+                getattr(info, "relative_path", fqn),
+                f"value {fqn} refused by torch.load(weights_only=True): {_first_reason(exc)}",
+            ) from exc
+        value.seek(0)
+        self._planner.load_bytes(read_item, value)
+
+
+class VerifiedReader(dcp.FileSystemReader):
+    """A ``FileSystemReader`` that uses no byte before it matched ``entries``.
+
+    ``entries`` maps each file's path relative to ``directory`` to its manifest
+    entry. ``.metadata`` and non-tensor values are decoded by restricted
+    unpicklers (tensors already are, by DCP). Refusals raise ``CorruptCheckpoint``;
+    OS errors other than a missing file propagate unchanged (transient). DCP
+    wraps whatever a reader raises, so the first refusal is also kept in
+    ``refusal`` for :func:`load`.
+    """
+
+    def __init__(self, directory: Path, entries: Mapping[str, FileEntry]) -> None:
+        super().__init__(Path(directory))
+        self.fs = VerifiedFileSystem(Path(directory), entries)
+        self.refusal: BaseException | None = None
+
+    def _note(self, exc: BaseException) -> None:
+        if self.refusal is None:
+            self.refusal = exc
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as stream:
+                raw = stream.getvalue()
+            metadata = load_metadata(raw, location=str(self.fs.directory), name=Path(path).name)
+        except (CorruptCheckpoint, OSError) as exc:
+            self._note(exc)
+            raise
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        try:
+            return super().read_data(plan, _SafeValues(planner, self))  # type: ignore[arg-type]
+        except (CorruptCheckpoint, OSError) as exc:
+            self._note(exc)
+            raise
+
+
+def load(
+    state_dict: dict[str, Any],
+    directory: Path,
+    entries: Mapping[str, FileEntry],
+    *,
+    process_group: Any = None,
+) -> None:
+    """``dcp.load`` through a ``VerifiedReader``, re-raising this rank's own refusal unwrapped.
+
+    DCP turns a reader's exception into ``CheckpointException`` carrying only
+    its text; the caller needs the ``CorruptCheckpoint`` or ``OSError`` itself
+    to classify it.
+    """
+    reader = VerifiedReader(directory, entries)
+    try:
+        dcp.load(state_dict, storage_reader=reader, process_group=process_group)
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        if reader.refusal is not None and reader.refusal is not exc:
+            raise reader.refusal from exc
+        raise

@@ -1,0 +1,124 @@
+"""What goes into the files of a checkpoint, and how it comes back out.
+
+One ``<name>.safetensors`` per stateful part that holds tensors, and one
+``state.json`` with every part's non-tensor state. Each file is read once, hashed
+as it is read, and nothing it holds is returned before its digest matched the
+manifest (which the caller has already held to the catalog's record). Bytes that
+match but do not decode are the checkpoint's own fault, not a copy's: they raise
+``UnloadableCheckpoint``, never ``CorruptCheckpoint``.
+"""
+
+from __future__ import annotations
+
+import binascii
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from infra.errors import CorruptCheckpoint, UnloadableCheckpoint
+from infra.format import manifest as mf
+from infra.format import tensorfile, tree
+from infra.format.digest import Hasher, HashingReader
+from infra.format.store import FileWriter
+from infra.format.verify import Finding, Problem, entry_mismatch, open_for_read, read_verified
+
+STATE_FILE = "state.json"
+_DECODE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, binascii.Error, RecursionError)
+
+
+def split_states(state_dicts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
+    """``{part: state_dict}`` -> (JSON trees per part, tensors per part)."""
+    trees: dict[str, Any] = {}
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for part, sd in state_dicts.items():
+        trees[part], tensors[part] = tree.split(sd, part)
+    return trees, tensors
+
+
+def file_writers(
+    trees: Mapping[str, Any], tensors: Mapping[str, Mapping[str, torch.Tensor]]
+) -> list[tuple[str, FileWriter]]:
+    """The files of a checkpoint, as (name, function that streams its bytes)."""
+
+    def tensors_writer(part_tensors: Mapping[str, torch.Tensor]) -> FileWriter:
+        return lambda out: tensorfile.write(out, part_tensors)
+
+    def state_writer(out: BinaryIO) -> None:
+        out.write(json.dumps(trees, sort_keys=True, allow_nan=True).encode())
+
+    files = [(f"{part}.safetensors", tensors_writer(t)) for part, t in tensors.items() if t]
+    files.append((STATE_FILE, state_writer))
+    return files
+
+
+def _unloadable(directory: Path, path: str, why: str) -> UnloadableCheckpoint:
+    return UnloadableCheckpoint(str(directory), [Finding(Problem.CONTENT, path, why)])
+
+
+def read_tensors(directory: Path, entry: mf.FileEntry) -> dict[str, torch.Tensor]:
+    """One safetensors file, verified against ``entry``; every tensor owns its storage."""
+    problem: Exception | None = None
+    try:
+        with open_for_read(directory / entry.path) as f:
+            reader = HashingReader(f, Hasher(with_crc=False))
+            try:
+                tensors, _meta = tensorfile.read(reader, entry.size)
+            except (ValueError, EOFError) as exc:
+                problem, tensors = exc, {}
+            reader.drain()  # a short or long file must show in the count, whatever the parse did
+    except FileNotFoundError as exc:
+        raise CorruptCheckpoint(
+            str(directory), [Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")]
+        ) from exc
+    wrong = entry_mismatch(entry, reader.count, reader.hasher.result().xxh3)
+    if wrong is not None:
+        raise CorruptCheckpoint(str(directory), [wrong])
+    if problem is not None:  # the bytes are the recorded ones: the writer made a bad file
+        raise _unloadable(directory, entry.path, str(problem))
+    return tensors
+
+
+def read_json(directory: Path, entry: mf.FileEntry) -> Any:
+    """A JSON file, verified against ``entry`` before it is decoded."""
+    data = read_verified(directory, entry)
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise _unloadable(directory, entry.path, f"not JSON ({str(exc)[:200]})") from exc
+
+
+def read_states(directory: Path, manifest: mf.Manifest) -> dict[str, Any]:
+    """Verified state dicts per part.
+
+    ``CorruptCheckpoint`` names a file whose bytes differ; ``UnloadableCheckpoint`` one
+    whose bytes match but whose content cannot be a state; ``OSError`` is an I/O error.
+    """
+    entries = {e.path: e for e in manifest.files}
+    if STATE_FILE not in entries:
+        raise _unloadable(directory, STATE_FILE, "not listed in the manifest")
+    tensors: dict[str, torch.Tensor] = {}
+    for path, entry in entries.items():
+        if path.endswith(".safetensors"):
+            tensors.update(read_tensors(directory, entry))
+    trees = read_json(directory, entries[STATE_FILE])
+    if not isinstance(trees, dict):
+        raise _unloadable(directory, STATE_FILE, f"holds a {type(trees).__name__}, not one state per part")
+    try:
+        return {str(part): tree.join(t, tensors) for part, t in trees.items()}
+    except _DECODE_ERRORS as exc:
+        raise _unloadable(directory, STATE_FILE, f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+def data_position(directory: Path, manifest: mf.Manifest) -> dict[str, int]:
+    """The data loader position a checkpoint recorded (its ``data`` state), read through verification."""
+    entries = {e.path: e for e in manifest.files}
+    trees = read_json(directory, entries[STATE_FILE]) if STATE_FILE in entries else {}
+    data = trees.get("data") if isinstance(trees, dict) else None
+    data = data if isinstance(data, dict) else {}
+    try:
+        return {"epoch": int(data.get("epoch", 0)), "consumed": int(data.get("consumed", 0))}
+    except _DECODE_ERRORS as exc:
+        raise _unloadable(directory, STATE_FILE, f"data position is not a number ({exc})") from exc

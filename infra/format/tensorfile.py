@@ -1,0 +1,163 @@
+"""Streamed safetensors files: written through a hasher, read into one buffer.
+
+The layout is plain safetensors, so any tool can open ``model.safetensors``; we
+write and read it ourselves to hash while writing, and to read each file once,
+hashing it, with every tensor landing directly in storage of its own. Tensors are
+written ordered by element size, largest first, so every tensor starts at an
+offset aligned to its element size.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import torch
+
+from infra.format.digest import HashingReader
+
+_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_BY_NAME = {v: k for k, v in _DTYPES.items()}
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy())
+
+
+def layout(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[str]]:
+    """Return the padded header and the order in which tensor bytes follow it."""
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(len(raw) + 8) % 8)
+    return struct.pack("<Q", len(raw)) + raw, order
+
+
+def write(
+    out: BinaryIO, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
+    """Stream CPU tensors to ``out`` (any object with ``write``)."""
+    head, order = layout(tensors, metadata)
+    out.write(head)
+    for name in order:
+        t = tensors[name]
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.detach().to("cpu").contiguous()
+        out.write(_byte_view(t))
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    name: str
+    dtype: torch.dtype
+    shape: list[int]
+    start: int
+    end: int
+
+
+def _spans(header: dict[str, Any], data_bytes: int) -> list[_Span]:
+    """Validate every header entry against the data size; return them in file order, non-overlapping."""
+    spans = []
+    for name, info in header.items():
+        if not isinstance(info, dict):
+            raise ValueError(f"tensor {name!r} has a malformed header entry")
+        dtype = _BY_NAME.get(info.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+        try:
+            start, end = (int(x) for x in info["data_offsets"])
+            shape = [int(n) for n in info["shape"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"tensor {name!r} has malformed offsets or shape") from exc
+        count = math.prod(shape)
+        if (
+            any(n < 0 for n in shape)
+            or not 0 <= start <= end <= data_bytes
+            or end - start != count * torch.empty(0, dtype=dtype).element_size()
+        ):
+            raise ValueError(
+                f"tensor {name!r} has offsets {start}..{end} that do not fit its shape or the file"
+            )
+        spans.append(_Span(name, dtype, shape, start, end))
+    spans.sort(key=lambda sp: (sp.start, sp.end))
+    for a, b in itertools.pairwise(spans):
+        if b.start < a.end:
+            raise ValueError(f"tensors {a.name!r} and {b.name!r} overlap")
+    return spans
+
+
+def read(reader: HashingReader, size: int) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Read a ``size``-byte file once, each tensor straight into storage of its own.
+
+    Every byte passes through ``reader``'s hasher; the caller compares the digest
+    before using anything returned. No tensor is a view of a shared buffer, so a
+    state that keeps a tensor (a generator state, a buffer) gets one it owns.
+    Raises ``ValueError`` for a malformed file, ``EOFError`` if it ends early.
+    """
+    head = bytearray(8)
+    if size < 8 or not reader.fill(memoryview(head)):
+        raise EOFError("file is shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    if 8 + n > size:
+        raise ValueError(f"header length {n} runs past the end of the file ({size} bytes)")
+    raw = bytearray(n)
+    if not reader.fill(memoryview(raw)):
+        raise EOFError("file ended inside its header")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"header is not JSON ({str(exc)[:100]})") from exc
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise ValueError("header metadata is not a JSON object")
+    out: dict[str, torch.Tensor] = {}
+    pos = 0
+    for sp in _spans(header, size - 8 - n):
+        if not reader.skip(sp.start - pos):
+            raise EOFError("file ended before its tensors")
+        t = torch.empty(sp.shape, dtype=sp.dtype)
+        if sp.end > sp.start and not reader.fill(memoryview(t.reshape(-1).view(torch.uint8).numpy())):
+            raise EOFError(f"file ended inside tensor {sp.name!r}")
+        out[sp.name] = t
+        pos = sp.end
+    return out, {str(k): str(v) for k, v in metadata.items()}

@@ -1,0 +1,230 @@
+"""Checking one copy of a checkpoint against the manifest digest its catalog recorded.
+
+Like restic's checker it keeps going and returns every finding instead of
+stopping at the first, so a user sees all that is wrong at once. ``deep``
+re-reads and re-hashes every byte; quick only checks the manifest, presence and
+sizes. Findings say what kind of trouble a copy is in: damage (the bytes are not
+the recorded ones), absence, or an I/O error that says nothing about the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import BinaryIO
+
+from infra.errors import CorruptCheckpoint
+from infra.faults import fault_point
+from infra.format import keyring as kr
+from infra.format import manifest as mf
+from infra.format.digest import Hasher, HashingReader, manifest_matches
+
+
+class Problem(StrEnum):
+    MANIFEST = "manifest"  # missing, malformed, escaping path, not the catalog's, bad signature
+    ABSENT = "absent"  # the whole copy is gone
+    MISSING = "missing"  # a file the manifest lists is gone
+    SIZE = "size_mismatch"
+    DIGEST = "digest_mismatch"
+    UNREADABLE = "unreadable"  # an I/O error: nothing is known about the bytes
+    UNKNOWN_KEY = "unknown_key"  # signed with a key this keyring lacks: unverifiable
+    UNSIGNED = "unsigned"  # refused only in strict mode
+    CONTENT = "content"  # every byte matched, yet it does not decode into a state
+    UNLISTED = "unlisted"  # a file the manifest does not name; reported, not fatal
+
+
+UNVERIFIABLE = frozenset({Problem.UNREADABLE, Problem.UNKNOWN_KEY})
+
+
+class Verdict(StrEnum):
+    """One copy's standing; the values are the catalog's replica statuses."""
+
+    VERIFIED = "verified"
+    CORRUPT = "corrupt"
+    MISSING = "missing"
+    UNVERIFIABLE = "unverifiable"
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    problem: Problem
+    path: str
+    detail: str
+
+    @property
+    def fatal(self) -> bool:
+        return self.problem is not Problem.UNLISTED
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.problem.value} ({self.detail})"
+
+    def as_dict(self) -> dict[str, str]:
+        return {"problem": self.problem.value, "path": self.path, "detail": self.detail}
+
+
+def verdict_of(findings: tuple[Finding, ...] | list[Finding]) -> Verdict:
+    """Damage anywhere makes a copy corrupt; I/O errors alone leave it unverifiable."""
+    fatal = [f for f in findings if f.fatal]
+    if not fatal:
+        return Verdict.VERIFIED
+    if all(f.problem is Problem.ABSENT for f in fatal):
+        return Verdict.MISSING
+    if all(f.problem in UNVERIFIABLE for f in fatal):
+        return Verdict.UNVERIFIABLE
+    return Verdict.CORRUPT
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    directory: Path
+    manifest: mf.Manifest | None
+    findings: tuple[Finding, ...]
+    deep: bool
+
+    @property
+    def verdict(self) -> Verdict:
+        return verdict_of(self.findings)
+
+    @property
+    def ok(self) -> bool:
+        return self.manifest is not None and self.verdict is Verdict.VERIFIED
+
+
+def check_manifest(
+    raw: bytes, expected: str | None, keyring: kr.Keyring
+) -> tuple[mf.Manifest | None, list[Finding]]:
+    """The manifest, if these bytes are the ones the catalog recorded (``expected``) and signed acceptably.
+
+    ``expected=None`` (no catalog record to hold it to) checks structure and signature only.
+    """
+    name = mf.MANIFEST_NAME
+    if expected is not None and not manifest_matches(raw, expected):
+        return None, [
+            Finding(Problem.MANIFEST, name, f"not the manifest the catalog recorded ({expected[:16]}…)")
+        ]
+    try:
+        manifest = mf.parse(raw)
+        signature = mf.signature(raw, keyring)
+    except mf.ManifestError as exc:
+        return None, [Finding(Problem.MANIFEST, name, str(exc))]
+    if signature is kr.Signature.INVALID:
+        return None, [
+            Finding(Problem.MANIFEST, name, "HMAC does not match its key: the manifest was altered")
+        ]
+    if signature is kr.Signature.UNKNOWN_KEY:
+        return None, [Finding(Problem.UNKNOWN_KEY, name, "signed with a key this keyring does not hold")]
+    if signature is kr.Signature.UNSIGNED and keyring.strict:
+        return None, [Finding(Problem.UNSIGNED, name, "unsigned, and REWIND_MANIFEST_STRICT refuses that")]
+    return manifest, []
+
+
+@contextlib.contextmanager
+def open_for_read(path: Path) -> Iterator[BinaryIO]:
+    """Open a checkpoint file for a verifying read (the ``verify.read`` fault point fires here)."""
+    fault_point("verify.read")
+    with open(path, "rb", buffering=0) as f:
+        yield f
+
+
+def hash_entry(directory: Path, entry: mf.FileEntry) -> Finding | None:
+    """Re-read one file and compare size and xxh3 with ``entry``; I/O errors are findings too."""
+    try:
+        with open_for_read(directory / entry.path) as f:
+            reader = HashingReader(f, Hasher(with_crc=False))
+            reader.drain()
+    except FileNotFoundError:
+        return Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")
+    except OSError as exc:
+        return Finding(Problem.UNREADABLE, entry.path, exc.strerror or str(exc))
+    return entry_mismatch(entry, reader.count, reader.hasher.result().xxh3)
+
+
+def entry_mismatch(entry: mf.FileEntry, size: int, xxh3: str) -> Finding | None:
+    if size != entry.size:
+        return Finding(Problem.SIZE, entry.path, f"manifest says {entry.size} bytes, read {size}")
+    if xxh3 != entry.xxh3:
+        return Finding(Problem.DIGEST, entry.path, f"xxh3 {xxh3} != manifest {entry.xxh3}")
+    return None
+
+
+def check_entry(directory: Path, entry: mf.FileEntry, deep: bool) -> Finding | None:
+    path = directory / entry.path
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")
+    except OSError as exc:
+        return Finding(Problem.UNREADABLE, entry.path, exc.strerror or str(exc))
+    if size != entry.size:
+        return Finding(Problem.SIZE, entry.path, f"manifest says {entry.size} bytes, file has {size}")
+    return hash_entry(directory, entry) if deep else None
+
+
+def read_manifest_bytes(directory: Path) -> tuple[bytes | None, list[Finding]]:
+    """The raw manifest of a local copy, or why there is none (absent copy, missing file, I/O error)."""
+    try:
+        return (directory / mf.MANIFEST_NAME).read_bytes(), []
+    except FileNotFoundError:
+        if not directory.is_dir():
+            return None, [Finding(Problem.ABSENT, ".", f"{directory} does not exist")]
+        return None, [Finding(Problem.MANIFEST, mf.MANIFEST_NAME, "missing: the copy was never committed")]
+    except OSError as exc:
+        return None, [Finding(Problem.UNREADABLE, mf.MANIFEST_NAME, exc.strerror or str(exc))]
+
+
+def check_copy(
+    directory: Path, expected: str | None, *, deep: bool, keyring: kr.Keyring | None = None
+) -> Report:
+    """Every finding about the copy in ``directory``, held to the catalog's manifest digest ``expected``."""
+    ring = keyring if keyring is not None else kr.from_env()
+    raw, findings = read_manifest_bytes(directory)
+    if raw is None:
+        return Report(directory, None, tuple(findings), deep)
+    manifest, findings = check_manifest(raw, expected, ring)
+    if manifest is None:
+        return Report(directory, None, tuple(findings), deep)
+    findings = [f for e in manifest.files if (f := check_entry(directory, e, deep)) is not None]
+    listed = {e.path for e in manifest.files} | {mf.MANIFEST_NAME}
+    for root, _dirs, names in os.walk(directory):
+        for name in names:
+            rel = Path(root, name).relative_to(directory).as_posix()
+            if rel not in listed:
+                findings.append(Finding(Problem.UNLISTED, rel, "present on disk, not in the manifest"))
+    return Report(directory, manifest, tuple(findings), deep)
+
+
+def require(report: Report) -> mf.Manifest:
+    """The manifest of a copy that passed, else ``CorruptCheckpoint`` carrying every fatal finding."""
+    if report.manifest is None or report.verdict is not Verdict.VERIFIED:
+        raise CorruptCheckpoint(str(report.directory), [f for f in report.findings if f.fatal])
+    return report.manifest
+
+
+def read_verified(directory: Path, entry: mf.FileEntry) -> bytes:
+    """A whole file, returned only if its bytes match ``entry``: the bytes hashed are the bytes used.
+
+    ``CorruptCheckpoint`` for a missing or different file; ``OSError`` for an I/O error.
+    """
+    try:
+        with open_for_read(directory / entry.path) as f:
+            reader = HashingReader(f, Hasher(with_crc=False))
+            data = reader.read_all(limit=entry.size)
+    except FileNotFoundError as exc:
+        raise CorruptCheckpoint(
+            str(directory), [Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")]
+        ) from exc
+    wrong = entry_mismatch(entry, reader.count, reader.hasher.result().xxh3)
+    if wrong is not None:
+        raise CorruptCheckpoint(str(directory), [wrong])
+    return data
+
+
+def verify_files(directory: Path, manifest: mf.Manifest) -> None:
+    """Re-hash every file a manifest lists; ``CorruptCheckpoint`` with every finding if any differs."""
+    findings = [f for e in manifest.files if (f := hash_entry(directory, e)) is not None]
+    if findings:
+        raise CorruptCheckpoint(str(directory), findings)

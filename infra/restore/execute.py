@@ -1,0 +1,240 @@
+"""Executing a restore plan: the newest candidate with a copy that proves itself wins.
+
+For each candidate, newest first, a restore lease is held (retention will not
+delete it) and its copies are tried nearest first:
+
+- a local copy is held to the catalog's manifest digest (paths, sizes, signature),
+  then handed to the loader, which reads every byte once, hashing it, before
+  anything is used;
+- a copy on another tier is downloaded into the local tier first: its manifest is
+  held to the catalog's digest before any data is fetched, every file must hash to
+  its entry, and only then is the manifest written and the directory renamed in.
+
+What a check finds is recorded against that copy (a damaged local copy is moved
+to ``.quarantine/``); the checkpoint is corrupt only when no copy is left that
+could verify, and an I/O error leaves it as it was. A checkpoint whose bytes all
+match but whose content cannot be decoded is condemned at once; one whose state
+the job refuses is condemned only if an older one then loads (otherwise the job
+changed, and nothing is condemned).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from infra.catalog import copies, leases
+from infra.catalog.db import Catalog
+from infra.catalog.models import CheckpointStatus as S
+from infra.catalog.models import ReplicaStatus as R
+from infra.errors import (
+    CheckpointUnverifiable,
+    CorruptCheckpoint,
+    NoRestorableCheckpoint,
+    RewindError,
+    StateMismatch,
+    TransientError,
+    UnloadableCheckpoint,
+)
+from infra.format import keyring as kr
+from infra.format import manifest as mf
+from infra.format import store
+from infra.format.verify import Finding, Problem, Verdict, check_copy, require, verdict_of
+from infra.restore.plan import Candidate, Copy, RestorePlan
+from infra.tiers import open_tier, transfer
+from infra.tiers.base import TierAccessDenied, TierConfigError
+
+log = logging.getLogger("rewind.restore")
+T = TypeVar("T")
+Loader = Callable[[Path, mf.Manifest], T]
+
+
+@dataclass(frozen=True, slots=True)
+class Skip:
+    """A candidate passed over, and why (``outcome``: corrupt, unverifiable, missing, unloadable, mismatch)."""
+
+    step: int
+    checkpoint_id: int
+    outcome: str
+    reason: str
+    findings: tuple[Finding, ...] = ()
+
+    def __str__(self) -> str:
+        return f"step {self.step}: {self.outcome}: {self.reason}"
+
+
+@dataclass(frozen=True, slots=True)
+class Restored(Generic[T]):
+    checkpoint_id: int
+    step: int
+    directory: Path
+    manifest: mf.Manifest
+    source: str  # the tier of the copy used
+    fetched: bool  # downloaded into the local tier for this restore
+    value: T  # what the loader returned
+    skipped: tuple[Skip, ...]
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Opened:
+    directory: Path
+    manifest: mf.Manifest
+    local_replica_id: int
+    fetched: bool
+
+
+# Errors that say nothing about a copy's bytes: it is unverifiable for now, not corrupt.
+_UNREADABLE_ERRORS = (OSError, TransientError, TierAccessDenied, TierConfigError)
+
+
+def _fail(cat: Catalog, replica_id: int, directory: Path | None, verdict: Verdict, findings: list) -> str:
+    """Record a failed copy; a damaged local copy is moved aside so nothing can mistake it for good."""
+    detail = "; ".join(str(f) for f in findings if f.fatal)[:2000] or verdict.value
+    moved = None
+    if verdict is Verdict.CORRUPT and directory is not None and directory.is_dir():
+        with contextlib.suppress(OSError):
+            moved = str(store.quarantine(directory, "corrupt"))
+    copies.record(cat, replica_id, R(verdict.value), detail, uri=moved)
+    return detail
+
+
+def _open(cat: Catalog, plan: RestorePlan, cand: Candidate, copy: Copy, ring: kr.Keyring) -> _Opened:
+    if copy.local:
+        directory = Path(copy.uri)
+        manifest = require(check_copy(directory, cand.manifest_digest, deep=False, keyring=ring))
+        return _Opened(directory, manifest, copy.replica_id, False)
+    final = store.step_dir(plan.root / cand.run, cand.step)
+    if final.exists():  # whatever is there did not prove itself: keep it for inspection, out of the way
+        copies.moved(
+            cat,
+            str(final),
+            str(store.quarantine(final, "displaced")),
+            f"displaced by a copy from {copy.tier}",
+        )
+    key = copy.key or transfer.copy_key(cand.run, cand.step)
+    done = transfer.pull(open_tier(copy.uri), key, cand.manifest_digest, plan.root / cand.run, keyring=ring)
+    copies.record(cat, copy.replica_id, R.VERIFIED, f"downloaded into {done.path}")
+    rid = copies.set_local(cat, cand.checkpoint_id, str(done.path), R.PENDING, done.manifest.total_bytes)
+    return _Opened(done.path, done.manifest, rid, True)
+
+
+def _try(
+    cat: Catalog, plan: RestorePlan, cand: Candidate, load: Loader[T], ring: kr.Keyring
+) -> tuple[_Opened, T, Copy] | Skip:
+    tried: list[str] = []
+    for copy in cand.copies:
+        opened: _Opened | None = None
+        try:
+            opened = _open(cat, plan, cand, copy, ring)
+            value = load(opened.directory, opened.manifest)
+        except StateMismatch as exc:  # every byte matched; the job refused the state
+            return Skip(cand.step, cand.checkpoint_id, "mismatch", str(exc), tuple(exc.findings))
+        except UnloadableCheckpoint as exc:
+            copies.condemn(cat, cand.checkpoint_id, "; ".join(str(f) for f in exc.findings))
+            return Skip(cand.step, cand.checkpoint_id, "unloadable", str(exc), tuple(exc.findings))
+        except CorruptCheckpoint as exc:
+            verdict, findings = verdict_of(exc.findings), list(exc.findings)
+        except _UNREADABLE_ERRORS as exc:
+            verdict, findings = Verdict.UNVERIFIABLE, [Finding(Problem.UNREADABLE, copy.where(), str(exc))]
+        else:
+            copies.record(cat, opened.local_replica_id, R.VERIFIED, None, uri=str(opened.directory))
+            copies.settle(cat, cand.checkpoint_id)
+            return opened, value, copy
+        if opened is None:  # the copy itself failed (or its download did)
+            where = Path(copy.uri) if copy.local else None
+            detail = _fail(cat, copy.replica_id, where, verdict, findings)
+        else:  # the local directory it produced failed while being loaded
+            detail = _fail(cat, opened.local_replica_id, opened.directory, verdict, findings)
+        tried.append(f"{copy.tier} {verdict.value} ({detail})")
+        log.warning(
+            "step %d: %s copy at %s: %s: %s", cand.step, copy.tier, copy.where(), verdict.value, detail
+        )
+    status = copies.settle(cat, cand.checkpoint_id)
+    outcome = "corrupt" if status == S.CORRUPT.value else "unverifiable"
+    reason = "; ".join(tried) or "no copy left"
+    if not tried:
+        outcome = "missing" if status == S.CORRUPT.value else outcome
+    return Skip(cand.step, cand.checkpoint_id, outcome, reason)
+
+
+def _give_up(plan: RestorePlan, skipped: list[Skip]) -> RewindError:
+    if plan.exact and skipped:
+        s = skipped[0]
+        if s.outcome in ("unloadable", "mismatch"):
+            return UnloadableCheckpoint(f"{plan.run} step {s.step}", list(s.findings) or [s.reason])
+        return CorruptCheckpoint(f"{plan.run} step {s.step}", list(s.findings) or [s.reason])
+    detail = "; ".join(str(s) for s in skipped[:5])
+    if any(s.outcome == "unverifiable" for s in skipped):
+        return CheckpointUnverifiable(
+            f"run {plan.run!r} has checkpoints that could not be checked right now, refusing to go past them: "
+            + detail,
+            tuple(skipped),
+        )
+    if skipped and all(s.outcome == "mismatch" for s in skipped):
+        return StateMismatch(f"of run {plan.run!r}: no checkpoint fits this job", list(skipped[0].findings))
+    return NoRestorableCheckpoint(
+        f"no checkpoint of run {plan.run!r} could be restored ({len(skipped)} tried)"
+        + (f": {detail}" if detail else ""),
+        tuple(skipped),
+    )
+
+
+@contextlib.contextmanager
+def restoring(
+    cat: Catalog,
+    plan: RestorePlan,
+    load: Loader[T],
+    *,
+    who: str | None = None,
+    keyring: kr.Keyring | None = None,
+) -> Iterator[Restored[T]]:
+    """Restore the first candidate that proves itself; its lease is held until the ``with`` block ends."""
+    ring = keyring if keyring is not None else kr.from_env()
+    started = time.perf_counter()
+    skipped: list[Skip] = []
+    for cand in plan.candidates:
+        lease = leases.take(cat, cand.checkpoint_id, who)
+        try:
+            got = _try(cat, plan, cand, load, ring)
+        except BaseException:
+            leases.release(cat, lease)
+            raise
+        if isinstance(got, Skip):
+            leases.release(cat, lease)
+            skipped.append(got)
+            log.warning("skipping %s", got)
+            if plan.exact:
+                break
+            continue
+        for s in skipped:  # an older checkpoint loaded: the newer ones that did not were bad, not the job
+            if s.outcome == "mismatch":
+                copies.condemn(cat, s.checkpoint_id, s.reason)
+        opened, value, copy = got
+        try:
+            yield Restored(
+                cand.checkpoint_id, cand.step, opened.directory, opened.manifest, copy.tier,
+                opened.fetched, value, tuple(skipped), time.perf_counter() - started,
+            )  # fmt: skip
+        finally:
+            leases.release(cat, lease)
+        return
+    raise _give_up(plan, skipped)
+
+
+def execute(
+    cat: Catalog,
+    plan: RestorePlan,
+    load: Loader[T],
+    *,
+    who: str | None = None,
+    keyring: kr.Keyring | None = None,
+) -> Restored[T]:
+    """:func:`restoring` for callers that are done with the checkpoint once ``load`` returned."""
+    with restoring(cat, plan, load, who=who, keyring=keyring) as restored:
+        return restored

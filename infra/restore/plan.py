@@ -1,0 +1,122 @@
+"""Planning a restore: which checkpoints to try, newest first, and each one's copies, nearest first.
+
+A pure read of the catalog, like litestream's restore plan: nothing on any tier is
+touched, so a plan can be shown before it is executed. Candidates are the run's
+committed and verified checkpoints, and corrupt ones that still have a copy that
+could verify (a scrub that condemned a local copy says nothing about a replica).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+
+from infra.catalog import copies, lineage
+from infra.catalog.db import Catalog
+from infra.catalog.models import Checkpoint
+from infra.catalog.models import CheckpointStatus as S
+from infra.catalog.models import ReplicaStatus as R
+from infra.errors import NotFoundError
+
+_STATUS_RANK = {R.VERIFIED.value: 0, R.PENDING.value: 1, R.UNVERIFIABLE.value: 2}
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    replica_id: int
+    tier: str  # local | shared | offsite
+    uri: str  # local: the directory; otherwise the tier's root
+    key: str | None  # below ``uri`` for a remote copy
+    status: str
+
+    @property
+    def local(self) -> bool:
+        return self.tier == copies.LOCAL
+
+    def where(self) -> str:
+        return self.uri if self.local else f"{self.uri.rstrip('/')}/{self.key}"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    checkpoint_id: int
+    run: str
+    step: int
+    status: str
+    manifest_digest: str
+    total_bytes: int
+    copies: tuple[Copy, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePlan:
+    run: str
+    root: Path  # the local tier: where a copy fetched from another tier is written
+    candidates: tuple[Candidate, ...]
+    exact: bool  # one checkpoint was asked for: its failure is not followed by an older one
+
+    def describe(self) -> list[str]:
+        return [
+            f"step {c.step} ({c.status}): " + ", ".join(f"{p.tier} [{p.status}]" for p in c.copies)
+            for c in self.candidates
+        ]
+
+
+def _copies(rows: list, tiers: Collection[str] | None) -> tuple[Copy, ...]:
+    usable = [
+        Copy(r.id, r.tier, r.uri, r.key, str(r.status))
+        for r in rows
+        if r.status in {u.value for u in copies.USABLE} and (tiers is None or r.tier in tiers)
+    ]
+    usable.sort(key=lambda c: (copies.TIER_ORDER.get(c.tier, 9), _STATUS_RANK.get(c.status, 9)))
+    return tuple(usable)
+
+
+def _rows(cat: Catalog, run_id: int, checkpoint_id: int | None) -> list[Checkpoint]:
+    statuses = [S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]
+    with cat.session() as s:
+        q = select(Checkpoint).where(
+            Checkpoint.run_id == run_id,
+            Checkpoint.status.in_(statuses),
+            Checkpoint.manifest_digest.is_not(None),
+        )
+        if checkpoint_id is not None:
+            q = q.where(Checkpoint.id == checkpoint_id)
+        return list(s.scalars(q.order_by(Checkpoint.step.desc(), Checkpoint.id.desc())))
+
+
+def plan(
+    cat: Catalog,
+    run: str,
+    *,
+    root: Path,
+    step: int | None = None,
+    before_step: int | None = None,
+    checkpoint_id: int | None = None,
+    tiers: Collection[str] | None = None,
+) -> RestorePlan:
+    """Candidates newest first: exactly ``step`` (or one checkpoint), or any step below ``before_step``, or all.
+
+    ``tiers`` limits the copies to those tiers (``rewind ckpt restore --from shared``).
+    """
+    run_id = lineage.get_run(cat, run).id
+    rows = [r for r in _rows(cat, run_id, checkpoint_id) if before_step is None or r.step < before_step]
+    if step is not None:
+        rows = [r for r in rows if r.step == step]
+    by_id = copies.copies_of(cat, [r.id for r in rows])
+    candidates = []
+    for r in rows:
+        found = _copies(by_id[r.id], tiers)
+        if r.status == S.CORRUPT.value and (not found or copies.condemned(r)):
+            continue  # condemned for good, or nothing left that could verify
+        candidates.append(
+            Candidate(r.id, run, r.step, str(r.status), str(r.manifest_digest), r.total_bytes or 0, found)
+        )
+    exact = step is not None or checkpoint_id is not None
+    if exact and not candidates:
+        what = f"step {step}" if step is not None else f"checkpoint {checkpoint_id}"
+        raise NotFoundError(f"run {run!r} has no restorable checkpoint at {what}")
+    return RestorePlan(run, Path(root).expanduser().resolve(), tuple(candidates), exact)

@@ -1,0 +1,111 @@
+"""Checking every copy of a checkpoint where it lies, and recording what each check found.
+
+The scrub's counterpart of the restore executor: the same checks (the catalog's
+manifest digest first, then sizes, then, when deep, every byte), the same verdicts
+per copy, the same settling of the checkpoint's status. A damaged local copy is
+moved to ``.quarantine/``; an I/O error leaves a copy unverifiable and the
+checkpoint as it was; a check that passes restores what an earlier one took away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.catalog import copies, lineage
+from infra.catalog.db import Catalog
+from infra.catalog.models import Checkpoint, Replica
+from infra.catalog.models import ReplicaStatus as R
+from infra.errors import TransientError
+from infra.format import keyring as kr
+from infra.format import store
+from infra.format.verify import Finding, Problem, Report, Verdict, check_copy
+from infra.tiers import open_tier, transfer
+from infra.tiers.base import TierAccessDenied, TierConfigError
+
+QUARANTINE = ".quarantine"
+
+
+@dataclass(frozen=True, slots=True)
+class CopyCheck:
+    tier: str
+    where: str
+    verdict: Verdict
+    findings: tuple[Finding, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointCheck:
+    checkpoint_id: int
+    step: int
+    status: str  # the checkpoint's status after the check
+    deep: bool
+    copies: tuple[CopyCheck, ...]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.copies) and all(c.verdict is Verdict.VERIFIED for c in self.copies)
+
+    @property
+    def findings(self) -> list[Finding]:
+        return [f for c in self.copies for f in c.findings]
+
+
+def _check(rep: Replica, run: str, step: int, digest: str, deep: bool, ring: kr.Keyring) -> Report:
+    if rep.tier == copies.LOCAL:
+        return check_copy(Path(rep.uri), digest, deep=deep, keyring=ring)
+    key = rep.key or transfer.copy_key(run, step)
+    try:
+        return transfer.check_remote(open_tier(rep.uri), key, digest, deep=deep, keyring=ring)
+    except (OSError, TransientError, TierAccessDenied, TierConfigError) as exc:
+        finding = Finding(Problem.UNREADABLE, ".", str(exc))
+        return Report(Path(f"{rep.uri}/{key}"), None, (finding,), deep)
+
+
+def _record(cat: Catalog, rep: Replica, report: Report) -> None:
+    verdict = report.verdict
+    detail = "; ".join(str(f) for f in report.findings if f.fatal)[:2000] or None
+    if verdict is Verdict.VERIFIED and not report.deep:
+        if rep.status in (R.UNVERIFIABLE.value, R.MISSING.value, R.CORRUPT.value):
+            copies.record(cat, rep.id, R.PENDING, "quick check passed")  # proven again only by a deep one
+        return
+    moved = None
+    if verdict is Verdict.CORRUPT and rep.tier == copies.LOCAL and report.directory.is_dir():
+        with contextlib.suppress(OSError):
+            moved = str(store.quarantine(report.directory, "corrupt"))
+    copies.record(cat, rep.id, R(verdict.value), detail, uri=moved)
+
+
+def _in_quarantine(rep: Replica) -> bool:
+    return rep.tier == copies.LOCAL and QUARANTINE in Path(rep.uri).parts
+
+
+def scrub(
+    cat: Catalog,
+    ck: Checkpoint,
+    *,
+    deep: bool,
+    tiers: Collection[str] | None = None,
+    keyring: kr.Keyring | None = None,
+) -> CheckpointCheck:
+    """Check the copies of ``ck`` (on ``tiers``, default all), record each verdict, settle its status."""
+    ring = keyring if keyring is not None else kr.from_env()
+    run = lineage.get_run_by_id(cat, ck.run_id).name
+    results = []
+    for rep in copies.copies_of(cat, [ck.id])[ck.id]:
+        if (
+            rep.status == R.DELETED.value
+            or _in_quarantine(rep)
+            or (tiers is not None and rep.tier not in tiers)
+        ):
+            continue
+        report = _check(rep, run, ck.step, str(ck.manifest_digest), deep, ring)
+        _record(cat, rep, report)
+        where = (
+            rep.uri if rep.tier == copies.LOCAL else f"{rep.uri}/{rep.key or transfer.copy_key(run, ck.step)}"
+        )
+        results.append(CopyCheck(rep.tier, where, report.verdict, report.findings))
+    status = copies.settle(cat, ck.id)
+    return CheckpointCheck(ck.id, ck.step, status, deep, tuple(results))

@@ -1,0 +1,177 @@
+"""Moving one checkpoint copy between the local tier and another tier, checked end to end.
+
+No catalog here: the caller hands in the manifest digest the catalog recorded, and
+every copy is held to it. Push order on the target: every data file, then a check
+that the target holds exactly the manifest's sizes and checksums, then the
+manifest, last, as the commit marker. A target without the manifest holds no
+checkpoint, whatever else it holds; a re-run sends only what is missing.
+
+A copy lives at ``<run>/step-<N>`` on its tier, unless that name already holds a
+different checkpoint of the same step (another timeline, after a roll-back and a
+re-save): then it goes to ``<run>/step-<N>.<digest prefix>``, a name no other
+manifest can claim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from infra.errors import CorruptCheckpoint
+from infra.format import keyring as kr
+from infra.format import manifest as mf
+from infra.format import store
+from infra.format.digest import CHUNK, Hasher, hash_bytes, manifest_matches
+from infra.format.verify import Finding, Problem, Report, check_manifest
+from infra.tiers.base import ObjectNotFound, Tier, TierUnavailable
+
+
+def copy_key(run: str, step: int) -> str:
+    return f"{run}/step-{step}"
+
+
+def alternate_key(run: str, step: int, digest: str) -> str:
+    return f"{copy_key(run, step)}.{digest[:16]}"
+
+
+def _read(tier: Tier, key: str) -> bytes:
+    with tier.open(key) as f:
+        return f.read()
+
+
+def candidate_keys(run: str, step: int, digest: str) -> tuple[str, str]:
+    """Where a copy of this checkpoint may live on a tier, in the order they are tried."""
+    return copy_key(run, step), alternate_key(run, step, digest)
+
+
+def holds(tier: Tier, key: str, digest: str) -> bool | None:
+    """Does ``key`` hold this checkpoint's manifest (True), another one (False), or none (None)?"""
+    try:
+        raw = _read(tier, f"{key}/{mf.MANIFEST_NAME}")
+    except ObjectNotFound:
+        return None
+    return manifest_matches(raw, digest)
+
+
+def _stat_matches(tier: Tier, key: str, entry: mf.FileEntry) -> Finding | None:
+    try:
+        info = tier.stat(key)
+    except ObjectNotFound:
+        return Finding(Problem.MISSING, entry.path, f"not on the {tier.name} tier")
+    if info.size != entry.size:
+        return Finding(
+            Problem.SIZE, entry.path, f"{tier.name} holds {info.size} bytes, manifest says {entry.size}"
+        )
+    if info.crc32c is not None and info.crc32c != entry.crc32c:
+        return Finding(
+            Problem.DIGEST, entry.path, f"{tier.name} crc32c {info.crc32c} != manifest {entry.crc32c}"
+        )
+    return None
+
+
+def push(
+    source: Path,
+    raw: bytes,
+    tier: Tier,
+    key: str,
+    *,
+    on_file: Callable[[str, int], None] | None = None,
+) -> int:
+    """Copy a verified local copy (its manifest bytes ``raw``) to ``key`` on ``tier``; returns bytes sent."""
+    manifest = mf.parse(raw)
+    sent = 0
+    for e in manifest.files:
+        target = f"{key}/{e.path}"
+        finding = _stat_matches(tier, target, e)
+        if finding is None:
+            continue
+        if finding.problem is not Problem.MISSING:
+            tier.delete(target)  # a leftover from an older, different attempt
+        sent += tier.put(target, source / e.path, crc32c=e.crc32c)
+        if on_file is not None:
+            on_file(e.path, sent)
+    bad = [f for e in manifest.files if (f := _stat_matches(tier, f"{key}/{e.path}", e))]
+    if bad:
+        raise CorruptCheckpoint(f"{tier.uri}/{key}", bad)
+    tier.put_bytes(f"{key}/{mf.MANIFEST_NAME}", raw, crc32c=hash_bytes(raw).crc32c)
+    return sent
+
+
+def _hash_remote(tier: Tier, key: str, entry: mf.FileEntry) -> Finding | None:
+    h = Hasher(with_crc=False)
+    size = 0
+    with tier.open(key) as body:
+        while chunk := body.read(CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    if size != entry.size:
+        return Finding(Problem.SIZE, entry.path, f"{tier.name} copy has {size} bytes, manifest {entry.size}")
+    if h.result().xxh3 != entry.xxh3:
+        return Finding(
+            Problem.DIGEST, entry.path, f"{tier.name} copy xxh3 {h.result().xxh3} != manifest {entry.xxh3}"
+        )
+    return None
+
+
+def _file_findings(tier: Tier, key: str, manifest: mf.Manifest, deep: bool) -> Iterator[Finding]:
+    for e in manifest.files:
+        try:
+            finding = _stat_matches(tier, f"{key}/{e.path}", e)
+            if finding is None and deep:
+                finding = _hash_remote(tier, f"{key}/{e.path}", e)
+        except (TierUnavailable, OSError) as exc:
+            finding = Finding(Problem.UNREADABLE, e.path, str(exc))
+        if finding is not None:
+            yield finding
+
+
+def check_remote(tier: Tier, key: str, expected: str, *, deep: bool, keyring: kr.Keyring) -> Report:
+    """Every finding about the copy at ``key``: quick compares sizes and server checksums, deep re-hashes."""
+    where = Path(f"{tier.uri}/{key}")
+    try:
+        raw = _read(tier, f"{key}/{mf.MANIFEST_NAME}")
+    except ObjectNotFound:
+        return Report(
+            where, None, (Finding(Problem.ABSENT, ".", f"no manifest on the {tier.name} tier"),), deep
+        )
+    except (TierUnavailable, OSError) as exc:
+        return Report(where, None, (Finding(Problem.UNREADABLE, mf.MANIFEST_NAME, str(exc)),), deep)
+    manifest, findings = check_manifest(raw, expected, keyring)
+    if manifest is None:
+        return Report(where, None, tuple(findings), deep)
+    return Report(where, manifest, tuple(_file_findings(tier, key, manifest, deep)), deep)
+
+
+def pull(tier: Tier, key: str, expected: str, run_dir: Path, *, keyring: kr.Keyring) -> store.Committed:
+    """Download the copy at ``key`` into ``run_dir`` with the commit protocol.
+
+    The manifest is held to the catalog's digest before any data is fetched, and
+    every file must hash to its entry before the manifest is written locally.
+    ``CorruptCheckpoint`` (with findings) when the copy is not the recorded one.
+    """
+    try:
+        raw = _read(tier, f"{key}/{mf.MANIFEST_NAME}")
+    except ObjectNotFound as exc:
+        where = f"{tier.uri}/{key}"
+        raise CorruptCheckpoint(where, [Finding(Problem.ABSENT, ".", "no manifest on the tier")]) from exc
+    manifest, findings = check_manifest(raw, expected, keyring)
+    if manifest is None:
+        raise CorruptCheckpoint(f"{tier.uri}/{key}", findings)
+
+    def stream(path: str) -> Callable[[BinaryIO], None]:
+        def fill(out: BinaryIO) -> None:
+            try:
+                with tier.open(f"{key}/{path}") as body:
+                    while chunk := body.read(CHUNK):
+                        out.write(chunk)
+            except ObjectNotFound as exc:
+                raise CorruptCheckpoint(
+                    f"{tier.uri}/{key}", [Finding(Problem.MISSING, path, f"not on the {tier.name} tier")]
+                ) from exc
+
+        return fill
+
+    return store.write_checkpoint(
+        run_dir, manifest, [(e.path, stream(e.path)) for e in manifest.files], copy_of=raw
+    )
