@@ -1,8 +1,9 @@
 """A documented test seam for injecting real faults at named points.
 
 ``REWIND_FAULT=<action>:<point>[@<step>][#<times>]`` where action is ``kill``
-(SIGKILL this process), ``enospc`` (a disk-full OSError) or ``eio`` (an I/O
-error, which tasks treat as transient). ``#<times>`` fires only on the first N
+(SIGKILL this process), ``enospc`` (a disk-full OSError), ``eio`` (an I/O
+error, which tasks treat as transient) or ``eacces`` (permission denied, which a
+root test process cannot get from chmod). ``#<times>`` fires only on the first N
 hits in this process, so a retried task can succeed. Points are named where they
 are called: ``save.file_written``, ``save.before_manifest``, ``save.before_rename``,
 ``save.before_catalog``, ``verify.read``. Unset in production; reading one
@@ -38,3 +39,5 @@ def fault_point(point: str, step: int | None = None) -> None:
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {point})")
     elif action == "eio":
         raise OSError(errno.EIO, f"Input/output error (injected at {point})")
+    elif action == "eacces":
+        raise PermissionError(errno.EACCES, f"Permission denied (injected at {point})")

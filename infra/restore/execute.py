@@ -12,7 +12,8 @@ delete it) and its copies are tried nearest first:
 
 What a check finds is recorded against that copy (a damaged local copy is moved
 to ``.quarantine/``); the checkpoint is corrupt only when no copy is left that
-could verify, and an I/O error leaves it as it was. A checkpoint whose bytes all
+could verify, and an I/O error leaves it as it was (and stops the restore: an
+older checkpoint is never chosen over one that may be good). A checkpoint whose bytes all
 match but whose content cannot be decoded is condemned at once; one whose state
 the job refuses is condemned only if an older one then loads (otherwise the job
 changed, and nothing is condemned).
@@ -30,7 +31,6 @@ from typing import Generic, TypeVar
 
 from infra.catalog import copies, leases
 from infra.catalog.db import Catalog
-from infra.catalog.models import CheckpointStatus as S
 from infra.catalog.models import ReplicaStatus as R
 from infra.errors import (
     CheckpointUnverifiable,
@@ -128,6 +128,8 @@ def _try(
     cat: Catalog, plan: RestorePlan, cand: Candidate, load: Loader[T], ring: kr.Keyring
 ) -> tuple[_Opened, T, Copy] | Skip:
     tried: list[str] = []
+    verdicts: list[Verdict] = []
+    found: list[Finding] = []
     for copy in cand.copies:
         opened: _Opened | None = None
         try:
@@ -152,15 +154,19 @@ def _try(
         else:  # the local directory it produced failed while being loaded
             detail = _fail(cat, opened.local_replica_id, opened.directory, verdict, findings)
         tried.append(f"{copy.tier} {verdict.value} ({detail})")
+        verdicts.append(verdict)
+        found += [f for f in findings if f.fatal]
         log.warning(
             "step %d: %s copy at %s: %s: %s", cand.step, copy.tier, copy.where(), verdict.value, detail
         )
-    status = copies.settle(cat, cand.checkpoint_id)
-    outcome = "corrupt" if status == S.CORRUPT.value else "unverifiable"
-    reason = "; ".join(tried) or "no copy left"
-    if not tried:
-        outcome = "missing" if status == S.CORRUPT.value else outcome
-    return Skip(cand.step, cand.checkpoint_id, outcome, reason)
+    copies.settle(cat, cand.checkpoint_id)
+    if Verdict.UNVERIFIABLE in verdicts:
+        outcome = "unverifiable"
+    elif verdicts and all(v is Verdict.MISSING for v in verdicts):
+        outcome = "missing"
+    else:
+        outcome = "corrupt" if verdicts else "missing"
+    return Skip(cand.step, cand.checkpoint_id, outcome, "; ".join(tried) or "no copy left", tuple(found))
 
 
 def _give_up(plan: RestorePlan, skipped: list[Skip]) -> RewindError:
@@ -209,8 +215,8 @@ def restoring(
             leases.release(cat, lease)
             skipped.append(got)
             log.warning("skipping %s", got)
-            if plan.exact:
-                break
+            if plan.exact or got.outcome == "unverifiable":
+                break  # never go past a checkpoint that may be good: that would throw its progress away
             continue
         for s in skipped:  # an older checkpoint loaded: the newer ones that did not were bad, not the job
             if s.outcome == "mismatch":

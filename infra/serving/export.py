@@ -62,11 +62,15 @@ def archive_name(model: str, version: str) -> str:
 def verified_checkpoint(cat: Catalog, run: str, step: int) -> Checkpoint:
     """The live checkpoint at ``run@step``; refuses one that is not verified, saying how to fix it."""
     live = [
-        c for c in lineage.checkpoints(cat, run, step) if c.status in (S.COMMITTED, S.VERIFIED, S.WRITING)
+        c
+        for c in lineage.checkpoints(cat, run, step)
+        if c.status in (S.COMMITTED, S.VERIFIED, S.WRITING, S.CORRUPT)
     ]
     if not live:
         raise NotFoundError(f"run {run!r} has no checkpoint at step {step}")
     ck = live[-1]
+    if ck.status == S.CORRUPT:
+        raise ConfigError(f"checkpoint {run}@{step} is corrupt, not verified: {ck.status_reason}")
     if ck.status != S.VERIFIED:
         raise ConfigError(
             f"checkpoint {run}@{step} is {ck.status}, not verified; "
