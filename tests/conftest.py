@@ -107,3 +107,23 @@ def prefect_api() -> Iterator[str]:
 
     with prefect_test_harness(server_startup_timeout=90):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):  # type: ignore[no-untyped-def]
+    """A real S3 server (SeaweedFS) on loopback ports, with the bucket ``rewind``; one per test module."""
+    from tests.s3_support import BUCKET, SeaweedS3
+
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    server.client().create_bucket(Bucket=BUCKET)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3, monkeypatch):  # type: ignore[no-untyped-def]
+    """The S3 server's endpoint and credentials in this test's environment (AWS_*)."""
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    return s3

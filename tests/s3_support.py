@@ -18,6 +18,7 @@ from infra.launch.process import stop_group
 from infra.net import free_port
 
 ACCESS_KEY, SECRET_KEY = "rewind-test", "rewind-test-secret"
+BUCKET = "rewind"  # created by the ``s3`` fixture
 _PORT_FLAGS = [
     "master.port",
     "master.port.grpc",

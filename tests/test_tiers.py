@@ -11,25 +11,7 @@ from infra.format.digest import hash_file
 from infra.tiers.base import AlreadyExists, ObjectNotFound
 from infra.tiers.filesystem import FileTier
 from infra.tiers.s3 import S3Tier
-from tests.s3_support import SeaweedS3
-
-BUCKET = "rewind"
-
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    server = SeaweedS3(tmp_path_factory.mktemp("seaweed"))
-    server.start()
-    server.client().create_bucket(Bucket=BUCKET)
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def s3_env(s3, monkeypatch):
-    for k, v in s3.env.items():
-        monkeypatch.setenv(k, v)
-    return s3
+from tests.s3_support import BUCKET
 
 
 @pytest.fixture(params=["filesystem", "s3"])

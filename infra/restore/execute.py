@@ -172,9 +172,12 @@ def _try(
 def _give_up(plan: RestorePlan, skipped: list[Skip]) -> RewindError:
     if plan.exact and skipped:
         s = skipped[0]
+        findings = list(s.findings) or [Finding(Problem.ABSENT, ".", s.reason)]
+        if s.outcome == "unverifiable":
+            return CheckpointUnverifiable(f"{plan.run} step {s.step} could not be checked right now: {s.reason}")
         if s.outcome in ("unloadable", "mismatch"):
-            return UnloadableCheckpoint(f"{plan.run} step {s.step}", list(s.findings) or [s.reason])
-        return CorruptCheckpoint(f"{plan.run} step {s.step}", list(s.findings) or [s.reason])
+            return UnloadableCheckpoint(f"{plan.run} step {s.step}", findings)
+        return CorruptCheckpoint(f"{plan.run} step {s.step}", findings)
     detail = "; ".join(str(s) for s in skipped[:5])
     if any(s.outcome == "unverifiable" for s in skipped):
         return CheckpointUnverifiable(

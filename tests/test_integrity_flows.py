@@ -1,0 +1,65 @@
+"""Integrity through the Prefect flows: a lost node restored from the shared tier by the restore-checkpoint
+flow, and a retention plan made before a roll-back that cannot delete what the roll-back chose."""
+
+from __future__ import annotations
+
+from examples.tiny_lm import command
+from flows.cli import main as rewind
+from infra import retention
+from infra.catalog import lineage
+from infra.catalog.db import Catalog
+from tests.trainproc import REPO, TrainProc, assert_same_weights
+
+
+def _status(run: str) -> dict[int, str]:
+    return {c.step: str(c.status) for c in lineage.checkpoints(Catalog(), run)}
+
+
+# 2 -------------------------------------------------------------------------------------------
+
+
+def test_node_loss_is_restored_from_the_shared_tier(reference, prefect_api, rewind_env, run_name, tmp_path):
+    import shutil
+
+    from flows.maintenance import restore_checkpoint_flow
+
+    first = TrainProc(run_name, tmp_path / "out", extra=["--stop-after", "35"])
+    assert first.finish() and first.proc.returncode == 0
+    assert rewind(["replicate", run_name, "--to", str(tmp_path / "shared")]) == 0
+    shutil.rmtree(rewind_env["REWIND_CHECKPOINT_ROOT"])  # the node is gone, and its disk with it
+
+    cmd = command(run_name, tmp_path / "out")
+    state = restore_checkpoint_flow(run=run_name, relaunch_command=cmd, cwd=str(REPO), return_state=True)
+    assert state.is_completed(), state.message
+    result = state.result()
+    assert result["step"] == 30 and result["fetched"] and result["source"] == "shared"
+    assert result["relaunch"] == "exited with code 0", result
+    assert "corrupt" not in _status(run_name).values()
+    assert_same_weights(tmp_path / "out" / "final.safetensors", reference[1])
+
+
+# 7 -------------------------------------------------------------------------------------------
+
+
+def test_gc_plan_made_before_a_rollback_keeps_what_it_chose(
+    reference, prefect_api, rewind_env, run_name, tmp_path
+):
+    from flows.maintenance import restore_checkpoint_flow
+
+    first = TrainProc(run_name, tmp_path / "out", extra=["--stop-after", "35"])
+    assert first.finish() and first.proc.returncode == 0
+    assert rewind(["ckpt", "verify", run_name, "--deep"]) == 0
+    cat = Catalog()
+    policy = retention.Policy(keep_last=1)
+    gc = retention.plan(cat, run_name, policy)  # made now: keeps 30, would remove 10 and 20
+    assert gc.keep == [30] and sorted(r.step for r in gc.remove) == [10, 20]
+
+    state = restore_checkpoint_flow(run=run_name, step=20, return_state=True)  # a roll-back to step 20
+    assert state.is_completed(), state.message
+
+    assert retention.execute(cat, gc, policy) == [10]  # step 20 is the newest verified now: refused
+    assert _status(run_name) == {10: "deleted", 20: "verified", 30: "superseded"}
+    second = TrainProc(run_name, tmp_path / "out")
+    out = second.finish()
+    assert second.proc.returncode == 0 and out.resumed_at == 20, out.text
+    assert_same_weights(tmp_path / "out" / "final.safetensors", reference[1])
