@@ -23,6 +23,7 @@ from infra.format.digest import hash_file, manifest_digest
 from infra.format.verify import verify_files
 from infra.restore import execute, plan
 from infra.serving.export import verified_checkpoint
+from tests.integrity_support import copy_statuses, flip, statuses
 from tests.trainproc import TrainProc, assert_same_weights
 
 
@@ -73,22 +74,6 @@ def _restore(run: str, root: Path, seed: int = 99):  # type: ignore[no-untyped-d
     return got, model, ck
 
 
-def _status(run: str) -> dict[int, str]:
-    return {c.step: str(c.status) for c in lineage.checkpoints(Catalog(), run)}
-
-
-def _copies(run: str, step: int) -> dict[str, str]:
-    cat = Catalog()
-    (ck,) = [c for c in lineage.checkpoints(cat, run, step) if c.status not in ("superseded", "aborted")]
-    return {r.tier: str(r.status) for r in lineage.replicas_of(cat, ck.id)}
-
-
-def _flip(path: Path) -> None:
-    b = bytearray(path.read_bytes())
-    b[len(b) // 2] ^= 0x10
-    path.write_bytes(bytes(b))
-
-
 def _json(capsys, args: list[str]) -> tuple[int, object]:  # type: ignore[no-untyped-def]
     capsys.readouterr()
     code = rewind([*args, "--json"])
@@ -108,7 +93,7 @@ def test_good_replica_restores_after_a_scrub_condemned_the_local_copy(rewind_env
     saved = _save(run_name, root, [10, 20])
     assert rewind(["replicate", run_name, "--to", str(tmp_path / "shared")]) == 0
     local20 = root / run_name / "step-20"
-    _flip(local20 / "model.safetensors")
+    flip(local20 / "model.safetensors")
 
     code, report = _json(capsys, ["ckpt", "verify", run_name, "--deep"])
     assert code == 1
@@ -117,14 +102,14 @@ def test_good_replica_restores_after_a_scrub_condemned_the_local_copy(rewind_env
         "local": "corrupt",
         "shared": "verified",
     }
-    assert _status(run_name)[20] == "verified"  # a bad local copy says nothing about the replica
+    assert statuses(run_name)[20] == "verified"  # a bad local copy says nothing about the replica
     assert not local20.exists()  # quarantined
     assert (root / run_name / ".quarantine").is_dir()
 
     assert rewind(["ckpt", "restore", run_name, "--step", "20", "--from", "shared"]) == 0
     got, model, _ = _restore(run_name, root)
     assert got.step == 20 and _same(model, saved[20])
-    assert _copies(run_name, 20) == {"local": "verified", "shared": "verified"}
+    assert copy_statuses(run_name, 20) == {"local": "verified", "shared": "verified"}
 
 
 # 4 -------------------------------------------------------------------------------------------
@@ -144,11 +129,11 @@ def test_tampered_replica_is_refused_and_never_exported(rewind_env, run_name, tm
     err = capsys.readouterr().err
     assert "not the manifest the catalog recorded" in err and len(err.strip().splitlines()) == 1
     assert not (root / run_name / "step-20").exists()  # nothing installed
-    assert _copies(run_name, 20)["shared"] == "corrupt"
+    assert copy_statuses(run_name, 20)["shared"] == "corrupt"
 
     got, model, _ = _restore(run_name, root)
     assert got.step == 10 and _same(model, saved[10])
-    assert _status(run_name)[20] == "corrupt"  # no copy left that verifies
+    assert statuses(run_name)[20] == "corrupt"  # no copy left that verifies
     with pytest.raises(ConfigError, match="not verified"):
         verified_checkpoint(Catalog(), run_name, 20)
 
@@ -189,13 +174,13 @@ def test_gc_never_deletes_the_last_verified_checkpoint(reference, rewind_env, ru
     ref_losses, ref_final = reference
     first = TrainProc(run_name, tmp_path / "out", extra=["--stop-after", "35"])
     assert first.finish() and first.proc.returncode == 0
-    _flip(Path(rewind_env["REWIND_CHECKPOINT_ROOT"]) / run_name / "step-30" / "optimizer.safetensors")
+    flip(Path(rewind_env["REWIND_CHECKPOINT_ROOT"]) / run_name / "step-30" / "optimizer.safetensors")
 
     code, out = _json(capsys, ["gc", run_name, "--keep-last", "1"])
     assert code == 0
     assert out["verified_first"] == [30, 20]  # nobody had proven them: GC did before deleting anything
     assert out["keep"] == [20] and out["removed"] == [10]
-    assert _status(run_name) == {10: "deleted", 20: "verified", 30: "corrupt"}
+    assert statuses(run_name) == {10: "deleted", 20: "verified", 30: "corrupt"}
 
     second = TrainProc(run_name, tmp_path / "out")
     out2 = second.finish()
@@ -220,7 +205,7 @@ def test_gc_leaves_a_checkpoint_being_restored_alone(rewind_env, run_name, tmp_p
     with execute.restoring(cat, p, verify_files) as held:  # a restore of step 10 is under way
         assert leases.leased(cat, held.checkpoint_id)
         assert retention.execute(cat, gc, policy) == [20]
-    assert _status(run_name) == {10: "verified", 20: "deleted", 30: "verified"}
+    assert statuses(run_name) == {10: "verified", 20: "deleted", 30: "verified"}
     assert not leases.leased(cat, held.checkpoint_id)
     assert not (root / run_name / "step-20").exists() and (root / run_name / "step-10").is_dir()
     assert saved  # step 10's bytes are what the restore read
@@ -248,11 +233,11 @@ def test_key_rotation_keeps_every_checkpoint(rewind_env, run_name, monkeypatch):
     monkeypatch.delenv("REWIND_MANIFEST_PREVIOUS_KEYS")
     with pytest.raises(CheckpointUnverifiable, match="unknown_key"):
         _restore(run_name, root)
-    assert set(_status(run_name).values()) <= {
+    assert set(statuses(run_name).values()) <= {
         "committed",
         "verified",
     }  # unknown key: unverifiable, not corrupt
-    assert _copies(run_name, 40)["local"] == "unverifiable"
+    assert copy_statuses(run_name, 40)["local"] == "unverifiable"
 
     monkeypatch.delenv("REWIND_MANIFEST_KEY")  # signing off again: nothing was lost
     got, _, _ = _restore(run_name, root)
@@ -261,7 +246,7 @@ def test_key_rotation_keeps_every_checkpoint(rewind_env, run_name, monkeypatch):
     monkeypatch.setenv("REWIND_MANIFEST_STRICT", "1")  # strict: unsigned ones are refused, signed ones verify
     assert rewind(["ckpt", "verify", run_name, "--step", "40", "--deep"]) == 0
     assert rewind(["ckpt", "verify", run_name, "--step", "20", "--deep"]) == 1
-    assert _status(run_name)[20] == "corrupt"
+    assert statuses(run_name)[20] == "corrupt"
 
 
 # 9 -------------------------------------------------------------------------------------------
@@ -275,16 +260,16 @@ def test_transient_read_errors_never_condemn(fault, rewind_env, run_name, monkey
     monkeypatch.setenv("REWIND_FAULT", f"{fault}:verify.read#1")  # the first read fails, once
     code, report = _json(capsys, ["ckpt", "verify", run_name, "--step", "20", "--deep"])
     assert code == 1 and report[0]["copies"][0]["verdict"] == "unverifiable"
-    assert _status(run_name)[20] == "committed"
+    assert statuses(run_name)[20] == "committed"
     faults._hits.clear()
     with pytest.raises(CheckpointUnverifiable):  # never an older checkpoint over one that may be good
         _restore(run_name, root)
-    assert _status(run_name)[20] == "committed"
+    assert statuses(run_name)[20] == "committed"
 
     monkeypatch.delenv("REWIND_FAULT")
     code, report = _json(capsys, ["ckpt", "verify", run_name, "--step", "20", "--deep"])
     assert code == 0 and report[0]["copies"][0]["verdict"] == "verified"
-    assert _status(run_name)[20] == "verified" and _copies(run_name, 20) == {"local": "verified"}
+    assert statuses(run_name)[20] == "verified" and copy_statuses(run_name, 20) == {"local": "verified"}
 
 
 # 10 ------------------------------------------------------------------------------------------
@@ -334,7 +319,7 @@ def test_a_job_that_changed_shape_condemns_nothing(rewind_env, run_name):
     other = Checkpointer(run_name, states={"model": torch.nn.Linear(4, 4)}, root=root, catalog=Catalog())
     with pytest.raises(StateMismatch, match="no checkpoint fits this job"):
         other.restore_latest()
-    assert set(_status(run_name).values()) == {"committed"}
+    assert set(statuses(run_name).values()) == {"committed"}
 
 
 # 11 ------------------------------------------------------------------------------------------
@@ -362,9 +347,9 @@ def test_restored_tensors_own_their_storage(rewind_env, run_name):
 def test_resaved_step_is_not_judged_by_dead_rows_and_dead_copies_are_reclaimed(rewind_env, run_name, capsys):
     root = Path(rewind_env["REWIND_CHECKPOINT_ROOT"])
     _save(run_name, root, [10, 20, 30])
-    _flip(root / run_name / "step-30" / "model.safetensors")
+    flip(root / run_name / "step-30" / "model.safetensors")
     got, _, ck = _restore(run_name, root)
-    assert got.step == 20 and _status(run_name)[30] == "corrupt"
+    assert got.step == 20 and statuses(run_name)[30] == "corrupt"
     ck.save(30)  # the job goes on and saves step 30 again
     ck.close()
 

@@ -6,14 +6,9 @@ from __future__ import annotations
 from examples.tiny_lm import command
 from flows.cli import main as rewind
 from infra import retention
-from infra.catalog import lineage
 from infra.catalog.db import Catalog
+from tests.integrity_support import statuses
 from tests.trainproc import REPO, TrainProc, assert_same_weights
-
-
-def _status(run: str) -> dict[int, str]:
-    return {c.step: str(c.status) for c in lineage.checkpoints(Catalog(), run)}
-
 
 # 2 -------------------------------------------------------------------------------------------
 
@@ -34,7 +29,7 @@ def test_node_loss_is_restored_from_the_shared_tier(reference, prefect_api, rewi
     result = state.result()
     assert result["step"] == 30 and result["fetched"] and result["source"] == "shared"
     assert result["relaunch"] == "exited with code 0", result
-    assert "corrupt" not in _status(run_name).values()
+    assert "corrupt" not in statuses(run_name).values()
     assert_same_weights(tmp_path / "out" / "final.safetensors", reference[1])
 
 
@@ -58,7 +53,7 @@ def test_gc_plan_made_before_a_rollback_keeps_what_it_chose(
     assert state.is_completed(), state.message
 
     assert retention.execute(cat, gc, policy) == [10]  # step 20 is the newest verified now: refused
-    assert _status(run_name) == {10: "deleted", 20: "verified", 30: "superseded"}
+    assert statuses(run_name) == {10: "deleted", 20: "verified", 30: "superseded"}
     second = TrainProc(run_name, tmp_path / "out")
     out = second.finish()
     assert second.proc.returncode == 0 and out.resumed_at == 20, out.text

@@ -18,21 +18,9 @@ from infra.catalog.db import Catalog
 from infra.format import manifest as mf
 from infra.format.digest import hash_file, manifest_digest
 from infra.launch.process import TrainingProcess
+from tests.integrity_support import copy_statuses, flip
 from tests.s3_support import BUCKET
 from tests.trainproc import REPO, TrainProc, assert_same_weights
-
-
-def _copies(run: str, step: int) -> dict[str, str]:
-    cat = Catalog()
-    (ck,) = [c for c in lineage.checkpoints(cat, run, step) if c.status not in ("superseded", "aborted")]
-    return {r.tier: str(r.status) for r in lineage.replicas_of(cat, ck.id)}
-
-
-def _flip(path: Path) -> None:
-    b = bytearray(path.read_bytes())
-    b[len(b) // 2] ^= 0x10
-    path.write_bytes(bytes(b))
-
 
 # 1 -------------------------------------------------------------------------------------------
 
@@ -119,15 +107,15 @@ def test_local_and_shared_tiers_lost_restore_from_s3(reference, s3_env, rewind_e
     assert second.proc.returncode == 0 and out.resumed_at == 30, out.text
     assert all(reference[0][s] == loss for s, loss in out.losses.items())
     assert_same_weights(tmp_path / "out" / "final.safetensors", reference[1])
-    assert _copies(run_name, 30) == {"local": "verified", "shared": "missing", "offsite": "verified"}
+    assert copy_statuses(run_name, 30) == {"local": "verified", "shared": "missing", "offsite": "verified"}
 
 
 def test_every_copy_of_the_newest_damaged_falls_back(reference, s3_env, rewind_env, run_name, tmp_path):
     root, shared = Path(rewind_env["REWIND_CHECKPOINT_ROOT"]), tmp_path / "shared"
     prefix = f"damaged-{run_name}"
     _train_and_replicate(run_name, tmp_path / "out", shared, f"s3://{BUCKET}/{prefix}")
-    _flip(root / run_name / "step-30" / "model.safetensors")
-    _flip(shared / run_name / "step-30" / "optimizer.safetensors")
+    flip(root / run_name / "step-30" / "model.safetensors")
+    flip(shared / run_name / "step-30" / "optimizer.safetensors")
     key = f"{prefix}/{run_name}/step-30/model.safetensors"  # rewritten behind Rewind's back, no checksum
     client = s3_env.client()
     body = bytearray(client.get_object(Bucket=BUCKET, Key=key)["Body"].read())

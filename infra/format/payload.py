@@ -18,12 +18,11 @@ from typing import Any, BinaryIO
 
 import torch
 
-from infra.errors import CorruptCheckpoint, UnloadableCheckpoint
+from infra.errors import UnloadableCheckpoint
 from infra.format import manifest as mf
 from infra.format import tensorfile, tree
-from infra.format.digest import Hasher, HashingReader
 from infra.format.store import FileWriter
-from infra.format.verify import Finding, Problem, entry_mismatch, open_for_read, read_verified
+from infra.format.verify import Finding, Problem, read_verified, verified_read
 
 STATE_FILE = "state.json"
 _DECODE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, binascii.Error, RecursionError)
@@ -61,21 +60,11 @@ def _unloadable(directory: Path, path: str, why: str) -> UnloadableCheckpoint:
 def read_tensors(directory: Path, entry: mf.FileEntry) -> dict[str, torch.Tensor]:
     """One safetensors file, verified against ``entry``; every tensor owns its storage."""
     problem: Exception | None = None
-    try:
-        with open_for_read(directory / entry.path) as f:
-            reader = HashingReader(f, Hasher(with_crc=False))
-            try:
-                tensors, _meta = tensorfile.read(reader, entry.size)
-            except (ValueError, EOFError) as exc:
-                problem, tensors = exc, {}
-            reader.drain()  # a short or long file must show in the count, whatever the parse did
-    except FileNotFoundError as exc:
-        raise CorruptCheckpoint(
-            str(directory), [Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")]
-        ) from exc
-    wrong = entry_mismatch(entry, reader.count, reader.hasher.result().xxh3)
-    if wrong is not None:
-        raise CorruptCheckpoint(str(directory), [wrong])
+    with verified_read(directory, entry) as reader:
+        try:
+            tensors, _meta = tensorfile.read(reader, entry.size)
+        except (ValueError, EOFError) as exc:
+            problem, tensors = exc, {}
     if problem is not None:  # the bytes are the recorded ones: the writer made a bad file
         raise _unloadable(directory, entry.path, str(problem))
     return tensors

@@ -205,15 +205,18 @@ def require(report: Report) -> mf.Manifest:
     return report.manifest
 
 
-def read_verified(directory: Path, entry: mf.FileEntry) -> bytes:
-    """A whole file, returned only if its bytes match ``entry``: the bytes hashed are the bytes used.
+@contextlib.contextmanager
+def verified_read(directory: Path, entry: mf.FileEntry) -> Iterator[HashingReader]:
+    """One hashed read of a file; leaving the block proves the bytes read were exactly ``entry``'s.
 
     ``CorruptCheckpoint`` for a missing or different file; ``OSError`` for an I/O error.
+    Whatever the block read is only to be used once the block has been left.
     """
     try:
         with open_for_read(directory / entry.path) as f:
             reader = HashingReader(f, Hasher(with_crc=False))
-            data = reader.read_all(limit=entry.size)
+            yield reader
+            reader.drain()  # a longer file must show in the count, whatever the block read
     except FileNotFoundError as exc:
         raise CorruptCheckpoint(
             str(directory), [Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")]
@@ -221,6 +224,12 @@ def read_verified(directory: Path, entry: mf.FileEntry) -> bytes:
     wrong = entry_mismatch(entry, reader.count, reader.hasher.result().xxh3)
     if wrong is not None:
         raise CorruptCheckpoint(str(directory), [wrong])
+
+
+def read_verified(directory: Path, entry: mf.FileEntry) -> bytes:
+    """A whole file, returned only if its bytes match ``entry``: the bytes hashed are the bytes used."""
+    with verified_read(directory, entry) as reader:
+        data = reader.read_all(limit=entry.size)
     return data
 
 

@@ -174,7 +174,9 @@ def _give_up(plan: RestorePlan, skipped: list[Skip]) -> RewindError:
         s = skipped[0]
         findings = list(s.findings) or [Finding(Problem.ABSENT, ".", s.reason)]
         if s.outcome == "unverifiable":
-            return CheckpointUnverifiable(f"{plan.run} step {s.step} could not be checked right now: {s.reason}")
+            return CheckpointUnverifiable(
+                f"{plan.run} step {s.step} could not be checked right now: {s.reason}"
+            )
         if s.outcome in ("unloadable", "mismatch"):
             return UnloadableCheckpoint(f"{plan.run} step {s.step}", findings)
         return CorruptCheckpoint(f"{plan.run} step {s.step}", findings)
