@@ -124,6 +124,8 @@ def train(args: Any) -> int:
 
     start = 0
     restored = ck.restore_latest(shared_state())
+    for s in ck.skipped:
+        print(f"rewind: skipped step {s.step}: {s.outcome}: {s.reason}", file=sys.stderr, flush=True)
     if restored is not None:
         start, tree, mine = restored
         set_state_dict(model, opt, model_state_dict=tree["model"], optim_state_dict=tree["optim"])

@@ -1,7 +1,7 @@
 """The ``rewind`` command line.
 
-Errors print one line and exit non-zero (2: bad input or state, 3: catalog
-unreachable, 1: a check found problems); there is no traceback unless
+Errors print one line and exit non-zero (2: bad input or state, 3: the catalog or
+a checkpoint's copies cannot be reached or checked right now, 1: a check found problems); there is no traceback unless
 ``REWIND_DEBUG=1``.
 """
 
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from infra.errors import CatalogUnavailable, RewindError
+from infra.errors import CatalogUnavailable, CheckpointUnverifiable, RewindError
 
 EXIT_FINDINGS, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
 
@@ -123,7 +123,13 @@ def cmd_ckpt_show(args: argparse.Namespace) -> int:
             for f in lineage.files_of(cat, ck.id)
         ]
         row["replicas"] = [
-            {"tier": r.tier, "uri": r.uri, "status": r.status, "verified_at": lineage.iso(r.verified_at)}
+            {
+                "tier": r.tier,
+                "uri": r.uri if r.key is None else f"{r.uri.rstrip('/')}/{r.key}",
+                "status": r.status,
+                "verified_at": lineage.iso(r.verified_at),
+                "detail": r.detail,
+            }
             for r in lineage.replicas_of(cat, ck.id)
         ]
         out.append(row)
@@ -134,7 +140,7 @@ def cmd_ckpt_show(args: argparse.Namespace) -> int:
             head = {k: v for k, v in row.items() if k not in ("files", "replicas", "environment")}
             parts.append("\n".join(f"{k:16} {v}" for k, v in head.items()))
             parts.append(_table(row["files"], ["path", "size", "xxh3", "crc32c"]))
-            parts.append(_table(row["replicas"], ["tier", "status", "verified_at", "uri"]))
+            parts.append(_table(row["replicas"], ["tier", "status", "verified_at", "uri", "detail"]))
         return "\n\n".join(parts)
 
     _emit(args, out if len(out) > 1 else out[0], text)
@@ -344,7 +350,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except CatalogUnavailable as exc:
+    except (CatalogUnavailable, CheckpointUnverifiable) as exc:  # unreachable right now: try again later
         print(f"rewind: error: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except RewindError as exc:

@@ -7,7 +7,8 @@ verified ones exist, so a run that was never scrubbed is not emptied either.
 Checkpoints newer than the newest verified one are never removed (they are
 progress not yet proven), nor pinned ones, nor ones a serving version needs.
 
-The plan is only a read. Each deletion is re-checked in one guarded statement
+The plan deletes nothing (proving the newest checkpoints records verdicts, as any
+check does). Each deletion is re-checked in one guarded statement
 (:func:`leases.delete_guarded`: no restore lease, still restorable, not pinned,
 not serving, enough newer verified checkpoints), so a plan made before a
 roll-back cannot delete the step the roll-back chose. The catalog reference goes
@@ -64,6 +65,7 @@ class CopyRef:
     tier: str
     uri: str
     key: str | None
+    status: str
 
 
 @dataclass
@@ -104,7 +106,7 @@ def prove_newest(cat: Catalog, run: str, keep_last: int) -> list[int]:
 
 def _refs(cat: Catalog, ids: list[int]) -> dict[int, list[CopyRef]]:
     return {
-        i: [CopyRef(r.id, r.tier, r.uri, r.key) for r in reps if r.status != R.DELETED.value]
+        i: [CopyRef(r.id, r.tier, r.uri, r.key, str(r.status)) for r in reps if r.status != R.DELETED.value]
         for i, reps in copies.copies_of(cat, ids).items()
     }
 
@@ -133,7 +135,9 @@ def _dead(cat: Catalog, run: str, policy: Policy) -> list[Removal]:
     """Copies of checkpoints that can never be restored, past the grace period."""
     cutoff = utcnow().timestamp() - policy.grace_s
     rows = [
-        c for c in lineage.checkpoints(cat, run) if c.status in DEAD and c.created_at.timestamp() <= cutoff
+        c
+        for c in lineage.checkpoints(cat, run)
+        if c.status in DEAD and (c.updated_at or c.created_at).timestamp() <= cutoff
     ]
     refs = _refs(cat, [c.id for c in rows])
     by_id = copies.copies_of(cat, [c.id for c in rows])
@@ -171,6 +175,9 @@ def plan(cat: Catalog, run: str, policy: Policy, *, root: Path | None = None) ->
 
 def _delete_copies(cat: Catalog, run: str, r: Removal) -> None:
     for ref in r.copies:
+        if ref.status == R.MISSING.value or copies.location_in_use(cat, ref.replica_id):
+            copies.mark_deleted(cat, ref.replica_id)  # nothing of its own there to delete
+            continue
         try:
             _delete_copy(ref, run, r.step)
         except Exception as exc:  # still listed: the next run tries again

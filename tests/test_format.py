@@ -104,6 +104,8 @@ def _span(dtype: str, shape: list[int], start: int, end: int) -> dict:
         (_file({"a": _span("F32", [3], 0, 16)}, b"\x00" * 16), "do not fit"),
         (_file({"a": _span("U8", [4], 0, 4), "b": _span("U8", [4], 2, 6)}, b"\x00" * 6), "overlap"),
         (_file({"a": _span("PICKLE", [1], 0, 1)}, b"\x00"), "unsupported dtype"),
+        (_file({"a": _span("F32", [0, 2**62, 2**62], 0, 0)}, b""), "do not fit"),  # empty, yet unallocatable
+        (_file({"a": {"dtype": "F32", "shape": [float("inf")], "data_offsets": [0, 0]}}, b""), "malformed"),
     ],
 )
 def test_tensorfile_rejects_lying_headers(raw, error):

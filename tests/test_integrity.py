@@ -112,6 +112,19 @@ def test_good_replica_restores_after_a_scrub_condemned_the_local_copy(rewind_env
     assert copy_statuses(run_name, 20) == {"local": "verified", "shared": "verified"}
 
 
+def test_a_damaged_replica_never_displaces_a_good_local_copy(rewind_env, run_name, tmp_path, capsys):
+    root, shared = Path(rewind_env["REWIND_CHECKPOINT_ROOT"]), tmp_path / "shared"
+    saved = _save(run_name, root, [10])
+    assert rewind(["replicate", run_name, "--to", str(shared)]) == 0
+    flip(shared / run_name / "step-10" / "model.safetensors")
+    assert rewind(["ckpt", "restore", run_name, "--step", "10", "--from", "shared"]) == 2
+    assert (root / run_name / "step-10").is_dir()  # still in place: the download never proved itself
+    assert copy_statuses(run_name, 10) == {"local": "verified", "shared": "corrupt"}
+    assert statuses(run_name)[10] == "verified"
+    got, model, _ = _restore(run_name, root)
+    assert got.step == 10 and _same(model, saved[10])
+
+
 # 4 -------------------------------------------------------------------------------------------
 
 
@@ -364,3 +377,16 @@ def test_resaved_step_is_not_judged_by_dead_rows_and_dead_copies_are_reclaimed(r
     assert not list((root / run_name / ".quarantine").iterdir())
     assert {r.status for r in lineage.replicas_of(Catalog(), dead[0].id)} == {"deleted"}
     assert sorted(p.name for p in (root / run_name).glob("step-*")) == ["step-10", "step-20", "step-30"]
+
+
+def test_gc_never_follows_a_dead_row_into_a_live_directory(rewind_env, run_name, capsys):
+    root = Path(rewind_env["REWIND_CHECKPOINT_ROOT"])
+    _save(run_name, root, [10, 20, 30])
+    shutil.rmtree(root / run_name / "step-30")  # lost; the run falls back to 20 and saves 30 again
+    got, _, ck = _restore(run_name, root)
+    assert got.step == 20
+    ck.save(30)
+    ck.close()
+    code, _ = _json(capsys, ["gc", run_name, "--keep-last", "3", "--grace-days", "0"])
+    assert code == 0
+    assert rewind(["ckpt", "verify", run_name, "--step", "30", "--deep"]) == 0  # the new step 30 is intact

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 
 from sqlalchemy import select, update
 
+from infra.catalog import lineage
 from infra.catalog.db import Catalog
 from infra.catalog.models import Checkpoint, Replica, Run, utcnow
 from infra.catalog.models import CheckpointStatus as S
@@ -86,12 +87,15 @@ def set_local(cat: Catalog, checkpoint_id: int, path: str, status: R, nbytes: in
 
 
 def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str) -> None:
-    """A local directory was moved aside: every copy row that pointed at it follows, marked corrupt."""
+    """A local directory was moved aside: every copy row that pointed at it follows it there.
+
+    Its status stays what the last check found: moving bytes out of the way proves nothing about them.
+    """
     with cat.session() as s:
         s.execute(
             update(Replica)
             .where(Replica.tier == LOCAL, Replica.uri == old_uri, Replica.status != R.DELETED.value)
-            .values(uri=new_uri, status=R.CORRUPT.value, detail=reason, checked_at=utcnow())
+            .values(uri=new_uri, detail=reason)
         )
 
 
@@ -103,9 +107,11 @@ def condemned(ck: Checkpoint) -> bool:
 def settle(cat: Catalog, checkpoint_id: int) -> str:
     """Bring the checkpoint's status in line with its copies; returns the status it has now."""
     with cat.session() as s:
-        ck = s.get(Checkpoint, checkpoint_id, with_for_update=True)
+        ck = s.get(Checkpoint, checkpoint_id)
         if ck is None:
             return S.DELETED.value
+        lineage.lock_run(s, ck.run_id)  # retention counts verified checkpoints under the same lock
+        s.refresh(ck)
         reps = s.scalars(select(Replica).where(Replica.checkpoint_id == checkpoint_id)).all()
         alive = [r for r in reps if r.status != R.DELETED.value]
         one_good = any(r.status == R.VERIFIED.value for r in alive)
@@ -121,6 +127,10 @@ def settle(cat: Catalog, checkpoint_id: int) -> str:
 def condemn(cat: Catalog, checkpoint_id: int, reason: str) -> bool:
     """Mark a checkpoint corrupt for its content: every byte matched, yet it cannot be loaded."""
     with cat.session() as s:
+        ck = s.get(Checkpoint, checkpoint_id)
+        if ck is None:
+            return False
+        lineage.lock_run(s, ck.run_id)
         won = s.execute(
             update(Checkpoint)
             .where(
@@ -148,3 +158,52 @@ def without_copy(cat: Catalog, tier: str, uri: str, run: str | None = None) -> l
 
 def mark_deleted(cat: Catalog, replica_id: int) -> None:
     record(cat, replica_id, R.DELETED, "removed by retention")
+
+
+def _effective_key(key: str | None, run: str, step: int) -> str:
+    return key if key is not None else f"{run}/step-{step}"  # rows from before keys were recorded
+
+
+def location_in_use(cat: Catalog, replica_id: int) -> bool:
+    """Is where this copy lies also where a copy of another, still wanted checkpoint lies?
+
+    A dead row may still name a directory or key that a newer save of the same step
+    has taken over; deleting "its" bytes would delete the new checkpoint.
+    """
+    wanted = [S.WRITING.value, S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]
+    with cat.session() as s:
+        me = s.execute(
+            select(Replica, Checkpoint.step, Run.name)
+            .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(Replica.id == replica_id)
+        ).first()
+        if me is None:
+            return False
+        rep, step, run = me
+        others = s.execute(
+            select(Replica.key, Checkpoint.step, Run.name)
+            .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(
+                Replica.tier == rep.tier,
+                Replica.uri == rep.uri,
+                Replica.checkpoint_id != rep.checkpoint_id,
+                Replica.status != R.DELETED.value,
+                Checkpoint.status.in_(wanted),
+            )
+        ).all()
+    if rep.tier == LOCAL:
+        return bool(others)
+    mine = _effective_key(rep.key, run, step)
+    return any(_effective_key(k, r, st) == mine for k, st, r in others)
+
+
+def vacate(cat: Catalog, uri: str, reason: str) -> None:
+    """Nothing lies at this local path any more: copy rows still naming it are let go."""
+    with cat.session() as s:
+        s.execute(
+            update(Replica)
+            .where(Replica.tier == LOCAL, Replica.uri == uri, Replica.status != R.DELETED.value)
+            .values(status=R.DELETED.value, detail=reason, checked_at=utcnow())
+        )

@@ -16,31 +16,33 @@ import socket
 from datetime import timedelta
 
 from sqlalchemy import and_, case, delete, exists, func, select, update
-from sqlalchemy.orm import Session, aliased
+from sqlalchemy.orm import aliased
 
+from infra.catalog import lineage
 from infra.catalog.db import Catalog
-from infra.catalog.models import Checkpoint, RestoreLease, Run, ServingVersion, utcnow
+from infra.catalog.models import Checkpoint, RestoreLease, ServingVersion, utcnow
 from infra.catalog.models import CheckpointStatus as S
 from infra.catalog.serving import KEEPS_CHECKPOINT
+from infra.errors import NotFoundError
 
 DEFAULT_TTL_S = 6 * 3600.0
+RESTORABLE = (S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value)
 
 
 def holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def lock_run(s: Session, run_id: int) -> None:
-    """Serialise retention with restores and roll-backs of one run (a row lock; SQLite locks the file)."""
-    s.execute(select(Run.id).where(Run.id == run_id).with_for_update())
-
-
 def take(cat: Catalog, checkpoint_id: int, who: str | None = None, ttl_s: float = DEFAULT_TTL_S) -> int:
     now = utcnow()
     with cat.session() as s:
         ck = s.get(Checkpoint, checkpoint_id)
-        if ck is not None:
-            lock_run(s, ck.run_id)
+        if ck is None:
+            raise NotFoundError(f"no checkpoint with id {checkpoint_id}")
+        lineage.lock_run(s, ck.run_id)
+        s.refresh(ck)  # as it is now, under the lock: retention may have deleted it since the plan
+        if ck.status not in RESTORABLE:
+            raise NotFoundError(f"checkpoint {ck.run_id}@{ck.step} is {ck.status} now")
         lease = RestoreLease(
             checkpoint_id=checkpoint_id,
             holder=who or holder(),
@@ -76,7 +78,7 @@ def delete_guarded(cat: Catalog, checkpoint_id: int, *, keep_last: int, reason: 
         ck = s.get(Checkpoint, checkpoint_id)
         if ck is None:
             return False
-        lock_run(s, ck.run_id)
+        lineage.lock_run(s, ck.run_id)
         newer_verified = (
             select(func.count())
             .select_from(newer)

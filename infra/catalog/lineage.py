@@ -12,6 +12,7 @@ from datetime import datetime
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from infra.catalog.db import Catalog
 from infra.catalog.models import (
@@ -49,6 +50,12 @@ def ensure_run(
             return run.id
     except IntegrityError:  # created concurrently by another process
         return get_run(cat, name).id
+
+
+def lock_run(s: Session, run_id: int) -> None:
+    """Serialise what changes which checkpoints of a run are restorable: restores, roll-backs,
+    verdicts and retention's deletes all take this row lock first (SQLite locks the whole file)."""
+    s.execute(select(Run.id).where(Run.id == run_id).with_for_update())
 
 
 def get_run(cat: Catalog, name: str) -> Run:
@@ -227,14 +234,15 @@ def get_checkpoint(cat: Catalog, checkpoint_id: int) -> Checkpoint:
 def supersede_after(cat: Catalog, run_id: int, step: int, reason: str) -> list[int]:
     """Roll a run's head back: restorable checkpoints newer than ``step`` stop being candidates."""
     with cat.session() as s:
-        s.execute(select(Run.id).where(Run.id == run_id).with_for_update())  # see leases.lock_run
+        lock_run(s, run_id)
         ids = list(
             s.scalars(
                 update(Checkpoint)
                 .where(
                     Checkpoint.run_id == run_id,
                     Checkpoint.step > step,
-                    Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value]),
+                    # corrupt too: one with a copy left would otherwise undo the roll-back at the next restore
+                    Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]),
                 )
                 .values(status=S.SUPERSEDED.value, status_reason=reason)
                 .returning(Checkpoint.id)

@@ -137,6 +137,7 @@ class Checkpoint(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     committed_at: Mapped[datetime | None]
     verified_at: Mapped[datetime | None]
+    updated_at: Mapped[datetime | None] = mapped_column(default=utcnow, onupdate=utcnow)
 
     run: Mapped[Run] = relationship(back_populates="checkpoints", lazy="raise")
     files: Mapped[list[CheckpointFile]] = relationship(

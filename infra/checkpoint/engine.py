@@ -28,6 +28,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from infra import config
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
@@ -46,6 +48,8 @@ from infra.restore import plan as restore_plan
 from infra.restore.execute import Skip
 
 log = logging.getLogger("rewind.checkpoint")
+# What a state object's load_state_dict raises when it refuses what it is given (shape, type, keys).
+_REFUSALS = (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError, AssertionError)
 S = CheckpointStatus
 
 
@@ -221,9 +225,9 @@ class Checkpointer:
         for name, stateful in self._stateful.items():
             try:
                 stateful.load_state_dict(states[name])
-            except (
-                Exception
-            ) as exc:  # the user's object refused it: which side is wrong is decided by the caller
+            except torch.OutOfMemoryError:
+                raise  # this process, not the checkpoint: nothing to judge it by
+            except _REFUSALS as exc:  # the user's object refused it: which side is wrong is decided later
                 detail = f"{type(exc).__name__}: {str(exc)[:300]}"
                 raise StateMismatch(str(directory), [Finding(Problem.CONTENT, name, detail)]) from exc
 

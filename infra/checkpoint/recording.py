@@ -40,6 +40,8 @@ def recorded_save(
         )
     if final.exists():
         copies.moved(cat, str(final), str(store.quarantine(final, "superseded")), "superseded by a new save")
+    else:  # rows of older checkpoints that lost this directory must not come to name the new one
+        copies.vacate(cat, str(final), "gone before a new save at this step")
     ck_id = lineage.begin(
         cat, run_id, step, str(final), parent_id=parent_id, layout=layout, environment=environment
     )

@@ -33,7 +33,7 @@ from infra.catalog import lineage
 from infra.catalog.db import Catalog
 from infra.checkpoint.recording import recorded_save
 from infra.checkpoint.state import environment
-from infra.errors import CorruptCheckpoint, NoRestorableCheckpoint, UnloadableCheckpoint
+from infra.errors import ConfigError, CorruptCheckpoint, NoRestorableCheckpoint, UnloadableCheckpoint
 from infra.format import dcp as verified_dcp
 from infra.format import manifest as mf
 from infra.format import payload, store, tree
@@ -41,6 +41,7 @@ from infra.format.digest import hash_file
 from infra.format.verify import Finding, Problem
 from infra.restore import execute as restore_exec
 from infra.restore import plan as restore_plan
+from infra.restore.execute import Skip
 
 RANK_STATE = "rank-{rank}.json"
 SHARED_STATE = "state.json"
@@ -149,6 +150,8 @@ def load(
     the checkpoint was saved gets rank 0's state.
     """
     entries = {e.path: e for e in manifest.files}
+    if payload.DCP_METADATA not in entries:  # the caller's mistake, not the checkpoint's: condemn nothing
+        raise ConfigError(f"{directory} is not a sharded (DCP) checkpoint: load it with Checkpointer")
     _, tensors = tree.split(state, "s")  # the same names as at save time: where to load into
     try:
         verified_dcp.load(tensors, directory, entries)
@@ -192,6 +195,7 @@ class ShardedCheckpointer:
         self.catalog = (catalog or Catalog()) if self.rank == 0 else None
         self.run_id = lineage.ensure_run(self.catalog, run) if self.catalog else None
         self._parent_id: int | None = None
+        self.skipped: tuple[Skip, ...] = ()  # rank 0: what the last restore passed over, and why
         if self.rank == 0:
             store.sweep_temp(self.run_dir)
         dist.barrier()
@@ -248,21 +252,29 @@ class ShardedCheckpointer:
         return mine if not failed else None
 
     def _lead_restore(self, state: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+        tried: list[int] = []
+
         def load_everywhere(directory: Path, manifest: mf.Manifest) -> Any:
+            tried.append(manifest.step)
             dist.broadcast_object_list([("try", str(directory), manifest)], src=0)
             return self._attempt(directory, manifest, state)
 
         p = restore_plan.plan(self.catalog, self.run, root=self.root)
         try:
             done = restore_exec.execute(self.catalog, p, load_everywhere)
-        except NoRestorableCheckpoint:
+        except NoRestorableCheckpoint as exc:
+            self.skipped = exc.skipped
+            if tried:  # DCP loads in place: a failed attempt leaves the state partly loaded
+                why = f"{exc}; the state was partly loaded from step {tried[-1]}: start the job again to begin anew"
+                dist.broadcast_object_list([("error", why, None)], src=0)
+                raise NoRestorableCheckpoint(why, exc.skipped) from exc
             dist.broadcast_object_list([("none", None, None)], src=0)
             return None
         except BaseException as exc:
             dist.broadcast_object_list([("error", f"{type(exc).__name__}: {exc}", None)], src=0)
             raise
         dist.broadcast_object_list([("done", done.step, None)], src=0)
-        self._parent_id = done.checkpoint_id
+        self._parent_id, self.skipped = done.checkpoint_id, done.skipped
         restored, mine = done.value
         return done.step, restored, mine
 

@@ -34,10 +34,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from infra.errors import CorruptCheckpoint
-from infra.format.digest import CHUNK, Hasher
+from infra.errors import CorruptCheckpoint, StateMismatch
 from infra.format.manifest import FileEntry
-from infra.format.verify import Finding, Problem
+from infra.format.verify import Finding, Problem, read_verified
 
 METADATA_NAME = ".metadata"
 _DCP_MODULE = "torch.distributed.checkpoint"
@@ -58,8 +57,14 @@ _ALLOWED: dict[tuple[str, str], Any] = {
 }
 
 
-def _refuse(location: str, problem: Problem, path: str, detail: str) -> CorruptCheckpoint:
-    return CorruptCheckpoint(location, [Finding(problem, path, detail)])
+def _content(location: str, path: str, detail: str) -> StateMismatch:
+    """Bytes that matched their digest and still cannot be loaded by this process.
+
+    Not a damaged copy (every copy holds the same bytes) and not proven bad either:
+    a newer torch may write metadata this allow-list does not know. The restore path
+    condemns the checkpoint only if an older one then loads.
+    """
+    return StateMismatch(location, [Finding(Problem.CONTENT, path, detail)])
 
 
 def _torch_constant(module: str, name: str) -> Any:
@@ -101,13 +106,11 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = allowed_global(module, name)
         if found is None:
-            raise _refuse(
-                self._location, Problem.MANIFEST, self._name, f"refuses to unpickle {module}.{name}"
-            )
+            raise _content(self._location, self._name, f"refuses to unpickle {module}.{name}")
         return found
 
     def persistent_load(self, pid: Any) -> Any:
-        raise _refuse(self._location, Problem.MANIFEST, self._name, "refuses a persistent id")
+        raise _content(self._location, self._name, "refuses a persistent id")
 
 
 def load_metadata(
@@ -123,9 +126,9 @@ def load_metadata(
     except CorruptCheckpoint:
         raise
     except Exception as exc:  # any decoding failure of verified bytes means a bad file
-        raise _refuse(location, Problem.MANIFEST, name, f"not DCP metadata: {exc!r}") from exc
+        raise _content(location, name, f"not DCP metadata: {exc!r}") from exc
     if not isinstance(metadata, Metadata):
-        raise _refuse(location, Problem.MANIFEST, name, f"holds a {type(metadata).__name__}, not Metadata")
+        raise _content(location, name, f"holds a {type(metadata).__name__}, not Metadata")
     return metadata
 
 
@@ -146,48 +149,18 @@ class VerifiedFileSystem(FileSystemBase):
         except ValueError:
             rel = None
         if rel is None or ".." in rel.parts:
-            raise _refuse(
-                str(self.directory), Problem.MANIFEST, str(path), "outside the checkpoint directory"
+            raise _content(
+                str(self.directory), str(path), "DCP names a file outside the checkpoint directory"
             )
         return rel.as_posix()
 
     def read_verified(self, path: str | os.PathLike) -> io.BytesIO:
-        """The file's bytes, read once and proven to match its entry."""
+        """The file's bytes, read once and proven to match its entry (the one verified read)."""
         rel = self._relative(path)
         entry = self.entries.get(rel)
         if entry is None:
-            raise _refuse(str(self.directory), Problem.MANIFEST, rel, "not listed in the manifest")
-        try:
-            f = open(self.directory / rel, "rb", buffering=0)  # noqa: SIM115 - closed below
-        except FileNotFoundError:
-            raise _refuse(str(self.directory), Problem.MISSING, rel, "listed but not on disk") from None
-        with f:
-            return self._read_whole(f, entry)
-
-    def _read_whole(self, f: io.FileIO, entry: FileEntry) -> io.BytesIO:
-        location = str(self.directory)
-        size = os.fstat(f.fileno()).st_size
-        if size != entry.size:
-            raise _refuse(
-                location, Problem.SIZE, entry.path, f"manifest says {entry.size} bytes, file has {size}"
-            )
-        # bytes(n) is calloc'd and the BytesIO's own buffer is filled in place: one copy in memory.
-        stream = io.BytesIO(bytes(entry.size))
-        h = Hasher(with_crc=False)
-        pos = 0
-        with stream.getbuffer() as view:
-            while pos < entry.size:
-                n = f.readinto(view[pos : pos + CHUNK])
-                if not n:
-                    break
-                h.update(view[pos : pos + n])
-                pos += n
-        if pos != entry.size or f.read(1):
-            raise _refuse(location, Problem.SIZE, entry.path, "file changed size while being read")
-        got = h.result()
-        if got.xxh3 != entry.xxh3:
-            raise _refuse(location, Problem.DIGEST, entry.path, f"xxh3 {got.xxh3} != manifest {entry.xxh3}")
-        return stream
+            raise _content(str(self.directory), rel, "DCP needs a file the manifest does not list")
+        return io.BytesIO(read_verified(self.directory, entry))
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
@@ -245,9 +218,8 @@ class _SafeValues:
         except Exception as exc:  # any decoding failure of verified bytes means a bad file
             fqn = read_item.storage_index.fqn
             info = self._reader.storage_data.get(read_item.storage_index)
-            raise _refuse(
+            raise _content(
                 str(self._reader.fs.directory),
-                Problem.MANIFEST,
                 getattr(info, "relative_path", fqn),
                 f"value {fqn} refused by torch.load(weights_only=True): {_first_reason(exc)}",
             ) from exc

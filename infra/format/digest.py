@@ -97,16 +97,18 @@ class HashingReader:
             n -= min(n, len(scratch))
         return True
 
-    def drain(self) -> None:
-        """Hash whatever is left, to the end of the file."""
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while n := self._raw.readinto(buf):  # type: ignore[attr-defined]
-            self.hasher.update(view[:n])
-            self.count += n
+    def finish(self, size: int) -> None:
+        """Read on to ``size`` bytes, then one more if there is one: a shorter or longer file shows in ``count``.
+
+        Never reads past ``size + 1``, so a file that keeps growing cannot keep the reader going.
+        """
+        if self.count < size:
+            self.skip(size - self.count)
+        if self.count == size:
+            self.skip(1)
 
     def read_all(self, limit: int) -> bytes:
-        """Up to ``limit`` bytes, then the rest hashed and counted (so a longer file shows in ``count``)."""
+        """Up to ``limit`` bytes (and one more, counted, if the file is longer)."""
         buf = bytearray(limit)
         view = memoryview(buf)
         pos = 0
@@ -114,7 +116,7 @@ class HashingReader:
             self.hasher.update(view[pos : pos + n])
             pos += n
         self.count += pos
-        self.drain()
+        self.finish(limit)
         return bytes(buf[:pos])
 
 

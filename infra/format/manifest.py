@@ -15,12 +15,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, BinaryIO
 
 from infra.format import keyring as kr
 from infra.format.digest import DIGEST_ALGORITHM, manifest_digest
 
 MANIFEST_NAME = "manifest.json"
+MAX_BYTES = 64 << 20  # a manifest larger than this is refused unread: no real one comes near it
 FORMAT = "rewind.checkpoint/2"
 READABLE_FORMATS = ("rewind.checkpoint/1", FORMAT)
 
@@ -139,9 +140,18 @@ def parse(raw: bytes) -> Manifest:
         raise ManifestError(f"manifest is missing or mistypes a field ({exc!r})") from exc
 
 
+def read_bounded(f: BinaryIO) -> bytes:
+    """A manifest's bytes from an open stream, refusing one larger than ``MAX_BYTES`` before holding it."""
+    raw = f.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise ManifestError(f"manifest is larger than {MAX_BYTES} bytes")
+    return raw
+
+
 def read(directory: Path) -> Manifest:
     try:
-        raw = (directory / MANIFEST_NAME).read_bytes()
+        with open(directory / MANIFEST_NAME, "rb") as f:
+            raw = read_bounded(f)
     except FileNotFoundError as exc:
         raise ManifestError(f"{MANIFEST_NAME} is missing") from exc
     return parse(raw)

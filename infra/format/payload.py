@@ -18,13 +18,14 @@ from typing import Any, BinaryIO
 
 import torch
 
-from infra.errors import UnloadableCheckpoint
+from infra.errors import ConfigError, UnloadableCheckpoint
 from infra.format import manifest as mf
 from infra.format import tensorfile, tree
 from infra.format.store import FileWriter
 from infra.format.verify import Finding, Problem, read_verified, verified_read
 
 STATE_FILE = "state.json"
+DCP_METADATA = ".metadata"  # present only in sharded (DCP) checkpoints
 _DECODE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, binascii.Error, RecursionError)
 
 
@@ -86,6 +87,8 @@ def read_states(directory: Path, manifest: mf.Manifest) -> dict[str, Any]:
     whose bytes match but whose content cannot be a state; ``OSError`` is an I/O error.
     """
     entries = {e.path: e for e in manifest.files}
+    if DCP_METADATA in entries:  # the caller's mistake, not the checkpoint's: condemn nothing
+        raise ConfigError(f"{directory} is a sharded (DCP) checkpoint: load it with ShardedCheckpointer")
     if STATE_FILE not in entries:
         raise _unloadable(directory, STATE_FILE, "not listed in the manifest")
     tensors: dict[str, torch.Tensor] = {}

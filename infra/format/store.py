@@ -79,8 +79,17 @@ def temp_dir(run_dir: Path, step: int) -> Path:
     return tmp
 
 
-def commit(tmp: Path, manifest: mf.Manifest, raw: bytes | None = None) -> Committed:
-    """Write the manifest (``raw``, or ``manifest`` signed now) into ``tmp``, fsync, rename, fsync the parent."""
+Displace = Callable[[Path], None]
+
+
+def commit(
+    tmp: Path, manifest: mf.Manifest, raw: bytes | None = None, *, displace: Displace | None = None
+) -> Committed:
+    """Write the manifest (``raw``, or ``manifest`` signed now) into ``tmp``, fsync, rename, fsync the parent.
+
+    ``displace`` moves an existing ``step-<N>/`` out of the way just before the rename
+    (a copy replacing one that did not prove itself); without it, one is an error.
+    """
     run_dir = tmp.parent
     final = step_dir(run_dir, manifest.step)
     raw = manifest.to_bytes() if raw is None else raw
@@ -91,6 +100,8 @@ def commit(tmp: Path, manifest: mf.Manifest, raw: bytes | None = None) -> Commit
         os.fsync(f.fileno())
     fsync_dir(tmp)
     fault_point("save.before_rename", manifest.step)
+    if final.exists() and displace is not None:
+        displace(final)
     if final.exists():
         raise FileExistsError(f"{final} already exists")
     os.rename(tmp, final)
@@ -104,6 +115,7 @@ def write_checkpoint(
     files: Iterable[tuple[str, FileWriter]],
     *,
     copy_of: bytes | None = None,
+    displace: Displace | None = None,
 ) -> Committed:
     """Write ``files`` and then the manifest.
 
@@ -111,7 +123,7 @@ def write_checkpoint(
     manifest of the checkpoint being copied, already held to the catalog's digest),
     the bytes written must hash to exactly its entries before that same manifest is
     written, byte for byte. Raises ``FileExistsError`` if ``step-<N>/`` already
-    exists: the caller decides what happens to it.
+    exists, unless ``displace`` moves it aside once everything else has been proven.
     """
     tmp = temp_dir(run_dir, manifest.step)
     try:
@@ -122,7 +134,7 @@ def write_checkpoint(
         fsync_dir(tmp)
         if copy_of is not None:
             _same_files(tmp, manifest.files, entries)
-            return commit(tmp, manifest, copy_of)
+            return commit(tmp, manifest, copy_of, displace=displace)
         return commit(tmp, replace(manifest, files=tuple(entries)))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

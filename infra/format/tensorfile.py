@@ -36,6 +36,7 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
 }
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
+_MAX_DIM = 1 << 40  # no real dimension is larger; an empty tensor could otherwise claim any shape
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -105,11 +106,11 @@ def _spans(header: dict[str, Any], data_bytes: int) -> list[_Span]:
         try:
             start, end = (int(x) for x in info["data_offsets"])
             shape = [int(n) for n in info["shape"]]
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise ValueError(f"tensor {name!r} has malformed offsets or shape") from exc
         count = math.prod(shape)
         if (
-            any(n < 0 for n in shape)
+            any(n < 0 or n > _MAX_DIM for n in shape)
             or not 0 <= start <= end <= data_bytes
             or end - start != count * torch.empty(0, dtype=dtype).element_size()
         ):
@@ -155,7 +156,10 @@ def read(reader: HashingReader, size: int) -> tuple[dict[str, torch.Tensor], dic
     for sp in _spans(header, size - 8 - n):
         if not reader.skip(sp.start - pos):
             raise EOFError("file ended before its tensors")
-        t = torch.empty(sp.shape, dtype=sp.dtype)
+        try:
+            t = torch.empty(sp.shape, dtype=sp.dtype)
+        except RuntimeError as exc:  # a shape torch cannot allocate, however few bytes it claims
+            raise ValueError(f"tensor {sp.name!r} has shape {sp.shape}, which torch refuses: {exc}") from exc
         if sp.end > sp.start and not reader.fill(memoryview(t.reshape(-1).view(torch.uint8).numpy())):
             raise EOFError(f"file ended inside tensor {sp.name!r}")
         out[sp.name] = t

@@ -136,7 +136,7 @@ def hash_entry(directory: Path, entry: mf.FileEntry) -> Finding | None:
     try:
         with open_for_read(directory / entry.path) as f:
             reader = HashingReader(f, Hasher(with_crc=False))
-            reader.drain()
+            reader.finish(entry.size)
     except FileNotFoundError:
         return Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")
     except OSError as exc:
@@ -168,9 +168,16 @@ def check_entry(directory: Path, entry: mf.FileEntry, deep: bool) -> Finding | N
 def read_manifest_bytes(directory: Path) -> tuple[bytes | None, list[Finding]]:
     """The raw manifest of a local copy, or why there is none (absent copy, missing file, I/O error)."""
     try:
-        return (directory / mf.MANIFEST_NAME).read_bytes(), []
+        with open(directory / mf.MANIFEST_NAME, "rb") as f:
+            return mf.read_bounded(f), []
+    except mf.ManifestError as exc:
+        return None, [Finding(Problem.MANIFEST, mf.MANIFEST_NAME, str(exc))]
     except FileNotFoundError:
         if not directory.is_dir():
+            tier_root = directory.parent.parent  # <root>/<run>/step-<N>
+            if not tier_root.is_dir():  # an unmounted disk looks like this too: say nothing about the copy
+                why = f"{tier_root} does not exist (not mounted?), so neither does {directory}"
+                return None, [Finding(Problem.UNREADABLE, ".", why)]
             return None, [Finding(Problem.ABSENT, ".", f"{directory} does not exist")]
         return None, [Finding(Problem.MANIFEST, mf.MANIFEST_NAME, "missing: the copy was never committed")]
     except OSError as exc:
@@ -216,7 +223,7 @@ def verified_read(directory: Path, entry: mf.FileEntry) -> Iterator[HashingReade
         with open_for_read(directory / entry.path) as f:
             reader = HashingReader(f, Hasher(with_crc=False))
             yield reader
-            reader.drain()  # a longer file must show in the count, whatever the block read
+            reader.finish(entry.size)  # a shorter or longer file must show, whatever the block read
     except FileNotFoundError as exc:
         raise CorruptCheckpoint(
             str(directory), [Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")]

@@ -36,6 +36,7 @@ from infra.errors import (
     CheckpointUnverifiable,
     CorruptCheckpoint,
     NoRestorableCheckpoint,
+    NotFoundError,
     RewindError,
     StateMismatch,
     TransientError,
@@ -109,16 +110,16 @@ def _open(cat: Catalog, plan: RestorePlan, cand: Candidate, copy: Copy, ring: kr
         directory = Path(copy.uri)
         manifest = require(check_copy(directory, cand.manifest_digest, deep=False, keyring=ring))
         return _Opened(directory, manifest, copy.replica_id, False)
-    final = store.step_dir(plan.root / cand.run, cand.step)
-    if final.exists():  # whatever is there did not prove itself: keep it for inspection, out of the way
-        copies.moved(
-            cat,
-            str(final),
-            str(store.quarantine(final, "displaced")),
-            f"displaced by a copy from {copy.tier}",
-        )
+
+    def displace(final: Path) -> None:  # what is there did not prove itself: kept, out of the way
+        moved = store.quarantine(final, "displaced")
+        copies.moved(cat, str(final), str(moved), f"displaced by a copy from {copy.tier}")
+
     key = copy.key or transfer.copy_key(cand.run, cand.step)
-    done = transfer.pull(open_tier(copy.uri), key, cand.manifest_digest, plan.root / cand.run, keyring=ring)
+    tier = open_tier(copy.uri)
+    done = transfer.pull(
+        tier, key, cand.manifest_digest, plan.root / cand.run, keyring=ring, displace=displace
+    )
     copies.record(cat, copy.replica_id, R.VERIFIED, f"downloaded into {done.path}")
     rid = copies.set_local(cat, cand.checkpoint_id, str(done.path), R.PENDING, done.manifest.total_bytes)
     return _Opened(done.path, done.manifest, rid, True)
@@ -187,8 +188,11 @@ def _give_up(plan: RestorePlan, skipped: list[Skip]) -> RewindError:
             + detail,
             tuple(skipped),
         )
-    if skipped and all(s.outcome == "mismatch" for s in skipped):
-        return StateMismatch(f"of run {plan.run!r}: no checkpoint fits this job", list(skipped[0].findings))
+    mismatched = [s for s in skipped if s.outcome == "mismatch"]
+    if mismatched:  # a state object refused one: never start over on that (the job may have changed)
+        return StateMismatch(
+            f"of run {plan.run!r}: no checkpoint fits this job", list(mismatched[0].findings)
+        )
     return NoRestorableCheckpoint(
         f"no checkpoint of run {plan.run!r} could be restored ({len(skipped)} tried)"
         + (f": {detail}" if detail else ""),
@@ -210,7 +214,13 @@ def restoring(
     started = time.perf_counter()
     skipped: list[Skip] = []
     for cand in plan.candidates:
-        lease = leases.take(cat, cand.checkpoint_id, who)
+        try:
+            lease = leases.take(cat, cand.checkpoint_id, who)
+        except NotFoundError as exc:  # deleted (or rolled back) since the plan was made
+            skipped.append(Skip(cand.step, cand.checkpoint_id, "missing", str(exc)))
+            if plan.exact:
+                break
+            continue
         try:
             got = _try(cat, plan, cand, load, ring)
         except BaseException:

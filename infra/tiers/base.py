@@ -45,6 +45,7 @@ class ObjectInfo:
 class Tier(Protocol):
     name: str  # "shared" or "offsite"
     uri: str
+    checksums: bool  # does ``stat`` report a checksum the server computed (S3) or only a size
 
     def put(self, key: str, src: Path, *, crc32c: str) -> int:
         """Store ``src`` under ``key``; returns bytes sent. Raises AlreadyExists; resumes a partial upload."""

@@ -30,6 +30,7 @@ def root_path(uri: str) -> Path:
 
 class FileTier:
     name = "shared"
+    checksums = False
 
     def __init__(self, uri: str) -> None:
         self.root = root_path(uri)
@@ -82,17 +83,23 @@ class FileTier:
     def put_bytes(self, key: str, data: bytes, *, crc32c: str) -> None:
         self._write(key, data)
 
+    def _missing(self, key: str, exc: OSError) -> Exception:
+        """A missing object, or a missing tier: an unmounted share must not read as 'every copy is gone'."""
+        if not self.root.is_dir():
+            return TierUnavailable(f"shared tier {self.root} does not exist (not mounted?)")
+        return ObjectNotFound(f"{self._path(key)} does not exist")
+
     def open(self, key: str) -> BinaryIO:
         try:
             return open(self._path(key), "rb")
         except FileNotFoundError as exc:
-            raise ObjectNotFound(f"{self._path(key)} does not exist") from exc
+            raise self._missing(key, exc) from exc
 
     def stat(self, key: str) -> ObjectInfo:
         try:
             size = self._path(key).stat().st_size
         except FileNotFoundError as exc:
-            raise ObjectNotFound(f"{self._path(key)} does not exist") from exc
+            raise self._missing(key, exc) from exc
         return ObjectInfo(key, size, None)  # a filesystem keeps no checksum: deep verify reads it
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:

@@ -78,6 +78,7 @@ def _same_part(held: dict[str, Any], data: bytes, crc: str) -> bool:
 
 class S3Tier:
     name = "offsite"
+    checksums = True
 
     def __init__(
         self,
@@ -180,7 +181,7 @@ class S3Tier:
 
     def open(self, key: str) -> BinaryIO:
         k = self._key(key)
-        return self._call("get_object", k, Key=k)["Body"]
+        return _Body(self._call("get_object", k, Key=k)["Body"], self, k)  # type: ignore[return-value]
 
     def delete(self, key: str) -> None:
         k = self._key(key)
@@ -274,3 +275,25 @@ class S3Tier:
             IfNoneMatch="*",
         )
         return sum(n for _, n in done)
+
+
+class _Body:
+    """A downloaded object's stream whose errors mid-read are Rewind's (``TierUnavailable``), like every call's."""
+
+    def __init__(self, body: Any, tier: S3Tier, key: str) -> None:
+        self._body, self._tier, self._key = body, tier, key
+
+    def read(self, n: int = -1) -> bytes:
+        try:
+            return self._body.read(n) if n >= 0 else self._body.read()
+        except (BotoCoreError, ClientError, OSError) as exc:
+            raise self._tier._error(exc, self._key) from exc
+
+    def close(self) -> None:
+        self._body.close()
+
+    def __enter__(self) -> _Body:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

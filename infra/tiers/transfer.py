@@ -36,8 +36,9 @@ def alternate_key(run: str, step: int, digest: str) -> str:
 
 
 def _read(tier: Tier, key: str) -> bytes:
+    """A manifest from a tier, never more than ``manifest.MAX_BYTES`` of it held (ManifestError beyond)."""
     with tier.open(key) as f:
-        return f.read()
+        return mf.read_bounded(f)
 
 
 def candidate_keys(run: str, step: int, digest: str) -> tuple[str, str]:
@@ -51,10 +52,15 @@ def holds(tier: Tier, key: str, digest: str) -> bool | None:
         raw = _read(tier, f"{key}/{mf.MANIFEST_NAME}")
     except ObjectNotFound:
         return None
+    except mf.ManifestError:
+        return False  # something too large to be this checkpoint's manifest
     return manifest_matches(raw, digest)
 
 
-def _stat_matches(tier: Tier, key: str, entry: mf.FileEntry) -> Finding | None:
+def _stat_matches(
+    tier: Tier, key: str, entry: mf.FileEntry, *, need_checksum: bool = False
+) -> Finding | None:
+    """Size and server-side CRC32C against ``entry``; with ``need_checksum``, a size alone proves nothing."""
     try:
         info = tier.stat(key)
     except ObjectNotFound:
@@ -63,6 +69,8 @@ def _stat_matches(tier: Tier, key: str, entry: mf.FileEntry) -> Finding | None:
         return Finding(
             Problem.SIZE, entry.path, f"{tier.name} holds {info.size} bytes, manifest says {entry.size}"
         )
+    if info.crc32c is None and need_checksum:
+        return Finding(Problem.UNREADABLE, entry.path, f"the {tier.name} tier keeps no checksum to compare")
     if info.crc32c is not None and info.crc32c != entry.crc32c:
         return Finding(
             Problem.DIGEST, entry.path, f"{tier.name} crc32c {info.crc32c} != manifest {entry.crc32c}"
@@ -78,12 +86,17 @@ def push(
     *,
     on_file: Callable[[str, int], None] | None = None,
 ) -> int:
-    """Copy a verified local copy (its manifest bytes ``raw``) to ``key`` on ``tier``; returns bytes sent."""
+    """Copy a verified local copy (its manifest bytes ``raw``) to ``key`` on ``tier``; returns bytes sent.
+
+    What each ``put`` writes is checked as it goes (the server's CRC32C on S3, the copy's
+    own on a filesystem), so afterwards sizes are what is left to compare.
+    """
     manifest = mf.parse(raw)
     sent = 0
     for e in manifest.files:
         target = f"{key}/{e.path}"
-        finding = _stat_matches(tier, target, e)
+        # A leftover is kept only if the server vouches for its checksum; otherwise it is sent again.
+        finding = _stat_matches(tier, target, e, need_checksum=True)
         if finding is None:
             continue
         if finding.problem is not Problem.MISSING:
@@ -137,17 +150,28 @@ def check_remote(tier: Tier, key: str, expected: str, *, deep: bool, keyring: kr
         )
     except (TierUnavailable, OSError) as exc:
         return Report(where, None, (Finding(Problem.UNREADABLE, mf.MANIFEST_NAME, str(exc)),), deep)
+    except mf.ManifestError as exc:
+        return Report(where, None, (Finding(Problem.MANIFEST, mf.MANIFEST_NAME, str(exc)),), deep)
     manifest, findings = check_manifest(raw, expected, keyring)
     if manifest is None:
         return Report(where, None, tuple(findings), deep)
     return Report(where, manifest, tuple(_file_findings(tier, key, manifest, deep)), deep)
 
 
-def pull(tier: Tier, key: str, expected: str, run_dir: Path, *, keyring: kr.Keyring) -> store.Committed:
+def pull(
+    tier: Tier,
+    key: str,
+    expected: str,
+    run_dir: Path,
+    *,
+    keyring: kr.Keyring,
+    displace: store.Displace | None = None,
+) -> store.Committed:
     """Download the copy at ``key`` into ``run_dir`` with the commit protocol.
 
     The manifest is held to the catalog's digest before any data is fetched, and
-    every file must hash to its entry before the manifest is written locally.
+    every file must hash to its entry before the manifest is written locally; only
+    then is a directory already at ``step-<N>/`` handed to ``displace``.
     ``CorruptCheckpoint`` (with findings) when the copy is not the recorded one.
     """
     try:
@@ -155,6 +179,10 @@ def pull(tier: Tier, key: str, expected: str, run_dir: Path, *, keyring: kr.Keyr
     except ObjectNotFound as exc:
         where = f"{tier.uri}/{key}"
         raise CorruptCheckpoint(where, [Finding(Problem.ABSENT, ".", "no manifest on the tier")]) from exc
+    except mf.ManifestError as exc:
+        raise CorruptCheckpoint(
+            f"{tier.uri}/{key}", [Finding(Problem.MANIFEST, mf.MANIFEST_NAME, str(exc))]
+        ) from exc
     manifest, findings = check_manifest(raw, expected, keyring)
     if manifest is None:
         raise CorruptCheckpoint(f"{tier.uri}/{key}", findings)
@@ -172,6 +200,5 @@ def pull(tier: Tier, key: str, expected: str, run_dir: Path, *, keyring: kr.Keyr
 
         return fill
 
-    return store.write_checkpoint(
-        run_dir, manifest, [(e.path, stream(e.path)) for e in manifest.files], copy_of=raw
-    )
+    files = [(e.path, stream(e.path)) for e in manifest.files]
+    return store.write_checkpoint(run_dir, manifest, files, copy_of=raw, displace=displace)

@@ -4,7 +4,8 @@ A check's verdict belongs to the copy it read, so replicas gain the key of the
 copy below the tier's URI, the detail of the last check and when it ran; an
 unreadable copy becomes ``unverifiable`` instead of condemning the checkpoint.
 A restore in progress takes a lease on its checkpoint so retention cannot delete
-it underneath. Status and state columns get named CHECK constraints so a typo
+it underneath, and a checkpoint records when it last changed, so the grace period
+before dead copies are reclaimed counts from its death, not its birth. Status and state columns get named CHECK constraints so a typo
 anywhere fails at the database instead of leaving a row no code understands;
 values that predate the constraints are mapped first (``restoring`` was a
 replica status and is now ``pending``; anything else unknown becomes the
@@ -135,6 +136,9 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("detail", sa.Text(), nullable=True))
         batch_op.add_column(sa.Column("checked_at", sa.DateTime(timezone=True), nullable=True))
 
+    # When a checkpoint last changed: retention's grace period for dead copies counts from it.
+    op.add_column("checkpoint", sa.Column("updated_at", sa.DateTime(timezone=True), nullable=True))
+
     for table, column, values, _ in ENUMS:
         _create_check(table, op.f(f"ck_{table}_{column}"), _check_sql(column, values))
 
@@ -150,5 +154,7 @@ def downgrade() -> None:
         batch_op.drop_column("detail")
         batch_op.drop_column("key")
 
+    # A plain DROP COLUMN (SQLite 3.35+): a batch copy of checkpoint would fire its foreign keys.
+    op.drop_column("checkpoint", "updated_at")
     op.drop_index(op.f("ix_restore_lease_checkpoint_id"), table_name="restore_lease")
     op.drop_table("restore_lease")
