@@ -36,7 +36,8 @@ def recorded_save(
             old.id,
             (old.status,),
             S.ABORTED if old.status == S.WRITING else S.SUPERSEDED,
-            f"superseded by a new save at step {step}",
+            f"superseded by a new save at step {step}"
+            + (f" (it was corrupt: {old.status_reason})" if old.status == S.CORRUPT else ""),
         )
     if final.exists():
         copies.moved(cat, str(final), str(store.quarantine(final, "superseded")), "superseded by a new save")
