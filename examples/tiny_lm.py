@@ -17,6 +17,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,10 +25,10 @@ from safetensors.torch import save_file
 from torch.nn import functional as F
 
 from examples.tiny_lm_model import CharDataset, TinyLM, corpus
-from infra.checkpoint.engine import Checkpointer, SaveMode
-from infra.checkpoint.state import RNGState
+from infra.checkpoint.engine import SaveMode
 from infra.errors import RewindError
 from infra.training.data import ResumableLoader
+from infra.training.session import TrainingSession
 
 
 def warmup_cosine(total: int, warmup: int):  # type: ignore[no-untyped-def]
@@ -99,39 +100,64 @@ def train(args: argparse.Namespace) -> int:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
 
+    device = _device()
     data = CharDataset(corpus(), args.block)
-    model = TinyLM(data.vocab, args.block, dim=args.dim, layers=args.layers)
+    model = TinyLM(data.vocab, args.block, dim=args.dim, layers=args.layers).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, max(1, args.steps // 10)))
     loader = ResumableLoader(data, args.batch_size, seed=args.seed)
     extras: dict = {"config": {"steps": args.steps, "batch_size": args.batch_size, "dim": args.dim}}
 
-    states = {
-        "model": model,
-        "optimizer": opt,
-        "lr_scheduler": sched,
-        "data": loader,
-        "rng": RNGState(),
-        "extras": extras,
-    }
     mode = SaveMode.ASYNC if args.async_save else SaveMode.SYNC
-    ckpt = Checkpointer(args.run, states=states, mode=mode)
-    restored = ckpt.restore_latest()
-    for s in ckpt.skipped:
-        print(f"rewind: skipped step {s.step}: {s.reason}", file=sys.stderr)
-    start = 0
-    if restored is not None:
-        start = restored.step
-        skip_to = int(os.environ.get("REWIND_SKIP_TO_SAMPLE", "0"))
-        if skip_to > loader.consumed:
-            loader.consumed = skip_to  # set by recover-training to step over a bad data window
-        print(f"rewind: resumed run {args.run} at step {start} from {restored.path}", file=sys.stderr)
+    session = TrainingSession(
+        args.run, model=model, optimizer=opt, states={"lr_scheduler": sched, "extras": extras}, loader=loader,
+        checkpoint_every=args.checkpoint_every, mode=mode,
+    )  # fmt: skip
+    with session as s:
+        for skip in s.skipped:
+            print(f"rewind: skipped step {skip.step}: {skip.reason}", file=sys.stderr)
+        if s.start_step:
+            print(
+                f"rewind: resumed run {args.run} at step {s.start_step} from {s.restored_from}",
+                file=sys.stderr,
+            )
+        step = _loop(args, s, model, opt, sched, loader, device)
+        if step is None:
+            return 0  # --stop-after: an interruption, no final weights
+        if args.checkpoint_every and step % args.checkpoint_every != 0:
+            s.save(step)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = args.out / f".final.safetensors.tmp-{os.getpid()}"
+    save_file({k: v.detach().to("cpu").clone().contiguous() for k, v in model.state_dict().items()}, str(tmp))
+    os.replace(tmp, args.out / "final.safetensors")
+    return 0
 
+
+def _device() -> torch.device:
+    """The GPU when there is one (deterministic kernels, so a resume is bit-exact there too), else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _loop(
+    args: argparse.Namespace,
+    s: TrainingSession,
+    model: Any,
+    opt: Any,
+    sched: Any,
+    loader: Any,
+    device: torch.device,
+) -> int | None:
+    """The training steps; the last step run, or None when ``--stop-after`` ended them early."""
     model.train()
     batches = iter(loader)
-    step = start
-    for step in range(start + 1, args.steps + 1):
-        x, y = next(batches)
+    step = s.start_step
+    for step in s.steps(args.steps):
+        x, y = (t.to(device, non_blocking=True) for t in next(batches))
         logits = model(x)
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
         opt.zero_grad(set_to_none=True)
@@ -141,19 +167,10 @@ def train(args: argparse.Namespace) -> int:
         sched.step()
         value = loss.item()
         print(f"step={step} loss={value!r}", flush=True)
-        if args.checkpoint_every and step % args.checkpoint_every == 0:
-            ckpt.save(step, metrics={"loss": value})
+        s.report(step, value)
         if args.stop_after is not None and step >= args.stop_after:
-            ckpt.close()
-            return 0
-    if args.checkpoint_every and step % args.checkpoint_every != 0:
-        ckpt.save(step)
-    ckpt.close()  # an in-flight background save is committed (or its error raised) before we finish
-    args.out.mkdir(parents=True, exist_ok=True)
-    tmp = args.out / f".final.safetensors.tmp-{os.getpid()}"
-    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(tmp))
-    os.replace(tmp, args.out / "final.safetensors")
-    return 0
+            return None
+    return step
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,7 +9,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from tasks.common import artifact_key
-from tasks.detect import record_failure, supervise_training
+from tasks.detect import load_spec, record_failure, supervise_training
 from tasks.replicate import apply_retention, pending_replication, replicate_checkpoint
 from tasks.restore import restore_checkpoint
 from tasks.verify import list_checkpoints, verify_checkpoint
@@ -42,24 +42,21 @@ def verify_checkpoints(run: str | None = None, deep: bool = True) -> dict[str, A
 
 
 @flow(name="restore-checkpoint")
-def restore_checkpoint_flow(
-    run: str, step: int | None = None, relaunch_command: list[str] | None = None, cwd: str | None = None
-) -> dict[str, Any]:
+def restore_checkpoint_flow(run: str, step: int | None = None, relaunch: bool = False) -> dict[str, Any]:
     """Roll a run back to a verified checkpoint; its next launch resumes from there.
 
     Args:
         run: Catalog name of the run.
         step: The step to go back to (default: the newest checkpoint that verifies).
-        relaunch_command: If given, start the job again with this command and watch it.
-        cwd: Working directory for the relaunch.
+        relaunch: Start the job again from the run's spec and watch it.
     """
     chosen = restore_checkpoint(
         run, step, roll_back=True, reason=f"rolled back to step {step} from the restore-checkpoint flow"
     )
-    if not relaunch_command:
+    if not relaunch:
         return chosen
-    outcome = supervise_training(run, relaunch_command, cwd)
-    if outcome["exit_code"] != 0:
+    outcome = supervise_training(run, load_spec(run))
+    if outcome["exit_code"] != 0 or outcome["kind"] != "crash":
         chosen["incident_id"] = record_failure(outcome)
     chosen["relaunch"] = outcome["how"]
     return chosen

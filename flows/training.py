@@ -14,6 +14,7 @@ from tasks.detect import (
     check_recovery_budget,
     load_incident,
     record_failure,
+    record_spec,
     supervise_training,
 )
 from tasks.rebuild import rebuild_environment
@@ -23,20 +24,49 @@ from tasks.verify import checkpoint_table
 
 @flow(name="protect-training")
 def protect_training(
-    run: str, command: list[str], cwd: str | None = None, heartbeat_timeout_s: float | None = None
+    run: str,
+    command: list[str],
+    cwd: str | None = None,
+    nproc_per_node: int = 1,
+    nnodes: int = 1,
+    min_world_size: int = 1,
+    env: dict[str, str] | None = None,
+    heartbeat_timeout_s: float | None = None,
+    loss_spike_factor: float | None = None,
+    global_batch: int | None = None,
+    lr: float | None = None,
 ) -> dict[str, Any]:
-    """Run a training job under watch: verify every checkpoint it commits; a crash becomes an incident.
+    """Run a training job under watch: verify every checkpoint it commits; a failure becomes an incident.
+
+    The job's spec is kept on the run, so recovery relaunches it the same way. Rewind never
+    reads the job's flags or output: ranks report through the session API (infra.training).
 
     Args:
         run: Catalog name of the run; the job must checkpoint under the same name.
-        command: The training command, one list item per argument, e.g.
-            ["python", "-m", "examples.tiny_lm", "--run", "demo", "--steps", "60", "--checkpoint-every", "10", "--out", "out"].
+        command: What one process runs, one list item per argument, e.g.
+            ["python", "-m", "examples.tiny_lm", "--run", "demo", "--steps", "60", "--checkpoint-every", "10", "--out", "out"];
+            a bare "python" is the worker's own interpreter.
         cwd: Working directory of the command (default: the worker's).
-        heartbeat_timeout_s: A rank silent this long (per-rank heartbeats) is hung and the job is stopped.
+        nproc_per_node: Processes per node; more than one starts the job under torchrun.
+        nnodes: Nodes (one torchrun agent each, c10d rendezvous).
+        min_world_size: After losing ranks the job may come back on as few as this many.
+        env: Added to the job's environment.
+        heartbeat_timeout_s: A rank whose step does not advance for this long is hung and the job stopped.
+        loss_spike_factor: A loss above this multiple of the running median stops the job (NaN/Inf always do).
+        global_batch: The job's global batch at full size (for the rebuild decision).
+        lr: The job's learning rate at full size (for the rebuild decision).
     """
-    outcome = supervise_training(run, command, cwd, heartbeat_timeout_s=heartbeat_timeout_s)
+    spec = record_spec(
+        run,
+        {
+            "command": command, "cwd": cwd, "env": env or {}, "nnodes": nnodes, "nproc_per_node": nproc_per_node,
+            "min_world_size": min_world_size, "heartbeat_timeout_s": heartbeat_timeout_s,
+            "loss_spike_factor": loss_spike_factor, "global_batch": global_batch, "lr": lr,
+        },
+    )  # fmt: skip
+    outcome = supervise_training(run, spec)
     checkpoint_table(run)
-    if outcome["exit_code"] == 0:
+    if outcome["exit_code"] == 0 and outcome["kind"] == "crash":
         return {"run": run, "status": "finished", "last_step": outcome["last_step"]}
     incident_id = record_failure(outcome)
     return {
@@ -51,7 +81,7 @@ def protect_training(
 def recover_training(
     incident_id: int, max_incidents: int = 5, window_s: float = 3600.0, shrink_on_crash: bool = True
 ) -> dict[str, Any]:
-    """Bring a crashed job back: newest verified checkpoint, same command, watched again.
+    """Bring a failed job back: newest verified checkpoint, relaunched from the run's spec, watched again.
 
     Started by the automation on `rewind.failure.detected`; can also be run by hand.
 
@@ -59,7 +89,7 @@ def recover_training(
         incident_id: The incident the failure detector recorded.
         max_incidents: Stop recovering automatically after this many incidents of the run within `window_s`.
         window_s: The window for `max_incidents`, in seconds.
-        shrink_on_crash: Relaunch a crashed multi-rank (`--nproc N`) job on one rank fewer, resharded.
+        shrink_on_crash: Relaunch a job that lost ranks (or a node) on the ranks left, resharded.
     """
     log = get_run_logger()
     flow_started = time.time()
@@ -76,12 +106,8 @@ def recover_training(
     anomaly = incident["kind"] in ("nan", "loss_spike") and bad_step is not None
     t0 = time.time()
     if anomaly:  # go back to before the anomaly, and retire what came after it
-        chosen = restore_checkpoint(
-            run,
-            roll_back=True,
-            before_step=bad_step,
-            reason=f"after the {incident['kind']} at step {bad_step}",
-        )
+        why = f"after the {incident['kind']} at step {bad_step}"
+        chosen = restore_checkpoint(run, roll_back=True, before_step=bad_step, reason=why)
     else:
         chosen = restore_checkpoint(run)
     load_s = time.time() - t0
@@ -89,28 +115,26 @@ def recover_training(
     annotate_incident(
         incident_id, load_s=load_s, restored_checkpoint_id=chosen["checkpoint_id"], replayed_steps=replayed
     )
-    rebuilt = rebuild_environment(run, incident_id, details["command"], shrink_on_crash)
-    env = None
+    rebuilt = rebuild_environment(run, incident_id, shrink_on_crash)
+    handoff = dict(rebuilt["handoff"])
     if anomaly:  # skip the data window that produced the anomaly
-        start = chosen["data"]["consumed"]
-        skip_to = start + (bad_step - chosen["step"]) * rebuilt["global_batch"]
-        env = {"REWIND_SKIP_TO_SAMPLE": str(skip_to)}
-        annotate_incident(
-            incident_id,
-            details={"skipped_samples": [start, skip_to], "skipped_steps": [chosen["step"] + 1, bad_step]},
-        )
-    log.info("restarting %s from step %d (replaying %d steps)", run, chosen["step"], replayed)
-
-    outcome = supervise_training(
-        run, rebuilt["command"], details.get("cwd"), incident_id=incident_id, died_at=died_at, env=env
+        handoff["skip"] = _skip_window(incident_id, chosen, details, bad_step)
+    log.info(
+        "restarting %s from step %d (replaying %d steps): %s",
+        run,
+        chosen["step"],
+        replayed,
+        rebuilt["decision"],
     )
+
+    outcome = supervise_training(run, rebuilt["spec"], handoff, incident_id=incident_id, died_at=died_at)
     checkpoint_table(run)
     timeline = _timeline(run, incident_id, died_at, flow_started, load_s, chosen, outcome, replayed)
     create_markdown_artifact(key=artifact_key("rewind", run, "recovery"), markdown=timeline)
-    if outcome["exit_code"] != 0:
+    if outcome["exit_code"] != 0 or outcome["kind"] != "crash":
         annotate_incident(incident_id, details={"relaunch_outcome": outcome["how"]})
         next_incident = record_failure(outcome)
-        return {"run": run, "status": "crashed-again", "incident_id": next_incident}
+        return {"run": run, "status": "failed-again", "incident_id": next_incident}
     annotate_incident(incident_id, resolved=True, details={"finished_at": time.time()})
     return {
         "run": run,
@@ -118,6 +142,23 @@ def recover_training(
         "restored_step": chosen["step"],
         "last_step": outcome["last_step"],
     }
+
+
+def _skip_window(
+    incident_id: int, chosen: dict[str, Any], details: dict[str, Any], bad_step: int
+) -> list[int] | None:
+    """[from, to) of the data that produced the anomaly: from the restore point to where the bad step ended."""
+    start, end = chosen["data"]["consumed"], details.get("anomaly_position")
+    if end is None or end <= start:
+        annotate_incident(
+            incident_id, details={"skipped_samples": None, "skip": "the job reported no data position"}
+        )
+        return None
+    annotate_incident(
+        incident_id,
+        details={"skipped_samples": [start, end], "skipped_steps": [chosen["step"] + 1, bad_step]},
+    )
+    return [start, end]
 
 
 def _timeline(

@@ -1,185 +1,148 @@
-"""Phase 4, detect: supervise a training process, verify what it commits, turn a death into an incident."""
+"""Phase 4, detect: launch a run from its spec, watch it (infra.launch.supervisor), turn a failure into an incident."""
 
 from __future__ import annotations
 
-import json
-import shlex
-import shutil
-import signal
-import tempfile
 import time
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
-from infra.catalog import incidents, lineage
-from infra.catalog.models import CheckpointStatus
-from infra.health import nvml
-from infra.health.signals import Detection, Heartbeats, LossWatch
-from infra.launch.process import STEP_LINE, TrainingProcess
+from infra.catalog import incidents, jobs, lineage
+from infra.health.signals import describe_exit
+from infra.launch.spec import JobSpec
+from infra.launch.supervisor import Observation, Seen, Supervisor, first_failure
+from infra.training import progress
 from tasks.common import RETRY, artifact_key, catalog, emit
 from tasks.verify import verify_checkpoint
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 @task(name="supervise-training", retries=0)
 def supervise_training(
     run: str,
-    command: list[str],
-    cwd: str | None = None,
+    spec: dict[str, Any],
+    handoff: dict[str, Any] | None = None,
     incident_id: int | None = None,
     died_at: float | None = None,
     poll_s: float = 1.0,
-    heartbeat_timeout_s: float | None = None,
-    loss_spike_factor: float | None = None,
-    env: dict[str, str] | None = None,
     gpu_check_s: float | None = 30.0,
 ) -> dict[str, Any]:
-    """Run the job to its end; verify each checkpoint as it is committed; report how it ended.
+    """Launch the run from ``spec`` and watch it to its end; verify each checkpoint as it is committed.
 
-    With ``heartbeat_timeout_s``, ranks heartbeat through ``REWIND_HEARTBEAT_DIR``;
-    a rank silent for longer is hung, and the job is stopped. A NaN/Inf loss (or,
-    with ``loss_spike_factor``, a spike above that multiple of the running median)
-    stops it too, and so does an unhealthy GPU (NVML, every ``gpu_check_s``, where
-    a driver exists). ``env`` adds to the job's environment. When this is a
-    relaunch (``incident_id`` given), the first training step after restore
-    completes the incident's timings: relaunch seconds and RTO.
+    A rank that stops advancing (``heartbeat_timeout_s`` in the spec), an anomaly a rank
+    recorded, or a sick GPU stops the job; so does the first failed exit (a lost node's
+    agent). When this is a relaunch (``incident_id``), the first step completes the
+    incident's timings: relaunch seconds and RTO.
     """
-    log = get_run_logger()
-    cat = catalog()
-    run_id = lineage.ensure_run(cat, run)
-    seen = {c.id for c in lineage.checkpoints(cat, run) if c.status != CheckpointStatus.COMMITTED}
-    launched = time.time()
-    beats = Heartbeats(heartbeat_timeout_s) if heartbeat_timeout_s else None
-    hb_dir = Path(tempfile.mkdtemp(prefix=f"rewind-heartbeats-{run[:40]}-")) if beats else None
-    child_env = {**(env or {}), **({"REWIND_HEARTBEAT_DIR": str(hb_dir)} if hb_dir else {})}
-    proc = TrainingProcess(command, cwd=cwd, env=child_env)
-    hang: dict[str, Any] | None = None
-    watch = LossWatch(spike_factor=loss_spike_factor or float("inf"))
-    anomaly: Detection | None = None
-    seen_lines = 0
-    next_gpu_check = time.monotonic() + (gpu_check_s or 0)
-    log.info("launched pid %d: %s", proc.pid, shlex.join(command))
-    first_step_at: float | None = None
-    last_check = 0.0
-    while True:
-        try:
-            alive = proc.wait_for(lambda line: STEP_LINE.match(line) is not None, timeout=poll_s)
-        except TimeoutError:
-            alive = True
-        if first_step_at is None and proc.output.losses:
-            first_step_at = time.time()
-            if incident_id is not None:
-                restored = proc.output.resumed_at or 0
-                fields: dict[str, Any] = {"rebuild_s": first_step_at - launched}
-                details: dict[str, Any] = {
-                    "first_step_after_restore_at": first_step_at,
-                    "resumed_at_step": restored,
-                }
-                if died_at is not None:
-                    fields["rto_s"] = first_step_at - died_at
-                incidents.update_incident(cat, incident_id, details=details, **fields)
-        if not alive or time.monotonic() - last_check >= poll_s:
-            last_check = time.monotonic()
-            for ck in lineage.restorable(cat, run_id):
-                if ck.id in seen or ck.status != CheckpointStatus.COMMITTED:
-                    continue
-                seen.add(ck.id)
-                emit(
-                    "rewind.checkpoint.committed",
-                    run,
-                    {"step": ck.step, "checkpoint_id": ck.id},
-                    step=ck.step,
-                    checkpoint_id=ck.id,
-                )
-                state = verify_checkpoint(ck.id, deep=True, return_state=True)
-                if state.is_failed():
-                    log.error("checkpoint step %d failed verification: %s", ck.step, state.message)
-        for line in proc.output.lines[seen_lines:]:
-            m = STEP_LINE.match(line)
-            if m and anomaly is None:
-                anomaly = watch.observe(int(m.group(1)), float(m.group(2)))
-        seen_lines = len(proc.output.lines)
-        if gpu_check_s and anomaly is None and alive and time.monotonic() >= next_gpu_check:
-            next_gpu_check = time.monotonic() + gpu_check_s
-            try:
-                sick = [g for g in nvml.probe() if not g.healthy]
-            except nvml.NoNvidiaDriver as exc:
-                log.info("%s: GPU health is not monitored", exc)
-                gpu_check_s = None
-                sick = []
-            if sick:
-                why = "; ".join(f"GPU {g.index} ({g.name}): {', '.join(g.problems)}" for g in sick)
-                anomaly = Detection("gpu", None, proc.output.last_step, why)
-        if anomaly is not None and alive:
-            log.error("%s; stopping the job", anomaly.reason)
-            proc.kill(signal.SIGTERM, timeout=60)
-            alive = False
-        if beats is not None and hb_dir is not None and alive and hang is None:
-            hang = _check_heartbeats(beats, hb_dir)
-            if hang is not None:
-                log.error("hang detected: %s; stopping the job", hang["reason"])
-                proc.kill(signal.SIGTERM, timeout=60)
-                alive = False
-        if not alive:
-            break
-    code = proc.finish()
-    ended = time.time()
-    if hb_dir is not None:
-        shutil.rmtree(hb_dir, ignore_errors=True)
-    outcome = {
-        "kind": anomaly.kind if anomaly else "hang" if hang else "crash",
-        "hang": hang,
-        "bad_step": anomaly.step if anomaly else None,
-        "anomaly": anomaly.reason if anomaly else None,
-        "run": run,
-        "command": command,
-        "cwd": cwd,
-        "pid": proc.pid,
-        "exit_code": code,
-        "how": _describe_exit(code),
-        "died_at": ended,
-        "last_step": proc.output.last_step,
-        "resumed_at": proc.output.resumed_at,
-        "first_step_at": first_step_at,
-        "tail": proc.output.lines[-20:],
-    }
-    log.info("training %s after step %s", outcome["how"], outcome["last_step"])
-    return outcome
+    sup = Supervisor(
+        catalog(),
+        run,
+        JobSpec.from_dict(spec),
+        handoff=handoff,
+        incident_id=incident_id,
+        gpu_check_s=gpu_check_s,
+    )
+    launch_id = sup.start()
+    get_run_logger().info(
+        "launch %d of %s: %d node(s) x %d process(es)",
+        launch_id,
+        run,
+        sup.spec.nnodes,
+        sup.spec.nproc_per_node,
+    )
+    watch = _Watch(run, incident_id, died_at, sup.started_at)
+    while not watch.done(sup.poll(poll_s), sup):
+        pass
+    return watch.outcome(sup, sup.finish(), launch_id)
 
 
-def _check_heartbeats(beats: Heartbeats, hb_dir: Path) -> dict[str, Any] | None:
-    for f in hb_dir.glob("rank-*"):
-        if f.suffix == ".tmp":
-            continue
-        try:
-            hb = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        beats.beat(int(f.name.split("-")[1]), int(hb["step"]), float(hb["time"]))
-    now = time.time()
-    hung = beats.hung(now)
-    if not hung:
-        return None
-    silent = max(now - beats.last[d.rank][0] for d in hung if d.rank is not None)
-    return {
-        "ranks": [d.rank for d in hung],
-        "step": min(d.step or 0 for d in hung),
-        "silent_s": silent,
-        "timeout_s": beats.timeout_s,
-        "reason": "; ".join(d.reason for d in hung),
-    }
+class _Watch:
+    """What the supervising task makes of each observation."""
+
+    def __init__(self, run: str, incident_id: int | None, died_at: float | None, launched: float) -> None:
+        self.run, self.incident_id, self.died_at, self.launched = run, incident_id, died_at, launched
+        self.stop: Observation | None = None  # what made Rewind stop the job (hang, anomaly, gpu)
+        self.exits: list[Observation] = []
+        self.first_step_at: float | None = None
+
+    def done(self, seen: list[Observation], sup: Supervisor) -> bool:
+        for o in seen:
+            if o.kind is Seen.COMMITTED:
+                self._committed(o)
+            elif o.kind is Seen.FIRST_STEP and self.first_step_at is None:
+                self._first_step(o)
+            elif o.kind in (Seen.HANG, Seen.ANOMALY, Seen.GPU) and self.stop is None:
+                self.stop = o
+                get_run_logger().error("%s: %s; stopping the job", o.kind.value, o.detail.get("reason"))
+            elif o.kind is Seen.EXITED and all(e.detail["node"] != o.detail["node"] for e in self.exits):
+                self.exits.append(o)
+        if self.stop is not None or first_failure(self.exits) is not None:
+            sup.stop()
+        return len(self.exits) == len(sup.processes)
+
+    def _committed(self, o: Observation) -> None:
+        ck_id = o.detail["checkpoint_id"]
+        payload = {"step": o.step, "checkpoint_id": ck_id}
+        emit("rewind.checkpoint.committed", self.run, payload, step=o.step, checkpoint_id=ck_id)
+        state = verify_checkpoint(ck_id, deep=True, return_state=True)
+        if state.is_failed():
+            get_run_logger().error("checkpoint step %s failed verification: %s", o.step, state.message)
+
+    def _first_step(self, o: Observation) -> None:
+        self.first_step_at = o.at
+        if self.incident_id is None:
+            return
+        fields: dict[str, Any] = {"rebuild_s": o.at - self.launched}
+        if self.died_at is not None:
+            fields["rto_s"] = o.at - self.died_at
+        details = {"first_step_after_restore_at": o.at, "resumed_at_step": o.detail.get("from_step")}
+        incidents.update_incident(catalog(), self.incident_id, details=details, **fields)
+
+    def _kind(self) -> str:
+        if self.stop is None:
+            return "crash"
+        return str(self.stop.detail.get("kind", self.stop.kind.value))
+
+    def outcome(self, sup: Supervisor, code: int, launch_id: int) -> dict[str, Any]:
+        ranks = progress.read(catalog(), launch_id)
+        failed = first_failure(self.exits)
+        stop = self.stop
+        ended = failed or stop
+        out = {
+            "kind": self._kind(),
+            "hang": stop.detail if stop is not None and stop.kind is Seen.HANG else None,
+            "bad_step": stop.step if stop is not None and stop.kind is Seen.ANOMALY else None,
+            "anomaly": stop.detail.get("reason") if stop is not None else None,
+            "anomaly_position": stop.detail.get("position") if stop is not None else None,
+            "run": self.run,
+            "launch_id": launch_id,
+            "spec": sup.spec.as_dict(),
+            "lost_node": failed.detail["node"] if failed is not None and sup.spec.nnodes > 1 else None,
+            "exit_code": code,
+            "how": describe_exit(code),
+            "died_at": ended.at if ended is not None else time.time(),
+            "last_step": max((r.step for r in ranks if r.step is not None), default=None),
+            "first_step_at": self.first_step_at,
+            "tail": sup.tail()[-20:],
+        }
+        get_run_logger().info(
+            "launch %d of %s %s after step %s", launch_id, self.run, out["how"], out["last_step"]
+        )
+        return out
+
+
+@task(name="record-spec", **RETRY)
+def record_spec(run: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """Keep how the run is launched in the catalog; recovery relaunches from it. Returns it, checked."""
+    checked = JobSpec.from_dict(spec).as_dict()
+    jobs.set_spec(catalog(), run, checked)
+    return checked
+
+
+@task(name="load-spec", **RETRY)
+def load_spec(run: str) -> dict[str, Any]:
+    return jobs.get_spec(catalog(), run)
 
 
 @task(name="record-failure", **RETRY)
@@ -204,11 +167,13 @@ def record_failure(outcome: dict[str, Any]) -> int:
             "died_at": outcome["died_at"],
             "exit_code": outcome["exit_code"],
             "last_step": outcome["last_step"],
-            "command": outcome["command"],
-            "cwd": outcome["cwd"],
+            "launch_id": outcome["launch_id"],
+            "spec": outcome["spec"],
+            "lost_node": outcome.get("lost_node"),
             "tail": outcome["tail"],
             "hang": hang,
             "bad_step": outcome.get("bad_step"),
+            "anomaly_position": outcome.get("anomaly_position"),
         },
     )
     died = datetime.fromtimestamp(outcome["died_at"], UTC).isoformat(timespec="milliseconds")
@@ -229,8 +194,7 @@ def record_failure(outcome: dict[str, Any]) -> int:
             "exit_code": outcome["exit_code"],
             "last_step": outcome["last_step"],
             "died_at": outcome["died_at"],
-            "command": outcome["command"],
-            "cwd": outcome["cwd"],
+            "launch_id": outcome["launch_id"],
         },
     )
     return incident_id

@@ -211,6 +211,51 @@ class Incident(Base):
     resolved_at: Mapped[datetime | None]
 
 
+class JobSpecRow(Base):
+    """How a run is launched (``infra.launch.spec.JobSpec`` as JSON): the supervisor starts it from this."""
+
+    __tablename__ = "job_spec"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), primary_key=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+
+class Launch(Base):
+    """One start of a run's job: what it was told (world size, batch, lr scale, data to skip) and how it ended."""
+
+    __tablename__ = "launch"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
+    incident_id: Mapped[int | None] = mapped_column(ForeignKey("incident.id", ondelete="SET NULL"))
+    spec: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    handoff: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[datetime | None]
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+
+
+class RankProgress(Base):
+    """What one rank of a launch last reported: progress, liveness, an anomaly; written by the rank itself."""
+
+    __tablename__ = "rank_progress"
+
+    launch_id: Mapped[int] = mapped_column(ForeignKey("launch.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    node: Mapped[str] = mapped_column(String(200))
+    pid: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    loss: Mapped[float | None] = mapped_column(Float)
+    samples: Mapped[int | None] = mapped_column(BigInteger)
+    step_at: Mapped[float | None] = mapped_column(
+        Float
+    )  # the rank's clock (epoch s) when ``step`` was reached
+    beat_at: Mapped[float] = mapped_column(Float)  # the rank's clock when it last wrote
+    state: Mapped[str] = mapped_column(String(16), default="running")  # running | finished | anomaly
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
 class VersionState(StrEnum):
     EXPORTED = "exported"  # archive built, not loaded
     LOADED = "loaded"  # loaded next to the stable version, no traffic yet

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,7 @@ from infra.restore import plan as restore_plan
 from infra.restore.execute import Skip
 
 RANK_STATE = "rank-{rank}.json"
+StateTree = dict[str, Any] | Callable[[], dict[str, Any]]
 SHARED_STATE = "state.json"
 
 
@@ -230,18 +232,23 @@ class ShardedCheckpointer:
                 self._parent_id = ck_id
         dist.barrier()  # no rank goes on before the checkpoint is committed
 
-    def restore_latest(self, state: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
-        """(step, restored tree, this rank's state) of the newest checkpoint that proves itself, or None."""
+    def restore_latest(self, state: StateTree) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+        """(step, restored tree, this rank's state) of the newest checkpoint that proves itself, or None.
+
+        ``state`` is the tree to load into, or a function that builds it: called (on every
+        rank at once) only when there is a checkpoint to load, so a fresh run never pays
+        for it (asking an optimizer for its state dict initialises its state).
+        """
         if self.rank == 0:
             return self._lead_restore(state)
         return self._follow_restore(state)
 
-    def _attempt(self, directory: Path, manifest: mf.Manifest, state: dict[str, Any]) -> Any:
+    def _attempt(self, directory: Path, manifest: mf.Manifest, state: StateTree) -> Any:
         """One collective try: every rank loads, every verdict is gathered; rank 0 raises the worst."""
         mine: Any = None
         error: BaseException | None = None
         try:
-            mine = load(directory, manifest, state)
+            mine = load(directory, manifest, state() if callable(state) else state)
         except Exception as exc:  # every rank must reach the gather below, whatever went wrong
             error = exc
         errors: list[Any] = [None] * self.world
@@ -251,7 +258,7 @@ class ShardedCheckpointer:
             raise _unwrap(directory, CheckpointFailures(failed))
         return mine if not failed else None
 
-    def _lead_restore(self, state: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+    def _lead_restore(self, state: StateTree) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
         tried: list[int] = []
 
         def load_everywhere(directory: Path, manifest: mf.Manifest) -> Any:
@@ -278,7 +285,7 @@ class ShardedCheckpointer:
         restored, mine = done.value
         return done.step, restored, mine
 
-    def _follow_restore(self, state: dict[str, Any]) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+    def _follow_restore(self, state: StateTree) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
         last: Any = None
         while True:
             box: list[Any] = [None]

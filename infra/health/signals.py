@@ -44,18 +44,21 @@ class Heartbeats:
         ]
 
 
+def describe_exit(code: int) -> str:
+    """How a process ended, from its exit status (negative: the signal that killed it)."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 def exit_detection(rank: int, code: int, step: int | None) -> Detection | None:
     """A non-zero exit or a signal is a crash; 0 is not."""
     if code == 0:
         return None
-    if code < 0:
-        try:
-            how = f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"killed by signal {-code}"
-    else:
-        how = f"exited with code {code}"
-    return Detection("crash", rank, step, f"rank {rank} {how}")
+    return Detection("crash", rank, step, f"rank {rank} {describe_exit(code)}")
 
 
 @dataclass

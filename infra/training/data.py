@@ -63,6 +63,17 @@ class ResumableLoader:
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])
 
+    @property
+    def position(self) -> int:
+        """Samples of this epoch's global order already handed out (the same on every rank)."""
+        return self.consumed
+
+    def skip_to(self, position: int) -> None:
+        """Step over a data window: the next batch starts at ``position`` of this epoch's order."""
+        if position < self.consumed:
+            raise ValueError(f"cannot skip back from {self.consumed} to {position}")
+        self.consumed = position
+
     def _rank_indices(self) -> list[int]:
         order = epoch_order(len(self.dataset), self.seed, self.epoch)  # type: ignore[arg-type]
         rest = order[self.consumed :]

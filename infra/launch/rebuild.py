@@ -1,0 +1,76 @@
+"""How a failed job comes back: its size for the devices left, and what it is told about batch and rate.
+
+A pure function of the run's spec (as written, full size), the launch that
+failed (its actual size) and the failure. A crash or a sick GPU costs the job
+its devices: a lost node's agent takes the node (one node fewer), any other
+crash one rank per node fewer, never below ``min_world_size``. The layout
+planner picks TP x PP x DP for what is left (data-parallel only when the job
+reported no model shape, as the decision says). Learning-rate scale and global
+batch are relative to the spec's full size, so successive shrinks compound right.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from infra.health import layout
+from infra.launch.spec import JobSpec
+
+SHRINKS = ("crash", "gpu")  # failures that cost devices; a hang or a NaN does not
+
+
+@dataclass(frozen=True, slots=True)
+class Relaunch:
+    spec: JobSpec  # what to start now
+    handoff: dict[str, Any]  # what the job is told: world_size, lr_scale, global_batch, decision
+    decision: str
+    before: layout.Layout
+    after: layout.Layout
+
+
+def _smaller(current: JobSpec, lost_node: int | None) -> tuple[int, int] | None:
+    """(nnodes, nproc_per_node) one step smaller than ``current``, or None if nothing smaller fits."""
+    if current.nnodes > 1 and lost_node is not None:
+        size = (current.nnodes - 1, current.nproc_per_node)
+    elif current.nproc_per_node > 1:
+        size = (current.nnodes, current.nproc_per_node - 1)
+    else:
+        return None
+    return size if size[0] * size[1] >= current.min_world_size else None
+
+
+def plan(full: JobSpec, current: JobSpec, kind: str, *, lost_node: int | None, shrink: bool) -> Relaunch:
+    """The relaunch after a failure of ``kind`` of the launch that ran ``current``."""
+    before = layout.Layout(tp=1, pp=1, dp=current.world_size)
+    size = _smaller(current, lost_node) if shrink and kind in SHRINKS else None
+    nnodes, nproc = size or (current.nnodes, current.nproc_per_node)
+    shape = layout.ModelShape(**full.model) if full.model else layout.ModelShape(heads=1, hidden=1, layers=1)
+    base_batch, base_lr = full.global_batch or full.world_size, full.lr or 1.0
+    chosen = layout.plan(
+        nnodes * nproc,
+        shape,
+        layout.Layout(tp=1, pp=1, dp=full.world_size),
+        global_batch=base_batch,
+        lr=base_lr,
+    )
+    lr_scale = chosen.layout.dp / full.world_size
+    what = (
+        f"relaunch on {chosen.layout.world_size} ranks ({nnodes} node(s) x {nproc}), resharded from the newest "
+        "verified checkpoint"
+        if size
+        else "restart with the same layout; resume from the newest verified checkpoint"
+    )
+    note = "" if full.model else " (no model shape reported: data-parallel only)"
+    decision = f"{what}: {chosen.reason}{note}"
+    handoff = {
+        "world_size": chosen.layout.world_size,
+        "lr_scale": lr_scale,
+        "global_batch": chosen.global_batch if full.global_batch else None,
+        "lr": base_lr * lr_scale if full.lr else None,
+        "spike_factor": full.loss_spike_factor,
+        "decision": decision,
+    }
+    return Relaunch(
+        current.resized(nnodes=nnodes, nproc_per_node=nproc), handoff, decision, before, chosen.layout
+    )

@@ -1,0 +1,125 @@
+"""A job spec: how a run's job is started, kept in the catalog so the supervisor can start it again.
+
+Rewind never reads a job's own flags. A single-process job runs ``command`` as
+given; a distributed one (more than one process, or ``torchrun=True``) runs the
+same command under ``torch.distributed.run``: ``python -m torch.distributed.run
+<launcher options> <command without its interpreter>``. What changes between
+launches (world size, global batch, learning-rate scale, a data window to skip)
+reaches the job through the launch's handoff (``infra.training.session``), never
+through rewritten flags.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from infra.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    command: tuple[str, ...]
+    """What one process runs, e.g. ``("python", "-m", "mypkg.train", "--config", "c.yaml")``."""
+    cwd: str | None = None
+    """Working directory of the job (default: the supervisor's)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Added to the job's environment."""
+    nnodes: int = 1
+    """Nodes (one torchrun agent each)."""
+    nproc_per_node: int = 1
+    """Processes (ranks) per node."""
+    min_world_size: int = 1
+    """The fewest ranks the job may come back on after it loses some (elastic)."""
+    rdzv_endpoint: str | None = None
+    """``host:port`` of the c10d rendezvous; default: 127.0.0.1 and a free port, chosen per launch."""
+    torchrun: bool | None = None
+    """Start under torchrun even with one process (default: only when there is more than one)."""
+    global_batch: int | None = None
+    """The job's global batch at its full size, for the rebuild decision (reported, not enforced)."""
+    lr: float | None = None
+    """The job's base learning rate at its full size, for the rebuild decision."""
+    model: dict[str, int] | None = None
+    """``{"heads", "hidden", "layers"}`` for the layout planner; without it, rebuilds are data-parallel only."""
+    heartbeat_timeout_s: float | None = None
+    """A rank whose step does not advance for this long is hung (None: hangs are not watched)."""
+    loss_spike_factor: float | None = None
+    """A loss above this multiple of the running median is an anomaly (None: NaN/Inf only)."""
+
+    def __post_init__(self) -> None:
+        if not self.command or not all(isinstance(a, str) for a in self.command):
+            raise ConfigError("a job spec needs a command: a list of strings, one per argument")
+        object.__setattr__(self, "command", tuple(self.command))
+        if self.nnodes < 1 or self.nproc_per_node < 1:
+            raise ConfigError(
+                f"nnodes ({self.nnodes}) and nproc_per_node ({self.nproc_per_node}) must be >= 1"
+            )
+        if not 1 <= self.min_world_size <= self.world_size:
+            raise ConfigError(f"min_world_size {self.min_world_size} must be between 1 and {self.world_size}")
+        if self.model is not None and set(self.model) != {"heads", "hidden", "layers"}:
+            raise ConfigError("model must give heads, hidden and layers")
+        if self.distributed and not _is_python(self.command[0]):
+            raise ConfigError(
+                f"a distributed job starts under torchrun, so its command must start with Python, not {self.command[0]!r}"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def distributed(self) -> bool:
+        return self.torchrun if self.torchrun is not None else self.world_size > 1
+
+    def resized(self, *, nnodes: int, nproc_per_node: int) -> JobSpec:
+        world = nnodes * nproc_per_node
+        return replace(
+            self, nnodes=nnodes, nproc_per_node=nproc_per_node, min_world_size=min(self.min_world_size, world)
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["command"] = list(self.command)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobSpec:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown job spec field(s): {sorted(unknown)}")
+        try:
+            return cls(**{**data, "command": tuple(data.get("command") or ())})
+        except TypeError as exc:
+            raise ConfigError(f"bad job spec: {exc}") from exc
+
+
+def _is_python(program: str) -> bool:
+    name = os.path.basename(program)
+    return program == sys.executable or name.startswith("python")
+
+
+def agent_command(spec: JobSpec, *, endpoint: str, rdzv_id: str) -> list[str]:
+    """The command of one node's torchrun agent (the same on every node: c10d assigns node ranks)."""
+    python, *rest = spec.command
+    python = sys.executable if python in ("python", "python3") else python
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        f"--nnodes={spec.nnodes}",
+        f"--nproc-per-node={spec.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={rdzv_id}",
+        "--max-restarts=0",
+        *rest,
+    ]
+
+
+def process_command(spec: JobSpec) -> list[str]:
+    """The command of a single-process job, with a bare ``python`` meaning this interpreter."""
+    python, *rest = spec.command
+    return [sys.executable if python in ("python", "python3") else python, *rest]

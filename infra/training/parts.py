@@ -1,0 +1,68 @@
+"""Stateful parts for distributed jobs: models and optimizers through DCP's state-dict API, RNG per rank.
+
+``get_model_state_dict``/``set_model_state_dict`` see through DDP and FSDP2
+wrappers and keep sharded tensors sharded, so a checkpoint saved by W ranks
+loads into W' ranks. Optimizer state is initialised (a zero-learning-rate step)
+only when a state dict is asked for, which the session does only when there is
+a checkpoint to load into it: a fresh run is not perturbed.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+
+class ModelPart:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerPart:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class RankRNG:
+    """This rank's generators (Python, NumPy, torch CPU, its CUDA device) as JSON-able values.
+
+    A sharded checkpoint keeps per-rank state in JSON, so the torch states travel as bytes.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": bytes(torch.get_rng_state().numpy()),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = bytes(torch.cuda.get_rng_state().numpy())  # the current device: this rank's
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))

@@ -1,0 +1,116 @@
+"""The channel between a training rank and its supervisor: one progress row per rank, in the catalog.
+
+Both sides import this module. A rank's ``ProgressWriter`` keeps the latest
+step (and loss, samples) in memory, which the training loop updates for free,
+and a background thread writes it every ``interval_s``; an anomaly or the end
+of the job is written at once. The supervisor's ``read`` turns a launch's rows
+into ``RankState``s: a rank whose step has not advanced for longer than the
+hang timeout is hung, whether its process is stuck in a collective or stopped.
+
+Times are the writer's clock (epoch seconds): nodes are expected to keep NTP time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from infra.catalog import jobs
+from infra.catalog.db import Catalog
+from infra.errors import TransientError
+
+log = logging.getLogger("rewind.progress")
+LAUNCH_ENV = "REWIND_LAUNCH_ID"
+NODE_ENV = "REWIND_NODE"
+
+
+@dataclass(frozen=True, slots=True)
+class RankState:
+    rank: int
+    node: str
+    pid: int
+    step: int | None
+    loss: float | None
+    step_at: float | None
+    beat_at: float
+    state: str  # running | finished | anomaly
+    detail: dict[str, Any]
+
+    def silent_for(self, now: float) -> float:
+        """Seconds since this rank last made progress (or first reported, before its first step)."""
+        return now - (self.step_at if self.step_at is not None else self.beat_at)
+
+
+def node_name() -> str:
+    """This process's node: the host, and the simulated node index when several share one host."""
+    host = socket.gethostname()
+    return f"{host}/{os.environ[NODE_ENV]}" if os.environ.get(NODE_ENV) else host
+
+
+class ProgressWriter:
+    """A rank's side of the channel; ``report`` is cheap (memory), a thread does the writing."""
+
+    def __init__(self, cat: Catalog, launch_id: int, rank: int, *, interval_s: float = 1.0) -> None:
+        self.cat, self.launch_id, self.rank, self.interval_s = cat, launch_id, rank, interval_s
+        self._fields: dict[str, Any] = {
+            "node": node_name(),
+            "pid": os.getpid(),
+            "state": "running",
+            "detail": {},
+        }
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"rewind-progress-{rank}", daemon=True)
+
+    def start(self, step: int | None) -> None:
+        self.report(step, None, None)
+        self._write()
+        self._thread.start()
+
+    def report(self, step: int | None, loss: float | None, samples: int | None) -> None:
+        with self._lock:
+            if step != self._fields.get("step"):
+                self._fields["step_at"] = time.time()
+            self._fields.update(step=step, loss=loss, samples=samples)
+
+    def note(self, **detail: Any) -> None:
+        """Add facts for the supervisor (what the job applied, an anomaly) and write them now."""
+        with self._lock:
+            self._fields["detail"] = {**self._fields["detail"], **detail}
+            if "anomaly" in detail:
+                self._fields["state"] = "anomaly"
+        self._write()
+
+    def finish(self, state: str = "finished") -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        with self._lock:
+            if self._fields["state"] == "running":
+                self._fields["state"] = state
+        self._write()
+
+    def _write(self) -> None:
+        with self._lock:
+            fields = {**self._fields, "beat_at": time.time()}
+        try:
+            jobs.report(self.cat, self.launch_id, self.rank, **fields)
+        except TransientError as exc:  # the catalog blinked: the next beat tries again
+            log.warning("progress of rank %d not written: %s", self.rank, exc)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._write()
+
+
+def read(cat: Catalog, launch_id: int) -> list[RankState]:
+    """Every rank's last report for a launch (the supervisor's side)."""
+    return [
+        RankState(r.rank, r.node, r.pid, r.step, r.loss, r.step_at, r.beat_at, r.state, dict(r.detail or {}))
+        for r in jobs.progress(cat, launch_id)
+    ]

@@ -1,0 +1,260 @@
+"""The training side of Rewind for any PyTorch job: one object around the training loop.
+
+    with TrainingSession("my-run", model=model, optimizer=opt, states={"sched": sched},
+                         loader=loader, checkpoint_every=100) as s:
+        lr = base_lr * s.handoff.lr_scale          # what the supervisor decided after a rebuild
+        for step in s.steps(total_steps):
+            loss = train_step(next(batches))
+            s.report(step, loss)                   # progress, NaN/spike check, checkpoint when due
+
+On entering, the newest checkpoint that proves itself is restored (single process:
+``Checkpointer``; under torchrun: ``ShardedCheckpointer``, resharded to this world
+size) and a data window the supervisor wants skipped is stepped over by the
+loader. Progress goes to the supervisor through the catalog
+(``infra.training.progress``), not stdout. A NaN/Inf loss (or a spike, with
+``spike_factor``) is recorded and raised as ``TrainingAnomaly``, so the job
+stops and the supervisor rolls it back. No Prefect here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from infra import config
+from infra.catalog import jobs
+from infra.catalog.db import Catalog
+from infra.checkpoint.engine import Checkpointer, SaveMode
+from infra.checkpoint.sharded import ShardedCheckpointer
+from infra.checkpoint.state import RNGState
+from infra.errors import ConfigError, RewindError
+from infra.health.signals import LossWatch
+from infra.training.parts import ModelPart, OptimizerPart, RankRNG
+from infra.training.progress import LAUNCH_ENV, ProgressWriter
+
+log = logging.getLogger("rewind.session")
+
+
+class TrainingAnomaly(RewindError):
+    """The loss went NaN/Inf or spiked: recorded for the supervisor, which rolls the run back."""
+
+
+class SkippableLoader(Protocol):
+    """A loader whose position (samples of the global order consumed) can be moved forward."""
+
+    @property
+    def position(self) -> int: ...
+
+    def skip_to(self, position: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """What the supervisor handed this launch; the defaults when the job was started by hand."""
+
+    launch_id: int | None = None
+    world_size: int = 1
+    lr_scale: float = 1.0
+    global_batch: int | None = None
+    skip: tuple[int, int] | None = None  # [from, to) positions of a data window to step over
+    spike_factor: float | None = None  # the spec's loss-spike threshold, when the job sets none itself
+    decision: str | None = None
+
+    @classmethod
+    def load(cls, cat: Catalog | None) -> Handoff:
+        raw = os.environ.get(LAUNCH_ENV)
+        if not raw or cat is None:
+            return cls(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        launch = jobs.get_launch(cat, int(raw))
+        h = dict(launch.handoff or {})
+        skip = h.get("skip")
+        return cls(
+            launch_id=launch.id,
+            world_size=int(h.get("world_size", os.environ.get("WORLD_SIZE", "1"))),
+            lr_scale=float(h.get("lr_scale", 1.0)),
+            global_batch=h.get("global_batch"),
+            skip=(int(skip[0]), int(skip[1])) if skip else None,
+            spike_factor=h.get("spike_factor"),
+            decision=h.get("decision"),
+        )
+
+
+class TrainingSession:
+    """Restore on entry, report and checkpoint inside, record how it ended on exit. Keyword-only options."""
+
+    def __init__(
+        self,
+        run: str,
+        *,
+        model: Any = None,
+        optimizer: Any = None,
+        states: Mapping[str, Any] | None = None,
+        loader: SkippableLoader | None = None,
+        checkpoint_every: int = 0,
+        mode: SaveMode = SaveMode.SYNC,
+        spike_factor: float | None = None,
+        heartbeat_s: float = 1.0,
+        root: Path | None = None,
+        catalog: Catalog | None = None,
+    ) -> None:
+        if checkpoint_every < 0:
+            raise ConfigError("checkpoint_every cannot be negative")
+        self.run, self.loader, self.checkpoint_every, self.mode = (
+            run,
+            loader,
+            checkpoint_every,
+            SaveMode(mode),
+        )
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.root = Path(root or config.checkpoint_root())
+        self.catalog: Catalog | None = catalog or self._open_catalog()
+        self.parts = self._parts(model, optimizer, dict(states or {}))
+        self.spike_factor = spike_factor
+        self.watch = LossWatch(spike_factor=float("inf"))
+        self.heartbeat_s = heartbeat_s
+        self.handoff = Handoff()
+        self.start_step = 0
+        self.restored_from: str | None = None  # the checkpoint directory restored (single process)
+        self.skipped: tuple[Any, ...] = ()  # what the restore passed over, and why (rank 0)
+        self._writer: ProgressWriter | None = None
+        self._ckpt: Checkpointer | ShardedCheckpointer | None = None
+
+    def _open_catalog(self) -> Catalog | None:
+        """Rank 0 opens (and if need be creates) the catalog first; other ranks need it only under a supervisor."""
+        if not self.distributed:
+            return Catalog()
+        first = Catalog() if self.rank == 0 else None
+        dist.barrier()  # the schema exists before any other rank connects
+        return first if self.rank == 0 else (Catalog() if os.environ.get(LAUNCH_ENV) else None)
+
+    def _parts(self, model: Any, optimizer: Any, states: dict[str, Any]) -> dict[str, Any]:
+        """Model and optimizer go through DCP's state-dict API when distributed (DDP/FSDP-aware)."""
+        if "rng" in states:
+            raise ConfigError("'rng' is the session's own state (every generator, per rank)")
+        parts: dict[str, Any] = {}
+        if model is not None:
+            parts["model"] = ModelPart(model) if self.distributed else model
+        if optimizer is not None:
+            if model is None:
+                raise ConfigError("an optimizer needs its model")
+            parts["optimizer"] = OptimizerPart(model, optimizer) if self.distributed else optimizer
+        if self.loader is not None and "data" not in states and hasattr(self.loader, "state_dict"):
+            parts["data"] = self.loader
+        return {**parts, **states}
+
+    # -- entering and leaving ----------------------------------------------------------
+
+    def __enter__(self) -> TrainingSession:
+        self.handoff = Handoff.load(self.catalog)
+        self.watch = LossWatch(spike_factor=self.spike_factor or self.handoff.spike_factor or float("inf"))
+        self.start_step = self._restore()
+        self._skip_window()
+        if self.handoff.launch_id is not None and self.catalog is not None:
+            self._writer = ProgressWriter(
+                self.catalog, self.handoff.launch_id, self.rank, interval_s=self.heartbeat_s
+            )
+            self._writer.start(self.start_step)
+            self._writer.note(received=self._received())
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if isinstance(self._ckpt, Checkpointer):
+            self._ckpt.close()  # an in-flight async save is committed (or its error raised) first
+        if self._writer is not None:
+            self._writer.finish("finished" if exc is None else "failed")
+
+    def _received(self) -> dict[str, Any]:
+        h = self.handoff
+        world = dist.get_world_size() if self.distributed else 1
+        return {"world_size": world, "lr_scale": h.lr_scale, "global_batch": h.global_batch, "skip": h.skip}
+
+    # -- restore --------------------------------------------------------------------------
+
+    def _restore(self) -> int:
+        if not self.distributed:
+            ck = Checkpointer(
+                self.run,
+                states={**self.parts, "rng": RNGState()},
+                root=self.root,
+                catalog=self.catalog,
+                mode=self.mode,
+            )
+            self._ckpt = ck
+            got = ck.restore_latest()
+            self.skipped = ck.skipped
+            self.restored_from = got.path if got is not None else None
+            return got.step if got is not None else 0
+        sck = ShardedCheckpointer(self.run, root=self.root, catalog=self.catalog)
+        self._ckpt = sck
+        got = sck.restore_latest(lambda: {k: v.state_dict() for k, v in self.parts.items()})
+        self.skipped = sck.skipped
+        if got is None:
+            return 0
+        step, tree, mine = got
+        for name, part in self.parts.items():
+            part.load_state_dict(tree[name])
+        RankRNG().load_state_dict(mine["rng"])
+        return step
+
+    def _skip_window(self) -> None:
+        skip = self.handoff.skip
+        if skip is None or self.loader is None:
+            return
+        if self.loader.position < skip[1]:
+            log.warning(
+                "skipping samples %d..%d (a bad data window) from %d", skip[0], skip[1], self.loader.position
+            )
+            self.loader.skip_to(skip[1])
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def steps(self, total: int) -> Iterator[int]:
+        """The steps left to run: ``start_step + 1`` to ``total``."""
+        return iter(range(self.start_step + 1, total + 1))
+
+    def report(self, step: int, loss: float | None = None, *, samples: int | None = None) -> None:
+        """Progress for the supervisor; raises ``TrainingAnomaly`` on NaN/Inf or a spike; saves when due."""
+        value = None if loss is None else float(loss)
+        position = (
+            samples if samples is not None else (self.loader.position if self.loader is not None else None)
+        )
+        if self._writer is not None:
+            self._writer.report(step, value, position)
+        if value is not None:
+            found = self.watch.observe(step, value)
+            if found is not None:
+                if self._writer is not None:
+                    found_at = {
+                        "kind": found.kind,
+                        "step": step,
+                        "reason": found.reason,
+                        "position": position,
+                    }
+                    self._writer.note(anomaly=found_at)
+                raise TrainingAnomaly(found.reason)
+        if self.checkpoint_every and step % self.checkpoint_every == 0:
+            self.save(step, metrics={} if value is None else {"loss": value})
+
+    def save(self, step: int, *, metrics: Mapping[str, float] | None = None) -> None:
+        if isinstance(self._ckpt, Checkpointer):
+            self._ckpt.save(step, metrics=metrics)
+        elif isinstance(self._ckpt, ShardedCheckpointer):
+            tree = {k: v.state_dict() for k, v in self.parts.items()}
+            self._ckpt.save(step, tree, {"rng": RankRNG().state_dict()}, metrics=dict(metrics or {}))
+        else:
+            raise ConfigError("save() outside the session's `with` block")
+
+    def note(self, **facts: Any) -> None:
+        """Tell the supervisor what the job applied (e.g. ``lr=...``, ``global_batch=...``)."""
+        if self._writer is not None:
+            self._writer.note(applied=facts)
