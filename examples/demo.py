@@ -56,12 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     from prefect.client.schemas.filters import FlowRunFilter
     from safetensors.torch import load_file
 
+    from examples.runner import TrainingProcess
     from flows.maintenance import verify_checkpoints
     from flows.training import protect_training, recover_training
     from infra import config
     from infra.catalog import incidents, lineage
     from infra.catalog.db import Catalog
-    from infra.launch.process import TrainingProcess
 
     cat = Catalog()
     work = config.home() / "demo" / args.name

@@ -12,11 +12,8 @@ skips a data window the supervisor hands it, and the learning rate follows the
 handoff's scale. On a GPU each rank uses its own device (``LOCAL_RANK``).
 
 Test seams (documented, off by default): ``--sample-log DIR`` writes the dataset
-indices each rank consumed per step; ``REWIND_POISON_SAMPLE=i`` turns the loss
-of any batch holding sample i into NaN (a bad data window);
-``TINY_LM_DUMP_DIR`` makes rank 0 write the full model and optimizer state after
-every save and restore; ``REWIND_HANG_AT_STEP=s`` (with ``REWIND_HANG_RANK=r``)
-makes rank r stop stepping at step s.
+indices each rank consumed per step; ``TINY_LM_DUMP_DIR`` makes rank 0 write the
+full model and optimizer state after every save and restore.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ import json
 import os
 import socket
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +84,6 @@ def train(args: Any) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(args.steps, max(1, args.steps // 10)))
     loader = ResumableLoader(data, args.batch_size, seed=args.seed, rank=rank, world=world)
-    poison = int(os.environ["REWIND_POISON_SAMPLE"]) if os.environ.get("REWIND_POISON_SAMPLE") else None
     session = TrainingSession(
         args.run, model=model, optimizer=opt, states={"sched": sched}, loader=loader,
         checkpoint_every=args.checkpoint_every,
@@ -114,7 +109,7 @@ def train(args: Any) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
-        _loop(args, s, model, opt, sched, loader, device, poison, rank, world)
+        _loop(args, s, model, opt, sched, loader, device, rank, world)
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.module.state_dict().items()}
@@ -124,17 +119,12 @@ def train(args: Any) -> int:
 
 
 def _loop(args: Any, s: TrainingSession, model: Any, opt: Any, sched: Any, loader: Any, device: torch.device,
-          poison: int | None, rank: int, world: int) -> None:  # fmt: skip
+          rank: int, world: int) -> None:  # fmt: skip
     batches = iter(loader)
-    hang_at = int(os.environ.get("REWIND_HANG_AT_STEP", "0"))
     for step in s.steps(args.steps):
-        if step == hang_at and rank == int(os.environ.get("REWIND_HANG_RANK", "0")):
-            threading.Event().wait()  # test seam: this rank stops stepping; the supervisor must notice
         x, y = (t.to(device, non_blocking=True) for t in next(batches))
         logits = model(x)
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
-        if poison is not None and poison in loader.last_indices:
-            loss = loss * float("nan")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from examples.runner import TrainingProcess
 from examples.tiny_lm import command
 from examples.tiny_lm_model import CharDataset, corpus
-from infra.launch.process import TrainingProcess, find_pids
+from infra.launch.process import find_pids
 from infra.training.data import epoch_order
 
 REPO = Path(__file__).resolve().parents[1]

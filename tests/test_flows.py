@@ -103,14 +103,10 @@ def test_crash_is_recovered_by_the_event_driven_deployment(reference, served, fl
 
 def test_lost_rank_is_relaunched_on_fewer_ranks_automatically(served, flow_env, run_name, tmp_path):
     cat = Catalog()
-    command = tiny_lm_cmd(
-        run_name, tmp_path / "out", steps=30, every=5, extra=["--nproc", "4"], module="examples.tiny_lm_ddp"
-    )
-    run_deployment(
-        "protect-training/protect-training",
-        parameters={"run": run_name, "command": command, "cwd": str(REPO)},
-        timeout=0,
-    )
+    command = tiny_lm_cmd(run_name, tmp_path / "out", steps=30, every=5, module="examples.tiny_lm_ddp")
+    params = {"run": run_name, "command": command, "cwd": str(REPO), "nproc_per_node": 4,
+              "env": {"OMP_NUM_THREADS": "1"}}  # fmt: skip
+    run_deployment("protect-training/protect-training", parameters=params, timeout=0)
     run_id = wait_until(lambda: _run_id(cat, run_name), 120, "the run to appear")
     wait_until(
         lambda: len(lineage.restorable(cat, run_id)) >= 2, 240, "two committed checkpoints", interval=0.5

@@ -10,25 +10,25 @@ import pytest
 
 from infra.errors import ConfigError
 from infra.health import layout, nvml
-from infra.health.signals import Heartbeats, LossWatch, exit_detection
+from infra.health.signals import LossWatch, describe_exit
+from infra.training.progress import RankState
 
 
-def test_heartbeat_silence_past_timeout_is_a_hang():
-    hb = Heartbeats(timeout_s=5.0)
-    for rank in range(4):
-        hb.beat(rank, step=10, now=100.0)
-    hb.beat(0, 11, 104.0)
-    hb.beat(1, 11, 104.0)
-    hb.beat(3, 11, 104.0)
-    assert hb.hung(now=105.0) == []
-    (d,) = hb.hung(now=105.5)
-    assert (d.kind, d.rank, d.step) == ("hang", 2, 10)
+def test_a_rank_is_silent_from_its_last_step_not_its_last_beat():
+    beating = RankState(
+        0, "n", 1, step=11, loss=0.5, step_at=100.0, beat_at=130.0, state="running", detail={}
+    )
+    assert beating.silent_for(now=131.0) == 31.0  # its thread still writes; its loop does not step
+    fresh = RankState(
+        1, "n", 2, step=None, loss=None, step_at=None, beat_at=130.0, state="running", detail={}
+    )
+    assert fresh.silent_for(now=131.0) == 1.0  # before its first step: since it first reported
 
 
 def test_exit_codes_and_signals():
-    assert exit_detection(0, 0, 5) is None
-    assert "SIGKILL" in exit_detection(1, -signal.SIGKILL, 5).reason
-    assert exit_detection(2, 3, 5).kind == "crash"
+    assert describe_exit(0) == "exited with code 0"
+    assert describe_exit(-signal.SIGKILL) == "killed by SIGKILL"
+    assert describe_exit(3) == "exited with code 3"
 
 
 def test_nan_and_spikes():

@@ -6,6 +6,7 @@ from __future__ import annotations
 from examples.tiny_lm import command
 from flows.cli import main as rewind
 from infra import retention
+from infra.catalog import jobs
 from infra.catalog.db import Catalog
 from tests.integrity_support import statuses
 from tests.trainproc import REPO, TrainProc, assert_same_weights
@@ -23,8 +24,8 @@ def test_node_loss_is_restored_from_the_shared_tier(reference, prefect_api, rewi
     assert rewind(["replicate", run_name, "--to", str(tmp_path / "shared")]) == 0
     shutil.rmtree(rewind_env["REWIND_CHECKPOINT_ROOT"])  # the node is gone, and its disk with it
 
-    cmd = command(run_name, tmp_path / "out")
-    state = restore_checkpoint_flow(run=run_name, relaunch_command=cmd, cwd=str(REPO), return_state=True)
+    jobs.set_spec(Catalog(), run_name, {"command": command(run_name, tmp_path / "out"), "cwd": str(REPO)})
+    state = restore_checkpoint_flow(run=run_name, relaunch=True, return_state=True)
     assert state.is_completed(), state.message
     result = state.result()
     assert result["step"] == 30 and result["fetched"] and result["source"] == "shared"

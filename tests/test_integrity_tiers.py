@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from examples.runner import TrainingProcess
 from examples.tiny_lm import command
 from flows.cli import main as rewind
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
 from infra.format import manifest as mf
 from infra.format.digest import hash_file, manifest_digest
-from infra.launch.process import TrainingProcess
 from tests.integrity_support import copy_statuses, flip
 from tests.s3_support import BUCKET
 from tests.trainproc import REPO, TrainProc, assert_same_weights

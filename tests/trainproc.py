@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from examples.runner import Output, TrainingProcess
 from examples.tiny_lm import command
-from infra.launch.process import Output, TrainingProcess
 
 REPO = Path(__file__).resolve().parents[1]
 

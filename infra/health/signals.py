@@ -1,7 +1,7 @@
-"""Failure signals from a running job: hung or crashed ranks, and numerical trouble.
+"""Failure signals from a running job: how a process ended, and numerical trouble in its loss.
 
-Pure logic over observations (heartbeats, exit codes, losses), so a supervisor
-can feed it from files, pipes or a store, and tests can feed it directly.
+Pure logic over observations, so the training session and the supervisor can
+feed it what they see, and tests can feed it directly.
 """
 
 from __future__ import annotations
@@ -21,29 +21,6 @@ class Detection:
     reason: str
 
 
-@dataclass
-class Heartbeats:
-    """Last heartbeat (time, step) per rank; a rank silent longer than ``timeout_s`` is hung."""
-
-    timeout_s: float
-    last: dict[int, tuple[float, int]] = field(default_factory=dict)
-
-    def beat(self, rank: int, step: int, now: float) -> None:
-        self.last[rank] = (now, step)
-
-    def hung(self, now: float) -> list[Detection]:
-        return [
-            Detection(
-                "hang",
-                rank,
-                step,
-                f"rank {rank} silent for {now - t:.1f}s (timeout {self.timeout_s:g}s) at step {step}",
-            )
-            for rank, (t, step) in sorted(self.last.items())
-            if now - t > self.timeout_s
-        ]
-
-
 def describe_exit(code: int) -> str:
     """How a process ended, from its exit status (negative: the signal that killed it)."""
     if code < 0:
@@ -52,13 +29,6 @@ def describe_exit(code: int) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def exit_detection(rank: int, code: int, step: int | None) -> Detection | None:
-    """A non-zero exit or a signal is a crash; 0 is not."""
-    if code == 0:
-        return None
-    return Detection("crash", rank, step, f"rank {rank} {describe_exit(code)}")
 
 
 @dataclass

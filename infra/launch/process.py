@@ -1,127 +1,16 @@
-"""A training command run as a child process whose output is read line by line.
-
-Output is read on a thread into a queue so that every wait has a deadline, and
-the step lines (``step=<i> loss=<x>``) are parsed as they arrive: that is how a
-supervisor knows how far the job got when it died.
-"""
+"""Process control shared by every layer: find processes, stop a process group, find a program."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import re
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from infra.errors import ConfigError
-
-STEP_LINE = re.compile(r"^step=(\d+) loss=(\S+)$")
-RESUMED_LINE = re.compile(r"resumed run \S+ at step (\d+)")
-
-
-@dataclass
-class Output:
-    lines: list[str] = field(default_factory=list)
-
-    @property
-    def losses(self) -> dict[int, str]:
-        return {int(m.group(1)): m.group(2) for line in self.lines if (m := STEP_LINE.match(line))}
-
-    @property
-    def last_step(self) -> int | None:
-        return max(self.losses, default=None)
-
-    @property
-    def resumed_at(self) -> int | None:
-        for line in self.lines:
-            if m := RESUMED_LINE.search(line):
-                return int(m.group(1))
-        return None
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-
-class TrainingProcess:
-    """One child process; stdout and stderr merged."""
-
-    def __init__(
-        self,
-        cmd: Sequence[str],
-        *,
-        cwd: Path | None = None,
-        env: dict[str, str] | None = None,
-        on_line: Callable[[str], None] | None = None,
-    ) -> None:
-        self.cmd = list(cmd)
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(
-            self.cmd,
-            cwd=cwd,
-            env={**os.environ, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            text=True,
-            bufsize=1,
-        )
-        self.output = Output()
-        self.ended_at: float | None = None
-        self._on_line = on_line
-        self._q: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True, name=f"pump-{self.proc.pid}").start()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _pump(self) -> None:
-        if self.proc.stdout is None:
-            return
-        for line in self.proc.stdout:
-            self._q.put(line.rstrip("\n"))
-        self._q.put(None)
-
-    def wait_for(self, pred: Callable[[str], bool], timeout: float) -> bool:
-        """Consume lines until one satisfies ``pred``; False when the output ends first."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{self.cmd[:4]}: no expected line within {timeout:.0f}s")
-            try:
-                line = self._q.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if line is None:
-                self._q.put(None)  # stay at end-of-output for later waits
-                return False
-            self.output.lines.append(line)
-            if self._on_line is not None:
-                self._on_line(line)
-            if pred(line):
-                return True
-
-    def kill(self, sig: int = signal.SIGKILL, timeout: float = 60) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.finish(timeout)
-
-    def finish(self, timeout: float = 600) -> int:
-        """Read to the end of output and reap the process; returns its exit code (-N for signal N)."""
-        self.wait_for(lambda _line: False, timeout)
-        rc = self.proc.wait(timeout=30)
-        self.ended_at = time.monotonic()
-        return rc
 
 
 def find_pids(*needles: str) -> list[int]:
@@ -147,6 +36,10 @@ def stop_group(pid: int, *, timeout_s: float = 20) -> None:
     for sig, wait_s in ((signal.SIGTERM, timeout_s), (signal.SIGKILL, 5.0)):
         try:
             os.killpg(pid, sig)
+            if sig == signal.SIGTERM:
+                os.killpg(
+                    pid, signal.SIGCONT
+                )  # a stopped (SIGSTOP'd, hung) process handles it only once running
         except ProcessLookupError:
             return
         deadline = time.monotonic() + wait_s

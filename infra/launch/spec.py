@@ -76,7 +76,11 @@ class JobSpec:
     def resized(self, *, nnodes: int, nproc_per_node: int) -> JobSpec:
         world = nnodes * nproc_per_node
         return replace(
-            self, nnodes=nnodes, nproc_per_node=nproc_per_node, min_world_size=min(self.min_world_size, world)
+            self,
+            nnodes=nnodes,
+            nproc_per_node=nproc_per_node,
+            min_world_size=min(self.min_world_size, world),
+            torchrun=self.distributed,  # a job checkpointed by ranks stays under torchrun, even on one
         )
 
     def as_dict(self) -> dict[str, Any]:

@@ -53,27 +53,30 @@ class _Process:
 
     def __init__(self, cmd: list[str], *, cwd: str | None, env: dict[str, str], node: int) -> None:
         self.node, self.cmd = node, cmd
+        self.ended_at: float | None = None  # when it ended, by this clock: which node failed first
         self.tail: collections.deque[str] = collections.deque(maxlen=200)
         self.proc = subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True,
         )  # fmt: skip
-        self._pump = threading.Thread(target=self._read, daemon=True, name=f"rewind-out-{self.proc.pid}")
-        self._pump.start()
+        threading.Thread(target=self._read, daemon=True, name=f"rewind-out-{self.proc.pid}").start()
+        threading.Thread(target=self._wait, daemon=True, name=f"rewind-wait-{self.proc.pid}").start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
+        for line in self.proc.stdout:  # children that outlive it may keep the pipe open: not our clock
             self.tail.append(line.rstrip("\n"))
+
+    def _wait(self) -> None:
+        self.proc.wait()
+        self.ended_at = time.time()
 
     def stop(self, timeout_s: float) -> None:
         stop_group(self.proc.pid, timeout_s=timeout_s)
 
     def ended(self) -> int | None:
-        code = self.proc.poll()
-        if code is not None:
-            self._pump.join(timeout=5)
-        return code
+        """The exit code once the process has ended, else None."""
+        return self.proc.returncode if self.ended_at is not None else None
 
 
 class Supervisor:
@@ -148,7 +151,9 @@ class Supervisor:
         seen = self._committed(now) + self._progress(now) + self._gpu(now)
         seen += [
             Observation(
-                Seen.EXITED, now, detail={"node": p.node, "exit_code": code, "how": describe_exit(code)}
+                Seen.EXITED,
+                p.ended_at or now,
+                detail={"node": p.node, "exit_code": code, "how": describe_exit(code)},
             )
             for p in self.processes
             if (code := p.ended()) is not None
@@ -230,6 +235,10 @@ class Supervisor:
 
 
 def first_failure(observations: list[Observation]) -> Observation | None:
-    """The exit that ended the launch: the first non-zero one (a lost node's agent), else None."""
+    """The exit that ended the launch (a lost node's agent), else None.
+
+    A process killed by a signal is the cause rather than the consequence (the others
+    fail because their peers vanished); among equals, the one that ended first.
+    """
     failed = [o for o in observations if o.kind is Seen.EXITED and o.detail["exit_code"] != 0]
-    return failed[0] if failed else None
+    return min(failed, key=lambda o: (o.detail["exit_code"] > 0, o.at)) if failed else None
