@@ -2,8 +2,8 @@
 
 Rewind never reads a job's own flags. A single-process job runs ``command`` as
 given; a distributed one (more than one process, or ``torchrun=True``) runs the
-same command under ``torch.distributed.run``: ``python -m torch.distributed.run
-<launcher options> <command without its interpreter>``. What changes between
+same command under ``torch.distributed.run``, each rank exec'ing it unchanged
+(``infra.launch.worker``). What changes between
 launches (world size, global batch, learning-rate scale, a data window to skip)
 reaches the job through the launch's handoff (``infra.training.session``), never
 through rewritten flags.
@@ -106,11 +106,14 @@ def _is_python(program: str) -> bool:
 
 
 def agent_command(spec: JobSpec, *, endpoint: str, rdzv_id: str) -> list[str]:
-    """The command of one node's torchrun agent (the same on every node: c10d assigns node ranks)."""
-    python, *rest = spec.command
-    python = sys.executable if python in ("python", "python3") else python
+    """The command of one node's torchrun agent (the same on every node: c10d assigns node ranks).
+
+    The job's command goes through ``infra.launch.worker`` after a ``--``, out of
+    reach of torchrun's own option parser.
+    """
+    job = process_command(spec)
     return [
-        python,
+        job[0],
         "-m",
         "torch.distributed.run",
         f"--nnodes={spec.nnodes}",
@@ -119,7 +122,10 @@ def agent_command(spec: JobSpec, *, endpoint: str, rdzv_id: str) -> list[str]:
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={rdzv_id}",
         "--max-restarts=0",
-        *rest,
+        "-m",
+        "infra.launch.worker",
+        "--",
+        *job,
     ]
 
 
