@@ -89,10 +89,12 @@ def train(args: Any) -> int:
         checkpoint_every=args.checkpoint_every,
     )  # fmt: skip
     with session as s:
-        if s.handoff.lr_scale != 1.0:  # rebuilt on fewer ranks: linear scaling of the full-size rate
-            sched.base_lrs = [args.lr * s.handoff.lr_scale for _ in sched.base_lrs]
-            for g, lr in zip(opt.param_groups, sched.get_lr(), strict=True):
-                g["lr"] = lr
+        # The full-size rate, scaled for the ranks this launch has (1.0 at full size): set every time,
+        # since a checkpoint written by a smaller launch carries that launch's scaled rate.
+        sched.base_lrs = [args.lr * s.handoff.lr_scale for _ in sched.base_lrs]
+        if s.start_step:
+            for g, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
+                g["lr"] = base * factor(sched.last_epoch)
         s.note(lr=sched.base_lrs[0], global_batch=args.batch_size * world, world_size=world)
         for skip in s.skipped:
             print(

@@ -9,7 +9,7 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from tasks.common import artifact_key
-from tasks.detect import load_spec, record_failure, supervise_training
+from tasks.detect import load_spec, record_failure, record_spec, supervise_training
 from tasks.replicate import apply_retention, pending_replication, replicate_checkpoint
 from tasks.restore import restore_checkpoint
 from tasks.verify import list_checkpoints, verify_checkpoint
@@ -42,20 +42,33 @@ def verify_checkpoints(run: str | None = None, deep: bool = True) -> dict[str, A
 
 
 @flow(name="restore-checkpoint")
-def restore_checkpoint_flow(run: str, step: int | None = None, relaunch: bool = False) -> dict[str, Any]:
+def restore_checkpoint_flow(
+    run: str,
+    step: int | None = None,
+    relaunch: bool = False,
+    relaunch_command: list[str] | None = None,
+    cwd: str | None = None,
+) -> dict[str, Any]:
     """Roll a run back to a verified checkpoint; its next launch resumes from there.
 
     Args:
         run: Catalog name of the run.
         step: The step to go back to (default: the newest checkpoint that verifies).
-        relaunch: Start the job again from the run's spec and watch it.
+        relaunch: Start the job again from the run's job spec and watch it.
+        relaunch_command: Start it with this command instead (it becomes the run's spec).
+        cwd: Working directory for `relaunch_command`.
     """
+    spec = None
+    if relaunch_command:
+        spec = record_spec(run, {"command": relaunch_command, "cwd": cwd})
+    elif relaunch:
+        spec = load_spec(run)  # before the roll-back: a run without a spec fails here, unchanged
     chosen = restore_checkpoint(
         run, step, roll_back=True, reason=f"rolled back to step {step} from the restore-checkpoint flow"
     )
-    if not relaunch:
+    if spec is None:
         return chosen
-    outcome = supervise_training(run, load_spec(run))
+    outcome = supervise_training(run, spec)
     if outcome["exit_code"] != 0 or outcome["kind"] != "crash":
         chosen["incident_id"] = record_failure(outcome)
     chosen["relaunch"] = outcome["how"]

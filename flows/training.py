@@ -148,7 +148,7 @@ def _skip_window(
     incident_id: int, chosen: dict[str, Any], details: dict[str, Any], bad_step: int
 ) -> list[int] | None:
     """[from, to) of the data that produced the anomaly: from the restore point to where the bad step ended."""
-    start, end = chosen["data"]["consumed"], details.get("anomaly_position")
+    start, end = chosen["data"].get("total", chosen["data"]["consumed"]), details.get("anomaly_position")
     if end is None or end <= start:
         annotate_incident(
             incident_id, details={"skipped_samples": None, "skip": "the job reported no data position"}

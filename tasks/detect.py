@@ -11,8 +11,9 @@ from prefect.artifacts import create_markdown_artifact
 
 from infra.catalog import incidents, jobs, lineage
 from infra.health.signals import describe_exit
+from infra.launch.observe import Observation, Seen, first_failure
 from infra.launch.spec import JobSpec
-from infra.launch.supervisor import Observation, Seen, Supervisor, first_failure
+from infra.launch.supervisor import Supervisor, redacted
 from infra.training import progress
 from tasks.common import RETRY, artifact_key, catalog, emit
 from tasks.verify import verify_checkpoint
@@ -52,8 +53,12 @@ def supervise_training(
         sup.spec.nproc_per_node,
     )
     watch = _Watch(run, incident_id, died_at, sup.started_at)
-    while not watch.done(sup.poll(poll_s), sup):
-        pass
+    try:
+        while not watch.done(sup.poll(poll_s), sup):
+            pass
+    except BaseException:  # never leave a job running that nobody watches
+        sup.stop(grace_s=10)
+        raise
     return watch.outcome(sup, sup.finish(), launch_id)
 
 
@@ -65,6 +70,7 @@ class _Watch:
         self.stop: Observation | None = None  # what made Rewind stop the job (hang, anomaly, gpu)
         self.exits: list[Observation] = []
         self.first_step_at: float | None = None
+        self.stopped = False
 
     def done(self, seen: list[Observation], sup: Supervisor) -> bool:
         for o in seen:
@@ -77,7 +83,8 @@ class _Watch:
                 get_run_logger().error("%s: %s; stopping the job", o.kind.value, o.detail.get("reason"))
             elif o.kind is Seen.EXITED and all(e.detail["node"] != o.detail["node"] for e in self.exits):
                 self.exits.append(o)
-        if self.stop is not None or first_failure(self.exits) is not None:
+        if not self.stopped and (self.stop is not None or first_failure(self.exits) is not None):
+            self.stopped = True
             sup.stop()
         return len(self.exits) == len(sup.processes)
 
@@ -108,7 +115,10 @@ class _Watch:
         ranks = progress.read(catalog(), launch_id)
         failed = first_failure(self.exits)
         stop = self.stop
-        ended = failed or stop
+        ended = stop or failed  # Rewind's own stop comes after what it saw
+        killed = (
+            failed is not None and failed.detail["exit_code"] < 0 and sup.spec.nnodes > 1 and stop is None
+        )
         out = {
             "kind": self._kind(),
             "hang": stop.detail if stop is not None and stop.kind is Seen.HANG else None,
@@ -117,8 +127,10 @@ class _Watch:
             "anomaly_position": stop.detail.get("position") if stop is not None else None,
             "run": self.run,
             "launch_id": launch_id,
-            "spec": sup.spec.as_dict(),
-            "lost_node": failed.detail["node"] if failed is not None and sup.spec.nnodes > 1 else None,
+            "spec": redacted(sup.spec),
+            "lost_node": failed.detail["node"]
+            if killed and failed is not None
+            else None,  # a node, not a rank
             "exit_code": code,
             "how": describe_exit(code),
             "died_at": ended.at if ended is not None else time.time(),
@@ -145,6 +157,13 @@ def load_spec(run: str) -> dict[str, Any]:
     return jobs.get_spec(catalog(), run)
 
 
+def _crash_reason(outcome: dict[str, Any]) -> str:
+    where = f"node {outcome['lost_node']} lost: " if outcome.get("lost_node") is not None else ""
+    if outcome["last_step"] is None:
+        return f"{where}training {outcome['how']}; it reported no step (not using the session API?)"
+    return f"{where}training {outcome['how']} after step {outcome['last_step']}"
+
+
 @task(name="record-failure", **RETRY)
 def record_failure(outcome: dict[str, Any]) -> int:
     """One incident and one ``rewind.failure.detected`` event per abnormal end."""
@@ -153,9 +172,7 @@ def record_failure(outcome: dict[str, Any]) -> int:
     now = time.time()
     kind = outcome.get("kind", "crash")
     hang = outcome.get("hang")
-    reason = outcome.get("anomaly") or (
-        hang["reason"] if hang else f"training {outcome['how']} after step {outcome['last_step']}"
-    )
+    reason = outcome.get("anomaly") or (hang["reason"] if hang else _crash_reason(outcome))
     incident_id = incidents.open_incident(
         cat,
         run,

@@ -7,9 +7,23 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from infra.catalog import incidents, jobs
+from infra.errors import NotFoundError
 from infra.launch import rebuild
 from infra.launch.spec import JobSpec
 from tasks.common import RETRY, catalog
+
+
+def _spec(run: str, details: dict[str, Any]) -> JobSpec:
+    """The run's spec; for an incident recorded before specs existed, the command it recorded."""
+    cat = catalog()
+    try:
+        return JobSpec.from_dict(jobs.get_spec(cat, run))
+    except NotFoundError:
+        if not details.get("command"):
+            raise
+    spec = JobSpec(command=tuple(details["command"]), cwd=details.get("cwd"))
+    jobs.set_spec(cat, run, spec.as_dict())
+    return spec
 
 
 @task(name="rebuild-environment", **RETRY)
@@ -22,9 +36,11 @@ def rebuild_environment(run: str, incident_id: int, shrink_on_crash: bool = True
     """
     cat = catalog()
     inc = incidents.get_incident(cat, incident_id)
-    full = JobSpec.from_dict(jobs.get_spec(cat, run))
+    full = _spec(run, inc.details or {})
     launch_id = (inc.details or {}).get("launch_id")
-    current = JobSpec.from_dict(jobs.get_launch(cat, launch_id).spec) if launch_id else full
+    size = jobs.get_launch(cat, launch_id).spec if launch_id else full.as_dict()
+    # The failed launch's size; everything else (its environment included) from the run's spec.
+    current = full.resized(nnodes=int(size["nnodes"]), nproc_per_node=int(size["nproc_per_node"]))
     lost = (inc.details or {}).get("lost_node")
     r = rebuild.plan(full, current, inc.kind, lost_node=lost, shrink=shrink_on_crash)
     incidents.update_incident(

@@ -179,3 +179,20 @@ def test_loader_position_is_global_across_ranks():
     ranks = [_take(ResumableLoader(Seq(), 2, seed=1, rank=r, world=2), 6) for r in (0, 1)]
     merged = [x for i in range(6) for r in (0, 1) for x in ranks[r][2 * i : 2 * i + 2]]
     assert merged == one
+
+
+def test_skipping_a_data_window_lands_where_iterating_would_across_epochs():
+    walked = ResumableLoader(Seq(), batch_size=4, seed=3, world=2)  # 50 samples: 48 usable per epoch
+    it = iter(walked)
+    for _ in range(10):  # 80 samples: into the second epoch
+        next(it)
+    skipped = ResumableLoader(Seq(), batch_size=4, seed=3, world=2)
+    skipped.skip_to(80)
+    assert (skipped.epoch, skipped.consumed, skipped.position) == (
+        walked.epoch,
+        walked.consumed,
+        walked.position,
+    )
+    assert _take(skipped, 2) == _take(walked, 2)
+    with pytest.raises(ValueError, match="skip back"):
+        skipped.skip_to(8)

@@ -11,6 +11,7 @@ import pytest
 from infra.errors import ConfigError
 from infra.health import layout, nvml
 from infra.health.signals import LossWatch, describe_exit
+from infra.launch import observe
 from infra.training.progress import RankState
 
 
@@ -99,3 +100,32 @@ def test_nvml_parsing_flags_sick_gpus():
         "throttled: hw_thermal",
     }
     assert "sw_power_cap" in sick.throttle_reasons  # reported, but power capping alone is not a fault
+
+
+def _rank(rank: int, *, state: str = "running", step_at: float = 100.0, beat_at: float = 100.0, **detail):  # type: ignore[no-untyped-def]
+    return RankState(
+        rank, "n", rank, step=7, loss=1.0, step_at=step_at, beat_at=beat_at, state=state, detail=detail
+    )
+
+
+def test_a_busy_rank_gets_the_busy_limit_a_silent_one_does_not():
+    lim = observe.Limits(hang_s=5.0, busy_s=300.0, world_size=2, started_at=0.0)
+    saving = _rank(0, state="busy", step_at=100.0, beat_at=159.0, busy="saving")  # a 60 s save, still beating
+    stepping = _rank(1, step_at=158.0, beat_at=159.0)
+    assert observe.hang([saving, stepping], now=160.0, lim=lim) is None
+    stalled = _rank(1, step_at=150.0, beat_at=159.0)  # beating, not stepping: stuck in a collective
+    found = observe.hang([saving, stalled], now=156.0, lim=lim)
+    assert found is not None and found.detail["ranks"] == [1]
+    stopped = _rank(0, state="busy", step_at=100.0, beat_at=150.0, busy="saving")  # SIGSTOP: no beats either
+    found = observe.hang([stopped, _rank(1, step_at=155.0, beat_at=155.5)], now=156.0, lim=lim)
+    assert (
+        found is not None and found.detail["ranks"] == [0] and "stopped reporting" in found.detail["reason"]
+    )
+
+
+def test_ranks_that_never_report_are_a_hang_after_the_busy_limit():
+    lim = observe.Limits(hang_s=5.0, busy_s=300.0, world_size=2, started_at=0.0)
+    one = [_rank(0, step_at=299.0, beat_at=299.0)]
+    assert observe.hang(one, now=299.0, lim=lim) is None
+    found = observe.hang(one, now=301.0, lim=lim)
+    assert found is not None and "1 of 2 ranks never reported" in found.detail["reason"]

@@ -5,27 +5,24 @@ sample is skipped or repeated."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-from pathlib import Path
 
 from infra.catalog import incidents, jobs
 from infra.catalog.db import Catalog
-from infra.launch.process import find_pids
+from infra.launch.process import pids_with_env, signal_all
 from infra.training.data import epoch_order
 from tests.test_protect_any_job import BATCH, STEPS, config, protect, ranks_at
 
 
-def _agent_of_node(node: int) -> int:
-    """The torchrun agent the supervisor started as ``node`` (its process group is the node)."""
-    for pid in find_pids("torch.distributed.run", "examples/any_job.py"):
-        try:
-            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"REWIND_NODE={node}".encode() in env:
-            return pid
-    raise AssertionError(f"no agent for node {node}")
+def _lose_node(run: str, node: int) -> int:
+    """SIGKILL every process of ``node`` in the run's current launch: its torchrun agent and its ranks."""
+    launch = jobs.launches(Catalog(), run)[-1].id
+    pids = pids_with_env(REWIND_LAUNCH_ID=str(launch), REWIND_NODE=str(node))
+    assert len(pids) >= 2, (
+        pids
+    )  # the agent and at least one rank (torchrun starts ranks in their own sessions)
+    signal_all(pids, signal.SIGKILL)
+    return len(pids)
 
 
 def test_a_lost_node_comes_back_on_the_node_left(prefect_api, rewind_env, run_name, tmp_path):
@@ -37,7 +34,7 @@ def test_a_lost_node_comes_back_on_the_node_left(prefect_api, rewind_env, run_na
     cfg = config(tmp_path, run_name, sample_log=str(log), step_time_s=0.1)
     t, result = protect(run_name, cfg, nnodes=2, nproc_per_node=1, global_batch=2 * BATCH, lr=0.01)
     ranks_at(run_name, 12)
-    os.killpg(_agent_of_node(1), signal.SIGKILL)  # the node is gone: its agent and its rank with it
+    _lose_node(run_name, 1)  # the node is gone: its agent and its rank with it
     t.join(timeout=300)
     assert result["status"] == "crash", result
     cat = Catalog()

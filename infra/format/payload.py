@@ -111,6 +111,11 @@ def data_position(directory: Path, manifest: mf.Manifest) -> dict[str, int]:
     data = trees.get("data") if isinstance(trees, dict) else None
     data = data if isinstance(data, dict) else {}
     try:
-        return {"epoch": int(data.get("epoch", 0)), "consumed": int(data.get("consumed", 0))}
+        consumed = int(data.get("consumed", 0))
+        return {
+            "epoch": int(data.get("epoch", 0)),
+            "consumed": consumed,
+            "total": int(data.get("total", consumed)),
+        }
     except _DECODE_ERRORS as exc:
         raise _unloadable(directory, STATE_FILE, f"data position is not a number ({exc})") from exc

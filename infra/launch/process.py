@@ -28,6 +28,35 @@ def find_pids(*needles: str) -> list[int]:
     return found
 
 
+def pids_with_env(**env: str) -> list[int]:
+    """Processes (of this user) whose environment holds every ``NAME=value`` given.
+
+    torchrun starts its workers in sessions of their own, so a launch's processes are
+    found by the variables the supervisor gave them, which every descendant inherits.
+    """
+    wanted = {f"{k}={v}".encode() for k, v in env.items()}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            variables = set((entry / "environ").read_bytes().split(b"\0"))
+        except OSError:
+            continue
+        if wanted <= variables:
+            found.append(int(entry.name))
+    return found
+
+
+def signal_all(pids: list[int], sig: int) -> None:
+    """Send ``sig`` to every pid that still exists (and SIGCONT after a SIGTERM, for stopped ones)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+            if sig == signal.SIGTERM:
+                os.kill(pid, signal.SIGCONT)
+
+
 def stop_group(pid: int, *, timeout_s: float = 20) -> None:
     """SIGTERM a process group started with ``start_new_session``; SIGKILL it after a bounded wait.
 

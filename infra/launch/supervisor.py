@@ -1,55 +1,46 @@
 """Launching a run from its spec and watching it: ``poll()`` returns what happened, as typed observations.
 
 The supervisor starts one process (a single-process job) or one torchrun agent
-per node (each in its own process group, so a node can be stopped whole), and
-records the launch in the catalog with what the job is handed. It watches
-exits, the ranks' progress rows (a rank whose step stops advancing longer than
-the hang timeout is hung; an anomaly a rank recorded), newly committed
-checkpoints and, where a driver exists, GPU health. It never reads the job's
-output for meaning: the tail it keeps is for the incident report only.
+per node, and records the launch in the catalog with what the job is handed. It
+watches exits, the ranks' progress rows (``infra.launch.observe`` judges hangs
+and anomalies), newly committed checkpoints and, where a driver exists, GPU
+health. It never reads the job's output for meaning: the tail it keeps is for the
+incident report only. Every process of a launch (torchrun's workers run in
+sessions of their own) carries ``REWIND_LAUNCH_ID`` and ``REWIND_NODE``: that is
+how a node, or the whole launch, is stopped, workers included.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
+import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 from infra.catalog import jobs, lineage
 from infra.catalog.db import Catalog
 from infra.catalog.models import CheckpointStatus
+from infra.errors import TransientError
 from infra.health import nvml
 from infra.health.signals import describe_exit
-from infra.launch.process import stop_group
+from infra.launch import observe
+from infra.launch.observe import Observation, Seen, first_failure
+from infra.launch.process import pids_with_env, signal_all
 from infra.launch.spec import JobSpec, agent_command, process_command
 from infra.net import free_port
 from infra.training import progress
 
-
-class Seen(StrEnum):
-    FIRST_STEP = "first_step"  # a rank got past the step it started from
-    COMMITTED = "committed"  # a checkpoint was committed
-    ANOMALY = "anomaly"  # a rank recorded NaN/Inf or a loss spike
-    HANG = "hang"  # a rank made no progress for longer than the timeout
-    GPU = "gpu"  # NVML says a GPU is unhealthy
-    EXITED = "exited"  # a process (or a node's agent) ended
-
-
-@dataclass(frozen=True, slots=True)
-class Observation:
-    kind: Seen
-    at: float
-    step: int | None = None
-    detail: dict[str, Any] = field(default_factory=dict)
+log = logging.getLogger("rewind.supervisor")
+BUSY_FACTOR = 10  # a busy phase (restore, start-up, save) may take this many hang timeouts
+MIN_BUSY_S = 300.0
 
 
 class _Process:
-    """One child process in its own session, its output's tail kept for the incident."""
+    """One child process (a job, or a node's agent) in its own session, its output's tail kept for the incident."""
 
     def __init__(self, cmd: list[str], *, cwd: str | None, env: dict[str, str], node: int) -> None:
         self.node, self.cmd = node, cmd
@@ -59,7 +50,8 @@ class _Process:
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True,
         )  # fmt: skip
-        threading.Thread(target=self._read, daemon=True, name=f"rewind-out-{self.proc.pid}").start()
+        self._reader = threading.Thread(target=self._read, daemon=True, name=f"rewind-out-{self.proc.pid}")
+        self._reader.start()
         threading.Thread(target=self._wait, daemon=True, name=f"rewind-wait-{self.proc.pid}").start()
 
     def _read(self) -> None:
@@ -71,8 +63,9 @@ class _Process:
         self.proc.wait()
         self.ended_at = time.time()
 
-    def stop(self, timeout_s: float) -> None:
-        stop_group(self.proc.pid, timeout_s=timeout_s)
+    def joined(self, timeout_s: float = 5.0) -> None:
+        """Let the output reader finish (bounded: workers that outlive the agent may hold the pipe)."""
+        self._reader.join(timeout=timeout_s)
 
     def ended(self) -> int | None:
         """The exit code once the process has ended, else None."""
@@ -80,7 +73,7 @@ class _Process:
 
 
 class Supervisor:
-    """One launch of a run: ``start()``, then ``poll()`` until an ``EXITED`` observation, then ``stop()``."""
+    """One launch of a run: ``start()``, then ``poll()`` until every process exited, then ``finish()``."""
 
     def __init__(
         self,
@@ -107,7 +100,7 @@ class Supervisor:
         self._seen_ckpts: set[int] = set()
         self._first_step = False
         self._next_gpu = 0.0
-        self._start_step: int | None = None
+        self._ended = 0
 
     # -- starting ------------------------------------------------------------------------
 
@@ -115,19 +108,19 @@ class Supervisor:
         run_id = lineage.ensure_run(self.cat, self.run)
         self._seen_ckpts = {c.id for c in lineage.restorable(self.cat, run_id)}
         self.launch_id = jobs.begin_launch(
-            self.cat, self.run, self.spec.as_dict(), self.handoff, incident_id=self.incident_id
+            self.cat, self.run, redacted(self.spec), self.handoff, incident_id=self.incident_id
         )
         self.started_at = time.time()
         self._next_gpu = time.monotonic() + (self.gpu_check_s or 0)
         base = {**os.environ, **self.spec.env, **self._handoff_env()}
         if not self.spec.distributed:
-            self.processes = [_Process(process_command(self.spec), cwd=self.spec.cwd, env=base, node=0)]
+            cmd = process_command(self.spec)
+            self.processes = [_Process(cmd, cwd=self.spec.cwd, env={**base, progress.NODE_ENV: "0"}, node=0)]
             return self.launch_id
         endpoint = self.spec.rdzv_endpoint or f"127.0.0.1:{free_port()}"
         cmd = agent_command(self.spec, endpoint=endpoint, rdzv_id=f"{self.run}-{self.launch_id}")
-        node_env = (lambda i: {progress.NODE_ENV: str(i)}) if self.spec.nnodes > 1 else (lambda i: {})
         self.processes = [
-            _Process(cmd, cwd=self.spec.cwd, env={**base, **node_env(i)}, node=i)
+            _Process(cmd, cwd=self.spec.cwd, env={**base, progress.NODE_ENV: str(i)}, node=i)
             for i in range(self.spec.nnodes)
         ]
         return self.launch_id
@@ -143,12 +136,18 @@ class Supervisor:
     # -- watching ------------------------------------------------------------------------
 
     def poll(self, timeout_s: float = 1.0) -> list[Observation]:
-        """Wait up to ``timeout_s`` for something to happen; every observation since the last poll."""
+        """Wait up to ``timeout_s`` (less if a process ends); every observation since the last poll."""
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and not any(p.ended() is not None for p in self.processes):
+        while time.monotonic() < deadline and self._count_ended() == self._ended:
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+        self._ended = self._count_ended()
         now = time.time()
-        seen = self._committed(now) + self._progress(now) + self._gpu(now)
+        seen: list[Observation] = []
+        try:
+            seen += self._committed(now) + self._progress(now)
+        except TransientError as exc:  # the catalog blinked: look again at the next poll
+            log.warning("could not read the catalog this poll: %s", exc)
+        seen += self._gpu(now)
         seen += [
             Observation(
                 Seen.EXITED,
@@ -159,6 +158,9 @@ class Supervisor:
             if (code := p.ended()) is not None
         ]
         return seen
+
+    def _count_ended(self) -> int:
+        return sum(p.ended() is not None for p in self.processes)
 
     def _committed(self, now: float) -> list[Observation]:
         out = []
@@ -171,30 +173,20 @@ class Supervisor:
     def _progress(self, now: float) -> list[Observation]:
         assert self.launch_id is not None
         ranks = progress.read(self.cat, self.launch_id)
-        out: list[Observation] = []
-        if self._start_step is None and ranks:
-            self._start_step = min((r.step or 0) for r in ranks)
-        if not self._first_step and any((r.step or 0) > (self._start_step or 0) for r in ranks):
+        out = []
+        if not self._first_step and (first := observe.first_step(ranks)) is not None:
             self._first_step = True
-            first = max(r.step or 0 for r in ranks)
-            out.append(Observation(Seen.FIRST_STEP, now, first, {"from_step": self._start_step}))
-        anomalies = sorted(
-            (r for r in ranks if "anomaly" in r.detail), key=lambda r: r.detail["anomaly"]["step"]
+            out.append(first)
+        hang_s = self.spec.heartbeat_timeout_s
+        limits = observe.Limits(
+            hang_s=hang_s,
+            busy_s=max(MIN_BUSY_S, BUSY_FACTOR * hang_s) if hang_s else MIN_BUSY_S,
+            world_size=int(self.handoff["world_size"]),
+            started_at=self.started_at,
         )
-        if anomalies:  # the earliest: later ones on other ranks are its consequences
-            a = anomalies[0].detail["anomaly"]
-            out.append(Observation(Seen.ANOMALY, now, a.get("step"), {**a, "rank": anomalies[0].rank}))
-        timeout = self.spec.heartbeat_timeout_s
-        hung = [r for r in ranks if timeout and r.state == "running" and r.silent_for(now) > timeout]
-        if hung:
-            reason = "; ".join(
-                f"rank {r.rank} on {r.node} made no progress for {r.silent_for(now):.1f}s (timeout {timeout:g}s) "
-                f"after step {r.step}"
-                for r in hung
-            )
-            detail = {"ranks": [r.rank for r in hung], "silent_s": max(r.silent_for(now) for r in hung),
-                      "timeout_s": timeout, "reason": reason}  # fmt: skip
-            out.append(Observation(Seen.HANG, now, min(r.step or 0 for r in hung), detail))
+        for found in (observe.anomaly(ranks), observe.hang(ranks, now, limits)):
+            if found is not None:
+                out.append(found)
         return out
 
     def _gpu(self, now: float) -> list[Observation]:
@@ -213,19 +205,31 @@ class Supervisor:
 
     # -- ending --------------------------------------------------------------------------
 
-    def stop(self, timeout_s: float = 60.0) -> None:
-        """Stop every process group that is still running (SIGTERM, then SIGKILL after ``timeout_s``)."""
-        for p in self.processes:
-            if p.ended() is None:
-                p.stop(timeout_s)
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM every process of the launch (workers too), SIGKILL what is left after ``grace_s``."""
+        self._signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(p.ended() is None for p in self.processes):
+            time.sleep(0.1)
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, sig: int) -> None:
+        if self.launch_id is None:
+            return
+        workers = pids_with_env(**{progress.LAUNCH_ENV: str(self.launch_id)})
+        signal_all([p.proc.pid for p in self.processes if p.ended() is None] + workers, sig)
 
     def finish(self) -> int:
-        """Once everything has ended: the launch's exit code (the first failure's), recorded on the launch."""
+        """Once every process ended: the launch's exit code (the first failure's), recorded on the launch."""
         for p in self.processes:
-            if p.ended() is None:
-                p.proc.wait()
-        codes = [p.ended() or 0 for p in self.processes]
-        code = next((c for c in codes if c != 0), 0)
+            p.proc.wait()
+            p.joined()
+        exits = [
+            Observation(Seen.EXITED, p.ended_at or time.time(), detail={"node": p.node, "exit_code": p.proc.returncode})
+            for p in self.processes
+        ]  # fmt: skip
+        failed = first_failure(exits)
+        code = failed.detail["exit_code"] if failed is not None else 0
         if self.launch_id is not None:
             jobs.end_launch(self.cat, self.launch_id, code)
         return code
@@ -234,11 +238,8 @@ class Supervisor:
         return [line for p in self.processes for line in list(p.tail)[-40:]]
 
 
-def first_failure(observations: list[Observation]) -> Observation | None:
-    """The exit that ended the launch (a lost node's agent), else None.
-
-    A process killed by a signal is the cause rather than the consequence (the others
-    fail because their peers vanished); among equals, the one that ended first.
-    """
-    failed = [o for o in observations if o.kind is Seen.EXITED and o.detail["exit_code"] != 0]
-    return min(failed, key=lambda o: (o.detail["exit_code"] > 0, o.at)) if failed else None
+def redacted(spec: JobSpec) -> dict[str, Any]:
+    """The spec as recorded on launches and incidents: environment values are secrets until proven not."""
+    out = spec.as_dict()
+    out["env"] = dict.fromkeys(spec.env, "<redacted>")
+    return out

@@ -48,6 +48,7 @@ class ResumableLoader:
         self.num_workers = num_workers
         self.epoch = 0
         self.consumed = 0  # samples of this epoch's global order already handed out
+        self.total = 0  # samples handed out since the start, every epoch: the position Rewind talks about
         self.last_indices: list[int] = []  # dataset indices of the batch most recently handed out
 
     @property
@@ -55,24 +56,35 @@ class ResumableLoader:
         return self.batch_size * self.world
 
     def state_dict(self) -> dict[str, Any]:
-        return {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed}
+        return {"seed": self.seed, "epoch": self.epoch, "consumed": self.consumed, "total": self.total}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["seed"] != self.seed:
             raise ValueError(f"checkpoint data order has seed {state['seed']}, this loader {self.seed}")
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])
+        self.total = int(state.get("total", self.consumed))  # checkpoints before "total": epoch 0 only
 
     @property
     def position(self) -> int:
-        """Samples of this epoch's global order already handed out (the same on every rank)."""
-        return self.consumed
+        """Samples handed out since the start, across epochs (the same on every rank)."""
+        return self.total
+
+    def _left_in_epoch(self) -> int:
+        n = len(self.dataset)  # type: ignore[arg-type]
+        return (n - self.consumed) // self.global_batch * self.global_batch
 
     def skip_to(self, position: int) -> None:
-        """Step over a data window: the next batch starts at ``position`` of this epoch's order."""
-        if position < self.consumed:
-            raise ValueError(f"cannot skip back from {self.consumed} to {position}")
-        self.consumed = position
+        """Step over a data window: the next batch starts at global ``position``, epochs included."""
+        if position < self.total:
+            raise ValueError(f"cannot skip back from {self.total} to {position}")
+        while self.total < position:
+            step = min(position - self.total, self._left_in_epoch())
+            if step == 0 and self.consumed == 0:
+                raise ValueError("dataset is smaller than one global batch")
+            self.consumed, self.total = self.consumed + step, self.total + step
+            if self.total < position or self._left_in_epoch() == 0:
+                self.epoch, self.consumed = self.epoch + 1, 0
 
     def _rank_indices(self) -> list[int]:
         order = epoch_order(len(self.dataset), self.seed, self.epoch)  # type: ignore[arg-type]
@@ -102,5 +114,6 @@ class ResumableLoader:
             for i, batch in enumerate(loader):
                 self.last_indices = indices[i * self.batch_size : (i + 1) * self.batch_size]
                 self.consumed += self.global_batch
+                self.total += self.global_batch
                 yield batch
             self.epoch, self.consumed = self.epoch + 1, 0

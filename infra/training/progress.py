@@ -38,7 +38,7 @@ class RankState:
     loss: float | None
     step_at: float | None
     beat_at: float
-    state: str  # running | finished | anomaly
+    state: str  # running | busy | finished | failed | anomaly
     detail: dict[str, Any]
 
     def silent_for(self, now: float) -> float:
@@ -67,8 +67,9 @@ class ProgressWriter:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"rewind-progress-{rank}", daemon=True)
 
-    def start(self, step: int | None) -> None:
-        self.report(step, None, None)
+    def start(self, busy: str) -> None:
+        """First row (busy with ``busy``), then a beat every ``interval_s`` from the thread."""
+        self._fields.update(state="busy", detail={"busy": busy}, step_at=time.time())
         self._write()
         self._thread.start()
 
@@ -77,6 +78,21 @@ class ProgressWriter:
             if step != self._fields.get("step"):
                 self._fields["step_at"] = time.time()
             self._fields.update(step=step, loss=loss, samples=samples)
+
+    def busy(self, what: str | None) -> None:
+        """Enter a phase that may outlast a step (``"restoring"``, ``"starting"``, ``"saving"``), or leave it.
+
+        The supervisor allows a busy rank its longer busy timeout; the silence is
+        counted from the change either way, and its thread's beats keep it alive.
+        """
+        with self._lock:
+            detail = {k: v for k, v in self._fields["detail"].items() if k != "busy"}
+            if what is not None:
+                detail["busy"] = what
+            if self._fields["state"] in ("running", "busy"):
+                self._fields["state"] = "busy" if what is not None else "running"
+            self._fields.update(detail=detail, step_at=time.time())
+        self._write()
 
     def note(self, **detail: Any) -> None:
         """Add facts for the supervisor (what the job applied, an anomaly) and write them now."""
@@ -91,7 +107,7 @@ class ProgressWriter:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         with self._lock:
-            if self._fields["state"] == "running":
+            if self._fields["state"] in ("running", "busy"):
                 self._fields["state"] = state
         self._write()
 

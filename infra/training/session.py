@@ -155,14 +155,19 @@ class TrainingSession:
     def __enter__(self) -> TrainingSession:
         self.handoff = Handoff.load(self.catalog)
         self.watch = LossWatch(spike_factor=self.spike_factor or self.handoff.spike_factor or float("inf"))
-        self.start_step = self._restore()
-        self._skip_window()
         if self.handoff.launch_id is not None and self.catalog is not None:
             self._writer = ProgressWriter(
                 self.catalog, self.handoff.launch_id, self.rank, interval_s=self.heartbeat_s
             )
-            self._writer.start(self.start_step)
-            self._writer.note(received=self._received())
+            self._writer.start("restoring")
+        self.start_step = self._restore()
+        self._skip_window()
+        if self._writer is not None:
+            self._writer.report(
+                self.start_step, None, self.loader.position if self.loader is not None else None
+            )
+            self._writer.note(start_step=self.start_step, received=self._received())
+            self._writer.busy("starting")  # until the first step: compiling, warming up
         return self
 
     def __exit__(
@@ -194,6 +199,8 @@ class TrainingSession:
             self.skipped = ck.skipped
             self.restored_from = got.path if got is not None else None
             return got.step if got is not None else 0
+        if self.mode is SaveMode.ASYNC and self.rank == 0:
+            log.warning("multi-rank saves are synchronous: async mode applies to single-process jobs only")
         sck = ShardedCheckpointer(self.run, root=self.root, catalog=self.catalog)
         self._ckpt = sck
         got = sck.restore_latest(lambda: {k: v.state_dict() for k, v in self.parts.items()})
@@ -208,7 +215,12 @@ class TrainingSession:
 
     def _skip_window(self) -> None:
         skip = self.handoff.skip
-        if skip is None or self.loader is None:
+        if skip is None:
+            return
+        if self.loader is None:
+            log.warning(
+                "the supervisor asked to skip samples %d..%d, but this job gave the session no loader", *skip
+            )
             return
         if self.loader.position < skip[1]:
             log.warning(
@@ -218,9 +230,13 @@ class TrainingSession:
 
     # -- the loop -----------------------------------------------------------------------
 
+    @property
+    def _first(self) -> int:
+        return self.start_step + 1
+
     def steps(self, total: int) -> Iterator[int]:
         """The steps left to run: ``start_step + 1`` to ``total``."""
-        return iter(range(self.start_step + 1, total + 1))
+        return iter(range(self._first, total + 1))
 
     def report(self, step: int, loss: float | None = None, *, samples: int | None = None) -> None:
         """Progress for the supervisor; raises ``TrainingAnomaly`` on NaN/Inf or a spike; saves when due."""
@@ -230,6 +246,8 @@ class TrainingSession:
         )
         if self._writer is not None:
             self._writer.report(step, value, position)
+            if step == self._first:
+                self._writer.busy(None)
         if value is not None:
             found = self.watch.observe(step, value)
             if found is not None:
@@ -246,6 +264,16 @@ class TrainingSession:
             self.save(step, metrics={} if value is None else {"loss": value})
 
     def save(self, step: int, *, metrics: Mapping[str, float] | None = None) -> None:
+        """A checkpoint now (the supervisor knows the rank is busy saving, not hung)."""
+        if self._writer is not None:
+            self._writer.busy("saving")
+        try:
+            self._save(step, metrics)
+        finally:
+            if self._writer is not None:
+                self._writer.busy(None)
+
+    def _save(self, step: int, metrics: Mapping[str, float] | None) -> None:
         if isinstance(self._ckpt, Checkpointer):
             self._ckpt.save(step, metrics=metrics)
         elif isinstance(self._ckpt, ShardedCheckpointer):
