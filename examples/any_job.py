@@ -100,6 +100,7 @@ def main(path: str) -> int:
             time.sleep(cfg.get("step_time_s", 0))  # stands for the real work of a bigger model
     _write_final(cfg, model, rank)
     if dist.is_initialized():
+        dist.barrier()  # every rank done before any tears the group down (gloo aborts on a vanished peer)
         dist.destroy_process_group()
     return 0
 

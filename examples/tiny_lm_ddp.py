@@ -116,6 +116,7 @@ def train(args: Any) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.module.state_dict().items()}
         save_file(weights, str(args.out / "final.safetensors"))
+    dist.barrier()  # every rank done before any tears the group down (gloo aborts on a vanished peer)
     dist.destroy_process_group()
     return 0
 
