@@ -104,16 +104,8 @@ def recover_training(
 
     bad_step = details.get("bad_step")
     anomaly = incident["kind"] in ("nan", "loss_spike") and bad_step is not None
-    t0 = time.time()
-    if anomaly:  # go back to before the anomaly, and retire what came after it
-        why = f"after the {incident['kind']} at step {bad_step}"
-        chosen = restore_checkpoint(run, roll_back=True, before_step=bad_step, reason=why)
-    else:
-        chosen = restore_checkpoint(run)
-    load_s = time.time() - t0
-    replayed = (details.get("last_step") or chosen["step"]) - chosen["step"]
-    annotate_incident(
-        incident_id, load_s=load_s, restored_checkpoint_id=chosen["checkpoint_id"], replayed_steps=replayed
+    chosen, load_s, replayed = _restore_point(
+        run, incident_id, incident["kind"], details, bad_step if anomaly else None
     )
     rebuilt = rebuild_environment(run, incident_id, shrink_on_crash)
     handoff = dict(rebuilt["handoff"])
@@ -142,6 +134,25 @@ def recover_training(
         "restored_step": chosen["step"],
         "last_step": outcome["last_step"],
     }
+
+
+def _restore_point(
+    run: str, incident_id: int, kind: str, details: dict[str, Any], bad_step: int | None
+) -> tuple[dict[str, Any], float, int]:
+    """The restore point (before an anomaly, retiring what came after it), its seconds, the steps replayed."""
+    t0 = time.time()
+    if bad_step is not None:
+        chosen = restore_checkpoint(
+            run, roll_back=True, before_step=bad_step, reason=f"after the {kind} at step {bad_step}"
+        )
+    else:
+        chosen = restore_checkpoint(run)
+    load_s = time.time() - t0
+    replayed = (details.get("last_step") or chosen["step"]) - chosen["step"]
+    annotate_incident(
+        incident_id, load_s=load_s, restored_checkpoint_id=chosen["checkpoint_id"], replayed_steps=replayed
+    )
+    return chosen, load_s, replayed
 
 
 def _skip_window(

@@ -62,7 +62,7 @@ def plan(full: JobSpec, current: JobSpec, kind: str, *, lost_node: int | None, s
         else "restart with the same layout; resume from the newest verified checkpoint"
     )
     note = "" if full.model else " (no model shape reported: data-parallel only)"
-    decision = f"{what}: {chosen.reason}{note}"
+    decision = f"{what}: {chosen.reason}{note}" if size else what
     handoff = {
         "world_size": chosen.layout.world_size,
         "lr_scale": lr_scale,
