@@ -56,10 +56,8 @@ class TrainingProcess:
         *,
         cwd: Path | None = None,
         env: dict[str, str] | None = None,
-        on_line: Callable[[str], None] | None = None,
     ) -> None:
         self.cmd = list(cmd)
-        self.started = time.monotonic()
         self.proc = subprocess.Popen(
             self.cmd,
             cwd=cwd,
@@ -71,8 +69,6 @@ class TrainingProcess:
             bufsize=1,
         )
         self.output = Output()
-        self.ended_at: float | None = None
-        self._on_line = on_line
         self._q: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._pump, daemon=True, name=f"pump-{self.proc.pid}").start()
 
@@ -102,8 +98,6 @@ class TrainingProcess:
                 self._q.put(None)  # stay at end-of-output for later waits
                 return False
             self.output.lines.append(line)
-            if self._on_line is not None:
-                self._on_line(line)
             if pred(line):
                 return True
 
@@ -115,6 +109,4 @@ class TrainingProcess:
     def finish(self, timeout: float = 600) -> int:
         """Read to the end of output and reap the process; returns its exit code (-N for signal N)."""
         self.wait_for(lambda _line: False, timeout)
-        rc = self.proc.wait(timeout=30)
-        self.ended_at = time.monotonic()
-        return rc
+        return self.proc.wait(timeout=30)

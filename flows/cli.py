@@ -1,7 +1,8 @@
 """The ``rewind`` command line.
 
-Errors print one line and exit non-zero (2: bad input or state, 3: the catalog or
-a checkpoint's copies cannot be reached or checked right now, 1: a check found problems); there is no traceback unless
+Errors print one line and exit non-zero (2: bad input or state, 3: the catalog, a
+tier or the model server cannot be reached, or a checkpoint's copies cannot be
+checked, right now; 1: a check found problems; 70: a bug in Rewind); there is no traceback unless
 ``REWIND_DEBUG=1``.
 """
 
@@ -15,12 +16,13 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from infra.errors import CatalogUnavailable, CheckpointUnverifiable, RewindError
+from flows.cli_args import OneLineParser, amount, step
+from infra.errors import RewindError, TransientError
 
-EXIT_FINDINGS, EXIT_USAGE, EXIT_UNAVAILABLE = 1, 2, 3
+EXIT_FINDINGS, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERNAL = 1, 2, 3, 70
 
 
-def _catalog():  # type: ignore[no-untyped-def]
+def _catalog() -> Any:
     from infra.catalog.db import Catalog
 
     return Catalog()
@@ -239,15 +241,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve_all(
         scrub_every=timedelta(seconds=args.scrub_every),
         replicate_every=timedelta(seconds=args.replicate_every),
-        shared_target=args.shared_target,
+        replicate_to=args.replicate_to,
     )
     return 0
 
 
 def cmd_server(args: argparse.Namespace) -> int:
+    from flows import server_auth
+
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", args.host, "--port", str(args.port)]
-    print("starting the Prefect server and UI: " + " ".join(cmd), flush=True)
-    os.execv(cmd[0], cmd)
+    env = dict(os.environ)
+    if args.no_auth:
+        env.pop(server_auth.SERVER_ENV, None)
+        how = "no authentication (--no-auth): anyone who reaches the port can run flows"
+    else:
+        env[server_auth.SERVER_ENV] = server_auth.ensure()
+        how = f"basic auth on; the credential is in {server_auth.path()} (mode 0600), used by this user's clients"
+    print(f"starting the Prefect server and UI on {args.host}:{args.port}, {how}", flush=True)
+    os.execve(cmd[0], cmd, env)
     return 0
 
 
@@ -255,7 +266,7 @@ def cmd_server(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="rewind",
         description="Workflow-orchestrated rollback for AI training and model serving.",
         epilog="Catalog: REWIND_CATALOG_URL (default sqlite under REWIND_HOME, ~/.rewind).",
@@ -298,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
         json_flag=True,
     )
     show.add_argument("run")
-    show.add_argument("step", type=int)
+    show.add_argument("step", type=step)
     ver = add(
         ck,
         "verify",
@@ -307,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         json_flag=True,
     )
     ver.add_argument("run")
-    ver.add_argument("--step", type=int, help="only this step (default: every committed checkpoint)")
+    ver.add_argument("--step", type=step, help="only this step (default: every committed checkpoint)")
     ver.add_argument("--deep", action="store_true", help="re-read and re-hash every byte, not only sizes")
     ver.add_argument(
         "--tier",
@@ -331,17 +342,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     srv = add(sub, "serve", cmd_serve, "serve every Rewind deployment (schedules and the recovery trigger)")
     srv.add_argument(
-        "--scrub-every", type=float, default=6 * 3600, metavar="SECONDS", help="deep verification interval"
+        "--scrub-every", type=amount, default=6 * 3600, metavar="SECONDS", help="deep verification interval"
     )
     srv.add_argument(
-        "--replicate-every", type=float, default=900, metavar="SECONDS", help="replication interval"
+        "--replicate-every", type=amount, default=900, metavar="SECONDS", help="replication interval"
     )
     srv.add_argument(
-        "--shared-target", help="shared tier path for replicate-offsite (default REWIND_SHARED_URI)"
+        "--replicate-to",
+        "--shared-target",  # the old name, kept working
+        dest="replicate_to",
+        help="target of replicate-offsite: s3://bucket/prefix or a shared path (default REWIND_OFFSITE_URI)",
     )
     ui = add(sub, "server", cmd_server, "start the Prefect server and UI (bound to 127.0.0.1 by default)")
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=4200)
+    ui.add_argument("--no-auth", action="store_true", help="serve the API without basic auth (not advised)")
     return p
 
 
@@ -349,20 +364,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("REWIND_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     try:
+        from flows import server_auth
+
+        server_auth.use_in_clients()  # before anything talks to a Prefect server
         return args.fn(args)
-    except (CatalogUnavailable, CheckpointUnverifiable) as exc:  # unreachable right now: try again later
-        print(f"rewind: error: {exc}", file=sys.stderr)
+    except TransientError as exc:  # the catalog, a tier, the model server: unreachable right now
+        print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except RewindError as exc:
-        print(f"rewind: error: {exc}", file=sys.stderr)
+        print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
         if os.environ.get("REWIND_DEBUG"):
             raise
-        print(f"rewind: error: {type(exc).__name__}: {exc} (REWIND_DEBUG=1 for a traceback)", file=sys.stderr)
-        return EXIT_USAGE
+        print(
+            f"rewind: internal error (a bug in Rewind): {type(exc).__name__}: {_one_line(exc)}; "
+            "REWIND_DEBUG=1 shows the traceback",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 1000 else text[:997] + "..."
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from flows.cli_args import amount, count, step
+
 Emit = Callable[..., None]
 
 
@@ -26,11 +28,16 @@ def cmd_start(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) 
         reloaded = reload_stable(catalog(), b)
     finally:
         b.close()
-    out = {**st.endpoints.as_dict(), "key_file": str(st.endpoints.key_file), "pid": st.pid,
-           "reloaded": [f"{m} {v}" for m, v in reloaded]}  # fmt: skip
+    stable = [f"{m} {v}" for m, v in reloaded]
+    out = {
+        **st.endpoints.as_dict(),
+        "key_file": str(st.endpoints.key_file),
+        "pid": st.pid,
+        "reloaded": stable,
+    }
     emit(args, out, lambda: f"TorchServe up: inference {out['inference']}, management {out['management']}\n"
                             f"keys in {out['key_file']} (token auth on); stable versions loaded again: "
-                            f"{', '.join(out['reloaded']) or 'none'}")  # fmt: skip
+                            f"{', '.join(stable) or 'none'}")  # fmt: skip
     return 0
 
 
@@ -53,6 +60,9 @@ def _rollout_text(out: dict[str, Any]) -> str:
 
 def cmd_deploy(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
     from flows.serving import deploy_model
+    from infra.serving.export import verified_checkpoint
+
+    verified_checkpoint(catalog(), args.run, args.step)  # refused in one line before any flow starts
 
     out = deploy_model(args.model, args.run, args.step, version=args.version, handler=args.handler,
                        extra_files=args.extra_file, triggered_by=args.by)  # fmt: skip
@@ -64,7 +74,9 @@ def cmd_deploy(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any])
 def cmd_rollout(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
     from flows.serving import rollout_model
     from infra.errors import ConfigError
+    from infra.serving.export import verified_checkpoint
 
+    verified_checkpoint(catalog(), args.run, args.step)  # refused in one line before any flow starts
     try:
         steps = [int(x) for x in args.steps.split(",")]
     except ValueError:
@@ -81,6 +93,11 @@ def cmd_rollout(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]
 
 def cmd_rollback(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
     from flows.serving import rollback_model
+    from infra.catalog import serving
+
+    serving.versions(catalog(), args.model)  # an unknown model: one line, before any flow starts
+    if args.to is not None:
+        serving.get_version(catalog(), args.model, args.to)
 
     out = rollback_model(args.model, to_version=args.to, reason=args.reason, triggered_by=args.by)
     emit(args, out, lambda: _rollout_text(out))
@@ -159,10 +176,13 @@ def cmd_history(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]
 def _artifact_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("model")
     p.add_argument("--run", required=True, help="the training run the checkpoint belongs to")
-    p.add_argument("--step", type=int, required=True, help="a verified checkpoint of that run")
+    p.add_argument("--step", type=step, required=True, help="a verified checkpoint of that run")
     p.add_argument("--version", help="version name (default: the next number)")
-    p.add_argument("--handler", help="TorchServe handler file (default: the tiny LM example's)")
-    p.add_argument("--extra-file", action="append", help="file the handler needs (repeatable)")
+    p.add_argument(
+        "--handler",
+        help="TorchServe handler file (required on a model's first deploy; then the stable version's)",
+    )
+    p.add_argument("--extra-file", action="append", help="a file the handler imports (repeatable)")
     p.add_argument("--by", help="who triggered this, for the record (default: your user name)")
 
 
@@ -175,7 +195,7 @@ def register(
         dest="serving_command", required=True, metavar="ACTION"
     )
     start = add(sv, "start", wrap(cmd_start), "start TorchServe on 127.0.0.1 (token auth on)", json_flag=True)
-    start.add_argument("--port", type=int, help="inference port (default: a free one)")
+    start.add_argument("--port", type=count, help="inference port (default: a free one)")
     add(sv, "stop", wrap(cmd_stop), "stop the proxies and the TorchServe that `start` started")
     _artifact_options(
         add(sv, "deploy", wrap(cmd_deploy), "export a verified checkpoint and load it", json_flag=True)
@@ -189,14 +209,14 @@ def register(
     )
     _artifact_options(ro)
     ro.add_argument("--steps", default="10,50,100", help="traffic percentages (default 10,50,100)")
-    ro.add_argument("--bake", type=float, default=60.0, help="seconds per step")
-    ro.add_argument("--checks", type=int, default=1, help="gate checks per step")
-    ro.add_argument("--max-error-rate", type=float, default=0.05)
-    ro.add_argument("--max-p95-ms", type=float, default=1000.0)
-    ro.add_argument("--min-quality", type=float, help="share of probes answered right (needs --probe-set)")
+    ro.add_argument("--bake", type=amount, default=60.0, help="seconds per step")
+    ro.add_argument("--checks", type=count, default=1, help="gate checks per step")
+    ro.add_argument("--max-error-rate", type=amount, default=0.05)
+    ro.add_argument("--max-p95-ms", type=amount, default=1000.0)
+    ro.add_argument("--min-quality", type=amount, help="share of probes answered right (needs --probe-set)")
     ro.add_argument("--probe-set", help="JSON lines {input, expected}")
     ro.add_argument(
-        "--failure-limit", type=int, default=0, help="failed checks tolerated before rolling back"
+        "--failure-limit", type=count, default=0, help="failed checks tolerated before rolling back"
     )
     rb = add(
         sv, "rollback", wrap(cmd_rollback), "all traffic back to a known-good version, now", json_flag=True

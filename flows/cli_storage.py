@@ -6,20 +6,21 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from flows.cli_args import amount, count, step
 from infra.errors import RewindError
 
 MiB = 1 << 20
 
 
 def _tier_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--part-size-mib", type=int, default=64, help="S3 multipart part size")
-    p.add_argument("--concurrency", type=int, default=8, help="S3 parts in flight")
+    p.add_argument("--part-size-mib", type=count, default=64, help="S3 multipart part size")
+    p.add_argument("--concurrency", type=count, default=8, help="S3 parts in flight")
     p.add_argument(
-        "--immutable-days", type=int, default=None, help="S3 Object Lock retention (bucket must allow it)"
+        "--immutable-days", type=count, default=None, help="S3 Object Lock retention (bucket must allow it)"
     )
 
 
-def _open(uri: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+def _open(uri: str, args: argparse.Namespace) -> Any:
     from infra.tiers import open_tier
 
     if uri.startswith("s3://"):
@@ -35,13 +36,14 @@ def _open(uri: str, args: argparse.Namespace):  # type: ignore[no-untyped-def]
 def cmd_replicate(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
     import os
 
-    from infra.catalog import copies
+    from infra.catalog import copies, lineage
     from infra.replication import replicate
 
     target = args.to or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
     if not target:
         raise RewindError("no target: pass --to s3://bucket/prefix (or a path), or set REWIND_OFFSITE_URI")
     cat = catalog()
+    lineage.get_run(cat, args.run)  # an unknown run: nothing to do, and nothing created at the target
     tier = _open(target, args)
     tier.check()
     rows = []
@@ -192,7 +194,7 @@ def register(
         json_flag=True,
     )
     res.add_argument("run")
-    res.add_argument("--step", type=int, help="default: the newest checkpoint with a copy that verifies")
+    res.add_argument("--step", type=step, help="default: the newest checkpoint with a copy that verifies")
     res.add_argument(
         "--from",
         dest="source",
@@ -201,7 +203,7 @@ def register(
     )
     pin = add(ck, "pin", wrap(cmd_pin), "keep a checkpoint whatever the retention policy says")
     pin.add_argument("run")
-    pin.add_argument("step", type=int)
+    pin.add_argument("step", type=step)
     pin.add_argument("--unpin", action="store_true")
     gc = add(
         sub,
@@ -211,11 +213,11 @@ def register(
         json_flag=True,
     )
     gc.add_argument("run")
-    gc.add_argument("--keep-last", type=int, default=3)
-    gc.add_argument("--keep-every", type=int, default=0)
-    gc.add_argument("--budget-gb", type=float, default=None)
+    gc.add_argument("--keep-last", type=count, default=3)
+    gc.add_argument("--keep-every", type=count, default=0)
+    gc.add_argument("--budget-gb", type=amount, default=None)
     gc.add_argument(
-        "--grace-days", type=float, default=7.0, help="reclaim dead copies and quarantine after this"
+        "--grace-days", type=amount, default=7.0, help="reclaim dead copies and quarantine after this"
     )
     gc.add_argument("--dry-run", action="store_true", help="show what would go and the bytes freed")
-    gc.add_argument("--price-per-gb-month", type=float, default=0.023, help="for the cost report (USD)")
+    gc.add_argument("--price-per-gb-month", type=amount, default=0.023, help="for the cost report (USD)")

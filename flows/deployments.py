@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import cast
 
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
@@ -20,10 +21,10 @@ def build(
     *,
     scrub_every: timedelta = timedelta(hours=6),
     replicate_every: timedelta = timedelta(minutes=15),
-    shared_target: str | None = None,
+    replicate_to: str | None = None,
 ) -> list[RunnerDeployment]:
-    target = shared_target or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
-    return [
+    target = replicate_to or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
+    found = [
         protect_training.to_deployment(name="protect-training", tags=["rewind", "training"]),
         recover_training.to_deployment(
             name="recover-training",
@@ -64,6 +65,8 @@ def build(
             else None,
         ),
     ]
+    # ``to_deployment`` answers with a coroutine only inside an event loop: never here.
+    return [cast(RunnerDeployment, d) for d in found]
 
 
 def serve_all(**kwargs: object) -> None:

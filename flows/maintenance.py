@@ -8,6 +8,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
+from infra.errors import ConfigError, RewindError
 from tasks.common import artifact_key
 from tasks.detect import load_spec, record_failure, record_spec, supervise_training
 from tasks.replicate import apply_retention, pending_replication, replicate_checkpoint
@@ -34,8 +35,8 @@ def verify_checkpoints(run: str | None = None, deep: bool = True) -> dict[str, A
         )
     bad = [r for r in rows if not r["ok"]]
     if bad:
-        raise RuntimeError(
-            f"{len(bad)} of {len(rows)} checkpoints are corrupt: "
+        raise RewindError(  # corrupt, or unverifiable right now: each row's detail says which
+            f"{len(bad)} of {len(rows)} checkpoints failed verification: "
             + ", ".join(f"{r['run']}@{r['step']}" for r in bad)
         )
     return {"checked": len(rows), "corrupt": 0}
@@ -96,7 +97,7 @@ def replicate_offsite(
     """
     target = target or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
     if not target:
-        raise ValueError("no replication target: pass `target` or set REWIND_OFFSITE_URI")
+        raise ConfigError("no replication target: pass `target` or set REWIND_OFFSITE_URI")
     done = [
         replicate_checkpoint(ck_id, target, part_size_mib, concurrency)
         for ck_id in pending_replication(target, run)

@@ -109,12 +109,13 @@ def rollout_model(
     unloads the old version.
     """
     _check_steps(traffic_steps)
-    gate_values = {
+    gate_values: dict[str, Any] = {
         "max_error_rate": max_error_rate,
         "max_p95_latency_ms": max_p95_latency_ms,
         "min_quality": min_quality,
     }
-    Gates(**gate_values)  # bad thresholds fail here, before anything is loaded
+    # bad thresholds fail here, before anything is loaded
+    Gates(max_error_rate=max_error_rate, max_p95_latency_ms=max_p95_latency_ms, min_quality=min_quality)
     if min_quality is not None and not probe_set:
         raise ConfigError("min_quality needs a probe_set (JSON lines of input and expected output)")
     if checks_per_step < 1 or failure_limit < 0 or bake_s <= 0:

@@ -3,6 +3,11 @@
 Errors are classified once, here: a ``TransientError`` may succeed when retried
 (network blip, database restart, lock timeout); everything else is permanent and
 retrying it only hides the problem (corruption, bad credentials, bad input).
+Every module raises one of these, never a bare ``ValueError``/``RuntimeError``/``TypeError``:
+the CLI maps ``TransientError`` to exit 3, any other ``RewindError`` to exit 2, and
+anything else to 70 (a bug), and task retries look at ``TransientError`` only.
+``ConfigError`` and ``MalformedFile`` are also ``ValueError``s, so code written against
+the usual Python contract keeps working.
 """
 
 from __future__ import annotations
@@ -16,8 +21,24 @@ class TransientError(RewindError):
     """A fault that may go away by itself; callers may retry."""
 
 
-class ConfigError(RewindError):
+class ConfigError(RewindError, ValueError):
     """Bad input from the user: a malformed URL, a missing setting, a bad argument."""
+
+
+class MalformedFile(RewindError, ValueError):
+    """Bytes that do not parse as the format they claim (a hostile or broken file)."""
+
+
+class Refused(RewindError):
+    """An action Rewind will not take however often it is asked (a read-only copy, a spent budget)."""
+
+
+class RankFailed(RewindError):
+    """Another rank's part of a collective save or restore failed; the message carries its reason."""
+
+
+class RunBusy(ConfigError):
+    """Another live process is writing this run's checkpoints: two writers would fork its timeline."""
 
 
 class NotFoundError(RewindError):

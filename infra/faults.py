@@ -1,12 +1,14 @@
 """A documented test seam for injecting real faults at named points.
 
-``REWIND_FAULT=<action>:<point>[@<step>][#<times>]`` where action is ``kill``
+``REWIND_FAULT=<action>:<point>[@<step>][%<rank>][#<times>]`` where action is ``kill``
 (SIGKILL this process), ``enospc`` (a disk-full OSError), ``eio`` (an I/O
 error, which tasks treat as transient) or ``eacces`` (permission denied, which a
 root test process cannot get from chmod). ``#<times>`` fires only on the first N
-hits in this process, so a retried task can succeed. Points are named where they
+hits in this process, so a retried task can succeed; ``%<rank>`` fires only in the
+process whose ``RANK`` is that (one rank of a job lost). Points are named where they
 are called: ``save.file_written``, ``save.before_manifest``, ``save.before_rename``,
-``save.before_catalog``, ``verify.read``. Unset in production; reading one
+``save.before_catalog``, ``save.shard_written`` (a rank's share of a sharded save),
+``verify.read``. Unset in production; reading one
 environment variable is the whole cost.
 """
 
@@ -27,8 +29,11 @@ def fault_point(point: str, step: int | None = None) -> None:
         return
     action, _, target = spec.partition(":")
     target, _, times = target.partition("#")
+    target, _, rank = target.partition("%")
     name, _, at = target.partition("@")
     if name != point or (at and step is not None and int(at) != step):
+        return
+    if rank and os.environ.get("RANK", "0") != rank:
         return
     _hits[spec] += 1
     if times and _hits[spec] > int(times):

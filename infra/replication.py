@@ -46,7 +46,15 @@ def _register(cat: Catalog, ck: Checkpoint, tier: Tier, key: str) -> None:
     copies.settle(cat, ck.id)
 
 
-def _send(cat: Catalog, ck: Checkpoint, run: str, tier: Tier, key: str, root: Path, on_file) -> int:  # type: ignore[no-untyped-def]
+def _send(
+    cat: Catalog,
+    ck: Checkpoint,
+    run: str,
+    tier: Tier,
+    key: str,
+    root: Path,
+    on_file: Callable[[str, int], None] | None,
+) -> int:
     digest = str(ck.manifest_digest)
     p = plan.plan(cat, run, root=root, checkpoint_id=ck.id)
     with execute.restoring(cat, p, verify_files) as src:

@@ -10,6 +10,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 
 from infra.catalog import incidents, jobs, lineage
+from infra.errors import Refused
 from infra.health.signals import describe_exit
 from infra.launch.observe import Observation, Seen, first_failure
 from infra.launch.spec import JobSpec
@@ -246,7 +247,7 @@ def check_recovery_budget(run: str, max_incidents: int, window_s: float) -> int:
     """Refuse an endless crash loop: too many incidents in the window stops automatic recovery."""
     n = incidents.recent_count(catalog(), run, window_s)
     if n > max_incidents:
-        raise RuntimeError(
+        raise Refused(
             f"run {run!r} had {n} incidents in the last {window_s:.0f}s (limit {max_incidents}); not recovering automatically"
         )
     return n

@@ -18,13 +18,6 @@ from tasks.common import RETRY, artifact_key, catalog, emit
 from tasks.verify import announce_corrupt
 
 
-@task(name="plan-restore", **RETRY)
-def plan_restore(run: str, step: int | None = None) -> dict[str, Any]:
-    """List the candidates, newest first, and each one's copies, without touching any file."""
-    p = plan.plan(catalog(), run, root=config.checkpoint_root(), step=step)
-    return {"run": run, "step": step, "candidates": p.describe()}
-
-
 def _announce(run: str, skipped: tuple[Skip, ...]) -> None:
     for s in skipped:
         if s.outcome in ("corrupt", "missing", "unloadable"):

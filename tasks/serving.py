@@ -18,15 +18,12 @@ from prefect.artifacts import create_table_artifact
 
 from infra import config
 from infra.catalog import serving as sv
+from infra.catalog.db import Catalog
 from infra.catalog.models import VersionState as V
 from infra.errors import ConfigError, NotFoundError, ServingUnavailable
 from infra.serving import export, gates, stack
 from infra.serving.backend import TorchServeBackend
 from tasks.common import RETRY, artifact_key, catalog, emit_for_model
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-DEFAULT_HANDLER = EXAMPLES / "tiny_lm_handler.py"
-DEFAULT_EXTRA_FILES = (EXAMPLES / "tiny_lm_model.py",)
 
 
 @contextlib.contextmanager
@@ -121,6 +118,23 @@ def open_rollout(
     return rid
 
 
+def _packaging(
+    cat: Catalog, model: str, handler: str | None, extra_files: list[str] | None
+) -> tuple[str, list[str]]:
+    """The handler and files to pack: as given, else what the model's stable version was packed with."""
+    recorded = sv.packaging(cat, model)
+    if handler is None and recorded is None:
+        raise ConfigError(
+            f"model {model!r} has no handler yet: give its TorchServe handler file (--handler) "
+            "and the files it imports (--extra-file) on its first deploy"
+        )
+    if handler is None and recorded is not None:
+        handler = recorded[0]
+    if extra_files is None:
+        extra_files = recorded[1] if recorded is not None and handler == recorded[0] else []
+    return str(Path(str(handler)).resolve()), [str(Path(f).resolve()) for f in extra_files]
+
+
 @task(name="deploy-version", timeout_seconds=900, **RETRY)
 def deploy_version(
     model: str,
@@ -133,6 +147,7 @@ def deploy_version(
 ) -> dict[str, Any]:
     """Export the verified checkpoint (once) and load it next to the stable version at weight 0."""
     cat = catalog()
+    pack_handler, pack_files = _packaging(cat, model, handler, extra_files)
     with backend() as b:
         _require_up(b)  # before anything is written: a dead server leaves no version behind
         row = sv.find_version(cat, model, version=version, run=run, step=step)
@@ -143,10 +158,8 @@ def deploy_version(
                 step=step,
                 model=model,
                 version=version or sv.next_version(cat, model),
-                handler=Path(handler) if handler else DEFAULT_HANDLER,
-                extra_files=[Path(f) for f in extra_files]
-                if extra_files is not None
-                else DEFAULT_EXTRA_FILES,
+                handler=Path(pack_handler),
+                extra_files=[Path(f) for f in pack_files],
                 store=b.stack.endpoints.model_store,
             )
             sv.add_version(
@@ -158,6 +171,8 @@ def deploy_version(
                 step=art.step,
                 manifest_digest=art.manifest_digest,
                 artifact_uri=str(art.archive),
+                handler=pack_handler,
+                extra_files=pack_files,
                 artifact_digest=art.digest,
                 artifact_bytes=art.bytes,
             )

@@ -74,7 +74,9 @@ def test_background_disk_full_surfaces_at_next_call(rewind_env, run_name, tmp_pa
 def test_sigkill_during_background_persist(reference, rewind_env, run_name, tmp_path):
     """The foundation's kill test with async saves: a kill inside a background persist never leaves a restorable partial."""
     ref_losses, ref_final = reference
-    rng = random.Random()
+    seed = random.randrange(1 << 30)
+    print(f"\nseed={seed}")  # reported: a failure is replayed with this seed
+    rng = random.Random(seed)
     start = 0
     for point in rng.sample(FAULT_POINTS, len(FAULT_POINTS)) * 2:
         target = rng.choice([s for s in (start + 10, start + 20) if s <= 60])
@@ -82,7 +84,7 @@ def test_sigkill_during_background_persist(reference, rewind_env, run_name, tmp_
             run_name, tmp_path / "out", extra=["--async-save"], env={"REWIND_FAULT": f"kill:{point}@{target}"}
         )
         out = p.finish()
-        assert p.proc.returncode == -9, out.text
+        assert p.proc.returncode == -9, f"seed={seed}: {out.text}"
         assert (out.resumed_at or 0) == start
         assert all(ref_losses[s] == loss for s, loss in out.losses.items())
         start = target - 10

@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from infra.errors import CorruptCheckpoint, StateMismatch
+from infra.errors import CorruptCheckpoint, Refused, StateMismatch
 from infra.format import dcp as vdcp
 from infra.format.digest import hash_file
 from infra.format.manifest import FileEntry
@@ -263,14 +263,14 @@ def test_file_system_is_read_only_and_stays_inside_the_directory(saved):
     directory, _, entries = saved
     fs = vdcp.VerifiedReader(directory, entries).fs
     for mode in ("wb", "ab", "r+b"):
-        with pytest.raises(ValueError, match="read-only"), fs.create_stream(directory / SHARD, mode):
+        with pytest.raises(Refused, match="read-only"), fs.create_stream(directory / SHARD, mode):
             pass
     for call in (
         lambda: fs.rename(directory / SHARD, directory / "x"),
         lambda: fs.mkdir(directory / "x"),
         lambda: fs.rm_file(directory / SHARD),
     ):
-        with pytest.raises(ValueError, match="read-only"):
+        with pytest.raises(Refused, match="read-only"):
             call()
     assert (directory / SHARD).stat().st_size == entries[SHARD].size
     for outside in (directory.parent / "elsewhere", directory / ".." / "ckpt" / SHARD):

@@ -68,11 +68,50 @@ def test_extras_and_reserved_names(rewind_env, run_name, tmp_path):
     extras["tokens_seen"] = 1234
     ck.save(1)
     extras.clear()
-    _job(run_name, cat, tmp_path / "ckpt")  # a different process would build fresh objects
-    _, _, extras2, ck2 = _job(run_name, cat, tmp_path / "ckpt")
+    _, _, extras2, ck2 = _job(run_name, cat, tmp_path / "ckpt")  # fresh objects, as another process builds
     ck2.restore_latest()
     assert extras2 == {"note": "hi", "tokens_seen": 1234}
     with pytest.raises(ConfigError, match="reserved"):
         Checkpointer(run_name, states={"state.json": {}}, root=tmp_path, catalog=cat)
     with pytest.raises(Exception, match="escapes"):
         Checkpointer(run_name, states={"../x": {}}, root=tmp_path, catalog=cat)
+
+
+def test_a_second_live_writer_is_refused_by_name(rewind_env, run_name, tmp_path):
+    """Two processes training one run would fork its timeline: the second stops at start, in one line."""
+    import socket
+
+    from tests.trainproc import TrainProc
+
+    root = tmp_path / "ckpt"
+    _, _, _, first = _job(run_name, Catalog(), root)  # this process holds the run
+    second = TrainProc(
+        run_name, tmp_path / "out", env={"REWIND_CHECKPOINT_ROOT": str(root)}, extra=["--stop-after", "2"]
+    )
+    second.finish()
+    assert second.proc.returncode == 2, second.output.text
+    refusal = [line for line in second.output.lines if "is being written by" in line]
+    assert refusal and f"{socket.gethostname()}:{__import__('os').getpid()}" in refusal[0], second.output.text
+    first.close()  # let go: now the same command runs
+    third = TrainProc(
+        run_name, tmp_path / "out", env={"REWIND_CHECKPOINT_ROOT": str(root)}, extra=["--stop-after", "2"]
+    )
+    third.finish()
+    assert third.proc.returncode == 0, third.output.text
+
+
+def test_secrets_on_the_command_line_never_reach_a_manifest(rewind_env, run_name, tmp_path, monkeypatch):
+    import json
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["train.py", "--token=tok-123", "--password", "hunter2", "HF_TOKEN=hf-9",
+                                      "--db", "postgresql://me:pw-7@db/x", "--lr", "0.1"])  # fmt: skip
+    _, _, _, ck = _job(run_name, Catalog(), tmp_path / "ckpt")
+    ck.save(1)
+    ck.close()
+    raw = (tmp_path / "ckpt" / run_name / "step-1" / "manifest.json").read_text()
+    for secret in ("tok-123", "hunter2", "hf-9", "pw-7"):
+        assert secret not in raw
+    assert "--lr 0.1" in json.loads(raw)["environment"]["argv"]  # the rest of the command line stays
+    (row,) = lineage.checkpoints(Catalog(), run_name)
+    assert "hunter2" not in json.dumps(row.environment)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from infra.checkpoint.state import RNGState
-from infra.errors import ConfigError
+from infra.errors import ConfigError, MalformedFile
 from infra.format import keyring as kr
 from infra.format import manifest as mf
 from infra.format import tensorfile, tree
@@ -41,13 +41,15 @@ def test_tree_round_trip_keeps_types_and_bits():
     assert back["scaler"] == scaler.state_dict()
     assert back["odd"][1] == (b"\x00\xff", float("inf"), None)
     assert np.array_equal(back["odd"]["__tensor__"][0], np.arange(3, dtype=np.uint32))
-    py, npy = back["rng"]["python"], back["rng"]["numpy"]
-    random.setstate(py)
-    np.random.set_state(npy)
+    expected = (random.random(), np.random.rand(), torch.rand(1))  # drawn after the state was captured
+    random.setstate(back["rng"]["python"])
+    np.random.set_state(back["rng"]["numpy"])
+    torch.set_rng_state(back["rng"]["torch"])
+    assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(1), expected[2])
 
 
 def test_tree_refuses_unknown_objects():
-    with pytest.raises(TypeError, match=r"at 'x.bad'"):
+    with pytest.raises(ConfigError, match=r"at 'x.bad'"):
         tree.split({"bad": object()}, "x")
 
 
@@ -109,7 +111,7 @@ def _span(dtype: str, shape: list[int], start: int, end: int) -> dict:
     ],
 )
 def test_tensorfile_rejects_lying_headers(raw, error):
-    with pytest.raises(ValueError, match=error):
+    with pytest.raises(MalformedFile, match=error):
         _read_bytes(raw)
 
 
@@ -194,5 +196,5 @@ def test_skipping_a_data_window_lands_where_iterating_would_across_epochs():
         walked.position,
     )
     assert _take(skipped, 2) == _take(walked, 2)
-    with pytest.raises(ValueError, match="skip back"):
+    with pytest.raises(ConfigError, match="skip back"):
         skipped.skip_to(8)

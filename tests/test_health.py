@@ -60,13 +60,15 @@ def test_layout_prefers_old_tp_then_pp_and_reports_batch_and_lr():
         layout.plan(0, shape, old, global_batch=1, lr=1.0)
 
 
-def test_nvml_probe_without_a_driver_says_so():
-    try:
-        gpus = nvml.probe()
-    except nvml.NoNvidiaDriver as exc:
-        assert "no NVIDIA driver" in str(exc)
-    else:  # a machine with a GPU: the real probe answered
-        assert gpus and all(g.name for g in gpus)
+def test_nvml_probe_answers_for_the_machine_it_runs_on():
+    from pathlib import Path
+
+    if not Path("/dev/nvidiactl").exists():  # no driver here: the probe must say so, not guess
+        with pytest.raises(nvml.NoNvidiaDriver, match="no NVIDIA driver"):
+            nvml.probe()
+        return
+    gpus = nvml.probe()  # a machine with a GPU: the real probe answers for every device
+    assert gpus and all(g.name for g in gpus)
 
 
 def _fake_nvml(temp: int, ecc: int, throttle: int, remap_pending: int):  # type: ignore[no-untyped-def]

@@ -19,9 +19,9 @@ def test_sigkill_then_resume_is_bit_exact(backend, reference, rewind_env, run_na
     if backend == "sqlite":
         monkeypatch.setenv("REWIND_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
     ref_losses, ref_final = reference
-    first = TrainProc(run_name, tmp_path / "out")
-    assert first.wait_for(lambda line: line.startswith("step=25 "))
-    first.kill()
+    # SIGKILLed inside its step-30 save (the fault seam): no race between a kill and a save that may land first.
+    first = TrainProc(run_name, tmp_path / "out", env={"REWIND_FAULT": "kill:save.file_written@30"})
+    first.finish()
     assert first.proc.returncode == -9
     assert not (tmp_path / "out" / "final.safetensors").exists()
 

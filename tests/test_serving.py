@@ -1,7 +1,8 @@
 """Serving rollouts against real TorchServe and HAProxy on loopback, Postgres and a Prefect server.
 
-The tests run in file order on one worker and share one stack: the stable version
-each test starts from is the one the previous test left.
+The tests share one stack (and run on one worker) but not an order: each starts from
+whatever version is stable (the ``base`` fixture deploys lm@60 when nothing is), so
+any one of them, or any order of them, passes.
 """
 
 from __future__ import annotations
@@ -118,19 +119,32 @@ def _gates(stack_env, **kw):  # type: ignore[no-untyped-def]
             "probe_set": PROBES, **kw}  # fmt: skip
 
 
-def test_first_deploy_takes_all_traffic(stack_env):
+@pytest.fixture
+def base(stack_env) -> str:  # type: ignore[no-untyped-def]
+    """The version serving all traffic as a test starts; the model's first deploy (lm@60) if none."""
     from flows.serving import deploy_model
 
-    st = stack_env["stack"]
-    out = deploy_model(MODEL, "lm", 60, triggered_by="test")
+    st, cat = stack_env["stack"], stack_env["cat"]
+    if MODEL not in sv.models(cat) or sv.stable(cat, MODEL) is None:
+        out = deploy_model(MODEL, "lm", 60, triggered_by="test", handler=HANDLER_FILES[0],
+                           extra_files=HANDLER_FILES[1:])  # fmt: skip
+        stack_env["first_deploy"] = (out, _traffic(st))
+    stable = sv.stable(cat, MODEL)
+    assert stable is not None and _traffic(st) == {stable.version: 100}
+    return stable.version
+
+
+def test_first_deploy_takes_all_traffic(stack_env, base):
+    out, traffic = stack_env["first_deploy"]
     assert out["version"] == "1" and out["stable"] == "1"
-    assert _traffic(st) == {"1": 100}
+    assert traffic == {"1": 100}
+    st = stack_env["stack"]
     with Load(st.proxy(MODEL).url + f"/predictions/{MODEL}", _key(st), workers=2) as load:
         _wait(lambda: load.count() >= 20, "20 answers")
-    assert not load.failed and {s.version for s in load.samples} == {"1"}
+    assert not load.failed and {s.version for s in load.samples} == {base}
 
 
-def test_rotated_keys_are_picked_up_from_the_key_file(stack_env):
+def test_rotated_keys_are_picked_up_from_the_key_file(stack_env, base):
     """TorchServe answers InvalidKeyException to an old key; the client re-reads the key file and goes on."""
     import httpx
 
@@ -145,12 +159,12 @@ def test_rotated_keys_are_picked_up_from_the_key_file(stack_env):
         r = httpx.get(f"{st.endpoints.management}/token", params={"type": "inference"},
                       headers={"Authorization": f"Bearer {api_key}"})  # fmt: skip
         assert r.status_code == 200 and _key(st) != old
-        assert client.predict(MODEL, "1", b"the model lea").status_code == 200
+        assert client.predict(MODEL, base, b"the model lea").status_code == 200
     finally:
         client.close()
 
 
-def test_flaky_version_is_rolled_back_by_the_error_rate_gate(stack_env):
+def test_flaky_version_is_rolled_back_by_the_error_rate_gate(stack_env, base):
     from flows.serving import rollout_model
 
     st = stack_env["stack"]
@@ -158,13 +172,13 @@ def test_flaky_version_is_rolled_back_by_the_error_rate_gate(stack_env):
         out = rollout_model(MODEL, "lm", 90, traffic_steps=[50, 100], bake_s=2.0, version="flaky",
                             handler=FLAKY, extra_files=HANDLER_FILES, triggered_by="test", **_gates(stack_env))  # fmt: skip
     assert out["state"] == "rolled_back" and "error rate" in out["reason"], out
-    assert _traffic(st) == {"1": 100}
-    assert _loaded(st) == ["1"]
+    assert _traffic(st) == {base: 100}
+    assert _loaded(st) == [base]
     assert sv.get_version(stack_env["cat"], MODEL, "flaky").state == "rolled_back"
     _assert_event("rewind.rollout.rolled_back", out["rollout_id"])
 
 
-def test_damaged_weights_are_rolled_back_by_the_quality_gate(stack_env):
+def test_damaged_weights_are_rolled_back_by_the_quality_gate(stack_env, base):
     from flows.serving import rollout_model
 
     st = stack_env["stack"]
@@ -172,10 +186,10 @@ def test_damaged_weights_are_rolled_back_by_the_quality_gate(stack_env):
                         **_gates(stack_env))  # fmt: skip
     assert out["state"] == "rolled_back" and "quality" in out["reason"], out
     assert "error rate" not in out["reason"]  # it answered every request, just wrongly
-    assert _traffic(st) == {"1": 100} and _loaded(st) == ["1"]
+    assert _traffic(st) == {base: 100} and _loaded(st) == [base]
 
 
-def test_manual_rollback_under_load_fails_no_request(stack_env):
+def test_manual_rollback_under_load_fails_no_request(stack_env, base):
     """A rollback in the middle of a canary: one weight change, measured from the flow's decision."""
     import threading
 
@@ -191,7 +205,7 @@ def test_manual_rollback_under_load_fails_no_request(stack_env):
     with Load(st.proxy(MODEL).url + f"/predictions/{MODEL}", _key(st), workers=4) as load:
         canary.start()
         new = _wait(
-            lambda: next((v for v, w in _traffic(st).items() if v != "1" and w == 50), None), "50% canary"
+            lambda: next((v for v, w in _traffic(st).items() if v != base and w == 50), None), "50% canary"
         )
         _wait(lambda: sum(s.version == new for s in load.samples) >= 10, "canary answers")
         out = rollback_model(MODEL, reason="operator saw bad outputs", triggered_by="test")
@@ -213,12 +227,12 @@ def test_manual_rollback_under_load_fails_no_request(stack_env):
           f"{len(load.failed)} failed")  # fmt: skip
     assert load.failed == []
     assert on_old_after < 1.0 and out["switch_s"] < 1.0
-    assert all(s.version == "1" for s in load.samples if s.started > decided + on_old_after)
-    assert _traffic(st) == {"1": 100} and _loaded(st) == ["1"]
+    assert all(s.version == base for s in load.samples if s.started > decided + on_old_after)
+    assert _traffic(st) == {base: 100} and _loaded(st) == [base]
     assert sv.get_version(cat, MODEL, new).state == "rolled_back"
 
 
-def test_good_version_is_promoted_and_the_old_one_unloaded(stack_env):
+def test_good_version_is_promoted_and_the_old_one_unloaded(stack_env, base):
     from flows.serving import rollout_model
 
     st = stack_env["stack"]
@@ -228,39 +242,46 @@ def test_good_version_is_promoted_and_the_old_one_unloaded(stack_env):
     assert out["state"] == "promoted", out
     new = out["version"]
     assert _traffic(st) == {new: 100} and _loaded(st) == [new]
-    assert sv.get_version(stack_env["cat"], MODEL, "1").state == "retired"
+    assert sv.get_version(stack_env["cat"], MODEL, base).state == "retired"
     assert not load.failed
     steps = sv.steps_of(stack_env["cat"], out["rollout_id"])
     assert [s.weights for s in steps if s.action == "set_traffic"] == [
-        {new: 10, "1": 90},
-        {new: 50, "1": 50},
-        {new: 100, "1": 0},
+        {new: 10, base: 90},
+        {new: 50, base: 50},
+        {new: 100, base: 0},
     ]
     assert [s.passed for s in steps if s.action == "gate"] == [True, True, True]
 
 
-def test_history_traces_every_version_to_its_checkpoint(stack_env, capsys):
+def test_history_traces_every_version_to_its_checkpoint(stack_env, base, capsys):
     from flows.cli import main
+    from flows.serving import rollout_model
 
     cat = stack_env["cat"]
+    out = rollout_model(MODEL, "lm-damaged", 90, traffic_steps=[100], bake_s=0.5, triggered_by="test",
+                        **_gates(stack_env))  # fmt: skip
+    assert out["state"] == "rolled_back", out
     assert main(["serving", "history", MODEL, "--json"]) == 0
     history = json.loads(capsys.readouterr().out)
     for v in history["versions"]:
         (ck,) = [c for c in lineage.checkpoints(cat, v["run"], v["step"]) if c.status == "verified"]
         assert v["manifest_digest"] == ck.manifest_digest
-    served = {v["version"]: (v["run"], v["step"]) for v in history["versions"] if v["promoted_at"]}
-    assert served == {"1": ("lm", 60), history["rollouts"][-1]["to"]: ("lm", 120)}
-    # Retention keeps what serving points at, whatever the policy says.
+    by_version = {v["version"]: v for v in history["versions"]}
+    assert (by_version["1"]["run"], by_version["1"]["step"]) == ("lm", 60) and by_version["1"]["promoted_at"]
+    assert (by_version[out["version"]]["run"], by_version[out["version"]]["step"]) == ("lm-damaged", 90)
+    assert by_version[out["version"]]["promoted_at"] is None
+    first, last = history["rollouts"][0], history["rollouts"][-1]
+    assert (first["kind"], first["state"], first["to"]) == ("deploy", "promoted", "1")
+    assert (last["kind"], last["state"], last["to"]) == ("rollout", "rolled_back", out["version"])
+    # Retention keeps what serving points at (the stable version's checkpoint), whatever the policy says.
     from infra import retention
 
-    plan = retention.plan(cat, "lm", retention.Policy(keep_last=1))
-    assert {60, 120} <= set(plan.keep) and 90 not in plan.keep
-    kinds = [(r["kind"], r["state"]) for r in history["rollouts"]]
-    assert kinds == [("deploy", "promoted"), ("rollout", "rolled_back"), ("rollout", "rolled_back"),
-                     ("rollout", "rolled_back"), ("rollback", "rolled_back"), ("rollout", "promoted")]  # fmt: skip
+    plan = retention.plan(cat, "lm", retention.Policy(keep_last=1))  # the policy alone keeps only 120
+    # lm@60 serves (or, once retired, is the rollback target); lm@90 only ever failed its gates.
+    assert by_version[base]["step"] in plan.keep and 60 in plan.keep and 90 not in plan.keep
 
 
-def test_bad_input_fails_clearly_and_deploys_nothing(stack_env, tmp_path, monkeypatch, capsys):
+def test_bad_input_fails_clearly_and_deploys_nothing(stack_env, base, tmp_path, monkeypatch, capsys):
     from flows.cli import main
     from flows.serving import deploy_model, rollout_model
 
@@ -272,6 +293,8 @@ def test_bad_input_fails_clearly_and_deploys_nothing(stack_env, tmp_path, monkey
     assert main(["serving", "rollout", "nope", "--run", "lm", "--step", "90"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == "rewind: error: unknown model 'nope': nothing was ever deployed under that name"
+    with pytest.raises(ConfigError, match=r"model 'fresh' has no handler yet"):  # nothing to reuse
+        deploy_model("fresh", "lm", 90)
     with pytest.raises(ConfigError, match=r"lm@30 is committed, not verified"):
         rollout_model(MODEL, "lm", 30, bake_s=1.0, **_gates(stack_env))
     with pytest.raises(NotFoundError, match="no checkpoint at step 45"):

@@ -130,7 +130,6 @@ def test_s3_outage_mid_replication_is_retried_and_resumed(
     from infra.catalog import lineage
     from infra.catalog.db import Catalog
     from infra.tiers.transfer import copy_key
-    from tasks.replicate import replicate_checkpoint
     from tests.prefect_support import wait_until
 
     saved = _big_checkpoint(run_name, tmp_path / "ckpt", mb=300)
@@ -185,7 +184,6 @@ def test_s3_outage_mid_replication_is_retried_and_resumed(
     assert task_run.run_count >= 2  # it failed during the outage and was retried
     reps = [r for r in lineage.replicas_of(Catalog(), saved.checkpoint_id) if r.tier == "offsite"]
     assert [r.status for r in reps] == ["verified"]
-    assert replicate_checkpoint  # the task used is the production one
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from sqlalchemy import select, update
 
 from infra.catalog import lineage
-from infra.catalog.db import Catalog
+from infra.catalog.db import Catalog, changed
 from infra.catalog.models import Checkpoint, Replica, Run, utcnow
 from infra.catalog.models import CheckpointStatus as S
 from infra.catalog.models import ReplicaStatus as R
@@ -131,14 +131,16 @@ def condemn(cat: Catalog, checkpoint_id: int, reason: str) -> bool:
         if ck is None:
             return False
         lineage.lock_run(s, ck.run_id)
-        won = s.execute(
-            update(Checkpoint)
-            .where(
-                Checkpoint.id == checkpoint_id,
-                Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]),
+        won = changed(
+            s.execute(
+                update(Checkpoint)
+                .where(
+                    Checkpoint.id == checkpoint_id,
+                    Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]),
+                )
+                .values(status=S.CORRUPT.value, status_reason=(CONTENT_REASON + reason)[:2000])
             )
-            .values(status=S.CORRUPT.value, status_reason=(CONTENT_REASON + reason)[:2000])
-        ).rowcount
+        )
     return won == 1
 
 

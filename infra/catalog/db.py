@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar, cast
 
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy import CursorResult, Engine, Result, create_engine, event, text
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
@@ -25,8 +25,18 @@ MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 _MIGRATION_LOCK = 0x52455749  # "REWI": serialises concurrent `db upgrade` on Postgres
 
 
+def changed(result: Result[Any]) -> int:
+    """Rows an UPDATE or DELETE changed: how a guarded statement tells who won."""
+    return cast(CursorResult[Any], result).rowcount
+
+
 def parse_url(raw: str) -> URL:
     """Validate a catalog URL; ``postgresql://`` means psycopg 3."""
+    authority = raw.partition("://")[2].partition("/")[0]
+    if authority.count("@") > 1:  # never echo any of it: part of it is a password
+        raise ConfigError(
+            "catalog URL has more than one '@' before the host: percent-encode '@' in the password (%40)"
+        )
     try:
         url = make_url(raw)
     except ArgumentError as exc:
@@ -43,7 +53,7 @@ def parse_url(raw: str) -> URL:
     raise ConfigError(f"catalog URL must be postgresql+psycopg:// or sqlite:///, got {url.drivername}://")
 
 
-def _sqlite_pragmas(dbapi_conn, _record) -> None:  # type: ignore[no-untyped-def]
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA busy_timeout=10000")

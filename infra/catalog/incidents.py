@@ -9,14 +9,14 @@ from sqlalchemy import func, select, update
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
 from infra.catalog.models import Incident, utcnow
-from infra.errors import NotFoundError
+from infra.errors import ConfigError, NotFoundError
 
 KINDS = ("crash", "hang", "nan", "loss_spike", "gpu", "manual")
 
 
 def open_incident(cat: Catalog, run: str, kind: str, reason: str, **fields: Any) -> int:
     if kind not in KINDS:
-        raise ValueError(f"incident kind {kind!r} is not one of {KINDS}")
+        raise ConfigError(f"incident kind {kind!r} is not one of {KINDS}")
     run_id = lineage.get_run(cat, run).id
     with cat.session() as s:
         inc = Incident(run_id=run_id, kind=kind, reason=reason, **fields)

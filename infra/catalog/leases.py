@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import os
 import socket
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from sqlalchemy import and_, case, delete, exists, func, select, update
 from sqlalchemy.orm import aliased
 
 from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import Checkpoint, RestoreLease, ServingVersion, utcnow
+from infra.catalog.db import Catalog, changed
+from infra.catalog.models import Checkpoint, Launch, RestoreLease, Run, ServingVersion, utcnow
 from infra.catalog.models import CheckpointStatus as S
 from infra.catalog.serving import KEEPS_CHECKPOINT
-from infra.errors import NotFoundError
+from infra.errors import NotFoundError, RunBusy
 
 DEFAULT_TTL_S = 6 * 3600.0
 RESTORABLE = (S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value)
@@ -94,17 +95,90 @@ def delete_guarded(cat: Catalog, checkpoint_id: int, *, keep_last: int, reason: 
                 ServingVersion.state.in_([v.value for v in KEEPS_CHECKPOINT]),
             )
         )
-        won = s.execute(
-            update(Checkpoint)
-            .where(
-                Checkpoint.id == checkpoint_id,
-                Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value]),
-                Checkpoint.pinned.is_(False),
-                ~lease,
-                ~serving,
-                # A verified checkpoint goes only behind keep_last newer verified ones; any other behind one.
-                newer_verified >= case((Checkpoint.status == S.VERIFIED.value, keep_last), else_=1),
+        won = changed(
+            s.execute(
+                update(Checkpoint)
+                .where(
+                    Checkpoint.id == checkpoint_id,
+                    Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value]),
+                    Checkpoint.pinned.is_(False),
+                    ~lease,
+                    ~serving,
+                    # A verified checkpoint goes only behind keep_last newer verified ones; any other behind one.
+                    newer_verified >= case((Checkpoint.status == S.VERIFIED.value, keep_last), else_=1),
+                )
+                .values(status=S.DELETED.value, status_reason=reason)
             )
-            .values(status=S.DELETED.value, status_reason=reason)
-        ).rowcount
+        )
     return won == 1
+
+
+# -- the one writer of a run ---------------------------------------------------------------
+
+WRITER_TTL_S = 3600.0  # a holder silent this long (no save, no refresh) is presumed gone
+
+
+def writer_name() -> str:
+    """This process as a run's writer: host and pid, and the launch when a supervisor started it."""
+    launch = os.environ.get("REWIND_LAUNCH_ID")
+    return f"{holder()}:{launch}" if launch else holder()
+
+
+def _gone(cat_session: Any, writer: str, seen_at: Any) -> bool:
+    """Is the process named by ``writer`` surely no longer writing?"""
+    host, _, rest = writer.partition(":")
+    pid_text, _, launch = rest.partition(":")
+    if launch.isdigit():
+        row = cat_session.get(Launch, int(launch))
+        if row is not None and row.ended_at is not None:
+            return True  # its supervisor saw the launch end
+    if host == socket.gethostname() and pid_text.isdigit() and not _alive(int(pid_text)):
+        return True
+    return seen_at is None or (utcnow() - _aware(seen_at)).total_seconds() > WRITER_TTL_S
+
+
+def take_writer(cat: Catalog, run_id: int, who: str | None = None) -> None:
+    """Become the run's one writer, or ``RunBusy`` naming the process that is."""
+    me = who or writer_name()
+    with cat.session() as s:
+        lineage.lock_run(s, run_id)
+        run = s.get(Run, run_id)
+        if run is None:
+            raise NotFoundError(f"no run with id {run_id}")
+        if run.writer not in (None, me) and not _gone(s, run.writer, run.writer_seen_at):
+            seen = run.writer_seen_at.isoformat(timespec="seconds") if run.writer_seen_at else "never"
+            raise RunBusy(
+                f"run {run.name!r} is being written by {run.writer} (last seen {seen}): stop it first"
+            )
+        run.writer, run.writer_seen_at = me, utcnow()
+
+
+def touch_writer(cat: Catalog, run_id: int, who: str | None = None) -> None:
+    """Still here (every committed save says so)."""
+    with cat.session() as s:
+        s.execute(
+            update(Run)
+            .where(Run.id == run_id, Run.writer == (who or writer_name()))
+            .values(writer_seen_at=utcnow())
+        )
+
+
+def release_writer(cat: Catalog, run_id: int, who: str | None = None) -> None:
+    with cat.session() as s:
+        s.execute(
+            update(Run).where(Run.id == run_id, Run.writer == (who or writer_name())).values(writer=None)
+        )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _aware(ts: datetime) -> datetime:
+    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)

@@ -14,7 +14,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from infra.catalog.db import Catalog
+from infra.catalog.db import Catalog, changed
 from infra.catalog.models import (
     LIVE_STATUSES,
     Checkpoint,
@@ -25,19 +25,32 @@ from infra.catalog.models import (
     Run,
     utcnow,
 )
-from infra.errors import NotFoundError, RewindError
+from infra.errors import ConfigError, NotFoundError, RewindError
 from infra.format.manifest import Manifest
 
 S = CheckpointStatus
 
 
+RUN_NAME_BYTES = 200  # a directory name and an S3 key part: counted in UTF-8 bytes, not characters
+
+
+def check_run_name(name: str) -> None:
+    """A run name is a directory on every tier: refuse one that cannot be, once, where runs are created."""
+    why = None
+    if not name or len(name.encode()) > RUN_NAME_BYTES:
+        why = f"must be 1-{RUN_NAME_BYTES} bytes in UTF-8 (it is {len(name.encode())})"
+    elif any(c in name for c in "/\\") or any(ord(c) < 32 or ord(c) == 127 for c in name):
+        why = "must not hold '/', '\\' or control characters"
+    elif name.startswith("."):
+        why = "must not start with '.'"
+    if why is not None:
+        raise ConfigError(f"run name {name[:60]!r} {why}")
+
+
 def ensure_run(
     cat: Catalog, name: str, *, config_hash: str | None = None, code_version: str | None = None
 ) -> int:
-    if not name or len(name) > 200 or "/" in name or name.startswith("."):
-        raise RewindError(
-            f"run name {name!r} must be 1-200 characters, without '/' and not starting with '.'"
-        )
+    check_run_name(name)
     with cat.session() as s:
         run_id = s.scalar(select(Run.id).where(Run.name == name))
         if run_id is not None:
@@ -112,18 +125,20 @@ def commit(
     """``writing -> committed`` with its manifest digest, files and local copy, in one transaction."""
     now = utcnow()
     with cat.session() as s:
-        won = s.execute(
-            update(Checkpoint)
-            .where(Checkpoint.id == checkpoint_id, Checkpoint.status == S.WRITING.value)
-            .values(
-                status=S.COMMITTED.value,
-                committed_at=now,
-                total_bytes=manifest.total_bytes,
-                manifest_digest=digest,
-                metrics=manifest.metrics,
-                save_stall_s=stall_s,
+        won = changed(
+            s.execute(
+                update(Checkpoint)
+                .where(Checkpoint.id == checkpoint_id, Checkpoint.status == S.WRITING.value)
+                .values(
+                    status=S.COMMITTED.value,
+                    committed_at=now,
+                    total_bytes=manifest.total_bytes,
+                    manifest_digest=digest,
+                    metrics=manifest.metrics,
+                    save_stall_s=stall_s,
+                )
             )
-        ).rowcount
+        )
         if won != 1:
             raise RewindError(f"checkpoint {checkpoint_id} was no longer 'writing' at commit")
         s.add_all(
@@ -151,11 +166,13 @@ def transition(
     if to is S.VERIFIED:
         values["verified_at"] = utcnow()
     with cat.session() as s:
-        won = s.execute(
-            update(Checkpoint)
-            .where(Checkpoint.id == checkpoint_id, Checkpoint.status.in_([a.value for a in allowed_from]))
-            .values(**values)
-        ).rowcount
+        won = changed(
+            s.execute(
+                update(Checkpoint)
+                .where(Checkpoint.id == checkpoint_id, Checkpoint.status.in_([a.value for a in allowed_from]))
+                .values(**values)
+            )
+        )
     return won == 1
 
 
@@ -258,15 +275,17 @@ def get_run_by_id(cat: Catalog, run_id: int) -> Run:
 def set_pinned(cat: Catalog, run: str, step: int, pinned: bool) -> int:
     run_id = get_run(cat, run).id
     with cat.session() as s:
-        n = s.execute(
-            update(Checkpoint)
-            .where(
-                Checkpoint.run_id == run_id,
-                Checkpoint.step == step,
-                Checkpoint.status.in_([st.value for st in LIVE_STATUSES]),
+        n = changed(
+            s.execute(
+                update(Checkpoint)
+                .where(
+                    Checkpoint.run_id == run_id,
+                    Checkpoint.step == step,
+                    Checkpoint.status.in_([st.value for st in LIVE_STATUSES]),
+                )
+                .values(pinned=pinned)
             )
-            .values(pinned=pinned)
-        ).rowcount
+        )
     if n == 0:
         raise NotFoundError(f"run {run!r} has no live checkpoint at step {step}")
     return n
@@ -282,4 +301,4 @@ def replica_bytes(cat: Catalog, run: str | None = None) -> list[tuple[str, int]]
                 .join(Run, Run.id == Checkpoint.run_id)
                 .where(Run.name == run)
             )
-        return [(t, b) for t, b in s.execute(q).all()]
+        return [(t, b or 0) for t, b in s.execute(q).all()]

@@ -100,6 +100,9 @@ class Run(Base):
     config_hash: Mapped[str | None] = mapped_column(String(64))
     code_version: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # The one process allowed to write checkpoints of this run (host:pid[:launch]), and when it was last seen.
+    writer: Mapped[str | None] = mapped_column(Text)
+    writer_seen_at: Mapped[datetime | None]
 
     checkpoints: Mapped[list[Checkpoint]] = relationship(back_populates="run", lazy="raise")
 
@@ -298,6 +301,9 @@ class ServingVersion(Base):
     artifact_uri: Mapped[str] = mapped_column(Text)
     artifact_digest: Mapped[str] = mapped_column(String(64))
     artifact_bytes: Mapped[int] = mapped_column(BigInteger)
+    # What the archive was packed with (absolute paths); the model's next version reuses them.
+    handler: Mapped[str | None] = mapped_column(Text)
+    extra_files: Mapped[list[str] | None] = mapped_column(JSON)
     state: Mapped[str] = mapped_column(_enum(VersionState, "state"), default=VersionState.EXPORTED.value)
     weight: Mapped[int] = mapped_column(Integer, default=0)
     was_stable: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -13,7 +13,7 @@ from typing import Any
 
 from sqlalchemy import func, select, update
 
-from infra.catalog.db import Catalog
+from infra.catalog.db import Catalog, changed
 from infra.catalog.models import Rollout, RolloutStep, ServingVersion, utcnow
 from infra.catalog.models import VersionState as V
 from infra.errors import NotFoundError
@@ -92,6 +92,17 @@ def stable(cat: Catalog, model: str) -> ServingVersion | None:
     return rows[0] if rows else None
 
 
+def packaging(cat: Catalog, model: str) -> tuple[str, list[str]] | None:
+    """The handler and extra files of the stable version (else the newest that recorded one)."""
+    with cat.session() as s:
+        rows = s.scalars(
+            select(ServingVersion)
+            .where(ServingVersion.model == model, ServingVersion.handler.is_not(None))
+            .order_by((ServingVersion.state == V.STABLE.value).desc(), ServingVersion.id.desc())
+        ).all()
+    return (str(rows[0].handler), list(rows[0].extra_files or [])) if rows else None
+
+
 def set_state(
     cat: Catalog, model: str, version: str, to: V, *, expect: Iterable[V] | None = None, **fields: Any
 ) -> bool:
@@ -108,7 +119,7 @@ def set_state(
         q = update(ServingVersion).where(ServingVersion.model == model, ServingVersion.version == version)
         if expect is not None:
             q = q.where(ServingVersion.state.in_([e.value for e in expect]))
-        return s.execute(q.values(**values)).rowcount == 1
+        return changed(s.execute(q.values(**values))) == 1
 
 
 def set_weights(cat: Catalog, model: str, weights: dict[str, int]) -> None:
@@ -136,15 +147,17 @@ def promote(cat: Catalog, model: str, version: str) -> str | None:
                 .where(ServingVersion.model == model, ServingVersion.version == old)
                 .values(state=V.PREVIOUS.value, weight=0)
             )
-        won = s.execute(
-            update(ServingVersion)
-            .where(
-                ServingVersion.model == model,
-                ServingVersion.version == version,
-                ServingVersion.state.in_([v.value for v in LOADED]),
+        won = changed(
+            s.execute(
+                update(ServingVersion)
+                .where(
+                    ServingVersion.model == model,
+                    ServingVersion.version == version,
+                    ServingVersion.state.in_([v.value for v in LOADED]),
+                )
+                .values(state=V.STABLE.value, weight=100, was_stable=True, promoted_at=now)
             )
-            .values(state=V.STABLE.value, weight=100, was_stable=True, promoted_at=now)
-        ).rowcount
+        )
         if won != 1:
             raise NotFoundError(f"{model} {version} is not loaded; it cannot become stable")
     return old if old != version else None
@@ -159,7 +172,7 @@ def protected_checkpoints(cat: Catalog) -> set[int]:
                 ServingVersion.checkpoint_id.is_not(None),
             )
         ).all()
-    return {int(i) for i in ids}
+    return {int(i) for i in ids if i is not None}
 
 
 # -- rollouts ----------------------------------------------------------------------

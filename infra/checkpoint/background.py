@@ -15,10 +15,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from infra.errors import RewindError
+
 log = logging.getLogger("rewind.checkpoint")
 
 
-class BackgroundSaveError(RuntimeError):
+class BackgroundSaveError(RewindError):
     """The previous background save failed; its checkpoint was not committed."""
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from infra import config
-from infra.catalog import lineage
+from infra.catalog import leases, lineage
 from infra.catalog.db import Catalog
 from infra.catalog.models import CheckpointStatus
 from infra.checkpoint.background import BackgroundRunner
@@ -97,10 +97,12 @@ class Checkpointer:
             if name.endswith(".json") or name == "manifest":
                 raise ConfigError(f"state name {name!r} is reserved")
         self._stateful: dict[str, Stateful] = {k: as_stateful(k, v) for k, v in self.states.items()}
-        self.catalog = self.catalog or Catalog()
+        self._cat: Catalog = self.catalog or Catalog()
+        self.catalog = self._cat
         self.root = Path(self.root).expanduser().resolve()
         self.run_dir = self.root / self.run
-        self.run_id = lineage.ensure_run(self.catalog, self.run)
+        self.run_id = lineage.ensure_run(self._cat, self.run)
+        leases.take_writer(self._cat, self.run_id)  # a second live writer is refused here, by name
         self._parent_id: int | None = None
         self._parent_step: int | None = None
         self.mode = SaveMode(self.mode)
@@ -139,7 +141,9 @@ class Checkpointer:
         self._runner.wait()
 
     def close(self) -> None:
+        """Wait for an in-flight save, then let another process write this run."""
         self._runner.close()
+        leases.release_writer(self._cat, self.run_id)
 
     def _persist(
         self, step: int, trees: dict[str, Any], staged: Staged, metrics: dict[str, float], stall: float
@@ -147,7 +151,7 @@ class Checkpointer:
         """Write, fsync, manifest, rename, then catalog commit. ``stall`` is a start time in sync mode."""
         env = environment()
         with recorded_save(
-            self.catalog,
+            self._cat,
             self.run_id,
             self.run_dir,
             step,
@@ -171,7 +175,8 @@ class Checkpointer:
             fault_point("save.before_catalog", step)
             if self.mode is SaveMode.SYNC:
                 stall = time.perf_counter() - stall
-            lineage.commit(self.catalog, ck_id, manifest, digest=done.digest, stall_s=stall, uri=str(final))
+            lineage.commit(self._cat, ck_id, manifest, digest=done.digest, stall_s=stall, uri=str(final))
+            leases.touch_writer(self._cat, self.run_id)
         self._parent_id, self._parent_step = ck_id, step
         result = SaveResult(step, ck_id, str(final), manifest.total_bytes, stall, done.digest)
         self.last_saved = result
@@ -194,9 +199,9 @@ class Checkpointer:
         a reason to throw a run's progress away.
         """
         self._runner.wait()
-        p = restore_plan.plan(self.catalog, self.run, root=self.root)
+        p = restore_plan.plan(self._cat, self.run, root=self.root)
         try:
-            done = restore_exec.execute(self.catalog, p, self._load)
+            done = restore_exec.execute(self._cat, p, self._load)
         except NoRestorableCheckpoint as exc:
             self.skipped = exc.skipped
             if p.candidates:
@@ -238,7 +243,7 @@ class Checkpointer:
         for p in store.sweep_temp(self.run_dir):
             log.info("swept unfinished save %s", p)
         host = socket.gethostname()
-        for ck in lineage.writing(self.catalog, self.run_id):
+        for ck in lineage.writing(self._cat, self.run_id):
             env = ck.environment or {}
             pid = int(env.get("pid", 0))
             if env.get("hostname") != host or (pid != os.getpid() and store.pid_alive(pid)):
@@ -248,5 +253,5 @@ class Checkpointer:
             final = Path(ck.path)
             if final.exists():
                 store.quarantine(final, "uncommitted")
-            lineage.transition(self.catalog, ck.id, (S.WRITING,), S.ABORTED, "writer died before commit")
+            lineage.transition(self._cat, ck.id, (S.WRITING,), S.ABORTED, "writer died before commit")
             log.info("checkpoint step %d was never committed (writer died); discarded", ck.step)

@@ -34,7 +34,7 @@ def recorded_save(
         lineage.transition(
             cat,
             old.id,
-            (old.status,),
+            (S(old.status),),
             S.ABORTED if old.status == S.WRITING else S.SUPERSEDED,
             f"superseded by a new save at step {step}"
             + (f" (it was corrupt: {old.status_reason})" if old.status == S.CORRUPT else ""),

@@ -19,22 +19,29 @@ which records it against the copy and, if need be, tries the next one.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from infra.catalog import lineage
+from infra.catalog import leases, lineage
 from infra.catalog.db import Catalog
 from infra.checkpoint.recording import recorded_save
 from infra.checkpoint.state import environment
-from infra.errors import ConfigError, CorruptCheckpoint, NoRestorableCheckpoint, UnloadableCheckpoint
+from infra.errors import (
+    ConfigError,
+    CorruptCheckpoint,
+    NoRestorableCheckpoint,
+    RankFailed,
+    RunBusy,
+    UnloadableCheckpoint,
+)
+from infra.faults import fault_point
 from infra.format import dcp as verified_dcp
 from infra.format import manifest as mf
 from infra.format import payload, store, tree
@@ -47,6 +54,13 @@ from infra.restore.execute import Skip
 RANK_STATE = "rank-{rank}.json"
 StateTree = dict[str, Any] | Callable[[], dict[str, Any]]
 SHARED_STATE = "state.json"
+
+
+def _json_writer(obj: Any) -> store.FileWriter:
+    def fill(out: BinaryIO) -> None:
+        out.write(json.dumps(obj).encode())
+
+    return fill
 
 
 def _rank_state_file(rank: int) -> str:
@@ -79,16 +93,11 @@ def save(
         dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
         json_tree, extra = tree.split(rank_state, f"rank{rank}")
         if extra:
-            raise TypeError("per-rank state must not hold tensors; put them in the sharded state")
-        entries.append(
-            store.write_file(
-                tmp / _rank_state_file(rank), lambda out: out.write(json.dumps(json_tree).encode())
-            )
-        )
+            raise ConfigError("per-rank state must not hold tensors; put them in the sharded state")
+        entries.append(store.write_file(tmp / _rank_state_file(rank), _json_writer(json_tree)))
+        fault_point("save.shard_written", step)  # this rank's files are down, none committed yet
         if rank == 0:
-            entries.append(
-                store.write_file(tmp / SHARED_STATE, lambda out: out.write(json.dumps(shared_tree).encode()))
-            )
+            entries.append(store.write_file(tmp / SHARED_STATE, _json_writer(shared_tree)))
         for p in sorted(tmp.glob(f"__{rank}_*.distcp")):
             d = hash_file(p)
             entries.append(mf.FileEntry(p.name, d.size, d.xxh3, d.crc32c))
@@ -102,7 +111,7 @@ def save(
     if rank == 0:
         try:
             if errors:
-                raise RuntimeError("; ".join(errors))
+                raise RankFailed("; ".join(errors))
             files = [e for _, es in gathered for e in es]
             d = hash_file(tmp / ".metadata")
             files.append(mf.FileEntry(".metadata", d.size, d.xxh3, d.crc32c))
@@ -123,7 +132,7 @@ def save(
     dist.broadcast_object_list(outcome, src=0)
     kind, value = outcome[0]
     if kind == "error":
-        raise RuntimeError(f"sharded save of step {step} failed: {value}")
+        raise RankFailed(f"sharded save of step {step} failed: {value}")
     return final, value
 
 
@@ -195,7 +204,20 @@ class ShardedCheckpointer:
         self.run_dir = self.root / run
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.catalog = (catalog or Catalog()) if self.rank == 0 else None
-        self.run_id = lineage.ensure_run(self.catalog, run) if self.catalog else None
+        # Rank 0 leads: it alone holds the catalog and the run's id.
+        self._lead = (
+            (self.catalog, lineage.ensure_run(self.catalog, run)) if self.catalog is not None else None
+        )
+        refused = ""
+        if self._lead is not None:
+            try:
+                leases.take_writer(*self._lead)
+            except RunBusy as exc:
+                refused = str(exc)
+        box: list[Any] = [refused]
+        dist.broadcast_object_list(box, src=0)  # every rank learns it: none goes on alone
+        if box[0]:
+            raise RunBusy(box[0])
         self._parent_id: int | None = None
         self.skipped: tuple[Skip, ...] = ()  # rank 0: what the last restore passed over, and why
         if self.rank == 0:
@@ -209,28 +231,27 @@ class ShardedCheckpointer:
         rank_state: dict[str, Any],
         metrics: dict[str, float] | None = None,
     ) -> None:
-        recording = (
-            recorded_save(
-                self.catalog,
-                self.run_id,
-                self.run_dir,
-                step,
-                parent_id=self._parent_id,
-                layout=layout_of(self.world),
-                environment=environment(),
-            )
-            if self.catalog is not None
-            else contextlib.nullcontext((None, None))
-        )
-        with recording as (ck_id, _):
-            final, digest = save(
-                self.run_dir, self.run, step, state, rank_state, layout=layout_of(self.world), metrics=metrics
-            )
-            if self.catalog is not None:
-                manifest = mf.read(final)
-                lineage.commit(self.catalog, ck_id, manifest, digest=digest, stall_s=None, uri=str(final))
+        layout = layout_of(self.world)
+        if self._lead is None:
+            save(self.run_dir, self.run, step, state, rank_state, layout=layout, metrics=metrics)
+        else:
+            cat, run_id = self._lead
+            env = environment()
+            with recorded_save(
+                cat, run_id, self.run_dir, step, parent_id=self._parent_id, layout=layout, environment=env
+            ) as (ck_id, _):
+                final, digest = save(
+                    self.run_dir, self.run, step, state, rank_state, layout=layout, metrics=metrics
+                )
+                lineage.commit(cat, ck_id, mf.read(final), digest=digest, stall_s=None, uri=str(final))
+                leases.touch_writer(cat, run_id)
                 self._parent_id = ck_id
         dist.barrier()  # no rank goes on before the checkpoint is committed
+
+    def close(self) -> None:
+        """Let another process write this run (rank 0 holds the writer lease)."""
+        if self._lead is not None:
+            leases.release_writer(*self._lead)
 
     def restore_latest(self, state: StateTree) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
         """(step, restored tree, this rank's state) of the newest checkpoint that proves itself, or None.
@@ -266,9 +287,12 @@ class ShardedCheckpointer:
             dist.broadcast_object_list([("try", str(directory), manifest)], src=0)
             return self._attempt(directory, manifest, state)
 
-        p = restore_plan.plan(self.catalog, self.run, root=self.root)
+        if self._lead is None:
+            raise ConfigError("only rank 0 leads a restore")
+        cat = self._lead[0]
+        p = restore_plan.plan(cat, self.run, root=self.root)
         try:
-            done = restore_exec.execute(self.catalog, p, load_everywhere)
+            done = restore_exec.execute(cat, p, load_everywhere)
         except NoRestorableCheckpoint as exc:
             self.skipped = exc.skipped
             if tried:  # DCP loads in place: a failed attempt leaves the state partly loaded
@@ -299,7 +323,7 @@ class ShardedCheckpointer:
             elif kind == "none":
                 return None
             else:
-                raise RuntimeError(f"restore failed on rank 0: {value}")
+                raise RankFailed(f"restore failed on rank 0: {value}")
 
 
 class CheckpointFailures(Exception):

@@ -69,7 +69,7 @@ class StagingBuffer:
         out: dict[str, dict[str, torch.Tensor]] = {}
         offset = 0
         ctx = torch.cuda.stream(self._stream) if on_gpu else contextlib.nullcontext()
-        if on_gpu:
+        if on_gpu and self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())  # see the latest values
         with ctx, torch.no_grad():
             for part, tensors in parts.items():

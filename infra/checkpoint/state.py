@@ -17,6 +17,9 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from infra import redact
+from infra.errors import ConfigError
+
 
 @runtime_checkable
 class Stateful(Protocol):
@@ -47,7 +50,7 @@ class RNGState:
         cuda = state.get("cuda")
         if cuda is not None and torch.cuda.is_available():
             if len(cuda) != torch.cuda.device_count():
-                raise ValueError(
+                raise ConfigError(
                     f"checkpoint has RNG state for {len(cuda)} CUDA devices, this process sees {torch.cuda.device_count()}"
                 )
             torch.cuda.set_rng_state_all([c.clone() for c in cuda])
@@ -72,7 +75,7 @@ def as_stateful(name: str, obj: object) -> Stateful:
         return obj
     if isinstance(obj, dict):
         return DictState(obj)
-    raise TypeError(
+    raise ConfigError(
         f"state {name!r} ({type(obj).__name__}) has no state_dict()/load_state_dict() and is not a dict"
     )
 
@@ -86,7 +89,7 @@ def environment() -> dict[str, str]:
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
         "pid": str(os.getpid()),
-        "argv": " ".join(sys.argv)[:500],
+        "argv": " ".join(redact.argv(sys.argv))[:500],
     }
     if torch.version.cuda:
         env["cuda"] = torch.version.cuda

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from infra.errors import CorruptCheckpoint, StateMismatch
+from infra.errors import CorruptCheckpoint, Refused, StateMismatch
 from infra.format.manifest import FileEntry
 from infra.format.verify import Finding, Problem, read_verified
 
@@ -165,7 +165,7 @@ class VerifiedFileSystem(FileSystemBase):
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
         if mode != "rb":
-            raise ValueError(f"a verified checkpoint is read-only; refused mode {mode!r}")
+            raise Refused(f"a verified checkpoint is read-only; refused mode {mode!r}")
         with self.read_verified(path) as stream:
             yield stream
 
@@ -176,10 +176,10 @@ class VerifiedFileSystem(FileSystemBase):
         return Path(path)
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        raise ValueError("a verified checkpoint is read-only; refused rename")
+        raise Refused("a verified checkpoint is read-only; refused rename")
 
     def mkdir(self, path: str | os.PathLike) -> None:
-        raise ValueError("a verified checkpoint is read-only; refused mkdir")
+        raise Refused("a verified checkpoint is read-only; refused mkdir")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
@@ -189,7 +189,7 @@ class VerifiedFileSystem(FileSystemBase):
         return self.entries.get(self._relative(path)) is not None
 
     def rm_file(self, path: str | os.PathLike) -> None:
-        raise ValueError("a verified checkpoint is read-only; refused rm_file")
+        raise Refused("a verified checkpoint is read-only; refused rm_file")
 
 
 def _first_reason(exc: BaseException) -> str:
@@ -219,7 +219,7 @@ class _SafeValues:
             fqn = read_item.storage_index.fqn
             info = self._reader.storage_data.get(read_item.storage_index)
             raise _content(
-                str(self._reader.fs.directory),
+                str(self._reader.verified.directory),
                 getattr(info, "relative_path", fqn),
                 f"value {fqn} refused by torch.load(weights_only=True): {_first_reason(exc)}",
             ) from exc
@@ -240,7 +240,8 @@ class VerifiedReader(dcp.FileSystemReader):
 
     def __init__(self, directory: Path, entries: Mapping[str, FileEntry]) -> None:
         super().__init__(Path(directory))
-        self.fs = VerifiedFileSystem(Path(directory), entries)
+        self.verified = VerifiedFileSystem(Path(directory), entries)
+        self.fs = self.verified  # type: ignore[assignment]  # DCP calls only FileSystemBase methods on it
         self.refusal: BaseException | None = None
 
     def _note(self, exc: BaseException) -> None:
@@ -250,15 +251,14 @@ class VerifiedReader(dcp.FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         try:
-            with self.fs.create_stream(path, "rb") as stream:
-                raw = stream.getvalue()
-            metadata = load_metadata(raw, location=str(self.fs.directory), name=Path(path).name)
+            raw = self.verified.read_verified(path).getvalue()
+            metadata = load_metadata(raw, location=str(self.verified.directory), name=Path(path).name)
         except (CorruptCheckpoint, OSError) as exc:
             self._note(exc)
             raise
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        meta = metadata.storage_meta if metadata.storage_meta is not None else StorageMeta()
+        meta.load_id = self.load_id
+        metadata.storage_meta = meta
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:

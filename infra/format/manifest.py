@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
+from infra.errors import MalformedFile
 from infra.format import keyring as kr
 from infra.format.digest import DIGEST_ALGORITHM, manifest_digest
 
@@ -26,7 +27,7 @@ FORMAT = "rewind.checkpoint/2"
 READABLE_FORMATS = ("rewind.checkpoint/1", FORMAT)
 
 
-class ManifestError(ValueError):
+class ManifestError(MalformedFile):
     """The manifest itself is unreadable or malformed."""
 
 

@@ -25,7 +25,6 @@ from infra.format import manifest as mf
 from infra.format.digest import HashingWriter, manifest_digest
 from infra.format.verify import Finding, Problem
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-\d+\.tmp-(\d+)-[0-9a-f]+$")
 
 FileWriter = Callable[[BinaryIO], None]
@@ -42,14 +41,6 @@ class Committed:
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / f"step-{step}"
-
-
-def committed_steps(run_dir: Path) -> list[int]:
-    """Steps with a final directory (not necessarily valid), newest first."""
-    if not run_dir.is_dir():
-        return []
-    steps = [int(m.group(1)) for p in run_dir.iterdir() if (m := _STEP_DIR.match(p.name))]
-    return sorted(steps, reverse=True)
 
 
 def fsync_dir(path: Path) -> None:
@@ -169,7 +160,7 @@ def pid_alive(pid: int) -> bool:
 
 def sweep_temp(run_dir: Path) -> list[Path]:
     """Remove ``.tmp-`` directories left by a killed save; return what was removed."""
-    removed = []
+    removed: list[Path] = []
     if not run_dir.is_dir():
         return removed
     for p in run_dir.iterdir():

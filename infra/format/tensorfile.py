@@ -19,6 +19,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from infra.errors import ConfigError, MalformedFile
 from infra.format.digest import HashingReader
 
 _DTYPES: dict[torch.dtype, str] = {
@@ -39,11 +40,12 @@ _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _MAX_DIM = 1 << 40  # no real dimension is larger; an empty tensor could otherwise claim any shape
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A CPU tensor's bytes, without a copy (empty for an empty tensor)."""
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())
+    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def layout(
@@ -52,7 +54,7 @@ def layout(
     """Return the padded header and the order in which tensor bytes follow it."""
     for name, t in tensors.items():
         if t.dtype not in _DTYPES:
-            raise TypeError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+            raise ConfigError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
     order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
     header: dict[str, object] = {}
     if metadata:
@@ -82,7 +84,7 @@ def write(
         t = tensors[name]
         if t.device.type != "cpu" or not t.is_contiguous():
             t = t.detach().to("cpu").contiguous()
-        out.write(_byte_view(t))
+        out.write(byte_view(t))
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,29 +101,29 @@ def _spans(header: dict[str, Any], data_bytes: int) -> list[_Span]:
     spans = []
     for name, info in header.items():
         if not isinstance(info, dict):
-            raise ValueError(f"tensor {name!r} has a malformed header entry")
+            raise MalformedFile(f"tensor {name!r} has a malformed header entry")
         dtype = _BY_NAME.get(info.get("dtype"))  # type: ignore[arg-type]
         if dtype is None:
-            raise ValueError(f"tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
+            raise MalformedFile(f"tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
         try:
             start, end = (int(x) for x in info["data_offsets"])
             shape = [int(n) for n in info["shape"]]
         except (KeyError, TypeError, ValueError, OverflowError) as exc:
-            raise ValueError(f"tensor {name!r} has malformed offsets or shape") from exc
+            raise MalformedFile(f"tensor {name!r} has malformed offsets or shape") from exc
         count = math.prod(shape)
         if (
             any(n < 0 or n > _MAX_DIM for n in shape)
             or not 0 <= start <= end <= data_bytes
             or end - start != count * torch.empty(0, dtype=dtype).element_size()
         ):
-            raise ValueError(
+            raise MalformedFile(
                 f"tensor {name!r} has offsets {start}..{end} that do not fit its shape or the file"
             )
         spans.append(_Span(name, dtype, shape, start, end))
     spans.sort(key=lambda sp: (sp.start, sp.end))
     for a, b in itertools.pairwise(spans):
         if b.start < a.end:
-            raise ValueError(f"tensors {a.name!r} and {b.name!r} overlap")
+            raise MalformedFile(f"tensors {a.name!r} and {b.name!r} overlap")
     return spans
 
 
@@ -138,19 +140,19 @@ def read(reader: HashingReader, size: int) -> tuple[dict[str, torch.Tensor], dic
         raise EOFError("file is shorter than a safetensors header")
     (n,) = struct.unpack("<Q", head)
     if 8 + n > size:
-        raise ValueError(f"header length {n} runs past the end of the file ({size} bytes)")
+        raise MalformedFile(f"header length {n} runs past the end of the file ({size} bytes)")
     raw = bytearray(n)
     if not reader.fill(memoryview(raw)):
         raise EOFError("file ended inside its header")
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"header is not JSON ({str(exc)[:100]})") from exc
+        raise MalformedFile(f"header is not JSON ({str(exc)[:100]})") from exc
     if not isinstance(header, dict):
-        raise ValueError("header is not a JSON object")
+        raise MalformedFile("header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
-        raise ValueError("header metadata is not a JSON object")
+        raise MalformedFile("header metadata is not a JSON object")
     out: dict[str, torch.Tensor] = {}
     pos = 0
     for sp in _spans(header, size - 8 - n):
@@ -159,8 +161,10 @@ def read(reader: HashingReader, size: int) -> tuple[dict[str, torch.Tensor], dic
         try:
             t = torch.empty(sp.shape, dtype=sp.dtype)
         except RuntimeError as exc:  # a shape torch cannot allocate, however few bytes it claims
-            raise ValueError(f"tensor {sp.name!r} has shape {sp.shape}, which torch refuses: {exc}") from exc
-        if sp.end > sp.start and not reader.fill(memoryview(t.reshape(-1).view(torch.uint8).numpy())):
+            raise MalformedFile(
+                f"tensor {sp.name!r} has shape {sp.shape}, which torch refuses: {exc}"
+            ) from exc
+        if sp.end > sp.start and not reader.fill(byte_view(t)):
             raise EOFError(f"file ended inside tensor {sp.name!r}")
         out[sp.name] = t
         pos = sp.end

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from infra.errors import ConfigError
+
 _TAGS = ("__tensor__", "__tuple__", "__dict__", "__bytes__", "__ndarray__")
 
 
@@ -48,7 +50,7 @@ def split(tree: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
             }
         if isinstance(obj, np.generic):
             return walk(obj.item(), path)
-        raise TypeError(
+        raise ConfigError(
             f"cannot checkpoint {type(obj).__name__} at {path!r}: use tensors, numbers, strings, "
             "lists, tuples, dicts, bytes or numpy arrays"
         )

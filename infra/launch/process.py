@@ -57,6 +57,18 @@ def signal_all(pids: list[int], sig: int) -> None:
                 os.kill(pid, signal.SIGCONT)
 
 
+def is_running(pid: int, needle: str) -> bool:
+    """Is ``pid`` alive and still the program we think (its command line holds ``needle``)?
+
+    A pid read from a file may belong to an unrelated process after a reboot or a crash.
+    """
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return False
+    return needle in cmdline
+
+
 def stop_group(pid: int, *, timeout_s: float = 20) -> None:
     """SIGTERM a process group started with ``start_new_session``; SIGKILL it after a bounded wait.
 

@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any
 
+from infra import redact
 from infra.catalog import jobs, lineage
 from infra.catalog.db import Catalog
 from infra.catalog.models import CheckpointStatus
@@ -239,7 +240,9 @@ class Supervisor:
 
 
 def redacted(spec: JobSpec) -> dict[str, Any]:
-    """The spec as recorded on launches and incidents: environment values are secrets until proven not."""
+    """The spec as recorded on launches and incidents: environment values are secrets until proven not,
+    and so are secret-looking flags (the run's own ``job_spec`` keeps them: it must relaunch the job)."""
     out = spec.as_dict()
-    out["env"] = dict.fromkeys(spec.env, "<redacted>")
+    out["env"] = dict.fromkeys(spec.env, redact.HIDDEN)
+    out["command"] = redact.argv(spec.command)
     return out

@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.errors import ConfigError, ServingUnavailable
-from infra.launch.process import program, stop_group
+from infra.errors import ConfigError, Refused, ServingUnavailable
+from infra.launch.process import is_running, program, stop_group
 from infra.net import LOOPBACK, free_port
 
 BACKEND = "versions"
@@ -66,6 +66,10 @@ class ServerStats:
     responses: int  # every HTTP response the version gave, 1xx-5xx
     errors: int  # 5xx answers plus failed connections and responses
     current: int  # requests in flight now
+
+
+# Every answer of HAProxy's runtime API to a change that took (2.4 to 3.x): anything else is a refusal.
+ACCEPTED = frozenset({"", "New server registered.", "Server deleted."})
 
 
 class Proxy:
@@ -138,7 +142,8 @@ class Proxy:
     def stop(self) -> None:
         st = self.state()
         if st is not None:
-            stop_group(int(st["pid"]), timeout_s=10)
+            if is_running(int(st["pid"]), "haproxy"):  # a stale pid may be an unrelated process now
+                stop_group(int(st["pid"]), timeout_s=10)
             self.state_file.unlink(missing_ok=True)
 
     # -- runtime API -----------------------------------------------------------------
@@ -156,9 +161,10 @@ class Proxy:
         except OSError as exc:
             raise ServingUnavailable(f"HAProxy runtime API at {self.socket} is unreachable: {exc}") from exc
         answer = b"".join(chunks).decode()
-        refused = ("unknown command", "no such", "error", "require", "not found", "cannot", "invalid")
-        if not line.startswith("show ") and any(word in answer.lower() for word in refused):
-            raise ServingUnavailable(f"HAProxy refused {line.split()[0:3]}: {answer.strip()}")
+        if not line.startswith("show ") and answer.strip() not in ACCEPTED:
+            # HAProxy answered and said no (no such server, weight out of range, unknown
+            # command): asking again gets the same answer, so this is not transient.
+            raise Refused(f"HAProxy refused {' '.join(line.split()[0:3])!r}: {answer.strip()[:200]}")
         return answer
 
     def add(self, version: str, upstream_weight: int = 0) -> None:

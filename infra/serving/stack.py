@@ -8,16 +8,18 @@ TorchServe started some other way can be described by writing it by hand
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from infra import config
 from infra.errors import ConfigError
-from infra.launch.process import stop_group
+from infra.launch.process import is_running, stop_group
 from infra.serving import torchserve
 from infra.serving.haproxy import Proxy
 from infra.serving.torchserve import Endpoints
 
+log = logging.getLogger("rewind.serving")
 STACK_FILE = "stack.json"
 
 
@@ -76,6 +78,8 @@ def stop(directory: Path | None = None) -> None:
     stack = load(directory)
     for proxy in stack.proxies():
         proxy.stop()
-    if stack.pid is not None:
+    if stack.pid is not None and is_running(stack.pid, "torchserve"):
         stop_group(stack.pid)
+    elif stack.pid is not None:
+        log.warning("pid %d in %s is no longer TorchServe: left alone", stack.pid, STACK_FILE)
     (stack.directory / STACK_FILE).unlink(missing_ok=True)

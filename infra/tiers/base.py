@@ -47,6 +47,10 @@ class Tier(Protocol):
     uri: str
     checksums: bool  # does ``stat`` report a checksum the server computed (S3) or only a size
 
+    def check(self) -> None:
+        """Fail fast with one clear error: target missing or not writable, credentials wrong, endpoint down."""
+        ...
+
     def put(self, key: str, src: Path, *, crc32c: str) -> int:
         """Store ``src`` under ``key``; returns bytes sent. Raises AlreadyExists; resumes a partial upload."""
         ...

@@ -57,7 +57,7 @@ class FileTier:
                 if isinstance(source, bytes):
                     out.write(source)
                 else:
-                    shutil.copyfileobj(source, out, CHUNK)  # type: ignore[misc]
+                    shutil.copyfileobj(source, out, CHUNK)
                 raw.flush()
                 os.fsync(raw.fileno())
             try:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import os
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
@@ -107,7 +108,8 @@ class S3Tier:
                 response_checksum_validation="when_required",
             ),
         )
-        self.endpoint = self._client.meta.endpoint_url
+        # For messages: an endpoint URL may carry user:password@, which is never printed.
+        self.endpoint = re.sub(r"//[^/@]*@", "//", str(self._client.meta.endpoint_url))
 
     # -- errors -------------------------------------------------------------------
 

@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from infra.errors import ConfigError
+
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     g = torch.Generator()
@@ -39,7 +41,7 @@ class ResumableLoader:
         num_workers: int = 0,
     ) -> None:
         if batch_size < 1 or world < 1 or not 0 <= rank < world:
-            raise ValueError(f"bad loader shape: batch_size={batch_size} rank={rank} world={world}")
+            raise ConfigError(f"bad loader shape: batch_size={batch_size} rank={rank} world={world}")
         self.dataset = dataset
         self.batch_size = batch_size
         self.seed = seed
@@ -60,7 +62,7 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["seed"] != self.seed:
-            raise ValueError(f"checkpoint data order has seed {state['seed']}, this loader {self.seed}")
+            raise ConfigError(f"checkpoint data order has seed {state['seed']}, this loader {self.seed}")
         self.epoch = int(state["epoch"])
         self.consumed = int(state["consumed"])
         self.total = int(state.get("total", self.consumed))  # checkpoints before "total": epoch 0 only
@@ -77,11 +79,11 @@ class ResumableLoader:
     def skip_to(self, position: int) -> None:
         """Step over a data window: the next batch starts at global ``position``, epochs included."""
         if position < self.total:
-            raise ValueError(f"cannot skip back from {self.total} to {position}")
+            raise ConfigError(f"cannot skip back from {self.total} to {position}")
         while self.total < position:
             step = min(position - self.total, self._left_in_epoch())
             if step == 0 and self.consumed == 0:
-                raise ValueError("dataset is smaller than one global batch")
+                raise ConfigError("dataset is smaller than one global batch")
             self.consumed, self.total = self.consumed + step, self.total + step
             if self.total < position or self._left_in_epoch() == 0:
                 self.epoch, self.consumed = self.epoch + 1, 0
@@ -97,7 +99,7 @@ class ResumableLoader:
             indices = self._rank_indices()
             if not indices:
                 if self.consumed == 0:
-                    raise ValueError("dataset is smaller than one global batch")
+                    raise ConfigError("dataset is smaller than one global batch")
                 self.epoch, self.consumed = self.epoch + 1, 0
                 continue
             # A private generator: starting a DataLoader iterator otherwise draws a

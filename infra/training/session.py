@@ -173,7 +173,7 @@ class TrainingSession:
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if isinstance(self._ckpt, Checkpointer):
+        if self._ckpt is not None:
             self._ckpt.close()  # an in-flight async save is committed (or its error raised) first
         if self._writer is not None:
             self._writer.finish("finished" if exc is None else "failed")
@@ -203,11 +203,11 @@ class TrainingSession:
             log.warning("multi-rank saves are synchronous: async mode applies to single-process jobs only")
         sck = ShardedCheckpointer(self.run, root=self.root, catalog=self.catalog)
         self._ckpt = sck
-        got = sck.restore_latest(lambda: {k: v.state_dict() for k, v in self.parts.items()})
+        restored = sck.restore_latest(lambda: {k: v.state_dict() for k, v in self.parts.items()})
         self.skipped = sck.skipped
-        if got is None:
+        if restored is None:
             return 0
-        step, tree, mine = got
+        step, tree, mine = restored
         for name, part in self.parts.items():
             part.load_state_dict(tree[name])
         RankRNG().load_state_dict(mine["rng"])

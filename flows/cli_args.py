@@ -1,0 +1,46 @@
+"""Argument types and the parser of the ``rewind`` CLI: bad input is one line and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import NoReturn
+
+MAX_STEP = 2**63 - 1  # what the catalog's BIGINT holds
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but an error is the one line ``rewind: error: ...`` (exit 2), like every other error."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"rewind: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
+def step(text: str) -> int:
+    """A training step: a whole number from 0 to 2**63-1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a step is a whole number, not {text!r}") from None
+    if not 0 <= n <= MAX_STEP:
+        raise argparse.ArgumentTypeError(f"a step is between 0 and {MAX_STEP}, not {text}")
+    return n
+
+
+def count(text: str) -> int:
+    """A count: a whole number from 0 up."""
+    n = step(text)
+    return n
+
+
+def amount(text: str) -> float:
+    """A finite, non-negative number (seconds, gigabytes, dollars, a share)."""
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
+    if not math.isfinite(x) or x < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number of at least 0, not {text}")
+    return x
