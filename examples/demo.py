@@ -20,10 +20,12 @@ Prefect's ephemeral server is used unless PREFECT_API_URL points at a server.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -33,6 +35,24 @@ KILL_AT = 40  # a save that never completes: the newest checkpoint stays at 30
 
 def say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
+
+
+class ExpectedRefusal(logging.Filter):
+    """Turns the restore's warning about the bit this demo flipped into narration.
+
+    Only records naming the damaged file are taken; any other warning still prints.
+    """
+
+    def __init__(self, target: Path) -> None:
+        super().__init__()
+        self.target, self.taken = target, []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        if record.levelno == logging.WARNING and self.target.name in msg and "digest_mismatch" in msg:
+            self.taken.append(msg)
+            return False
+        return True
 
 
 def tiny_lm(run: str, out: Path) -> list[str]:
@@ -53,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
     from safetensors.torch import load_file
 
     from examples.runner import TrainingProcess
@@ -66,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     cat = Catalog()
     work = config.home() / "demo" / args.name
     run = args.name
-    t0 = time.monotonic()
+    t0, began = time.monotonic(), datetime.now(UTC)
     say(f"catalog {cat.safe_url}; checkpoints under {config.checkpoint_root()}")
 
     say("1/5 reference: 60 uninterrupted steps")
@@ -101,7 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     say(f"3/5 flipped one bit in {target}")
 
     say("4/5 recover-training (in `rewind serve` the failure event starts it by itself)")
-    recovered = recover_training(incident_id)
+    refusal = ExpectedRefusal(target)
+    logging.getLogger("rewind.restore").addFilter(refusal)
+    try:
+        recovered = recover_training(incident_id)
+    finally:
+        logging.getLogger("rewind.restore").removeFilter(refusal)
+    for msg in refusal.taken:
+        say(f"refused, as it must be: {msg}")
     say(f"recover-training: {recovered}")
     say("5/5 verify-checkpoints (scheduled scrub)")
     scrub = verify_checkpoints(run=run, return_state=True)
@@ -129,8 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"  replayed {inc.replayed_steps} steps | RTO (death to first step after restore) {inc.rto_s:.2f}s")
     with get_client(sync_client=True) as client:
-        print("\nflow runs:")
-        for fr in sorted(client.read_flow_runs(flow_run_filter=FlowRunFilter()), key=lambda r: r.created):
+        print("\nflow runs of this demo:")
+        mine = FlowRunFilter(start_time=FlowRunFilterStartTime(after_=began))
+        for fr in sorted(client.read_flow_runs(flow_run_filter=mine), key=lambda r: r.created):
             flow_name = client.read_flow(fr.flow_id).name
             print(f"  {flow_name:20} {fr.name:28} {fr.state.type.value if fr.state else '?'}")
     print(f"\nfinal weights bit-identical to the uninterrupted run: {equal}")

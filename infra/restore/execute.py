@@ -229,7 +229,7 @@ def restoring(
         if isinstance(got, Skip):
             leases.release(cat, lease)
             skipped.append(got)
-            log.warning("skipping %s", got)
+            log.info("skipping %s", got)  # each failed copy was already warned about
             if plan.exact or got.outcome == "unverifiable":
                 break  # never go past a checkpoint that may be good: that would throw its progress away
             continue
