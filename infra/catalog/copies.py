@@ -209,3 +209,22 @@ def vacate(cat: Catalog, uri: str, reason: str) -> None:
             .where(Replica.tier == LOCAL, Replica.uri == uri, Replica.status != R.DELETED.value)
             .values(status=R.DELETED.value, detail=reason, checked_at=utcnow())
         )
+
+
+def every_copy(cat: Catalog, run: str | None = None) -> list[tuple[Replica, Checkpoint, str]]:
+    """Every copy row not let go on purpose, with its checkpoint and run name: what a catalog check compares."""
+    with cat.session() as s:
+        q = (
+            select(Replica, Checkpoint, Run.name)
+            .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(Replica.status != R.DELETED.value, Checkpoint.status != S.DELETED.value)
+        )
+        if run is not None:
+            q = q.where(Run.name == run)
+        return [(r, c, n) for r, c, n in s.execute(q.order_by(Replica.id)).all()]
+
+
+def effective_key(rep: Replica, run: str, step: int) -> str:
+    """Where a shared or off-site copy lies below its tier root."""
+    return _effective_key(rep.key, run, step)

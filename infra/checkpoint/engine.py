@@ -37,7 +37,7 @@ from infra.catalog.models import CheckpointStatus
 from infra.checkpoint.background import BackgroundRunner
 from infra.checkpoint.recording import recorded_save
 from infra.checkpoint.staging import Staged, StagingBuffer
-from infra.checkpoint.state import Stateful, as_stateful, environment
+from infra.checkpoint.state import Stateful, as_stateful, environment, writer
 from infra.errors import ConfigError, NoRestorableCheckpoint, StateMismatch
 from infra.faults import fault_point
 from infra.format import manifest as mf
@@ -105,6 +105,7 @@ class Checkpointer:
         leases.take_writer(self._cat, self.run_id)  # a second live writer is refused here, by name
         self._parent_id: int | None = None
         self._parent_step: int | None = None
+        self._parent_digest: str | None = None
         self.mode = SaveMode(self.mode)
         self._staging = StagingBuffer()
         self._runner = BackgroundRunner(f"rewind-{self.run}", self.exit_timeout_s)
@@ -164,6 +165,8 @@ class Checkpointer:
                 step=step,
                 files=(),
                 parent_step=self._parent_step,
+                parent_digest=self._parent_digest,
+                writer=writer("rewind.Checkpointer"),
                 created_at=datetime.now(UTC).isoformat(),
                 layout=self.layout,
                 environment=env,
@@ -177,7 +180,7 @@ class Checkpointer:
                 stall = time.perf_counter() - stall
             lineage.commit(self._cat, ck_id, manifest, digest=done.digest, stall_s=stall, uri=str(final))
             leases.touch_writer(self._cat, self.run_id)
-        self._parent_id, self._parent_step = ck_id, step
+        self._parent_id, self._parent_step, self._parent_digest = ck_id, step, done.digest
         result = SaveResult(step, ck_id, str(final), manifest.total_bytes, stall, done.digest)
         self.last_saved = result
         log.info(
@@ -209,6 +212,7 @@ class Checkpointer:
             return None
         self.skipped = done.skipped
         self._parent_id, self._parent_step = done.checkpoint_id, done.step
+        self._parent_digest = lineage.get_checkpoint(self._cat, done.checkpoint_id).manifest_digest
         result = RestoreResult(done.step, done.checkpoint_id, str(done.directory), done.seconds, done.skipped)
         log.info(
             "restored step %d from the %s copy %s in %.3fs",

@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from infra.catalog import leases, lineage
 from infra.catalog.db import Catalog
 from infra.checkpoint.recording import recorded_save
-from infra.checkpoint.state import environment
+from infra.checkpoint.state import environment, writer
 from infra.errors import (
     ConfigError,
     CorruptCheckpoint,
@@ -76,6 +76,7 @@ def save(
     *,
     layout: dict[str, int],
     metrics: dict[str, float] | None = None,
+    parent: tuple[int, str | None] | None = None,
 ) -> tuple[Path, str]:
     """Collective: every rank calls it. Returns the committed directory and its manifest digest, on every rank.
 
@@ -120,6 +121,9 @@ def save(
                 run=run,
                 step=step,
                 files=tuple(sorted(files, key=lambda e: e.path)),
+                parent_step=None if parent is None else parent[0],
+                parent_digest=None if parent is None else parent[1],
+                writer=writer("rewind.ShardedCheckpointer"),
                 created_at=datetime.now(UTC).isoformat(),
                 layout=layout,
                 environment=environment(),
@@ -219,6 +223,7 @@ class ShardedCheckpointer:
         if box[0]:
             raise RunBusy(box[0])
         self._parent_id: int | None = None
+        self._parent: tuple[int, str | None] | None = None  # rank 0: (step, manifest digest) of the parent
         self.skipped: tuple[Skip, ...] = ()  # rank 0: what the last restore passed over, and why
         if self.rank == 0:
             store.sweep_temp(self.run_dir)
@@ -241,11 +246,18 @@ class ShardedCheckpointer:
                 cat, run_id, self.run_dir, step, parent_id=self._parent_id, layout=layout, environment=env
             ) as (ck_id, _):
                 final, digest = save(
-                    self.run_dir, self.run, step, state, rank_state, layout=layout, metrics=metrics
+                    self.run_dir,
+                    self.run,
+                    step,
+                    state,
+                    rank_state,
+                    layout=layout,
+                    metrics=metrics,
+                    parent=self._parent,
                 )
                 lineage.commit(cat, ck_id, mf.read(final), digest=digest, stall_s=None, uri=str(final))
                 leases.touch_writer(cat, run_id)
-                self._parent_id = ck_id
+                self._parent_id, self._parent = ck_id, (step, digest)
         dist.barrier()  # no rank goes on before the checkpoint is committed
 
     def close(self) -> None:
@@ -306,6 +318,7 @@ class ShardedCheckpointer:
             raise
         dist.broadcast_object_list([("done", done.step, None)], src=0)
         self._parent_id, self.skipped = done.checkpoint_id, done.skipped
+        self._parent = (done.step, lineage.get_checkpoint(cat, done.checkpoint_id).manifest_digest)
         restored, mine = done.value
         return done.step, restored, mine
 

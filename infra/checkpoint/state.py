@@ -80,6 +80,17 @@ def as_stateful(name: str, obj: object) -> Stateful:
     )
 
 
+def writer(engine: str) -> dict[str, str]:
+    """Who wrote a checkpoint, for its manifest: lets a catalog rebuilt from storage say so."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        rewind = version("rewind")
+    except PackageNotFoundError:
+        rewind = "unknown"
+    return {"engine": engine, "rewind": rewind, "host": socket.gethostname(), "pid": str(os.getpid())}
+
+
 def environment() -> dict[str, str]:
     """What a restore on another machine should know about the writer."""
     env = {

@@ -7,7 +7,9 @@ that record, not the manifest's own word, is what a copy is checked against. Wit
 a key configured (:mod:`infra.format.keyring`), manifests also carry the key's id and
 an HMAC-SHA256, so a manifest stays checkable where the catalog is not at hand.
 
-Format 2 added ``key_id``; format 1 manifests are still read.
+Format 2 added ``key_id``; format 3 added ``writer`` (what wrote the checkpoint) and
+``parent_digest`` (the parent's manifest digest, so lineage can be rebuilt from storage
+alone, exactly, even where two timelines share a step). Formats 1 and 2 are still read.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from infra.format.digest import DIGEST_ALGORITHM, manifest_digest
 
 MANIFEST_NAME = "manifest.json"
 MAX_BYTES = 64 << 20  # a manifest larger than this is refused unread: no real one comes near it
-FORMAT = "rewind.checkpoint/2"
-READABLE_FORMATS = ("rewind.checkpoint/1", FORMAT)
+FORMAT = "rewind.checkpoint/3"
+READABLE_FORMATS = ("rewind.checkpoint/1", "rewind.checkpoint/2", FORMAT)
 
 
 class ManifestError(MalformedFile):
@@ -52,6 +54,9 @@ class Manifest:
     layout: dict[str, int] = field(default_factory=lambda: {"world_size": 1, "tp": 1, "pp": 1, "dp": 1})
     environment: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    parent_digest: str | None = None
+    # What wrote it: {"engine": "rewind.Checkpointer" | "rewind.ShardedCheckpointer" | "adopted:<format>", ...}
+    writer: dict[str, str] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -64,6 +69,8 @@ class Manifest:
             "run": self.run,
             "step": self.step,
             "parent_step": self.parent_step,
+            "parent_digest": self.parent_digest,
+            "writer": self.writer,
             "created_at": self.created_at,
             "layout": self.layout,
             "environment": self.environment,
@@ -124,7 +131,7 @@ def parse(raw: bytes) -> Manifest:
             if size < 0:
                 raise ManifestError(f"manifest gives {path!r} a negative size")
             files.append(FileEntry(path=path, size=size, xxh3=str(f["xxh3"]), crc32c=str(f["crc32c"])))
-        parent = body.get("parent_step")
+        parent, parent_digest = body.get("parent_step"), body.get("parent_digest")
         return Manifest(
             run=str(body["run"]),
             step=int(body["step"]),
@@ -134,6 +141,8 @@ def parse(raw: bytes) -> Manifest:
             layout=dict(body.get("layout") or {}),
             environment=dict(body.get("environment") or {}),
             metrics=dict(body.get("metrics") or {}),
+            parent_digest=None if parent_digest is None else str(parent_digest),
+            writer={str(k): str(v) for k, v in dict(body.get("writer") or {}).items()},
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, ManifestError):

@@ -171,9 +171,12 @@ def sweep_temp(run_dir: Path) -> list[Path]:
     return removed
 
 
+QUARANTINE = ".quarantine"
+
+
 def quarantine(path: Path, reason: str) -> Path:
     """Move a damaged or superseded checkpoint aside, keeping its bytes for inspection."""
-    target_dir = path.parent / ".quarantine"
+    target_dir = path.parent / QUARANTINE
     target_dir.mkdir(exist_ok=True)
     target = target_dir / f"{path.name}-{reason}-{uuid.uuid4().hex[:8]}"
     os.rename(path, target)

@@ -25,7 +25,7 @@ from infra.format.verify import Finding, Problem, Report, Verdict, check_copy
 from infra.tiers import open_tier, transfer
 from infra.tiers.base import TierAccessDenied, TierConfigError
 
-QUARANTINE = ".quarantine"
+QUARANTINE = store.QUARANTINE
 
 
 @dataclass(frozen=True, slots=True)

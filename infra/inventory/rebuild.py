@@ -1,0 +1,167 @@
+"""Rebuilding the catalog from the manifests on a tier: the last resort when the database is gone.
+
+The manifests on the tiers are the ground truth of what was committed. A rebuild
+reads every manifest it finds, checks the copy it heads (every byte by default),
+and recreates runs, checkpoints with their files, parents, and this tier's copy
+rows. What a copy proves is all it brings: a manifest that does not parse, is
+misplaced, fails its signature, or heads files that do not match is reported and
+not imported. With a key configured an unsigned manifest is refused as well:
+without the catalog's digest, the signature is the only thing vouching for it.
+
+Running it again, or against a catalog that already knows some copies, adds only
+what is missing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from infra import config
+from infra.catalog import copies, imported, lineage
+from infra.catalog.db import Catalog
+from infra.catalog.models import ReplicaStatus as R
+from infra.errors import TransientError
+from infra.format import keyring as kr
+from infra.format import manifest as mf
+from infra.format.digest import manifest_digest
+from infra.format.verify import Report, check_copy
+from infra.inventory.scan import LOCAL, Place, open_for_scan, places, tier_kind
+from infra.tiers import transfer
+from infra.tiers.base import Tier, TierAccessDenied
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    run: str
+    step: int
+    key: str
+    checkpoint_id: int
+    action: str  # "new checkpoint" | "new copy" | "known copy"
+    status: str  # the checkpoint's status afterwards
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    key: str
+    reason: str
+
+
+@dataclass
+class RebuildReport:
+    tier: str
+    uri: str
+    deep: bool
+    placed: list[Placed] = field(default_factory=list)
+    refused: list[Refused] = field(default_factory=list)
+    unsigned: int = 0  # imported on the tier's word alone (no key configured)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "tier": self.tier,
+            "uri": self.uri,
+            "deep": self.deep,
+            "placed": [vars_of(p) for p in self.placed],
+            "refused": [vars_of(r) for r in self.refused],
+            "unsigned": self.unsigned,
+        }
+
+
+def vars_of(obj: Any) -> dict[str, Any]:
+    return {name: getattr(obj, name) for name in obj.__slots__}
+
+
+def _read_manifest(tier: Tier, key: str) -> bytes:
+    with tier.open(f"{key}/{mf.MANIFEST_NAME}") as f:
+        return mf.read_bounded(f)
+
+
+def _check(tier: Tier, kind: str, place: Place, digest: str, deep: bool, ring: kr.Keyring) -> Report:
+    if kind == LOCAL:
+        return check_copy(Path(tier.uri) / place.key, digest, deep=deep, keyring=ring)
+    return transfer.check_remote(tier, place.key, digest, deep=deep, keyring=ring)
+
+
+def _why_not(place: Place, raw: bytes, digest: str, report: Report, ring: kr.Keyring) -> str | None:
+    """Why this copy must not be imported, or None."""
+    if not report.ok or report.manifest is None:
+        return "; ".join(str(f) for f in report.findings if f.fatal)[:500] or "did not verify"
+    m = report.manifest
+    if (m.run, m.step) != (place.run, place.step):
+        return f"manifest says run {m.run!r} step {m.step}, but lies at {place.key}"
+    if "." in place.key.rsplit("/", 1)[1] and not place.key.endswith(f".{digest[:16]}"):
+        return "the name's digest suffix is not this manifest's digest"
+    if ring.signing and mf.signature(raw, ring) is kr.Signature.UNSIGNED:
+        return "unsigned, and a key is configured: only signed manifests are imported without a catalog"
+    return None
+
+
+def _place(
+    cat: Catalog, kind: str, tier: Tier, place: Place, m: mf.Manifest, digest: str, deep: bool
+) -> tuple[Placed, int | None]:
+    """Record one proven copy; returns what was done and the id of a checkpoint created for it."""
+    run_id = lineage.ensure_run(cat, m.run)
+    local_dir = Path(tier.uri) / place.key
+    uri, key = (str(local_dir), None) if kind == LOCAL else (tier.uri, place.key)
+    ck = imported.by_digest(cat, run_id, digest)
+    created = None
+    if ck is None:
+        path = str(local_dir if kind == LOCAL else config.checkpoint_root() / m.run / f"step-{m.step}")
+        created = imported.insert(cat, run_id, m, digest=digest, path=path, verified=deep)
+        ck_id, action = created, "new checkpoint"
+    else:
+        known = any(
+            r.tier == kind and r.uri == uri and r.status != R.DELETED.value
+            for r in copies.copies_of(cat, [ck.id])[ck.id]
+        )
+        ck_id, action = ck.id, ("known copy" if known else "new copy")
+    copies.add(cat, ck_id, kind, uri, key=key, nbytes=m.total_bytes, status=R.VERIFIED if deep else R.PENDING)
+    status = copies.settle(cat, ck_id)
+    return Placed(m.run, m.step, place.key, ck_id, action, status), created
+
+
+def rebuild(
+    cat: Catalog,
+    uri: str,
+    *,
+    tier: str | None = None,
+    run: str | None = None,
+    deep: bool = True,
+    keyring: kr.Keyring | None = None,
+) -> RebuildReport:
+    """Import every copy on the tier at ``uri`` that proves itself; report the others and why."""
+    ring = keyring if keyring is not None else kr.from_env()
+    kind = tier_kind(uri, tier)
+    store = open_for_scan(uri)
+    report = RebuildReport(kind, store.uri, deep)
+    parents: dict[int, dict[int, tuple[int | None, str | None]]] = defaultdict(dict)
+    created: dict[int, list[int]] = defaultdict(list)
+    for place in places(store, run):
+        try:
+            raw = _read_manifest(store, place.key)
+            digest = manifest_digest(raw)
+            checked = _check(store, kind, place, digest, deep, ring)
+        except (OSError, TransientError, TierAccessDenied, mf.ManifestError) as exc:
+            report.refused.append(Refused(place.key, f"unreadable: {exc}"))
+            continue
+        why = _why_not(place, raw, digest, checked, ring)
+        if why is not None or checked.manifest is None:
+            report.refused.append(Refused(place.key, why or "did not verify"))
+            continue
+        m = checked.manifest
+        report.unsigned += int(not ring.signing)
+        done, new_id = _place(cat, kind, store, place, m, digest, deep)
+        report.placed.append(done)
+        run_id = lineage.get_run(cat, m.run).id
+        parents[run_id][done.checkpoint_id] = (m.parent_step, m.parent_digest)  # a parent may come later
+        created[run_id] += [] if new_id is None else [new_id]
+    retired: set[int] = set()
+    for run_id, of_run in parents.items():
+        imported.link_parents(cat, run_id, of_run)
+        retired |= set(imported.retire_abandoned(cat, run_id, created[run_id]))
+    report.placed = [
+        replace(p, status="superseded") if p.checkpoint_id in retired else p for p in report.placed
+    ]
+    return report
