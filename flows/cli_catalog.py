@@ -1,4 +1,4 @@
-"""`rewind catalog rebuild` and `rewind catalog check`: the catalog against the manifests on storage."""
+"""`rewind catalog rebuild`, `rewind catalog check`, `rewind adopt`: the catalog against what lies on storage."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from flows.cli_args import step
+
 TIERS = ["local", "shared", "offsite"]
+FORMATS = ["dcp", "torchtitan", "hf-trainer", "safetensors"]
 
 
 def cmd_rebuild(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
@@ -19,7 +22,11 @@ def cmd_rebuild(args: argparse.Namespace, emit: Callable[..., None], catalog: Ca
         lines += [f"not imported   {r.key}: {r.reason}" for r in got.refused]
         lines.append(
             f"{got.tier} tier {got.uri}: {len(got.placed)} copies placed, {len(got.refused)} not imported"
-            + (f", {got.unsigned} on the tier's word alone (no manifest key configured)" if got.unsigned else "")
+            + (
+                f", {got.unsigned} on the tier's word alone (no manifest key configured)"
+                if got.unsigned
+                else ""
+            )
         )
         return "\n".join(lines)
 
@@ -38,6 +45,23 @@ def cmd_check(args: argparse.Namespace, emit: Callable[..., None], catalog: Call
 
     emit(args, [f.as_dict() for f in found], text)
     return 1 if found else 0
+
+
+def cmd_adopt(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+    from pathlib import Path
+
+    from infra.inventory.adopt import adopt
+
+    got = adopt(catalog(), Path(args.path), run=args.run, step=args.step, fmt=args.format)
+
+    def text() -> str:
+        return (
+            f"{got.action}: {got.path} as run {got.run} step {got.step} ({got.format}, {got.files} files, "
+            f"{got.bytes} bytes, pinned); verify, replicate and restore now protect it"
+        )
+
+    emit(args, {k: getattr(got, k) for k in got.__slots__}, text)
+    return 0
 
 
 def register(
@@ -71,3 +95,17 @@ def register(
     ck.add_argument("--tier", choices=TIERS, help="what the tier is (default: from the URI)")
     ck.add_argument("--run", help="only this run")
     ck.add_argument("--deep", action="store_true", help="re-hash every byte, not only sizes and manifests")
+    ad = add(
+        sub,
+        "adopt",
+        wrap(cmd_adopt),
+        "take a checkpoint directory Rewind did not write under protection: hash every file, write a "
+        "manifest beside them, register it (pinned)",
+        json_flag=True,
+    )
+    ad.add_argument(
+        "path", help="the checkpoint directory (DCP, TorchTitan step-N, HF checkpoint-N, safetensors)"
+    )
+    ad.add_argument("--run", required=True, help="the run it belongs to (created if new)")
+    ad.add_argument("--step", type=step, help="default: from the directory's name or trainer_state.json")
+    ad.add_argument("--format", choices=FORMATS, help="default: detected from the files")

@@ -71,19 +71,10 @@ def cmd_replicate(args: argparse.Namespace, emit: Callable[..., None], catalog: 
 
 
 def cmd_restore(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
-    from infra import config
-    from infra.format.verify import verify_files
-    from infra.restore import execute, plan
+    from infra.restore.foreign import verified_directory
 
-    cat = catalog()
     tiers = None if args.source is None else (args.source,)
-    p = plan.plan(cat, args.run, root=config.checkpoint_root(), step=args.step, tiers=tiers)
-    if not p.candidates:
-        raise RewindError(
-            f"run {args.run!r} has no restorable checkpoint"
-            + (f" on the {args.source} tier" if tiers else "")
-        )
-    done = execute.execute(cat, p, verify_files)
+    done = verified_directory(catalog(), args.run, step=args.step, tiers=tiers)
     row = {
         "step": done.step,
         "from": done.source,

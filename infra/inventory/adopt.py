@@ -1,0 +1,170 @@
+"""Taking a checkpoint directory Rewind did not write under protection, without rewriting it.
+
+Every file is hashed and a Rewind manifest is written beside them (last, like a
+save's), then the checkpoint is registered: from then on verify, replicate,
+retain and restore treat it like any other. Nothing in the directory is opened
+as anything but bytes here: pickled files (DCP's ``.metadata``, HF Trainer's
+``optimizer.pt``, ``rng_state.pth``) are only read, at restore, after their
+digests matched. Adopted checkpoints are pinned: retention never deletes a
+directory Rewind did not write.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from infra.catalog import copies, imported, lineage
+from infra.catalog.db import Catalog
+from infra.catalog.models import ReplicaStatus as R
+from infra.checkpoint.state import writer
+from infra.errors import ConfigError
+from infra.format import manifest as mf
+from infra.format import store
+from infra.format.digest import hash_file, manifest_digest
+from infra.format.verify import check_copy
+
+FORMATS = ("dcp", "torchtitan", "hf-trainer", "safetensors")
+_STEP_NAME = re.compile(r"(?:step|checkpoint|global_step|iter)[-_]?(\d{1,19})")
+_DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+@dataclass(frozen=True, slots=True)
+class Adopted:
+    run: str
+    step: int
+    format: str
+    path: str
+    checkpoint_id: int
+    files: int
+    bytes: int
+    digest: str
+    action: str  # "adopted" | "already adopted"
+
+
+def detect(path: Path) -> str:
+    """The checkpoint's format from what the directory holds."""
+    names = {p.name for p in path.iterdir()}
+    if ".metadata" in names and any(n.endswith(".distcp") for n in names):
+        return "torchtitan" if re.fullmatch(r"step-\d+", path.name) else "dcp"
+    if "trainer_state.json" in names:
+        return "hf-trainer"
+    if any(n.endswith(".safetensors") for n in names):
+        return "safetensors"
+    raise ConfigError(f"{path} is not a DCP, TorchTitan, HF Trainer or safetensors checkpoint: give --format")
+
+
+def step_of(path: Path, fmt: str) -> int:
+    """The step a directory's name or HF Trainer's own state says it holds."""
+    m = _STEP_NAME.fullmatch(path.name)
+    if m:
+        return int(m.group(1))
+    if fmt == "hf-trainer":
+        try:
+            return int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"cannot read global_step from {path}/trainer_state.json: {exc}") from exc
+    raise ConfigError(f"cannot tell which step {path} holds from its name: give --step")
+
+
+def _entries(path: Path) -> tuple[mf.FileEntry, ...]:
+    """Every regular file below ``path``, hashed; links and special files are refused, not followed."""
+    out = []
+    for p in sorted(path.rglob("*")):
+        rel = p.relative_to(path).as_posix()
+        if p.is_symlink() or not (p.is_file() or p.is_dir()):
+            raise ConfigError(f"{p} is a link or special file: adopt only directories of regular files")
+        if p.is_file() and rel != mf.MANIFEST_NAME:
+            d = hash_file(p)
+            out.append(mf.FileEntry(mf.safe_relative(rel), d.size, d.xxh3, d.crc32c))
+    if not out:
+        raise ConfigError(f"{path} holds no files")
+    return tuple(out)
+
+
+def _world(fmt: str, files: tuple[mf.FileEntry, ...]) -> int:
+    ranks = {int(m.group(1)) for f in files if (m := _DCP_SHARD.fullmatch(f.path))}
+    return max(len(ranks), 1) if fmt in ("dcp", "torchtitan") else 1
+
+
+def _write_manifest(path: Path, raw: bytes) -> None:
+    if not os.access(path, os.W_OK):
+        raise ConfigError(
+            f"{path} is read-only: Rewind writes its manifest beside the files; copy the directory "
+            "somewhere writable (or make it writable) and adopt that"
+        )
+    with open(path / mf.MANIFEST_NAME, "xb") as f:
+        f.write(raw)
+        f.flush()
+        os.fsync(f.fileno())
+    store.fsync_dir(path)
+
+
+def _parent(cat: Catalog, run_id: int, step: int) -> tuple[int | None, str | None]:
+    older = [c for c in lineage.restorable(cat, run_id) if c.step < step]
+    return (older[0].step, older[0].manifest_digest) if older else (None, None)
+
+
+def _register(cat: Catalog, run_id: int, m: mf.Manifest, digest: str, path: Path) -> tuple[int, str]:
+    known = imported.by_digest(cat, run_id, digest)
+    if known is not None:
+        return known.id, "already adopted"
+    ck_id = imported.insert(cat, run_id, m, digest=digest, path=str(path), verified=True)
+    copies.add(cat, ck_id, copies.LOCAL, str(path), key=None, nbytes=m.total_bytes, status=R.VERIFIED)
+    imported.link_parents(cat, run_id, {ck_id: (m.parent_step, m.parent_digest)})
+    lineage.set_pinned(cat, lineage.get_run_by_id(cat, run_id).name, m.step, True)
+    return ck_id, "adopted"
+
+
+def _existing(path: Path, run: str) -> tuple[mf.Manifest, str] | None:
+    """A manifest an earlier adoption wrote here (it proves itself again), or None when there is none."""
+    if not (path / mf.MANIFEST_NAME).exists():
+        return None
+    with open(path / mf.MANIFEST_NAME, "rb") as f:
+        raw = mf.read_bounded(f)
+    report = check_copy(path, manifest_digest(raw), deep=True)
+    m = report.manifest
+    if not report.ok or m is None or not m.writer.get("engine", "").startswith("adopted:") or m.run != run:
+        raise ConfigError(
+            f"{path} already holds a Rewind manifest that is not this run's adoption: "
+            "use `rewind catalog rebuild --from` on its tier instead"
+        )
+    return m, manifest_digest(raw)
+
+
+def adopt(cat: Catalog, path: Path, *, run: str, step: int | None = None, fmt: str | None = None) -> Adopted:
+    """Hash, write the manifest, register. Running it again on the same directory changes nothing."""
+    path = path.expanduser().resolve()
+    if not path.is_dir():
+        raise ConfigError(f"{path} is not a directory")
+    if fmt is not None and fmt not in FORMATS:
+        raise ConfigError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    run_id = lineage.ensure_run(cat, run)
+    again = _existing(path, run)
+    if again is not None:
+        m, digest = again
+    else:
+        fmt = fmt or detect(path)
+        at = step if step is not None else step_of(path, fmt)
+        files = _entries(path)
+        parent_step, parent_digest = _parent(cat, run_id, at)
+        m = mf.Manifest(
+            run=run,
+            step=at,
+            files=files,
+            parent_step=parent_step,
+            parent_digest=parent_digest,
+            created_at=datetime.now(UTC).isoformat(),
+            layout={"world_size": _world(fmt, files), "tp": 1, "pp": 1, "dp": _world(fmt, files)},
+            writer=writer(f"adopted:{fmt}"),
+        )
+        raw = m.to_bytes()
+        _write_manifest(path, raw)
+        digest = manifest_digest(raw)
+    ck_id, action = _register(cat, run_id, m, digest, path)
+    kind = m.writer.get("engine", "adopted:?").removeprefix("adopted:")
+    return Adopted(run, m.step, kind, str(path), ck_id, len(m.files), m.total_bytes, digest, action)

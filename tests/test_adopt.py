@@ -1,0 +1,159 @@
+"""Checkpoints Rewind did not write, taken under protection: plain DCP (one process and two ranks), a
+TorchTitan-shaped ``step-N`` directory and a real ``transformers.Trainer`` run are adopted, replicated
+to S3, restored after the local directory is gone, and resumed; a tampered adopted file is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+
+from flows.cli import main as rewind
+from infra.catalog import lineage
+from infra.catalog.db import Catalog
+from infra.errors import NoRestorableCheckpoint
+from infra.net import free_port
+from infra.restore.foreign import load_dcp, verified_directory
+from tests.integrity_support import flip
+from tests.s3_support import BUCKET
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _adopt(capsys, *args: str) -> dict:  # type: ignore[no-untyped-def]
+    capsys.readouterr()
+    assert rewind(["adopt", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    opt.step()
+    return model, opt
+
+
+def _state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def test_dcp_and_torchtitan_checkpoints_adopted_replicated_restored(
+    s3_env, rewind_env, run_name, tmp_path, capsys
+):
+    model, opt = _model(0)
+    titan = tmp_path / "titan" / "checkpoint" / "step-7"  # TorchTitan's layout: <dump>/checkpoint/step-<N>/
+    dcp.save(_state(model, opt), checkpoint_id=str(titan))
+    got = _adopt(capsys, str(titan), "--run", run_name)
+    assert (got["format"], got["step"], got["action"]) == ("torchtitan", 7, "adopted")
+    assert _adopt(capsys, str(titan), "--run", run_name)["action"] == "already adopted"
+    assert rewind(["replicate", run_name, "--to", f"s3://{BUCKET}/adopt-{run_name}"]) == 0
+    shutil.rmtree(titan)  # the node and its disk
+
+    fresh, fresh_opt = _model(1)
+    state = _state(fresh, fresh_opt)
+    assert load_dcp(state, run=run_name) == 7  # fetched from S3, every byte checked as DCP read it
+    fresh.load_state_dict(state["model"])
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
+    )
+
+    plain = tmp_path / "exported_dcp"  # a name that says no step: the user must
+    dcp.save(_state(model, opt), checkpoint_id=str(plain))
+    assert rewind(["adopt", str(plain), "--run", f"{run_name}-p"]) == 2
+    assert "give --step" in capsys.readouterr().err
+    assert _adopt(capsys, str(plain), "--run", f"{run_name}-p", "--step", "3")["format"] == "dcp"
+    shard = next(plain.glob("*.distcp"))
+    flip(shard)
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    state = _state(fresh, fresh_opt)
+    with pytest.raises(NoRestorableCheckpoint, match="corrupt"):
+        load_dcp(state, run=f"{run_name}-p")
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())  # nothing loaded from it
+    (ck,) = lineage.checkpoints(Catalog(), f"{run_name}-p")
+    assert ck.status == "corrupt"
+
+
+def test_dcp_checkpoint_of_two_ranks_adopted_and_loaded_on_two_ranks(rewind_env, run_name, tmp_path, capsys):
+    directory = tmp_path / "ckpt" / "step-5"
+
+    def ranks(mode: str) -> None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+               f"--master-port={free_port()}", "-m", "tests.adopt_worker", mode, str(directory), run_name]  # fmt: skip
+        r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+    ranks("save")
+    assert len(list(directory.glob("__*_*.distcp"))) == 2
+    got = _adopt(capsys, str(directory), "--run", run_name)
+    assert got["format"] == "torchtitan" and got["step"] == 5
+    ranks("load")
+    saved, loaded = load_file(f"{directory}-save.safetensors"), load_file(f"{directory}-load.safetensors")
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def _trainer(out: Path, stop_after: int | None = None):  # type: ignore[no-untyped-def]
+    """Six steps of a tiny Llama, a checkpoint every three; ``stop_after`` interrupts it once that is saved."""
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+        set_seed,
+    )
+
+    class Interrupt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            control.should_training_stop = state.global_step == stop_after
+            return control
+
+    set_seed(0)
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)  # fmt: skip
+    model = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": t, "labels": t} for t in torch.randint(0, 32, (48, 16), generator=g)]
+    args = TrainingArguments(output_dir=str(out), max_steps=6, per_device_train_batch_size=4, save_steps=3,
+                             save_strategy="steps", learning_rate=1e-2, seed=0, report_to=[], use_cpu=True,
+                             dataloader_num_workers=0, logging_strategy="no", disable_tqdm=True)  # fmt: skip
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=[Interrupt()])
+
+
+def test_hf_trainer_checkpoint_adopted_restored_and_resumed(s3_env, rewind_env, run_name, tmp_path, capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    reference = _trainer(tmp_path / "ref")
+    reference.train()
+    cut = _trainer(tmp_path / "cut", stop_after=3)
+    cut.train()
+    assert sorted(p.name for p in (tmp_path / "cut").glob("checkpoint-*")) == ["checkpoint-3"]
+    got = _adopt(capsys, str(tmp_path / "cut" / "checkpoint-3"), "--run", run_name)
+    assert (got["format"], got["step"]) == ("hf-trainer", 3)
+    assert rewind(["replicate", run_name, "--to", f"s3://{BUCKET}/hf-{run_name}"]) == 0
+    shutil.rmtree(tmp_path / "cut")
+
+    done = verified_directory(Catalog(), run_name)  # every byte checked before Trainer unpickles a thing
+    assert done.fetched and done.step == 3
+    resumed = _trainer(tmp_path / "cut")
+    resumed.train(resume_from_checkpoint=str(done.directory))
+    a, b = reference.model.state_dict(), resumed.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    bad = tmp_path / "ref" / "checkpoint-6"
+    assert _adopt(capsys, str(bad), "--run", f"{run_name}-t")["step"] == 6
+    flip(bad / "optimizer.pt")
+    capsys.readouterr()
+    assert rewind(["ckpt", "restore", f"{run_name}-t"]) == 2
+    assert "digest_mismatch" in capsys.readouterr().err
