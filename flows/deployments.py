@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import cast
+from typing import Any, cast
 
 from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 
-from flows.maintenance import replicate_offsite, restore_checkpoint_flow, verify_checkpoints
+from flows.maintenance import (
+    adopt_checkpoints,
+    replicate_offsite,
+    restore_checkpoint_flow,
+    verify_checkpoints,
+)
 from flows.serving import deploy_model, rollback_model, rollout_model
 from flows.training import protect_training, recover_training
 
@@ -22,6 +27,7 @@ def build(
     scrub_every: timedelta = timedelta(hours=6),
     replicate_every: timedelta = timedelta(minutes=15),
     replicate_to: str | None = None,
+    adopt_every: timedelta = timedelta(minutes=10),
 ) -> list[RunnerDeployment]:
     target = replicate_to or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
     found = [
@@ -43,6 +49,7 @@ def build(
             name="verify-checkpoints", interval=scrub_every, tags=["rewind", "scrub"]
         ),
         restore_checkpoint_flow.to_deployment(name="restore-checkpoint", tags=["rewind", "restore"]),
+        _adopt_deployment(adopt_every),
         deploy_model.to_deployment(name="deploy-model", tags=["rewind", "serving"]),
         rollout_model.to_deployment(name="rollout-model", tags=["rewind", "serving"]),
         rollback_model.to_deployment(name="rollback-model", tags=["rewind", "serving"]),
@@ -67,6 +74,20 @@ def build(
     ]
     # ``to_deployment`` answers with a coroutine only inside an event loop: never here.
     return [cast(RunnerDeployment, d) for d in found]
+
+
+def _adopt_deployment(every: timedelta) -> Any:
+    """Adopt by hand from the UI form, or, with REWIND_ADOPT_FROM and REWIND_ADOPT_RUN set, every new
+    ``checkpoint-*`` directory that appears there (paused until both are set)."""
+    watch, run = os.environ.get("REWIND_ADOPT_FROM"), os.environ.get("REWIND_ADOPT_RUN")
+    params = {"path": watch, "run": run, "pattern": os.environ.get("REWIND_ADOPT_PATTERN", "checkpoint-*")}
+    return adopt_checkpoints.to_deployment(
+        name="adopt-checkpoints",
+        interval=every,
+        parameters=params if watch and run else None,
+        paused=not (watch and run),
+        tags=["rewind", "adoption"],
+    )
 
 
 def serve_all(**kwargs: object) -> None:

@@ -5,20 +5,24 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 
 from infra.errors import ConfigError, RewindError
+from tasks.adopt import adopt_checkpoint, find_unadopted
 from tasks.common import artifact_key
 from tasks.detect import load_spec, record_failure, record_spec, supervise_training
 from tasks.replicate import apply_retention, pending_replication, replicate_checkpoint
 from tasks.restore import restore_checkpoint
-from tasks.verify import list_checkpoints, verify_checkpoint
+from tasks.verify import check_catalog, list_checkpoints, verify_checkpoint
 
 
 @flow(name="verify-checkpoints")
 def verify_checkpoints(run: str | None = None, deep: bool = True) -> dict[str, Any]:
-    """Re-verify (scrub) committed checkpoints; any corrupt one fails the run and is reported.
+    """Re-verify (scrub) committed checkpoints, then check the catalog against storage both ways.
+
+    Any corrupt checkpoint fails the run and is reported; drift (files no catalog
+    row names, rows whose files are gone) is published as the catalog-check artifact.
 
     Args:
         run: Only this run (default: every run in the catalog).
@@ -33,13 +37,18 @@ def verify_checkpoints(run: str | None = None, deep: bool = True) -> dict[str, A
         create_table_artifact(
             key=artifact_key("rewind", run or "all", "scrub"), table=rows, description="Scrub results"
         )
+    drift = check_catalog(run)  # the other direction too: files no row names, rows whose files are gone
+    if drift:
+        get_run_logger().warning(
+            "catalog and storage disagree in %d place(s): see the catalog-check artifact", len(drift)
+        )
     bad = [r for r in rows if not r["ok"]]
     if bad:
         raise RewindError(  # corrupt, or unverifiable right now: each row's detail says which
             f"{len(bad)} of {len(rows)} checkpoints failed verification: "
             + ", ".join(f"{r['run']}@{r['step']}" for r in bad)
         )
-    return {"checked": len(rows), "corrupt": 0}
+    return {"checked": len(rows), "corrupt": 0, "drift": len(drift)}
 
 
 @flow(name="restore-checkpoint")
@@ -108,3 +117,28 @@ def replicate_offsite(
     keep_every = keep_every or int(os.environ.get("REWIND_KEEP_EVERY", "0"))
     removed = apply_retention(run, keep_last, keep_every) if keep_last else {}
     return {"replicated": len(done), "bytes_sent": sum(d["bytes_sent"] for d in done), "removed": removed}
+
+
+@flow(name="adopt-checkpoints")
+def adopt_checkpoints(
+    path: str,
+    run: str,
+    pattern: str = "checkpoint-*",
+    step: int | None = None,
+    format: str | None = None,
+) -> dict[str, Any]:
+    """Take checkpoints Rewind did not write under protection: verify, replicate, retain and restore them.
+
+    Args:
+        path: One checkpoint directory, or a directory whose sub-directories matching `pattern` are checkpoints
+            (an HF Trainer output_dir, a TorchTitan `checkpoint/` folder).
+        run: The run they belong to (created if new).
+        pattern: Which sub-directories are checkpoints: `checkpoint-*` (HF Trainer), `step-*` (TorchTitan).
+        step: The step, for a single directory whose name does not say it.
+        format: dcp, torchtitan, hf-trainer or safetensors (default: detected from the files).
+    """
+    found = find_unadopted(path, pattern)
+    if step is not None and len(found) > 1:
+        raise ConfigError(f"`step` names one checkpoint, but {path} holds {len(found)} to adopt")
+    done = [adopt_checkpoint(p, run, step, format) for p in found]
+    return {"adopted": [d["step"] for d in done if d["action"] == "adopted"], "checked": len(found)}

@@ -1,10 +1,11 @@
-"""Ranks of a plain DCP job (gloo on CPU): ``save`` writes a checkpoint the way any DCP user does, ``load``
-restores an adopted one through Rewind into a fresh model; rank 0 writes what it holds for comparison."""
+"""Ranks of a plain DCP job (gloo on CPU): the job saves a checkpoint the way any DCP user does, rank 0
+adopts it through Rewind, then every rank restores it into a fresh model; rank 0 writes both for comparison."""
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -12,28 +13,37 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 
-def main(mode: str, directory: str, run: str) -> None:
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def main(directory: str, run: str) -> None:
+    from infra.catalog.db import Catalog
+    from infra.inventory.adopt import adopt
     from infra.restore.foreign import load_dcp
 
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0 if mode == "save" else 123)  # a load starts from different weights
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
-    model = torch.nn.parallel.DistributedDataParallel(model)
-    state = {"model": model.state_dict()}
-    if mode == "save":
-        dcp.save(state, checkpoint_id=directory)
-    else:
-        assert load_dcp(state, run=run) == 5
-        model.load_state_dict(state["model"])
-    if rank == 0:
-        save_file(
-            {k: v.contiguous() for k, v in model.state_dict().items()}, f"{directory}-{mode}.safetensors"
-        )
+    saved = _model(0)
+    dcp.save({"model": saved.state_dict()}, checkpoint_id=directory)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        adopt(Catalog(), Path(directory), run=run)
+    dist.barrier()
+    fresh = _model(123)  # different weights until the restore
+    state = {"model": fresh.state_dict()}
+    assert load_dcp(state, run=run) == 5
+    fresh.load_state_dict(state["model"])
+    if dist.get_rank() == 0:
+        for name, model in (("save", saved), ("load", fresh)):
+            save_file(
+                {k: v.contiguous() for k, v in model.state_dict().items()}, f"{directory}-{name}.safetensors"
+            )
     dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:3])
     os._exit(0)

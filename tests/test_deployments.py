@@ -25,3 +25,6 @@ def test_prefect_yaml_matches_rewind_serve():
     assert trigger["expect"] == [FAILURE_EVENT]
     assert served["recover-training"].triggers[0].expect == {FAILURE_EVENT}
     assert served["verify-checkpoints"].schedules and served["replicate-offsite"].paused
+    assert served[
+        "adopt-checkpoints"
+    ].paused  # until REWIND_ADOPT_FROM and REWIND_ADOPT_RUN name what to watch

@@ -1,12 +1,15 @@
 """Integrity through the Prefect flows: a lost node restored from the shared tier by the restore-checkpoint
-flow, and a retention plan made before a roll-back that cannot delete what the roll-back chose."""
+flow, a retention plan made before a roll-back that cannot delete what the roll-back chose, and the
+adoption flow taking each new checkpoint directory once."""
 
 from __future__ import annotations
+
+import torch
 
 from examples.tiny_lm import command
 from flows.cli import main as rewind
 from infra import retention
-from infra.catalog import jobs
+from infra.catalog import jobs, lineage
 from infra.catalog.db import Catalog
 from tests.integrity_support import statuses
 from tests.trainproc import REPO, TrainProc, assert_same_weights
@@ -59,3 +62,23 @@ def test_gc_plan_made_before_a_rollback_keeps_what_it_chose(
     out = second.finish()
     assert second.proc.returncode == 0 and out.resumed_at == 20, out.text
     assert_same_weights(tmp_path / "out" / "final.safetensors", reference[1])
+
+
+def test_adopt_flow_takes_each_new_checkpoint_once(prefect_api, rewind_env, run_name, tmp_path):
+    """Adoption as a flow (the UI form, or a schedule watching an HF Trainer output_dir)."""
+    from safetensors.torch import save_file
+
+    from flows.maintenance import adopt_checkpoints, verify_checkpoints
+
+    out = tmp_path / "trainer_out"
+    for step in (500, 1000):
+        (out / f"checkpoint-{step}").mkdir(parents=True)
+        save_file({"w": torch.full((4,), float(step))}, str(out / f"checkpoint-{step}" / "model.safetensors"))
+    assert adopt_checkpoints(path=str(out), run=run_name) == {"adopted": [500, 1000], "checked": 2}
+    assert adopt_checkpoints(path=str(out), run=run_name) == {"adopted": [], "checked": 0}
+    (out / "checkpoint-1500").mkdir()
+    save_file({"w": torch.zeros(4)}, str(out / "checkpoint-1500" / "model.safetensors"))
+    assert adopt_checkpoints(path=str(out), run=run_name)["adopted"] == [1500]
+    rows = {c.step: c for c in lineage.checkpoints(Catalog(), run_name)}
+    assert rows[1500].parent_id == rows[1000].id and rows[1000].parent_id == rows[500].id
+    assert verify_checkpoints(run=run_name) == {"checked": 3, "corrupt": 0, "drift": 0}

@@ -174,6 +174,11 @@ def sweep_temp(run_dir: Path) -> list[Path]:
 QUARANTINE = ".quarantine"
 
 
+def owned(path: Path, root: Path) -> bool:
+    """Is ``path`` a directory Rewind wrote, under the local tier's root (not an adopted one elsewhere)?"""
+    return path.is_dir() and path.resolve().is_relative_to(root.resolve())
+
+
 def quarantine(path: Path, reason: str) -> Path:
     """Move a damaged or superseded checkpoint aside, keeping its bytes for inspection."""
     target_dir = path.parent / QUARANTINE

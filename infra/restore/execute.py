@@ -94,11 +94,16 @@ class _Opened:
 _UNREADABLE_ERRORS = (OSError, TransientError, TierAccessDenied, TierConfigError)
 
 
-def _fail(cat: Catalog, replica_id: int, directory: Path | None, verdict: Verdict, findings: list) -> str:
-    """Record a failed copy; a damaged local copy is moved aside so nothing can mistake it for good."""
+def _fail(
+    cat: Catalog, replica_id: int, directory: Path | None, verdict: Verdict, findings: list, root: Path
+) -> str:
+    """Record a failed copy; a damaged local copy is moved aside so nothing can mistake it for good.
+
+    Only directories under the local tier's root are moved: an adopted directory is the user's.
+    """
     detail = "; ".join(str(f) for f in findings if f.fatal)[:2000] or verdict.value
     moved = None
-    if verdict is Verdict.CORRUPT and directory is not None and directory.is_dir():
+    if verdict is Verdict.CORRUPT and directory is not None and store.owned(directory, root):
         with contextlib.suppress(OSError):
             moved = str(store.quarantine(directory, "corrupt"))
     copies.record(cat, replica_id, R(verdict.value), detail, uri=moved)
@@ -151,9 +156,9 @@ def _try(
             return opened, value, copy
         if opened is None:  # the copy itself failed (or its download did)
             where = Path(copy.uri) if copy.local else None
-            detail = _fail(cat, copy.replica_id, where, verdict, findings)
+            detail = _fail(cat, copy.replica_id, where, verdict, findings, plan.root)
         else:  # the local directory it produced failed while being loaded
-            detail = _fail(cat, opened.local_replica_id, opened.directory, verdict, findings)
+            detail = _fail(cat, opened.local_replica_id, opened.directory, verdict, findings, plan.root)
         tried.append(f"{copy.tier} {verdict.value} ({detail})")
         verdicts.append(verdict)
         found += [f for f in findings if f.fatal]

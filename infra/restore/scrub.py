@@ -14,6 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
+from infra import config
 from infra.catalog import copies, lineage
 from infra.catalog.db import Catalog
 from infra.catalog.models import Checkpoint, Replica
@@ -72,7 +73,8 @@ def _record(cat: Catalog, rep: Replica, report: Report) -> None:
             copies.record(cat, rep.id, R.PENDING, "quick check passed")  # proven again only by a deep one
         return
     moved = None
-    if verdict is Verdict.CORRUPT and rep.tier == copies.LOCAL and report.directory.is_dir():
+    owned = rep.tier == copies.LOCAL and store.owned(report.directory, config.checkpoint_root())
+    if verdict is Verdict.CORRUPT and owned:
         with contextlib.suppress(OSError):
             moved = str(store.quarantine(report.directory, "corrupt"))
     copies.record(cat, rep.id, R(verdict.value), detail, uri=moved)
