@@ -102,6 +102,14 @@ def test_rebuild_recreates_lineage_across_a_roll_back(rewind_env, run_name, tmp_
     assert all(torch.equal(v, head[k]) for k, v in model.state_dict().items())
 
 
+def _copies(run: str) -> dict[int, dict[str, str]]:
+    cat = Catalog()
+    return {
+        c.step: {r.tier: str(r.status) for r in lineage.replicas_of(cat, c.id)}
+        for c in lineage.checkpoints(cat, run)
+    }
+
+
 def _pg(tool: str, *args: str) -> None:
     subprocess.run([tool, *args], check=True, capture_output=True, timeout=120)
 
@@ -135,6 +143,9 @@ def test_catalog_backup_check_and_rebuild_from_each_tier(
     assert rewind(["replicate", run_name, "--to", str(shared)]) == 0
     assert rewind(["replicate", run_name, "--to", offsite]) == 0
     original = _lineage(Catalog(), run_name)
+    assert {s: set(t) for s, t in _copies(run_name).items()} == {
+        s: {"local", "shared", "offsite"} for s in (10, 20, 30)
+    }
 
     # Backup and restore with Postgres's own tools; Rewind works on against the restored database.
     dump = tmp_path / "catalog.dump"
@@ -167,6 +178,11 @@ def test_catalog_backup_check_and_rebuild_from_each_tier(
     assert rewind(["catalog", "rebuild", "--from", str(shared)]) == 0
     assert rewind(["catalog", "rebuild", "--from", offsite]) == 0
     assert _lineage(Catalog(), run_name) == original
+    assert _copies(run_name) == {  # every copy that still verifies, and only those
+        10: {"local": "verified", "shared": "verified", "offsite": "verified"},
+        20: {"local": "verified", "offsite": "verified"},
+        30: {"shared": "verified", "offsite": "verified"},
+    }
     rc, found = _check("--deep", capsys=capsys)
     assert [(f["kind"], f["tier"], f["step"]) for f in found] == [("files_without_row", "local", 30)]
 
