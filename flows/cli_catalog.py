@@ -35,8 +35,11 @@ def cmd_rebuild(args: argparse.Namespace, emit: Callable[..., None], catalog: Ca
 
 
 def cmd_check(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+    from infra.errors import ConfigError
     from infra.inventory.drift import check
 
+    if args.tier and not args.source:
+        raise ConfigError("--tier says what the --from URI is: give --from too")
     found = check(catalog(), args.source, tier=args.tier, run=args.run, deep=args.deep)
 
     def text() -> str:

@@ -37,7 +37,7 @@ def verify_checkpoints(run: str | None = None, deep: bool = True) -> dict[str, A
         create_table_artifact(
             key=artifact_key("rewind", run or "all", "scrub"), table=rows, description="Scrub results"
         )
-    drift = check_catalog(run)  # the other direction too: files no row names, rows whose files are gone
+    drift = check_catalog(run, rows=False)  # the other direction: copies on the tiers no row names
     if drift:
         get_run_logger().warning(
             "catalog and storage disagree in %d place(s): see the catalog-check artifact", len(drift)
@@ -126,6 +126,7 @@ def adopt_checkpoints(
     pattern: str = "checkpoint-*",
     step: int | None = None,
     format: str | None = None,
+    quiet_s: float = 60.0,
 ) -> dict[str, Any]:
     """Take checkpoints Rewind did not write under protection: verify, replicate, retain and restore them.
 
@@ -136,8 +137,10 @@ def adopt_checkpoints(
         pattern: Which sub-directories are checkpoints: `checkpoint-*` (HF Trainer), `step-*` (TorchTitan).
         step: The step, for a single directory whose name does not say it.
         format: dcp, torchtitan, hf-trainer or safetensors (default: detected from the files).
+        quiet_s: A sub-directory is adopted once its writer's last file is there and nothing in it changed
+            for this long (a checkpoint still being written is left for the next run).
     """
-    found = find_unadopted(path, pattern)
+    found = find_unadopted(path, run, pattern, quiet_s)
     if step is not None and len(found) > 1:
         raise ConfigError(f"`step` names one checkpoint, but {path} holds {len(found)} to adopt")
     done = [adopt_checkpoint(p, run, step, format) for p in found]

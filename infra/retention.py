@@ -27,12 +27,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from infra import config
 from infra.catalog import copies, leases, lineage, serving
 from infra.catalog.db import Catalog
 from infra.catalog.models import Checkpoint, CheckpointStatus, utcnow
 from infra.catalog.models import ReplicaStatus as R
 from infra.errors import ConfigError
 from infra.format import manifest as mf
+from infra.format import store
 from infra.restore.scrub import QUARANTINE, scrub
 from infra.tiers import open_tier, transfer
 
@@ -137,7 +139,7 @@ def _dead(cat: Catalog, run: str, policy: Policy) -> list[Removal]:
     rows = [
         c
         for c in lineage.checkpoints(cat, run)
-        if c.status in DEAD and (c.updated_at or c.created_at).timestamp() <= cutoff
+        if c.status in DEAD and not c.pinned and (c.updated_at or c.created_at).timestamp() <= cutoff
     ]
     refs = _refs(cat, [c.id for c in rows])
     by_id = copies.copies_of(cat, [c.id for c in rows])
@@ -159,7 +161,6 @@ def _quarantined(root: Path, run: str, grace_s: float) -> list[Path]:
 
 def plan(cat: Catalog, run: str, policy: Policy, *, root: Path | None = None) -> GcPlan:
     """What stays, what goes, and how many bytes that frees (after proving the newest checkpoints)."""
-    from infra import config
 
     checked = prove_newest(cat, run, policy.keep_last)
     live = lineage.restorable(cat, lineage.get_run(cat, run).id)  # newest first
@@ -213,9 +214,10 @@ def execute(cat: Catalog, gc: GcPlan, policy: Policy) -> list[int]:
 def _delete_copy(ref: CopyRef, run: str, step: int) -> None:
     if ref.tier == copies.LOCAL:
         path = Path(ref.uri)
-        (path / mf.MANIFEST_NAME).unlink(missing_ok=True)
-        shutil.rmtree(path, ignore_errors=True)
-        return
+        if store.owned(path, config.checkpoint_root()):  # never a directory Rewind did not write
+            (path / mf.MANIFEST_NAME).unlink(missing_ok=True)
+            shutil.rmtree(path, ignore_errors=True)
+        return  # the row goes either way: the catalog stops counting on it
     t = open_tier(ref.uri)
     base = ref.key or transfer.copy_key(run, step)
     t.delete(f"{base}/{mf.MANIFEST_NAME}")

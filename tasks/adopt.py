@@ -8,23 +8,18 @@ from typing import Any
 
 from prefect import task
 
-from infra.errors import ConfigError
-from infra.format import manifest as mf
-from infra.inventory.adopt import adopt
+from infra.inventory.adopt import adopt, pending
 from tasks.common import RETRY, catalog, emit
 
 
-@task(name="find-unadopted")
-def find_unadopted(path: str, pattern: str = "checkpoint-*") -> list[str]:
-    """``path`` itself when it is a checkpoint directory, else its sub-directories matching ``pattern``
-    that hold no Rewind manifest yet, oldest step first."""
+@task(name="find-unadopted", **RETRY)
+def find_unadopted(path: str, run: str, pattern: str = "checkpoint-*", quiet_s: float = 60.0) -> list[str]:
+    """``path`` itself when it is a checkpoint directory, else its finished sub-directories matching
+    ``pattern`` that the catalog does not hold yet, oldest step first."""
     root = Path(path).expanduser()
-    if not root.is_dir():
-        raise ConfigError(f"{root} is not a directory")
-    if not any(p.is_dir() for p in root.iterdir()):
-        return [] if (root / mf.MANIFEST_NAME).exists() else [str(root)]
-    found = [p for p in root.glob(pattern) if p.is_dir() and not (p / mf.MANIFEST_NAME).exists()]
-    return [str(p) for p in sorted(found, key=lambda p: (len(p.name), p.name))]
+    if root.is_dir() and not any(p.is_dir() for p in root.iterdir()):
+        return [str(root)]  # one directory, named by hand: `adopt` says what is wrong with it, if anything
+    return [str(p) for p in pending(catalog(), root, run=run, pattern=pattern, quiet_s=quiet_s)]
 
 
 @task(name="adopt-checkpoint", **RETRY)

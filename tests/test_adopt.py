@@ -58,6 +58,11 @@ def test_dcp_and_torchtitan_checkpoints_adopted_replicated_restored(
     assert _adopt(capsys, str(titan), "--run", run_name)["action"] == "already adopted"
     assert rewind(["replicate", run_name, "--to", f"s3://{BUCKET}/adopt-{run_name}"]) == 0
     shutil.rmtree(titan)  # the node and its disk
+    capsys.readouterr()
+    assert rewind(["catalog", "check", "--run", run_name, "--json"]) == 1  # an adopted copy lies anywhere
+    assert [(f["kind"], f["tier"]) for f in json.loads(capsys.readouterr().out)] == [
+        ("row_without_files", "local")
+    ]
 
     fresh, fresh_opt = _model(1)
     state = _state(fresh, fresh_opt)
@@ -153,3 +158,28 @@ def test_hf_trainer_checkpoint_adopted_restored_and_resumed(s3_env, rewind_env, 
     capsys.readouterr()
     assert rewind(["ckpt", "restore", f"{run_name}-t"]) == 2
     assert "digest_mismatch" in capsys.readouterr().err
+
+
+def test_retention_never_deletes_an_adopted_directory(rewind_env, run_name, tmp_path):
+    """Adopted checkpoints are pinned and their directories the user's: a roll-back past them and a gc
+    with no grace period leave every byte where it was."""
+    from safetensors.torch import save_file
+
+    from infra import retention
+    from infra.inventory.adopt import adopt
+
+    cat = Catalog()
+    dirs = []
+    for step in (100, 200, 300):
+        d = tmp_path / "hf" / f"checkpoint-{step}"
+        d.mkdir(parents=True)
+        save_file({"w": torch.full((2,), float(step))}, str(d / "model.safetensors"))
+        adopt(cat, d, run=run_name)
+        dirs.append(d)
+    lineage.supersede_after(cat, lineage.get_run(cat, run_name).id, 100, "rolled back")
+    with cat.session() as s:  # unpinned behind Rewind's back: still not Rewind's to delete
+        for ck in lineage.checkpoints(cat, run_name, 200):
+            s.get(type(ck), ck.id).pinned = False
+    policy = retention.Policy(keep_last=1, grace_s=0)
+    retention.execute(cat, retention.plan(cat, run_name, policy), policy)
+    assert all((d / "model.safetensors").exists() for d in dirs)

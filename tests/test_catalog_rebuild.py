@@ -86,12 +86,19 @@ def test_rebuild_recreates_lineage_across_a_roll_back(rewind_env, run_name, tmp_
         b'{"format": "rewind.checkpoint/3", "run'
     )
 
+    hostile = Path(shared) / "bad\x07run" / "step-20"  # a run name Rewind never creates: reported, not fatal
+    shutil.copytree(Path(shared) / run_name / "step-20", hostile)
+    body = json.loads((hostile / mf.MANIFEST_NAME).read_text()) | {"run": "bad\x07run"}
+    (hostile / mf.MANIFEST_NAME).write_text(json.dumps(body))
+
     fresh = Catalog(f"sqlite:///{tmp_path / 'rebuilt.db'}")
     from_local = rebuild(fresh, str(root), run=run_name)
     from_shared = rebuild(fresh, shared)
     assert from_local.tier == "local" and not from_local.refused
-    assert [r.key for r in from_shared.refused] == [f"{run_name}/step-10"]
-    assert "not valid JSON" in from_shared.refused[0].reason
+    refused = {r.key: r.reason for r in from_shared.refused}
+    assert refused.keys() == {f"{run_name}/step-10", "bad\x07run/step-20"}, refused
+    assert "not valid JSON" in refused[f"{run_name}/step-10"]
+    assert "control characters" in refused["bad\x07run/step-20"]
     assert _lineage(fresh, run_name) == original  # every step, parent and timeline, the old 30 and 40 too
     again = rebuild(fresh, shared)
     assert {p.action for p in again.placed} == {"known copy"}  # idempotent

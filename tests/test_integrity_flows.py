@@ -4,6 +4,8 @@ adoption flow taking each new checkpoint directory once."""
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from examples.tiny_lm import command
@@ -71,14 +73,22 @@ def test_adopt_flow_takes_each_new_checkpoint_once(prefect_api, rewind_env, run_
     from flows.maintenance import adopt_checkpoints, verify_checkpoints
 
     out = tmp_path / "trainer_out"
-    for step in (500, 1000):
+
+    def hf_checkpoint(
+        step: int, *, finished: bool = True
+    ) -> None:  # HF Trainer writes trainer_state.json last
         (out / f"checkpoint-{step}").mkdir(parents=True)
         save_file({"w": torch.full((4,), float(step))}, str(out / f"checkpoint-{step}" / "model.safetensors"))
-    assert adopt_checkpoints(path=str(out), run=run_name) == {"adopted": [500, 1000], "checked": 2}
-    assert adopt_checkpoints(path=str(out), run=run_name) == {"adopted": [], "checked": 0}
-    (out / "checkpoint-1500").mkdir()
-    save_file({"w": torch.zeros(4)}, str(out / "checkpoint-1500" / "model.safetensors"))
-    assert adopt_checkpoints(path=str(out), run=run_name)["adopted"] == [1500]
+        if finished:
+            (out / f"checkpoint-{step}" / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+
+    hf_checkpoint(500)
+    hf_checkpoint(1000)
+    hf_checkpoint(1500, finished=False)  # still being written: left for the next run
+    assert adopt_checkpoints(path=str(out), run=run_name, quiet_s=0) == {"adopted": [500, 1000], "checked": 2}
+    assert adopt_checkpoints(path=str(out), run=run_name, quiet_s=0) == {"adopted": [], "checked": 0}
+    (out / "checkpoint-1500" / "trainer_state.json").write_text(json.dumps({"global_step": 1500}))
+    assert adopt_checkpoints(path=str(out), run=run_name, quiet_s=0)["adopted"] == [1500]
     rows = {c.step: c for c in lineage.checkpoints(Catalog(), run_name)}
     assert rows[1500].parent_id == rows[1000].id and rows[1000].parent_id == rows[500].id
     assert verify_checkpoints(run=run_name) == {"checked": 3, "corrupt": 0, "drift": 0}

@@ -1,39 +1,50 @@
 """Catalog rows made from a manifest found on storage, not from a save in progress.
 
 Used by the catalog rebuild and by adoption: a checkpoint enters whole (files,
-status, times from its manifest) in one transaction, never half. Lineage that
-only the set of all manifests can tell (parents, which timeline is live) is
-settled afterwards, by :func:`link_parents` and :func:`retire_abandoned`.
+status, times from its manifest, its first copy, its pin) in one transaction,
+never half. Lineage that only the set of all manifests can tell (parents, which
+timeline is live) is settled afterwards, by :func:`link_parents` and
+:func:`retire_abandoned`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from sqlalchemy import select, update
 
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
-from infra.catalog.models import LIVE_STATUSES, Checkpoint, CheckpointFile, utcnow
+from infra.catalog.models import LIVE_STATUSES, Checkpoint, CheckpointFile, Replica, utcnow
 from infra.catalog.models import CheckpointStatus as S
+from infra.catalog.models import ReplicaStatus as R
+from infra.errors import RewindError
 from infra.format.manifest import Manifest
 
 REBUILT = "rebuilt from storage: "
 
 
+@dataclass(frozen=True, slots=True)
+class FirstCopy:
+    tier: str
+    uri: str
+    key: str | None
+    status: R
+
+
 def aware(t: datetime) -> datetime:
     """SQLite hands timestamps back without a zone; every one Rewind writes is UTC."""
-    return t if t.tzinfo else t.replace(tzinfo=UTC)
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
 
 
 def manifest_time(m: Manifest) -> datetime:
     """When the writer says it wrote the checkpoint (UTC); the epoch when it does not say."""
     try:
-        t = datetime.fromisoformat(m.created_at)
+        return aware(datetime.fromisoformat(m.created_at))
     except ValueError:
         return datetime.fromtimestamp(0, UTC)
-    return aware(t)
 
 
 def by_digest(cat: Catalog, run_id: int, digest: str) -> Checkpoint | None:
@@ -46,9 +57,23 @@ def by_digest(cat: Catalog, run_id: int, digest: str) -> Checkpoint | None:
         )
 
 
-def insert(cat: Catalog, run_id: int, m: Manifest, *, digest: str, path: str, verified: bool) -> int:
-    """One checkpoint from its manifest. Live unless a newer save already holds its step (then superseded)."""
-    written = manifest_time(m)
+def insert(
+    cat: Catalog,
+    run_id: int,
+    m: Manifest,
+    *,
+    digest: str,
+    path: str,
+    copy: FirstCopy,
+    pinned: bool = False,
+) -> int:
+    """One checkpoint from its manifest, with its files and first copy, in one transaction.
+
+    Live, unless a save written later holds its step (then it comes in superseded); a
+    live row written earlier at the step is superseded instead. A step with a save in
+    progress is refused: its writer is about to commit it.
+    """
+    written, verified = manifest_time(m), copy.status is R.VERIFIED
     with cat.session() as s:
         lineage.lock_run(s, run_id)
         live = s.scalar(
@@ -58,6 +83,8 @@ def insert(cat: Catalog, run_id: int, m: Manifest, *, digest: str, path: str, ve
                 Checkpoint.status.in_([st.value for st in LIVE_STATUSES]),
             )
         )
+        if live is not None and live.status == S.WRITING.value:
+            raise RewindError(f"step {m.step} is being saved right now: left to its writer")
         status, reason = (S.VERIFIED if verified else S.COMMITTED), None
         if live is not None and aware(live.created_at) >= written:
             status, reason = S.SUPERSEDED, f"{REBUILT}a later save holds step {m.step}"
@@ -65,70 +92,78 @@ def insert(cat: Catalog, run_id: int, m: Manifest, *, digest: str, path: str, ve
             live.status, live.status_reason = S.SUPERSEDED.value, f"{REBUILT}a later save holds step {m.step}"
             s.flush()
         ck = Checkpoint(
-            run_id=run_id,
-            step=m.step,
-            status=status.value,
-            status_reason=reason,
-            path=path,
-            layout=m.layout,
-            total_bytes=m.total_bytes,
-            manifest_digest=digest,
-            environment=m.environment,
-            metrics=m.metrics,
-            created_at=written,
-            committed_at=written,
+            run_id=run_id, step=m.step, status=status.value, status_reason=reason, path=path,
+            layout=m.layout, total_bytes=m.total_bytes, manifest_digest=digest, environment=m.environment,
+            metrics=m.metrics, created_at=written, committed_at=written, pinned=pinned,
             verified_at=utcnow() if verified else None,
-        )
+        )  # fmt: skip
         s.add(ck)
         s.flush()
         s.add_all(
             CheckpointFile(checkpoint_id=ck.id, path=f.path, size=f.size, xxh3=f.xxh3, crc32c=f.crc32c)
             for f in m.files
         )
+        s.add(
+            Replica(
+                checkpoint_id=ck.id, tier=copy.tier, uri=copy.uri, key=copy.key, status=copy.status.value,
+                bytes=m.total_bytes, checked_at=utcnow(), verified_at=utcnow() if verified else None,
+            )
+        )  # fmt: skip
         return ck.id
 
 
 def link_parents(cat: Catalog, run_id: int, parents: dict[int, tuple[int | None, str | None]]) -> int:
-    """Set each listed checkpoint's parent: by the parent's manifest digest when its manifest names one,
-    else the checkpoint at the parent step written last before it. Returns how many were linked."""
+    """Set each listed checkpoint's parent. A manifest naming its parent's digest is linked to exactly
+    that checkpoint (and re-linked when an earlier pass guessed); an older one to the checkpoint at the
+    parent step written last before it. Returns how many were linked."""
     linked = 0
     with cat.session() as s:
         rows = list(s.scalars(select(Checkpoint).where(Checkpoint.run_id == run_id)))
-        for ck in rows:
-            if ck.id not in parents or ck.parent_id is not None:
+        by_digest = {r.manifest_digest: r for r in rows if r.manifest_digest}
+        by_id = {r.id: r for r in rows}
+        for ck_id, (step, digest) in parents.items():
+            ck = by_id.get(ck_id)
+            if ck is None:
                 continue
-            step, digest = parents[ck.id]
-            match = [r for r in rows if digest is not None and r.manifest_digest == digest]
-            if not match and step is not None:
-                match = sorted(
-                    (r for r in rows if r.step == step and aware(r.created_at) <= aware(ck.created_at)),
-                    key=lambda r: aware(r.created_at),
-                )[-1:]
-            if match:
-                ck.parent_id = match[-1].id
+            if digest is not None:
+                parent = by_digest.get(digest)
+            elif ck.parent_id is None and step is not None:
+                before = [r for r in rows if r.step == step and aware(r.created_at) <= aware(ck.created_at)]
+                parent = max(before, key=lambda r: aware(r.created_at), default=None)
+            else:
+                parent = None
+            if parent is not None and ck.parent_id != parent.id:
+                ck.parent_id = parent.id
                 linked += 1
     return linked
 
 
-def retire_abandoned(cat: Catalog, run_id: int, ids: Sequence[int]) -> list[int]:
+def retire_abandoned(
+    cat: Catalog, run_id: int, ids: Collection[int], exempt: Collection[int] = ()
+) -> list[int]:
     """A checkpoint written before a save at a lower step belongs to a timeline the run rolled back
-    from: among ``ids``, those are superseded, as the roll-back did to them in the original catalog."""
+    from: among ``ids``, those are superseded, as the roll-back did to them in the original catalog.
+
+    ``exempt`` (adopted checkpoints, whose times are when they were adopted, not written) neither
+    retire nor are retired. Writer clocks decide "before".
+    """
     with cat.session() as s:
         lineage.lock_run(s, run_id)
-        live = list(
+        rows = list(
             s.scalars(
                 select(Checkpoint).where(
                     Checkpoint.run_id == run_id,
                     Checkpoint.status.in_([st.value for st in (*LIVE_STATUSES, S.SUPERSEDED)]),
+                    Checkpoint.id.not_in(list(exempt)),
                 )
             )
         )
         gone = [
             a.id
-            for a in live
+            for a in rows
             if a.id in ids
-            and a.status != S.SUPERSEDED.value
-            and any(b.step < a.step and aware(b.created_at) > aware(a.created_at) for b in live)
+            and a.status in (S.COMMITTED.value, S.VERIFIED.value)
+            and any(b.step < a.step and aware(b.created_at) > aware(a.created_at) for b in rows)
         ]
         if gone:
             s.execute(
@@ -137,3 +172,9 @@ def retire_abandoned(cat: Catalog, run_id: int, ids: Sequence[int]) -> list[int]
                 .values(status=S.SUPERSEDED.value, status_reason=f"{REBUILT}the run rolled back past it")
             )
     return gone
+
+
+def pin(cat: Catalog, checkpoint_id: int) -> None:
+    """Pin one checkpoint whatever its status: an adopted directory is never Rewind's to delete."""
+    with cat.session() as s:
+        s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(pinned=True))

@@ -33,6 +33,10 @@ class ManifestError(MalformedFile):
     """The manifest itself is unreadable or malformed."""
 
 
+class ManifestTooNew(ManifestError):
+    """Written by a newer Rewind (a later ``rewind.checkpoint/N``): says nothing about its bytes."""
+
+
 @dataclass(frozen=True, slots=True)
 class FileEntry:
     path: str
@@ -111,6 +115,9 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ManifestError(f"manifest is not valid JSON ({str(exc)[:200]})") from exc
     found = body.get("format") if isinstance(body, dict) else None
+    version = str(found).removeprefix("rewind.checkpoint/")
+    if found not in READABLE_FORMATS and version.isdigit() and int(version) > int(FORMAT.rsplit("/", 1)[1]):
+        raise ManifestTooNew(f"manifest format is {found!r}, newer than this Rewind reads: upgrade it")
     if found not in READABLE_FORMATS:
         raise ManifestError(f"manifest format is {found!r}, expected one of {READABLE_FORMATS}")
     return body
@@ -132,9 +139,12 @@ def parse(raw: bytes) -> Manifest:
                 raise ManifestError(f"manifest gives {path!r} a negative size")
             files.append(FileEntry(path=path, size=size, xxh3=str(f["xxh3"]), crc32c=str(f["crc32c"])))
         parent, parent_digest = body.get("parent_step"), body.get("parent_digest")
+        step = int(body["step"])
+        if not 0 <= step < 2**63:
+            raise ManifestError(f"manifest step {step} is out of range")
         return Manifest(
             run=str(body["run"]),
-            step=int(body["step"]),
+            step=step,
             files=tuple(files),
             parent_step=None if parent is None else int(parent),
             created_at=str(body.get("created_at", "")),

@@ -175,8 +175,20 @@ QUARANTINE = ".quarantine"
 
 
 def owned(path: Path, root: Path) -> bool:
-    """Is ``path`` a directory Rewind wrote, under the local tier's root (not an adopted one elsewhere)?"""
-    return path.is_dir() and path.resolve().is_relative_to(root.resolve())
+    """Is ``path`` a checkpoint directory Rewind wrote, and so may move or delete?
+
+    Not when its manifest says it was adopted (the user's own directory); otherwise when it
+    lies under the local tier's ``root``, or its manifest names a Rewind engine as its writer.
+    """
+    if not path.is_dir():
+        return False
+    try:
+        engine: str | None = mf.read(path).writer.get("engine", "")
+    except (OSError, mf.ManifestError):
+        engine = None  # damaged or gone: only where it lies can tell
+    if engine is not None and engine.startswith("adopted:"):
+        return False
+    return path.resolve().is_relative_to(root.resolve()) or (engine or "").startswith("rewind.")
 
 
 def quarantine(path: Path, reason: str) -> Path:

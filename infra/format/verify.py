@@ -110,6 +110,8 @@ def check_manifest(
         manifest = mf.parse(raw)
         # Without a key nothing can be checked; the catalog's digest still holds the manifest.
         signature = mf.signature(raw, keyring) if keyring.signing else kr.Signature.VALID
+    except mf.ManifestTooNew as exc:  # an older reader during a rolling upgrade: nothing is known
+        return None, [Finding(Problem.UNREADABLE, name, str(exc))]
     except mf.ManifestError as exc:
         return None, [Finding(Problem.MANIFEST, name, str(exc))]
     if signature is kr.Signature.INVALID:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -79,7 +80,10 @@ def _entries(path: Path) -> tuple[mf.FileEntry, ...]:
         if p.is_symlink() or not (p.is_file() or p.is_dir()):
             raise ConfigError(f"{p} is a link or special file: adopt only directories of regular files")
         if p.is_file() and rel != mf.MANIFEST_NAME:
-            d = hash_file(p)
+            try:
+                d = hash_file(p)
+            except PermissionError as exc:
+                raise ConfigError(f"cannot read {p}: {exc.strerror}") from exc
             out.append(mf.FileEntry(mf.safe_relative(rel), d.size, d.xxh3, d.crc32c))
     if not out:
         raise ConfigError(f"{path} holds no files")
@@ -110,14 +114,22 @@ def _parent(cat: Catalog, run_id: int, step: int) -> tuple[int | None, str | Non
 
 
 def _register(cat: Catalog, run_id: int, m: mf.Manifest, digest: str, path: Path) -> tuple[int, str]:
+    """One transaction for the checkpoint, its copy and its pin; a retry completes what a failed one left."""
+    copy = imported.FirstCopy(copies.LOCAL, str(path), None, R.VERIFIED)
     known = imported.by_digest(cat, run_id, digest)
-    if known is not None:
-        return known.id, "already adopted"
-    ck_id = imported.insert(cat, run_id, m, digest=digest, path=str(path), verified=True)
-    copies.add(cat, ck_id, copies.LOCAL, str(path), key=None, nbytes=m.total_bytes, status=R.VERIFIED)
+    if known is None:
+        ck_id = imported.insert(cat, run_id, m, digest=digest, path=str(path), copy=copy, pinned=True)
+        action = "adopted"
+    else:
+        ck_id, action = known.id, "already adopted"
+        if not any(
+            r.tier == copies.LOCAL and r.uri == str(path) for r in copies.copies_of(cat, [ck_id])[ck_id]
+        ):
+            copies.add(cat, ck_id, copies.LOCAL, str(path), key=None, nbytes=m.total_bytes, status=R.VERIFIED)
+        if not known.pinned:
+            imported.pin(cat, ck_id)
     imported.link_parents(cat, run_id, {ck_id: (m.parent_step, m.parent_digest)})
-    lineage.set_pinned(cat, lineage.get_run_by_id(cat, run_id).name, m.step, True)
-    return ck_id, "adopted"
+    return ck_id, action
 
 
 def _existing(path: Path, run: str) -> tuple[mf.Manifest, str] | None:
@@ -163,8 +175,47 @@ def adopt(cat: Catalog, path: Path, *, run: str, step: int | None = None, fmt: s
             writer=writer(f"adopted:{fmt}"),
         )
         raw = m.to_bytes()
-        _write_manifest(path, raw)
+        try:
+            _write_manifest(path, raw)
+        except FileExistsError:  # another adoption of this directory got there first: take its result
+            return adopt(cat, path, run=run)
         digest = manifest_digest(raw)
     ck_id, action = _register(cat, run_id, m, digest, path)
     kind = m.writer.get("engine", "adopted:?").removeprefix("adopted:")
     return Adopted(run, m.step, kind, str(path), ck_id, len(m.files), m.total_bytes, digest, action)
+
+
+COMPLETE = {"hf-trainer": "trainer_state.json", "dcp": ".metadata", "torchtitan": ".metadata"}
+
+
+def ready(path: Path, *, quiet_s: float) -> bool:
+    """Is a directory that appeared under a watched path a finished checkpoint? Its writer's last file
+    (HF Trainer's ``trainer_state.json``, DCP's ``.metadata``) is there and nothing changed for
+    ``quiet_s`` seconds. A directory of safetensors alone has no such marker: adopt it by hand."""
+    try:
+        marker = COMPLETE.get(detect(path))
+        newest = max((p.stat().st_mtime for p in path.rglob("*")), default=0.0)
+    except (ConfigError, OSError):
+        return False
+    return marker is not None and (path / marker).is_file() and time.time() - newest >= quiet_s
+
+
+def pending(cat: Catalog, root: Path, *, run: str, pattern: str, quiet_s: float) -> list[Path]:
+    """Finished checkpoint directories under ``root`` (matching ``pattern``) not yet in the catalog, oldest
+    step first; a directory whose adoption wrote its manifest but died before registering is one of them."""
+    if not root.is_dir():
+        return []
+    run_id = lineage.ensure_run(cat, run)
+    out = []
+    for p in root.glob(pattern):
+        if not p.is_dir() or not ready(p, quiet_s=quiet_s):
+            continue
+        if (p / mf.MANIFEST_NAME).exists():
+            try:
+                with open(p / mf.MANIFEST_NAME, "rb") as f:
+                    if imported.by_digest(cat, run_id, manifest_digest(mf.read_bounded(f))) is not None:
+                        continue
+            except (OSError, mf.ManifestError):
+                continue  # not ours to repair here: `rewind adopt` on it says what is wrong
+        out.append(p)
+    return sorted(out, key=lambda p: (len(p.name), p.name))

@@ -10,6 +10,7 @@ holds to be corrupt or missing are not drift: the catalog knows.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -97,7 +98,7 @@ def rows_against_storage(
 def _on(rep: Replica, kind: str, uri: str) -> bool:
     if rep.tier != kind:
         return False
-    return Path(rep.uri).is_relative_to(uri) if kind == LOCAL else rep.uri == uri
+    return Path(rep.uri).resolve().is_relative_to(Path(uri).resolve()) if kind == LOCAL else rep.uri == uri
 
 
 def storage_against_rows(cat: Catalog, uri: str, kind: str, *, run: str | None) -> Iterator[DriftFinding]:
@@ -121,9 +122,12 @@ def storage_against_rows(cat: Catalog, uri: str, kind: str, *, run: str | None) 
 def targets(cat: Catalog, uri: str | None, tier: str | None, run: str | None) -> list[tuple[str, str]]:
     """(tier kind, root URI) pairs to check: the one given, else the local root and every tier in use."""
     if uri is not None:
-        return [(tier_kind(uri, tier), open_for_scan(uri).uri)]
-    found = {(LOCAL, str(config.checkpoint_root().resolve()))}
+        return [(tier_kind(uri, tier), open_for_scan(uri, must_exist=not uri.startswith("s3://")).uri)]
+    found = {(LOCAL, str(config.checkpoint_root()))}
     found |= {(r.tier, r.uri) for r, _, _ in copies.every_copy(cat, run) if r.tier != LOCAL}
+    for configured in (os.environ.get("REWIND_SHARED_URI"), os.environ.get("REWIND_OFFSITE_URI")):
+        if configured:  # a tier with copies no row names yet (a catalog restored from an old backup)
+            found.add((tier_kind(configured), open_for_scan(configured).uri))
     return sorted(found)
 
 
@@ -134,12 +138,16 @@ def check(
     tier: str | None = None,
     run: str | None = None,
     deep: bool = False,
+    rows: bool = True,
     keyring: kr.Keyring | None = None,
 ) -> list[DriftFinding]:
-    """Every drift between the catalog and the tier at ``uri`` (default: every tier the catalog uses)."""
+    """Every drift between the catalog and the tier at ``uri`` (default: every tier the catalog uses
+    or is configured with, and every local copy wherever it lies). ``rows=False`` skips checking the
+    catalog's copies where they lie (a scrub has just done that) and only looks for copies no row names."""
     ring = keyring if keyring is not None else kr.from_env()
     pairs = targets(cat, uri, tier, run)
-    found = list(rows_against_storage(cat, run=run, tiers=set(pairs), deep=deep, ring=ring))
+    where = None if uri is None else set(pairs)
+    found = list(rows_against_storage(cat, run=run, tiers=where, deep=deep, ring=ring)) if rows else []
     for kind, root in pairs:
         try:
             found += storage_against_rows(cat, root, kind, run=run)

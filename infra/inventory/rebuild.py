@@ -19,11 +19,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
+
 from infra import config
 from infra.catalog import copies, imported, lineage
 from infra.catalog.db import Catalog
 from infra.catalog.models import ReplicaStatus as R
-from infra.errors import TransientError
+from infra.errors import RewindError, TransientError
 from infra.format import keyring as kr
 from infra.format import manifest as mf
 from infra.format.digest import manifest_digest
@@ -100,26 +102,73 @@ def _why_not(place: Place, raw: bytes, digest: str, report: Report, ring: kr.Key
 
 def _place(
     cat: Catalog, kind: str, tier: Tier, place: Place, m: mf.Manifest, digest: str, deep: bool
-) -> tuple[Placed, int | None]:
-    """Record one proven copy; returns what was done and the id of a checkpoint created for it."""
+) -> tuple[Placed, bool]:
+    """Record one proven copy; returns what was done and whether a checkpoint was created for it.
+
+    A copy row the catalog already has is left as it is unless this check proved it byte for
+    byte: a quick look must not undo what a scrub found.
+    """
     run_id = lineage.ensure_run(cat, m.run)
     local_dir = Path(tier.uri) / place.key
     uri, key = (str(local_dir), None) if kind == LOCAL else (tier.uri, place.key)
+    status = R.VERIFIED if deep else R.PENDING
     ck = imported.by_digest(cat, run_id, digest)
-    created = None
     if ck is None:
         path = str(local_dir if kind == LOCAL else config.checkpoint_root() / m.run / f"step-{m.step}")
-        created = imported.insert(cat, run_id, m, digest=digest, path=path, verified=deep)
-        ck_id, action = created, "new checkpoint"
-    else:
-        known = any(
-            r.tier == kind and r.uri == uri and r.status != R.DELETED.value
-            for r in copies.copies_of(cat, [ck.id])[ck.id]
-        )
-        ck_id, action = ck.id, ("known copy" if known else "new copy")
-    copies.add(cat, ck_id, kind, uri, key=key, nbytes=m.total_bytes, status=R.VERIFIED if deep else R.PENDING)
-    status = copies.settle(cat, ck_id)
-    return Placed(m.run, m.step, place.key, ck_id, action, status), created
+        adopted = m.writer.get("engine", "").startswith("adopted:")  # its pin comes back with it
+        copy = imported.FirstCopy(kind, uri, key, status)
+        ck_id = imported.insert(cat, run_id, m, digest=digest, path=path, copy=copy, pinned=adopted)
+        return Placed(m.run, m.step, place.key, ck_id, "new checkpoint", ""), True
+    known = any(
+        r.tier == kind and r.uri == uri and r.status != R.DELETED.value
+        for r in copies.copies_of(cat, [ck.id])[ck.id]
+    )
+    if not known or deep:
+        copies.add(cat, ck.id, kind, uri, key=key, nbytes=m.total_bytes, status=status)
+        copies.settle(cat, ck.id)
+    return Placed(m.run, m.step, place.key, ck.id, "known copy" if known else "new copy", ""), False
+
+
+@dataclass
+class _Lineage:
+    """What the pass after the imports needs: each placed checkpoint's parent, and which were adopted."""
+
+    parents: dict[int, dict[int, tuple[int | None, str | None]]] = field(
+        default_factory=lambda: defaultdict(dict)
+    )
+    adopted: set[int] = field(default_factory=set)
+
+    def note(self, run_id: int, ck_id: int, m: mf.Manifest) -> None:
+        self.parents[run_id][ck_id] = (m.parent_step, m.parent_digest)  # a parent may come later
+        if m.writer.get("engine", "").startswith("adopted:"):
+            self.adopted.add(ck_id)
+
+    def settle(self, cat: Catalog) -> None:
+        for run_id, of_run in self.parents.items():
+            imported.link_parents(cat, run_id, of_run)
+            imported.retire_abandoned(cat, run_id, list(of_run), exempt=self.adopted)
+
+
+def _one(
+    cat: Catalog, kind: str, tier: Tier, place: Place, deep: bool, ring: kr.Keyring
+) -> tuple[Placed, mf.Manifest] | Refused:
+    """Check and import the copy at one place, or say why not; never raises for what the copy holds."""
+    try:
+        raw = _read_manifest(tier, place.key)
+        digest = manifest_digest(raw)
+        checked = _check(tier, kind, place, digest, deep, ring)
+    except (OSError, TransientError, TierAccessDenied, mf.ManifestError) as exc:
+        return Refused(place.key, f"unreadable: {exc}")
+    why = _why_not(place, raw, digest, checked, ring)
+    if why is not None or checked.manifest is None:
+        return Refused(place.key, why or "did not verify")
+    try:
+        placed, _ = _place(cat, kind, tier, place, checked.manifest, digest, deep)
+    except TransientError:
+        raise  # the catalog or the tier is unreachable: not this copy's fault
+    except (RewindError, OverflowError, DBAPIError) as exc:
+        return Refused(place.key, f"not placed: {str(exc).splitlines()[0][:300]}")
+    return placed, checked.manifest
 
 
 def rebuild(
@@ -133,35 +182,24 @@ def rebuild(
 ) -> RebuildReport:
     """Import every copy on the tier at ``uri`` that proves itself; report the others and why."""
     ring = keyring if keyring is not None else kr.from_env()
+    if run is not None:
+        lineage.check_run_name(run)
     kind = tier_kind(uri, tier)
-    store = open_for_scan(uri)
-    report = RebuildReport(kind, store.uri, deep)
-    parents: dict[int, dict[int, tuple[int | None, str | None]]] = defaultdict(dict)
-    created: dict[int, list[int]] = defaultdict(list)
-    for place in places(store, run):
-        try:
-            raw = _read_manifest(store, place.key)
-            digest = manifest_digest(raw)
-            checked = _check(store, kind, place, digest, deep, ring)
-        except (OSError, TransientError, TierAccessDenied, mf.ManifestError) as exc:
-            report.refused.append(Refused(place.key, f"unreadable: {exc}"))
-            continue
-        why = _why_not(place, raw, digest, checked, ring)
-        if why is not None or checked.manifest is None:
-            report.refused.append(Refused(place.key, why or "did not verify"))
-            continue
-        m = checked.manifest
-        report.unsigned += int(not ring.signing)
-        done, new_id = _place(cat, kind, store, place, m, digest, deep)
-        report.placed.append(done)
-        run_id = lineage.get_run(cat, m.run).id
-        parents[run_id][done.checkpoint_id] = (m.parent_step, m.parent_digest)  # a parent may come later
-        created[run_id] += [] if new_id is None else [new_id]
-    retired: set[int] = set()
-    for run_id, of_run in parents.items():
-        imported.link_parents(cat, run_id, of_run)
-        retired |= set(imported.retire_abandoned(cat, run_id, created[run_id]))
-    report.placed = [
-        replace(p, status="superseded") if p.checkpoint_id in retired else p for p in report.placed
-    ]
+    source = open_for_scan(uri, must_exist=True)
+    report = RebuildReport(kind, source.uri, deep)
+    found = _Lineage()
+    try:
+        for place in places(source, run):
+            got = _one(cat, kind, source, place, deep, ring)
+            if isinstance(got, Refused):
+                report.refused.append(got)
+                continue
+            placed, m = got
+            report.placed.append(placed)
+            report.unsigned += int(not ring.signing)
+            found.note(lineage.get_run(cat, m.run).id, placed.checkpoint_id, m)
+    finally:  # what was imported gets its lineage even when the scan stopped half-way
+        found.settle(cat)
+    now = {c.id: str(c.status) for p in report.placed for c in [lineage.get_checkpoint(cat, p.checkpoint_id)]}
+    report.placed = [replace(p, status=now[p.checkpoint_id]) for p in report.placed]
     return report

@@ -20,6 +20,7 @@ from infra.tiers.base import Tier
 
 LOCAL, SHARED, OFFSITE = "local", "shared", "offsite"
 _STEP_DIR = re.compile(r"step-(\d{1,19})(\.[0-9a-f]{16})?")
+MAX_STEP = 2**63 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +38,9 @@ def parse_key(key: str) -> Place | None:
     if len(parts) != 3 or parts[2] != mf.MANIFEST_NAME or any(p.startswith(".") or not p for p in parts[:2]):
         return None
     m = _STEP_DIR.fullmatch(parts[1])
-    return None if m is None else Place(f"{parts[0]}/{parts[1]}", parts[0], int(m.group(1)))
+    if m is None or int(m.group(1)) > MAX_STEP:
+        return None
+    return Place(f"{parts[0]}/{parts[1]}", parts[0], int(m.group(1)))
 
 
 def places(tier: Tier, run: str | None = None) -> Iterator[Place]:
@@ -60,8 +63,14 @@ def tier_kind(uri: str, kind: str | None = None) -> str:
     return LOCAL if path.resolve() == config.checkpoint_root().resolve() else SHARED
 
 
-def open_for_scan(uri: str) -> Tier:
-    """The tier at ``uri``; a local checkpoint root is read through the same filesystem tier code."""
+def open_for_scan(uri: str, *, must_exist: bool = False) -> Tier:
+    """The tier at ``uri``, spelled as the catalog's rows spell it (symlinks are not resolved).
+
+    ``must_exist``: a path that is not there is bad input (a typo), not an empty tier.
+    """
     if not uri.startswith("s3://"):
-        uri = str(Path(uri.removeprefix("file://")).expanduser().resolve())
+        path = Path(uri.removeprefix("file://")).expanduser().absolute()
+        if must_exist and not path.is_dir():
+            raise ConfigError(f"{path} is not a directory")
+        uri = str(path)
     return open_tier(uri)

@@ -57,8 +57,10 @@ def load_dcp(
     """Load the newest DCP checkpoint of ``run`` that proves itself into ``state_dict``; returns its step.
 
     One process: a refused checkpoint is recorded and an older one tried. Several
-    ranks (a process group is up): rank 0 plans and makes the verified local copy,
-    then every rank loads from it, each checking the bytes it reads.
+    ranks (a process group is up): rank 0 proves a copy byte for byte (recording what
+    it finds and falling back like one process), then every rank loads from it, each
+    checking the bytes it reads again. The directory must be readable by every rank:
+    on several nodes, a shared filesystem.
     """
     multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if not multi:
@@ -66,22 +68,37 @@ def load_dcp(
         return execute.execute(
             cat, _plan(cat, run, step, root), lambda d, m: _load_here(state_dict, d, m)
         ).step
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            cat = catalog or Catalog()
-            done = execute.execute(
-                cat, _plan(cat, run, step, root), lambda d, m: (d, m)
-            )  # manifest and sizes
-            box = [("ok", str(done.directory), done.value[1], done.step)]
-        except BaseException as exc:
+    if dist.get_rank() != 0:
+        return _follow(state_dict, run)
+    return _lead(state_dict, catalog or Catalog(), run, step, root)
+
+
+def _lead(state_dict: dict[str, Any], cat: Catalog, run: str, step: int | None, root: Path | None) -> int:
+    """Rank 0: prove every byte (an older checkpoint tried if need be), tell the others, load, and hold
+    the restore lease until every rank has read."""
+    told = False
+    try:
+        with execute.restoring(cat, _plan(cat, run, step, root), verify_files) as done:
+            dist.broadcast_object_list([("ok", str(done.directory), done.manifest, done.step)], src=0)
+            told = True
+            _load_here(state_dict, done.directory, done.manifest)
+            dist.barrier()
+            return done.step
+    except BaseException as exc:
+        if not told:  # the others wait for a word: give them this one
             dist.broadcast_object_list([("error", f"{type(exc).__name__}: {exc}", None, None)], src=0)
-            raise
+        raise
+
+
+def _follow(state_dict: dict[str, Any], run: str) -> int:
+    """A rank other than 0: load what rank 0 proved, checking every byte again as DCP reads it."""
+    box: list[Any] = [None]
     dist.broadcast_object_list(box, src=0)
     kind, directory, manifest, at = box[0]
     if kind == "error":
         raise NoRestorableCheckpoint(f"rank 0 could not restore run {run!r}: {directory}", ())
     _load_here(state_dict, Path(directory), manifest)
+    dist.barrier()
     return int(at)
 
 

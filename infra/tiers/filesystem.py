@@ -103,6 +103,8 @@ class FileTier:
         return ObjectInfo(key, size, None)  # a filesystem keeps no checksum: deep verify reads it
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        if not self.root.is_dir():
+            return  # a tier that is not there holds nothing (never look above the root)
         base = self.root / prefix if prefix else self.root
         start = base if base.is_dir() else base.parent
         if not start.is_dir():
