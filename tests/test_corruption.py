@@ -70,17 +70,20 @@ CASES = {
 }
 
 
+def _db_url(name: str) -> str:
+    return f"{ADMIN_URL.rsplit('/', 1)[0].replace('postgresql://', 'postgresql+psycopg://')}/{name}"
+
+
 @pytest.fixture(scope="module")
-def interrupted(pg_url, tmp_path_factory) -> Iterator[tuple[Path, str]]:  # type: ignore[no-untyped-def]
+def interrupted(tmp_path_factory) -> Iterator[tuple[Path, str]]:  # type: ignore[no-untyped-def]
     """A run trained to step 35 and stopped (checkpoints 10, 20, 30), once for the whole module: its
     directories (copied aside) and its Postgres catalog (a template database), which every case clones."""
     work = tmp_path_factory.mktemp("damaged") / "work"
     template = f"rewind_damaged_{uuid.uuid4().hex[:10]}"
     _admin(f'CREATE DATABASE "{template}"')
-    url = f"{ADMIN_URL.rsplit('/', 1)[0].replace('postgresql://', 'postgresql+psycopg://')}/{template}"
     env = {
         "REWIND_HOME": str(work / "home"),
-        "REWIND_CATALOG_URL": url,
+        "REWIND_CATALOG_URL": _db_url(template),
         "REWIND_CHECKPOINT_ROOT": str(work / "ckpt"),
         "REWIND_FAULT": "",
         "REWIND_MANIFEST_KEY": "",
@@ -107,7 +110,7 @@ def damaged_env(interrupted, monkeypatch) -> Iterator[dict[str, str]]:  # type: 
     _admin(f'CREATE DATABASE "{clone}" TEMPLATE "{template}"')
     env = {
         "REWIND_HOME": str(work / "home"),
-        "REWIND_CATALOG_URL": f"{ADMIN_URL.rsplit('/', 1)[0].replace('postgresql://', 'postgresql+psycopg://')}/{clone}",
+        "REWIND_CATALOG_URL": _db_url(clone),
         "REWIND_CHECKPOINT_ROOT": str(work / "ckpt"),
         "OUT": str(work / "out"),
     }
