@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # The CPU build of torch; a range in pyproject.toml lets users keep their own build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-heavy lint bench clean
 
 install: $(VENV)/.installed
 
@@ -20,6 +20,12 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The long series of the kill tests (40 SIGKILLs at random moments, five rounds of kills inside
+# background saves) that `make test` runs short (8 kills, one round); not run by CI.
+test-heavy: install
+	REWIND_TEST_KILLS=40 $(BIN)/python -m pytest -q -n 2 --timeout 1500 \
+		tests/test_resume.py tests/test_async_save.py
 
 lint: install
 	$(BIN)/ruff check .

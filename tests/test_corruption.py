@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import shutil
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from flows.cli import main as rewind
 from infra.format.manifest import MANIFEST_NAME
+from tests.conftest import ADMIN_URL, _admin
 from tests.trainproc import TrainProc, assert_same_weights
+
+RUN = "damaged"
 
 
 def flip_byte(d: Path) -> None:
@@ -64,13 +70,66 @@ CASES = {
 }
 
 
+def _db_url(name: str) -> str:
+    return f"{ADMIN_URL.rsplit('/', 1)[0].replace('postgresql://', 'postgresql+psycopg://')}/{name}"
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> Iterator[tuple[Path, str]]:  # type: ignore[no-untyped-def]
+    """A run trained to step 35 and stopped (checkpoints 10, 20, 30), once for the whole module: its
+    directories (copied aside) and its Postgres catalog (a template database), which every case clones."""
+    work = tmp_path_factory.mktemp("damaged") / "work"
+    template = f"rewind_damaged_{uuid.uuid4().hex[:10]}"
+    _admin(f'CREATE DATABASE "{template}"')
+    env = {
+        "REWIND_HOME": str(work / "home"),
+        "REWIND_CATALOG_URL": _db_url(template),
+        "REWIND_CHECKPOINT_ROOT": str(work / "ckpt"),
+        "REWIND_FAULT": "",
+        "REWIND_MANIFEST_KEY": "",
+    }
+    first = TrainProc(RUN, work / "out", env=env, extra=["--stop-after", "35"])
+    assert first.finish() and first.proc.returncode == 0, first.output.text
+    assert first.output.last_step == 35
+    pristine = work.parent / "pristine"
+    shutil.copytree(work, pristine, symlinks=True)
+    try:
+        yield work, template
+    finally:
+        _admin(f'DROP DATABASE IF EXISTS "{template}" WITH (FORCE)')
+
+
+@pytest.fixture
+def damaged_env(interrupted, monkeypatch) -> Iterator[dict[str, str]]:  # type: ignore[no-untyped-def]
+    """This case's own copy of the interrupted run, at the paths the catalog recorded: the directories
+    restored from the pristine copy, the catalog a fresh clone of the template database."""
+    work, template = interrupted
+    shutil.rmtree(work, ignore_errors=True)
+    shutil.copytree(work.parent / "pristine", work, symlinks=True)
+    clone = f"{template}_{uuid.uuid4().hex[:6]}"
+    _admin(f'CREATE DATABASE "{clone}" TEMPLATE "{template}"')
+    env = {
+        "REWIND_HOME": str(work / "home"),
+        "REWIND_CATALOG_URL": _db_url(clone),
+        "REWIND_CHECKPOINT_ROOT": str(work / "ckpt"),
+        "OUT": str(work / "out"),
+    }
+    for k in ("REWIND_HOME", "REWIND_CATALOG_URL", "REWIND_CHECKPOINT_ROOT"):
+        monkeypatch.setenv(k, env[k])
+    monkeypatch.delenv("REWIND_FAULT", raising=False)
+    monkeypatch.delenv("REWIND_MANIFEST_KEY", raising=False)
+    try:
+        yield env
+    finally:
+        _admin(f'DROP DATABASE IF EXISTS "{clone}" WITH (FORCE)')
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_damaged_newest_checkpoint(case, reference, rewind_env, run_name, tmp_path, capsys):
+def test_damaged_newest_checkpoint(case, reference, damaged_env, capsys):
     damage, problem, path = CASES[case]
     ref_losses, ref_final = reference
-    out_dir = tmp_path / "out"
-    first = TrainProc(run_name, out_dir, extra=["--stop-after", "35"])
-    assert first.finish() and first.proc.returncode == 0
+    run_name, rewind_env = RUN, damaged_env
+    out_dir = Path(damaged_env["OUT"])
     newest = Path(rewind_env["REWIND_CHECKPOINT_ROOT"]) / run_name / "step-30"
     assert (newest / MANIFEST_NAME).exists()
     damage(newest)
@@ -99,12 +158,10 @@ def test_damaged_newest_checkpoint(case, reference, rewind_env, run_name, tmp_pa
     assert_same_weights(out_dir / "final.safetensors", ref_final)
 
 
-def test_damage_found_at_restore_names_file_and_reason(reference, rewind_env, run_name, tmp_path):
+def test_damage_found_at_restore_names_file_and_reason(reference, damaged_env):
     """Without a prior verify, restore itself refuses the damaged copy and says which file and why."""
-    first = TrainProc(run_name, tmp_path / "out", extra=["--stop-after", "35"])
-    first.finish()
-    flip_byte(Path(rewind_env["REWIND_CHECKPOINT_ROOT"]) / run_name / "step-30")
-    second = TrainProc(run_name, tmp_path / "out", extra=["--stop-after", "21"])
+    flip_byte(Path(damaged_env["REWIND_CHECKPOINT_ROOT"]) / RUN / "step-30")
+    second = TrainProc(RUN, Path(damaged_env["OUT"]), extra=["--stop-after", "21"])
     out = second.finish()
     skipped = [line for line in out.text.splitlines() if "skipped step 30" in line]
     assert skipped and "optimizer.safetensors: digest_mismatch" in skipped[0], out.text
