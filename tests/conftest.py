@@ -141,6 +141,8 @@ SLOW_FILES_FIRST = [
     "test_tiers.py",  # ~185
     "test_integrity_flows.py",  # ~165
     "test_integrity_tiers.py",  # ~150
+    "test_catalog_rebuild.py",  # ~100
+    "test_adopt.py",  # ~90
     "test_elastic.py",  # ~130
     "test_corruption.py",  # ~130
     "test_hf_example.py",  # ~105
