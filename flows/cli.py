@@ -257,9 +257,41 @@ def cmd_server(args: argparse.Namespace) -> int:
     else:
         env[server_auth.SERVER_ENV] = server_auth.ensure()
         how = f"basic auth on; the credential is in {server_auth.path()} (mode 0600), used by this user's clients"
+    ui_api, ui_how = ui_api_url(args.host, args.port)
+    if ui_how != "given":
+        env[UI_API_ENV] = ui_api
     print(f"starting the Prefect server and UI on {args.host}:{args.port}, {how}", flush=True)
+    print(f"the UI calls the API at {ui_api} ({UI_HOW[ui_how]})", flush=True)
     os.execve(cmd[0], cmd, env)
     return 0
+
+
+UI_API_ENV = "PREFECT_SERVER_UI_API_URL"  # Prefect 3 (PREFECT_UI_API_URL is its older alias)
+UI_HOW = {
+    "given": "set explicitly: PREFECT_UI_API_URL, PREFECT_SERVER_UI_API_URL or the Prefect profile",
+    "own": "this server's own host and port; PREFECT_UI_API_URL overrides it",
+    "wildcard": "the server listens on every address: browsers on other machines need "
+    "PREFECT_UI_API_URL set to the address they reach",
+}
+
+
+def ui_api_url(host: str, port: int, settings: Any = None) -> tuple[str, str]:
+    """The API URL the UI's pages are told to call, and why: ``given`` (an explicit Prefect setting),
+    ``own`` (this server's host and port) or ``wildcard`` (loopback, for a server bound to every address).
+
+    Left alone, Prefect's UI calls ``PREFECT_API_URL`` or the default port 4200, not the port the server
+    was started on: every page would say it cannot connect to the server API.
+    """
+    from prefect.settings import get_current_settings
+
+    ui = (settings or get_current_settings()).server.ui
+    if "api_url" in ui.model_fields_set and ui.api_url:  # env (either name), profile or prefect.toml
+        return ui.api_url, "given"
+    wildcard = host in ("", "0.0.0.0", "::", "[::]")
+    name = "127.0.0.1" if wildcard else host
+    if ":" in name and not name.startswith("["):
+        name = f"[{name}]"  # an IPv6 address in a URL
+    return f"http://{name}:{port}/api", "wildcard" if wildcard else "own"
 
 
 # -- parser ---------------------------------------------------------------------
