@@ -148,6 +148,64 @@ def test_lost_rank_is_relaunched_on_fewer_ranks_automatically(served, flow_env, 
     )
 
 
+def test_a_job_that_fails_to_start_is_an_incident_with_its_last_lines_and_not_recovered(
+    served, flow_env, run_name
+):
+    """A job that dies at import is `failed_to_start`: its last lines in the incident, the flow log and the
+    event; the recovery trigger does not cover the event (judged by the server's own matcher) and
+    recover-training, run by hand, refuses in one line."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.server.events.schemas.automations import EventTrigger
+    from prefect.server.events.schemas.events import ReceivedEvent
+
+    from flows.training import recover_training
+
+    client = served
+    job = "print('reading the config', flush=True); import rewind_no_such_module  # a broken job"
+    fr = run_deployment(
+        "protect-training/protect-training",
+        parameters={"run": run_name, "command": ["python", "-c", job], "cwd": str(REPO)},
+        timeout=120,
+    )
+    assert fr.state.is_completed(), fr.state.message
+    cat = Catalog()
+    (inc,) = incidents.incidents_of(cat, run_name)
+    assert inc.kind == "failed_to_start", (inc.kind, inc.reason)
+    tail = inc.details["tail"]
+    assert tail[0] == "reading the config" and "No module named 'rewind_no_such_module'" in tail[-1], tail
+    assert len(tail) <= 20 and sum(len(line) + 1 for line in tail) <= 4096
+    assert "failed to start" in inc.reason and "rewind_no_such_module" in inc.reason, inc.reason
+    assert "\n" not in inc.reason
+
+    logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fr.id])))
+    assert any("rewind_no_such_module" in log.message and "last lines" in log.message for log in logs)
+
+    def failure_event():
+        page = client.read_events(
+            EventFilter(event=EventNameFilter(name=["rewind.failure.detected"])), limit=50
+        )
+        return [e for e in page.events if e.payload.get("run") == run_name]
+
+    (event,) = wait_until(failure_event, 30, "the rewind.failure.detected event")
+    assert event.payload["kind"] == "failed_to_start" and event.payload["tail"] == tail
+    assert event.resource["rewind.incident.kind"] == "failed_to_start"
+    (automation,) = client.read_automations_by_name("recover-on-failure")
+    trigger = EventTrigger.model_validate(automation.trigger.model_dump(mode="json"))
+    seen = ReceivedEvent.model_validate(event.model_dump(mode="json"))
+    assert not trigger.covers(seen)  # the triggers service's own test: the automation is not interested
+    crash = seen.model_copy(
+        update={"resource": type(seen.resource)(root={**seen.resource.root, "rewind.incident.kind": "crash"})}
+    )
+    assert trigger.covers(crash)  # and would be for a crash
+
+    state = recover_training(incident_id=inc.id, return_state=True)
+    assert state.is_failed() and "failed to start" in state.message, state.message
+    assert "\n" not in state.message.strip(), state.message
+    dep = client.read_deployment_by_name("recover-training/recover-training")
+    runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id={"any_": [dep.id]}))
+    assert not [r for r in runs if r.parameters.get("incident_id") in (inc.id, str(inc.id))]
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
