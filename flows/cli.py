@@ -365,6 +365,9 @@ def build_parser() -> argparse.ArgumentParser:
     from flows import cli_serving
 
     cli_serving.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
+    from flows import cli_status
+
+    cli_status.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
     add(
         sub,
         "gpu",
