@@ -12,14 +12,48 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from flows.cli_args import OneLineParser, amount, step
-from infra.errors import RewindError, TransientError
+from infra.errors import RewindError, Stopped, TransientError
 
 EXIT_FINDINGS, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERNAL = 1, 2, 3, 70
+EXIT_TERMINATED = 128 + signal.SIGTERM
+STOP_S = 5.0  # after SIGTERM the process is gone within this, cleaned up or not
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind (finally blocks; a rollout puts the traffic back) and exit.
+
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` retry or poll loop swallows it.
+    """
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Commands that wait cooperatively (the serving flows) are asked to stop at their next wait, where
+    they can clean up; any other is interrupted where it is. Either way the deadline stands."""
+    from infra import stopping
+
+    if stopping.requested():
+        return  # a second SIGTERM does not interrupt the clean-up
+    stopping.request()
+    threading.Thread(target=_hard_stop, name="rewind-sigterm-deadline", daemon=True).start()
+    if not getattr(_on_sigterm, "cooperative", False):
+        raise Terminated()
+
+
+def _hard_stop() -> None:
+    """The deadline: whatever the unwinding still waits for, the process ends within ``STOP_S``."""
+    time.sleep(STOP_S - 0.5)
+    print(
+        f"rewind: stopped by SIGTERM; clean-up did not finish within {STOP_S:g}s", file=sys.stderr, flush=True
+    )
+    os._exit(EXIT_TERMINATED)
 
 
 def _catalog() -> Any:
@@ -398,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("REWIND_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_sigterm)  # `rewind serve`: Prefect's runner takes over once it runs
+        _on_sigterm.cooperative = getattr(args, "cooperative", False)  # type: ignore[attr-defined]
     try:
         from flows import server_auth
 
@@ -409,6 +446,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RewindError as exc:
         print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
+    except (Terminated, Stopped):
+        print("rewind: stopped by SIGTERM", file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         return 130
     except Exception as exc:

@@ -25,5 +25,5 @@ def test_prefect_yaml_matches_rewind_serve():
     assert trigger["expect"] == [FAILURE_EVENT]
     assert served["recover-training"].triggers[0].expect == {FAILURE_EVENT}
     assert trigger["match"] == RECOVERABLE
-    assert dict(served["recover-training"].triggers[0].match) == RECOVERABLE
+    assert served["recover-training"].triggers[0].match.root == RECOVERABLE
     assert served["verify-checkpoints"].schedules and served["replicate-offsite"].paused
