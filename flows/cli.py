@@ -47,6 +47,27 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         raise Terminated()
 
 
+def _off_the_main_thread(args: argparse.Namespace) -> int:
+    """Run a cooperative command in a thread of its own: the main thread keeps SIGTERM to itself (a flow
+    run on the main thread would install Prefect's handler, which raises wherever the flow happens to
+    be, a catalog write included) and turns it into a stop request the command answers at its next wait."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["rc"] = args.fn(args)
+        except BaseException as exc:  # handed to the main thread, which reports it
+            box["exc"] = exc
+
+    worker = threading.Thread(target=work, name="rewind-command", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)
+    if "exc" in box:
+        raise box["exc"]
+    return int(box["rc"])
+
+
 def _hard_stop() -> None:
     """The deadline: whatever the unwinding still waits for, the process ends within ``STOP_S``."""
     time.sleep(STOP_S - 0.5)
@@ -439,6 +460,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flows import server_auth
 
         server_auth.use_in_clients()  # before anything talks to a Prefect server
+        if getattr(args, "cooperative", False):
+            return _off_the_main_thread(args)
         return args.fn(args)
     except TransientError as exc:  # the catalog, a tier, the model server: unreachable right now
         print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)

@@ -268,9 +268,9 @@ def test_a_rollout_stopped_by_sigterm_gives_the_traffic_back_within_5_s(stack_en
     assert err.strip().splitlines()[-1] == "rewind: stopped by SIGTERM", err[-3000:]
     assert _traffic(st) == {base: 100} and _loaded(st) == [base]
     (rollout,) = [r for r in sv.rollouts(cat, MODEL) if r.to_version == new]
-    assert rollout.state == "failed" and "rollout stopped: Stopped: stopped by SIGTERM" in (rollout.reason or ""), (
-        rollout.reason
-    )
+    assert rollout.state == "failed" and "rollout stopped: Stopped: stopped by SIGTERM" in (
+        rollout.reason or ""
+    ), rollout.reason
     assert sv.get_version(cat, MODEL, new).state == "rolled_back"
 
 
