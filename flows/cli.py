@@ -463,15 +463,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "cooperative", False):
             return _off_the_main_thread(args)
         return args.fn(args)
+    except (Terminated, Stopped):
+        print("rewind: stopped by SIGTERM", file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
     except TransientError as exc:  # the catalog, a tier, the model server: unreachable right now
         print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except RewindError as exc:
         print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
-    except (Terminated, Stopped):
-        print("rewind: stopped by SIGTERM", file=sys.stderr, flush=True)
-        return EXIT_TERMINATED
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
