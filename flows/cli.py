@@ -453,9 +453,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("REWIND_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    previous = None
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _on_sigterm)  # `rewind serve`: Prefect's runner takes over once it runs
+        # `rewind serve`: Prefect's runner takes over once it runs
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
         _on_sigterm.cooperative = getattr(args, "cooperative", False)  # type: ignore[attr-defined]
+    try:
+        return _dispatch(args)
+    finally:
+        if previous is not None:  # main() called in-process (tests): leave the caller's handler as it was
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     try:
         from flows import server_auth
 
