@@ -12,14 +12,69 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from flows.cli_args import OneLineParser, amount, step
-from infra.errors import RewindError, TransientError
+from infra.errors import RewindError, Stopped, TransientError
 
 EXIT_FINDINGS, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERNAL = 1, 2, 3, 70
+EXIT_TERMINATED = 128 + signal.SIGTERM
+STOP_S = 5.0  # after SIGTERM the process is gone within this, cleaned up or not
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind (finally blocks; a rollout puts the traffic back) and exit.
+
+    A BaseException, like KeyboardInterrupt, so that no ``except Exception`` retry or poll loop swallows it.
+    """
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    """Commands that wait cooperatively (the serving flows) are asked to stop at their next wait, where
+    they can clean up; any other is interrupted where it is. Either way the deadline stands."""
+    from infra import stopping
+
+    if stopping.requested():
+        return  # a second SIGTERM does not interrupt the clean-up
+    stopping.request()
+    threading.Thread(target=_hard_stop, name="rewind-sigterm-deadline", daemon=True).start()
+    if not getattr(_on_sigterm, "cooperative", False):
+        raise Terminated()
+
+
+def _off_the_main_thread(args: argparse.Namespace) -> int:
+    """Run a cooperative command in a thread of its own: the main thread keeps SIGTERM to itself (a flow
+    run on the main thread would install Prefect's handler, which raises wherever the flow happens to
+    be, a catalog write included) and turns it into a stop request the command answers at its next wait."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["rc"] = args.fn(args)
+        except BaseException as exc:  # handed to the main thread, which reports it
+            box["exc"] = exc
+
+    worker = threading.Thread(target=work, name="rewind-command", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)
+    if "exc" in box:
+        raise box["exc"]
+    return int(box["rc"])
+
+
+def _hard_stop() -> None:
+    """The deadline: whatever the unwinding still waits for, the process ends within ``STOP_S``."""
+    time.sleep(STOP_S - 0.5)
+    print(
+        f"rewind: stopped by SIGTERM; clean-up did not finish within {STOP_S:g}s", file=sys.stderr, flush=True
+    )
+    os._exit(EXIT_TERMINATED)
 
 
 def _catalog() -> Any:
@@ -257,9 +312,41 @@ def cmd_server(args: argparse.Namespace) -> int:
     else:
         env[server_auth.SERVER_ENV] = server_auth.ensure()
         how = f"basic auth on; the credential is in {server_auth.path()} (mode 0600), used by this user's clients"
+    ui_api, ui_how = ui_api_url(args.host, args.port)
+    if ui_how != "given":
+        env[UI_API_ENV] = ui_api
     print(f"starting the Prefect server and UI on {args.host}:{args.port}, {how}", flush=True)
+    print(f"the UI calls the API at {ui_api} ({UI_HOW[ui_how]})", flush=True)
     os.execve(cmd[0], cmd, env)
     return 0
+
+
+UI_API_ENV = "PREFECT_SERVER_UI_API_URL"  # Prefect 3 (PREFECT_UI_API_URL is its older alias)
+UI_HOW = {
+    "given": "set explicitly: PREFECT_UI_API_URL, PREFECT_SERVER_UI_API_URL or the Prefect profile",
+    "own": "this server's own host and port; PREFECT_UI_API_URL overrides it",
+    "wildcard": "the server listens on every address: browsers on other machines need "
+    "PREFECT_UI_API_URL set to the address they reach",
+}
+
+
+def ui_api_url(host: str, port: int, settings: Any = None) -> tuple[str, str]:
+    """The API URL the UI's pages are told to call, and why: ``given`` (an explicit Prefect setting),
+    ``own`` (this server's host and port) or ``wildcard`` (loopback, for a server bound to every address).
+
+    Left alone, Prefect's UI calls ``PREFECT_API_URL`` or the default port 4200, not the port the server
+    was started on: every page would say it cannot connect to the server API.
+    """
+    from prefect.settings import get_current_settings
+
+    ui = (settings or get_current_settings()).server.ui
+    if "api_url" in ui.model_fields_set and ui.api_url:  # env (either name), profile or prefect.toml
+        return ui.api_url, "given"
+    wildcard = host in ("", "0.0.0.0", "::", "[::]")
+    name = "127.0.0.1" if wildcard else host
+    if ":" in name and not name.startswith("["):
+        name = f"[{name}]"  # an IPv6 address in a URL
+    return f"http://{name}:{port}/api", "wildcard" if wildcard else "own"
 
 
 # -- parser ---------------------------------------------------------------------
@@ -336,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     from flows import cli_serving
 
     cli_serving.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
+    from flows import cli_status
+
+    cli_status.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
     add(
         sub,
         "gpu",
@@ -366,11 +456,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("REWIND_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
     args = build_parser().parse_args(argv)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        # `rewind serve`: Prefect's runner takes over once it runs
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        _on_sigterm.cooperative = getattr(args, "cooperative", False)  # type: ignore[attr-defined]
+    try:
+        return _dispatch(args)
+    finally:
+        if previous is not None:  # main() called in-process (tests): leave the caller's handler as it was
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     try:
         from flows import server_auth
 
         server_auth.use_in_clients()  # before anything talks to a Prefect server
+        if getattr(args, "cooperative", False):
+            return _off_the_main_thread(args)
         return args.fn(args)
+    except (Terminated, Stopped):
+        print("rewind: stopped by SIGTERM", file=sys.stderr, flush=True)
+        return EXIT_TERMINATED
     except TransientError as exc:  # the catalog, a tier, the model server: unreachable right now
         print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_UNAVAILABLE

@@ -197,9 +197,8 @@ def register(
     start = add(sv, "start", wrap(cmd_start), "start TorchServe on 127.0.0.1 (token auth on)", json_flag=True)
     start.add_argument("--port", type=count, help="inference port (default: a free one)")
     add(sv, "stop", wrap(cmd_stop), "stop the proxies and the TorchServe that `start` started")
-    _artifact_options(
-        add(sv, "deploy", wrap(cmd_deploy), "export a verified checkpoint and load it", json_flag=True)
-    )
+    dep = add(sv, "deploy", wrap(cmd_deploy), "export a verified checkpoint and load it", json_flag=True)
+    _artifact_options(dep)
     ro = add(
         sv,
         "rollout",
@@ -225,6 +224,8 @@ def register(
     rb.add_argument("--to", help="version (default: the previous stable one)")
     rb.add_argument("--reason", default="manual rollback")
     rb.add_argument("--by", help="who triggered this, for the record")
+    for long_running in (start, dep, ro, rb):  # SIGTERM: stop at the next wait, clean up, exit (flows/cli.py)
+        long_running.set_defaults(cooperative=True)
     st = add(sv, "status", wrap(cmd_status), "loaded versions, live weights, health", json_flag=True)
     st.add_argument("model")
     hi = add(

@@ -18,8 +18,15 @@ from flows.maintenance import (
 )
 from flows.serving import deploy_model, rollback_model, rollout_model
 from flows.training import protect_training, recover_training
+from tasks.common import INCIDENT_KIND_LABEL
+from tasks.detect import FAILED_TO_START
 
 FAILURE_EVENT = "rewind.failure.detected"
+# A job that failed to start would fail the same way again: the trigger leaves those incidents alone.
+RECOVERABLE: dict[str, str | list[str]] = {
+    "prefect.resource.id": "rewind.run.*",
+    INCIDENT_KIND_LABEL: f"!{FAILED_TO_START}",
+}
 
 
 def build(
@@ -38,9 +45,10 @@ def build(
             triggers=[
                 DeploymentEventTrigger(
                     name="recover-on-failure",
-                    description="Recover a training run whenever a failure is detected.",
+                    description="Recover a training run whenever a failure is detected "
+                    "(not a job that failed to start: it would fail again).",
                     expect={FAILURE_EVENT},
-                    match={"prefect.resource.id": "rewind.run.*"},
+                    match=RECOVERABLE,
                     parameters={"incident_id": "{{ event.payload.incident_id }}"},
                 )
             ],

@@ -17,7 +17,7 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import deployment, flow_run
 
-from infra.errors import ConfigError
+from infra.errors import ConfigError, Stopped
 from infra.serving.gates import Gates
 from tasks.serving import (
     deploy_version,
@@ -145,12 +145,16 @@ def rollout_model(
     try:
         ended = _walk(model, new, stable, rid, actor, traffic_steps, bake_s, checks_per_step, failure_limit,
                       gate_values, probe_set)  # fmt: skip
-    except Exception as exc:
-        # Whatever broke (a task out of retries, a dead proxy), the stable version gets the traffic back
-        # and the record is closed, so nothing is left half-rolled-out.
-        reason = f"rollout failed: {type(exc).__name__}: {exc}"[:2000]
+    except BaseException as exc:
+        # Whatever broke (a task out of retries, a dead proxy) or stopped it (SIGTERM, Ctrl-C), the stable
+        # version gets the traffic back, the canary is unloaded and the record is closed, so nothing is
+        # left half-rolled-out.
+        why = "stopped" if isinstance(exc, Stopped) or not isinstance(exc, Exception) else "failed"
+        reason = f"rollout {why}: {type(exc).__name__}: {exc}"[:2000]
         with contextlib.suppress(Exception):
             switch_back(model, stable, rid, actor="rollout-model", reason=reason, decided_at=time.time())
+        with contextlib.suppress(Exception):
+            unload_version(model, new, rid, "rolled_back", "rollout-model")
         finish_rollout(rid, "failed", reason)
         raise
     if ended is not None:

@@ -8,8 +8,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from infra.errors import Refused
 from tasks.common import artifact_key
 from tasks.detect import (
+    FAILED_TO_START,
     annotate_incident,
     check_recovery_budget,
     load_incident,
@@ -45,7 +47,9 @@ def protect_training(
         run: Catalog name of the run; the job must checkpoint under the same name.
         command: What one process runs, one list item per argument, e.g.
             ["python", "-m", "examples.tiny_lm", "--run", "demo", "--steps", "60", "--checkpoint-every", "10", "--out", "out"];
-            a bare "python" is the worker's own interpreter.
+            a leading "python" or "python3" is replaced by the worker's own interpreter (its sys.executable), so
+            the job runs with the packages the worker has. A job that exits with an error before its first
+            step is an incident of kind failed_to_start, with its last lines, and is not recovered automatically.
         cwd: Working directory of the command (default: the worker's).
         nproc_per_node: Processes per node; more than one starts the job under torchrun.
         nnodes: Nodes (one torchrun agent each, c10d rendezvous).
@@ -95,6 +99,11 @@ def recover_training(
     flow_started = time.time()
     incident = load_incident(incident_id)
     run, details = incident["run"], incident["details"]
+    if incident["kind"] == FAILED_TO_START:  # run by hand: the trigger does not fire for these
+        raise Refused(
+            f"incident {incident_id}: {run!r} failed to start, so it is not recovered (a relaunch would fail "
+            f"the same way); fix the job and run protect-training again. {incident['reason']}"
+        )
     died_at = details["died_at"]
     annotate_incident(
         incident_id,

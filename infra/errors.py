@@ -33,6 +33,10 @@ class Refused(RewindError):
     """An action Rewind will not take however often it is asked (a read-only copy, a spent budget)."""
 
 
+class Stopped(RewindError):
+    """The process was asked to stop (SIGTERM) while it waited: unwind, clean up, exit. Never retried."""
+
+
 class RankFailed(RewindError):
     """Another rank's part of a collective save or restore failed; the message carries its reason."""
 

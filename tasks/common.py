@@ -75,6 +75,9 @@ def checkpoint_resource(run: str, step: int, checkpoint_id: int) -> dict[str, st
     }
 
 
+INCIDENT_KIND_LABEL = "rewind.incident.kind"  # on the run resource of rewind.failure.detected
+
+
 def emit(
     event: str,
     run: str,
@@ -82,14 +85,17 @@ def emit(
     *,
     step: int | None = None,
     checkpoint_id: int | None = None,
+    labels: dict[str, str] | None = None,
 ) -> None:
-    """Emit a Rewind event about a run (primary resource) and, if given, one of its checkpoints."""
+    """Emit a Rewind event about a run (primary resource, with ``labels`` added: what triggers can match)
+    and, if given, one of its checkpoints."""
     related = (
         [checkpoint_resource(run, step, checkpoint_id)]
         if checkpoint_id is not None and step is not None
         else []
     )
-    emit_event(event=event, resource=run_resource(run), related=related, payload={"run": run, **payload})
+    resource = {**run_resource(run), **(labels or {})}
+    emit_event(event=event, resource=resource, related=related, payload={"run": run, **payload})
 
 
 def emit_for_model(event: str, model: str, payload: dict[str, Any]) -> None:

@@ -12,12 +12,17 @@ from prefect.artifacts import create_markdown_artifact
 from infra.catalog import incidents, jobs, lineage
 from infra.errors import Refused
 from infra.health.signals import describe_exit
+from infra.launch import observe
 from infra.launch.observe import Observation, Seen, first_failure
 from infra.launch.spec import JobSpec
 from infra.launch.supervisor import Supervisor, redacted
 from infra.training import progress
-from tasks.common import RETRY, artifact_key, catalog, emit
+from tasks.common import INCIDENT_KIND_LABEL, RETRY, artifact_key, catalog, emit
 from tasks.verify import verify_checkpoint
+
+# The job ended by itself with an error before any rank got past the step it started from (an import
+# error, a bad flag, a missing file): relaunching it would fail the same way, so nothing recovers it.
+FAILED_TO_START = "failed_to_start"
 
 
 @task(name="supervise-training", retries=0)
@@ -107,13 +112,17 @@ class _Watch:
         details = {"first_step_after_restore_at": o.at, "resumed_at_step": o.detail.get("from_step")}
         incidents.update_incident(catalog(), self.incident_id, details=details, **fields)
 
-    def _kind(self) -> str:
-        if self.stop is None:
-            return "crash"
-        return str(self.stop.detail.get("kind", self.stop.kind.value))
+    def _kind(self, code: int, started: bool) -> str:
+        if self.stop is not None:
+            return str(self.stop.detail.get("kind", self.stop.kind.value))
+        if code > 0 and not started:  # the job's own failure (not a signal) before its first step
+            return FAILED_TO_START
+        return "crash"
 
     def outcome(self, sup: Supervisor, code: int, launch_id: int) -> dict[str, Any]:
         ranks = progress.read(catalog(), launch_id)
+        # read again: a step reported just before the exit may not have been polled
+        started = self.first_step_at is not None or observe.first_step(ranks) is not None
         failed = first_failure(self.exits)
         stop = self.stop
         ended = stop or failed  # Rewind's own stop comes after what it saw
@@ -121,7 +130,7 @@ class _Watch:
             failed is not None and failed.detail["exit_code"] < 0 and sup.spec.nnodes > 1 and stop is None
         )
         out = {
-            "kind": self._kind(),
+            "kind": self._kind(code, started),
             "hang": stop.detail if stop is not None and stop.kind is Seen.HANG else None,
             "bad_step": stop.step if stop is not None and stop.kind is Seen.ANOMALY else None,
             "anomaly": stop.detail.get("reason") if stop is not None else None,
@@ -137,7 +146,7 @@ class _Watch:
             "died_at": ended.at if ended is not None else time.time(),
             "last_step": max((r.step for r in ranks if r.step is not None), default=None),
             "first_step_at": self.first_step_at,
-            "tail": sup.tail()[-20:],
+            "tail": sup.tail(),
         }
         get_run_logger().info(
             "launch %d of %s %s after step %s", launch_id, self.run, out["how"], out["last_step"]
@@ -159,6 +168,13 @@ def load_spec(run: str) -> dict[str, Any]:
 
 
 def _crash_reason(outcome: dict[str, Any]) -> str:
+    if outcome.get("kind") == FAILED_TO_START:
+        last = next((line for line in reversed(outcome["tail"]) if line.strip()), None)
+        return (
+            f"training failed to start: it {outcome['how']} before its first step; not recovered "
+            "automatically (a relaunch would fail the same way): fix the job and start it again"
+            + (f"; its last line: {last.strip()}" if last else "; it printed nothing")
+        )
     where = f"node {outcome['lost_node']} lost: " if outcome.get("lost_node") is not None else ""
     if outcome["last_step"] is None:
         return f"{where}training {outcome['how']}; it reported no step (not using the session API?)"
@@ -195,11 +211,20 @@ def record_failure(outcome: dict[str, Any]) -> int:
         },
     )
     died = datetime.fromtimestamp(outcome["died_at"], UTC).isoformat(timespec="milliseconds")
+    tail = "\n".join(outcome["tail"])
+    get_run_logger().error(
+        "incident %d on %s (%s): %s\nthe job's last lines:\n%s",
+        incident_id,
+        run,
+        kind,
+        reason,
+        tail or "(none)",
+    )
     create_markdown_artifact(
         key=artifact_key("rewind", run, "incident"),
         markdown=(
-            f"# Incident {incident_id} on `{run}`\n\nTraining {outcome['how']} at {died} after step "
-            f"{outcome['last_step']}.\n\n```\n" + "\n".join(outcome["tail"]) + "\n```\n"
+            f"# Incident {incident_id} on `{run}` ({kind})\n\n{reason}.\n\nTraining {outcome['how']} at "
+            f"{died} after step {outcome['last_step']}. Its last lines:\n\n```\n" + tail + "\n```\n"
         ),
     )
     emit(
@@ -208,12 +233,15 @@ def record_failure(outcome: dict[str, Any]) -> int:
         {
             "incident_id": incident_id,
             "kind": kind,
+            "reason": reason,
             "bad_step": outcome.get("bad_step"),
             "exit_code": outcome["exit_code"],
             "last_step": outcome["last_step"],
             "died_at": outcome["died_at"],
             "launch_id": outcome["launch_id"],
+            "tail": outcome["tail"],
         },
+        labels={INCIDENT_KIND_LABEL: kind},  # the recovery trigger leaves failed_to_start alone
     )
     return incident_id
 

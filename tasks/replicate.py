@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 
 from infra import retention
 from infra.catalog import copies, lineage
@@ -33,7 +34,19 @@ def replicate_checkpoint(
     )
     tier = open_tier(target, **options)
     tier.check()
+    started = time.monotonic()
     done = replicate(cat, ck, tier)
+    took = time.monotonic() - started
+    get_run_logger().info(
+        "%s step %d replicated to %s/%s: %d bytes sent in %.1fs%s",
+        run,
+        ck.step,
+        target,
+        done.key,
+        done.bytes_sent,
+        took,
+        " (already there, verified)" if done.already_there else "",
+    )
     result = {
         "run": run,
         "step": ck.step,
@@ -53,4 +66,8 @@ def apply_retention(run: str | None, keep_last: int, keep_every: int = 0) -> dic
     cat = catalog()
     policy = retention.Policy(keep_last=keep_last, keep_every=keep_every)
     runs = [run] if run else [r["run"] for r in lineage.list_runs(cat)]
-    return {name: retention.execute(cat, retention.plan(cat, name, policy), policy) for name in runs}
+    removed = {name: retention.execute(cat, retention.plan(cat, name, policy), policy) for name in runs}
+    for name, steps in removed.items():
+        if steps:
+            get_run_logger().info("retention on %s (keep_last %d): removed steps %s", name, keep_last, steps)
+    return removed

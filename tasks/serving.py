@@ -16,7 +16,7 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from infra import config
+from infra import config, stopping
 from infra.catalog import serving as sv
 from infra.catalog.db import Catalog
 from infra.catalog.models import VersionState as V
@@ -230,7 +230,7 @@ def watch_canary(
     probes = gates.load_probes(Path(probe_set)) if probe_set else []
     with backend() as b:
         before = b.counters(model).get(version)
-        time.sleep(window_s)  # the bake: real traffic reaches the canary meanwhile
+        stopping.sleep(window_s)  # the bake: real traffic reaches the canary meanwhile (SIGTERM ends it)
         if version not in b.loaded(model):  # unloaded meanwhile (a manual rollback): nothing to judge
             return {"passed": False, "reasons": [f"{version} is no longer loaded"]}
         after = b.counters(model).get(version)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 
 from infra.catalog import copies, lineage
@@ -41,6 +41,14 @@ def verify_checkpoint(checkpoint_id: int, deep: bool = True, tier: str | None = 
         "copies": [{"tier": c.tier, "where": c.where, "verdict": c.verdict.value} for c in check.copies],
         "findings": [f.as_dict() for f in check.findings],
     }
+    get_run_logger().info(
+        "%s step %d (%s check): checkpoint %s; %s",
+        run,
+        ck.step,
+        "deep" if deep else "quick",
+        check.status,
+        ", ".join(f"{c.tier} {c.verdict.value}" for c in check.copies) or "no copy",
+    )
     for c in check.copies:
         if c.verdict in (Verdict.CORRUPT, Verdict.MISSING):
             payload = {"tier": c.tier, "where": c.where, "findings": [f.as_dict() for f in c.findings]}

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from flows.deployments import FAILURE_EVENT, build
+from flows.deployments import FAILURE_EVENT, RECOVERABLE, build
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -24,6 +24,8 @@ def test_prefect_yaml_matches_rewind_serve():
     (trigger,) = declared["recover-training"]["triggers"]
     assert trigger["expect"] == [FAILURE_EVENT]
     assert served["recover-training"].triggers[0].expect == {FAILURE_EVENT}
+    assert trigger["match"] == RECOVERABLE
+    assert served["recover-training"].triggers[0].match.root == RECOVERABLE
     assert served["verify-checkpoints"].schedules and served["replicate-offsite"].paused
     assert served[
         "adopt-checkpoints"

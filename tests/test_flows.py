@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +16,9 @@ from examples.tiny_lm import command as tiny_lm_cmd
 from infra.catalog import incidents, lineage
 from infra.catalog.db import Catalog
 from infra.launch.process import find_pids
-from tests.prefect_support import deployment_ids, find_pid, rewind_serve, stop_group, wait_until
+from tests.prefect_support import deployment_ids, find_pid, rewind_serve, wait_until
 from tests.trainproc import REPO, TrainProc, assert_same_weights
+from tests.ui_support import chromium
 
 DEPLOYMENTS = [
     "protect-training",
@@ -149,6 +148,64 @@ def test_lost_rank_is_relaunched_on_fewer_ranks_automatically(served, flow_env, 
     )
 
 
+def test_a_job_that_fails_to_start_is_an_incident_with_its_last_lines_and_not_recovered(
+    served, flow_env, run_name
+):
+    """A job that dies at import is `failed_to_start`: its last lines in the incident, the flow log and the
+    event; the recovery trigger does not cover the event (judged by the server's own matcher) and
+    recover-training, run by hand, refuses in one line."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.server.events.schemas.automations import EventTrigger
+    from prefect.server.events.schemas.events import ReceivedEvent
+
+    from flows.training import recover_training
+
+    client = served
+    job = "print('reading the config', flush=True); import rewind_no_such_module  # a broken job"
+    fr = run_deployment(
+        "protect-training/protect-training",
+        parameters={"run": run_name, "command": ["python", "-c", job], "cwd": str(REPO)},
+        timeout=120,
+    )
+    assert fr.state.is_completed(), fr.state.message
+    cat = Catalog()
+    (inc,) = incidents.incidents_of(cat, run_name)
+    assert inc.kind == "failed_to_start", (inc.kind, inc.reason)
+    tail = inc.details["tail"]
+    assert tail[0] == "reading the config" and "No module named 'rewind_no_such_module'" in tail[-1], tail
+    assert len(tail) <= 20 and sum(len(line) + 1 for line in tail) <= 4096
+    assert "failed to start" in inc.reason and "rewind_no_such_module" in inc.reason, inc.reason
+    assert "\n" not in inc.reason
+
+    logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fr.id])))
+    assert any("rewind_no_such_module" in log.message and "last lines" in log.message for log in logs)
+
+    def failure_event():
+        page = client.read_events(
+            EventFilter(event=EventNameFilter(name=["rewind.failure.detected"])), limit=50
+        )
+        return [e for e in page.events if e.payload.get("run") == run_name]
+
+    (event,) = wait_until(failure_event, 30, "the rewind.failure.detected event")
+    assert event.payload["kind"] == "failed_to_start" and event.payload["tail"] == tail
+    assert event.resource["rewind.incident.kind"] == "failed_to_start"
+    (automation,) = client.read_automations_by_name("recover-on-failure")
+    trigger = EventTrigger.model_validate(automation.trigger.model_dump(mode="json"))
+    seen = ReceivedEvent.model_validate(event.model_dump(mode="json"))
+    assert not trigger.covers(seen)  # the triggers service's own test: the automation is not interested
+    crash = seen.model_copy(
+        update={"resource": type(seen.resource)(root={**seen.resource.root, "rewind.incident.kind": "crash"})}
+    )
+    assert trigger.covers(crash)  # and would be for a crash
+
+    state = recover_training(incident_id=inc.id, return_state=True)
+    assert state.is_failed() and "failed to start" in state.message, state.message
+    assert "\n" not in state.message.strip(), state.message
+    dep = client.read_deployment_by_name("recover-training/recover-training")
+    runs = client.read_flow_runs(deployment_filter=DeploymentFilter(id={"any_": [dep.id]}))
+    assert not [r for r in runs if r.parameters.get("incident_id") in (inc.id, str(inc.id))]
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -223,65 +280,81 @@ def test_transient_fault_is_retried_and_corruption_is_not(served, flow_env, run_
     assert event.resource.id == f"rewind.run.{run_name}"
 
 
-def test_schedules_have_upcoming_runs_on_a_real_server(flow_env, tmp_path):
-    """Cron/interval schedules need the scheduler service: a real server (`rewind server`), not the harness.
+@pytest.fixture(scope="module")
+def real_server(flow_env, tmp_path_factory):
+    """`rewind server` on a non-default port, as a user starts it (basic auth on), with `rewind serve` against it.
 
-    The server `rewind server` starts refuses API calls without its credential; `rewind serve`, run by the
-    same user, finds it (a 0600 file under REWIND_HOME) by itself.
+    Its environment still points ``PREFECT_API_URL`` at another port (an operator's shell left from
+    another server): the UI must call the API of the server it came from all the same.
+    Cron/interval schedules need the scheduler service: a real server, not the harness.
     """
     import httpx
 
-    from flows import server_auth
     from infra.net import free_port
+    from tests.ui_support import rewind_server
 
-    port = free_port()
-    home = tmp_path / "prefect-home"
+    home = tmp_path_factory.mktemp("real-server")
     env = {
-        **os.environ,
-        "REWIND_HOME": str(tmp_path),
-        "PREFECT_HOME": str(home),
-        "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'server.db'}",
         "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_UI_ENABLED": "false",
+        "PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api",
     }
-    server = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "server", "--host", "127.0.0.1", "--port", str(port)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    api = f"http://127.0.0.1:{port}/api"
-    try:
-        wait_until(lambda: _healthy(httpx, api), 90, "rewind server")
-        cred_file = tmp_path / "prefect-auth"
-        assert cred_file.stat().st_mode & 0o077 == 0  # only its owner can read the credential
-        assert httpx.post(f"{api}/flow_runs/filter", json={}, timeout=5).status_code == 401  # no credential
-        auth = tuple(server_auth.read(cred_file).split(":", 1))
-        with rewind_serve(api, {**flow_env, "REWIND_HOME": str(tmp_path)}, "--scrub-every", "60"):
+    # `rewind serve`, run by the same user, finds the credential (a 0600 file under REWIND_HOME) by itself.
+    with (
+        rewind_server(home, free_port(), env=env) as server,
+        rewind_serve(server.api, {**flow_env, "REWIND_HOME": str(home)}, "--scrub-every", "60") as serve,
+    ):
 
-            def upcoming():
-                body = {"flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}}}
-                r = httpx.post(f"{api}/flow_runs/filter", json=body, timeout=5, auth=auth)
-                names = {fr["name"] for fr in r.json()} if r.status_code == 200 else set()
-                deps = httpx.post(f"{api}/deployments/filter", json={}, timeout=5, auth=auth).json()
-                by_id = {d["id"]: d["name"] for d in deps}
-                scheduled = (
-                    {by_id.get(fr["deployment_id"]) for fr in r.json()} if r.status_code == 200 else set()
-                )
-                return scheduled if "verify-checkpoints" in scheduled and names else None
+        def registered() -> bool:
+            assert serve.poll() is None, (home / "serve.log").read_text()[-3000:]
+            r = httpx.post(f"{server.api}/deployments/filter", json={}, timeout=5, auth=server.auth)
+            return r.status_code == 200 and set(DEPLOYMENTS) <= {d["name"] for d in r.json()}
 
-            scheduled = wait_until(upcoming, 90, "scheduled runs of verify-checkpoints", interval=1)
-            assert "verify-checkpoints" in scheduled
-            assert "replicate-offsite" not in scheduled  # paused until a target is configured
-    finally:
-        stop_group(server)
+        wait_until(registered, 120, "rewind serve's deployments on the real server")
+        yield server, serve
 
 
-def _healthy(httpx, api: str) -> bool:  # type: ignore[no-untyped-def]
-    try:
-        return httpx.get(f"{api}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+def test_schedules_have_upcoming_runs_on_a_real_server(real_server):
+    """The server `rewind server` starts refuses API calls without its credential; `rewind serve` has it."""
+    import httpx
+
+    server, _ = real_server
+    api, auth = server.api, server.auth
+    cred_file = Path(server.log).parent / "prefect-auth"
+    assert cred_file.stat().st_mode & 0o077 == 0  # only its owner can read the credential
+    assert httpx.post(f"{api}/flow_runs/filter", json={}, timeout=5).status_code == 401  # no credential
+
+    def upcoming():
+        body = {"flow_runs": {"state": {"type": {"any_": ["SCHEDULED"]}}}}
+        r = httpx.post(f"{api}/flow_runs/filter", json=body, timeout=5, auth=auth)
+        names = {fr["name"] for fr in r.json()} if r.status_code == 200 else set()
+        deps = httpx.post(f"{api}/deployments/filter", json={}, timeout=5, auth=auth).json()
+        by_id = {d["id"]: d["name"] for d in deps}
+        scheduled = {by_id.get(fr["deployment_id"]) for fr in r.json()} if r.status_code == 200 else set()
+        return scheduled if "verify-checkpoints" in scheduled and names else None
+
+    scheduled = wait_until(upcoming, 90, "scheduled runs of verify-checkpoints", interval=1)
+    assert "verify-checkpoints" in scheduled
+    assert "replicate-offsite" not in scheduled  # paused until a target is configured
+
+
+@pytest.mark.skipif(chromium() is None, reason="no chromium on this machine (apt-get install chromium)")
+def test_the_ui_on_a_non_default_port_lists_rewinds_deployments_in_a_browser(real_server):
+    """A real headless Chromium opens the UI that `rewind server --port N` serves, logs in as a person does
+    (the credential pasted once, kept by the page) and waits, bounded, for the deployments page to fill."""
+    import httpx
+
+    from tests.ui_support import browser, log_in
+
+    server, _ = real_server
+    settings = httpx.get(f"{server.base}/ui-settings", timeout=5).json()
+    assert settings["api_url"] == server.api and settings["auth"] == "BASIC", settings
+    with browser() as page:
+        log_in(page, server)
+        page.goto(f"{server.base}/deployments")
+        wanted = ("protect-training", "recover-training", "verify-checkpoints", "restore-checkpoint")
+        text = page.wait_for_text(
+            lambda t: all(w in t for w in wanted) or "connect to Server API" in t,
+            60,
+            "the deployments page to list Rewind's deployments",
+        )
+    assert "connect to Server API" not in text, text[:2000]

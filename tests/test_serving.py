@@ -232,6 +232,48 @@ def test_manual_rollback_under_load_fails_no_request(stack_env, base):
     assert sv.get_version(cat, MODEL, new).state == "rolled_back"
 
 
+def test_a_rollout_stopped_by_sigterm_gives_the_traffic_back_within_5_s(stack_env, base, prefect_api):
+    """`rewind serving rollout` killed politely mid-canary: the stable version gets all traffic back, the
+    canary is unloaded, the rollout is closed, and the process is gone within 5 s (a bounded wait on it)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    st, cat = stack_env["stack"], stack_env["cat"]
+    argv = [str(Path(sys.executable).parent / "rewind"), "serving", "rollout", MODEL, "--run", "lm", "--step",
+            "90", "--steps", "50,100", "--bake", "300", "--max-p95-ms", "5000"]  # fmt: skip
+    env = {**os.environ, **stack_env["env"], "PREFECT_API_URL": prefect_api}
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        new = _wait(
+            lambda: (
+                proc.poll() is not None
+                or next((v for v, w in _traffic(st).items() if v != base and w == 50), None)
+            ),
+            "the CLI's rollout to reach a 50% canary",
+            timeout=180,
+        )
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("rewind serving rollout still running 5 s after SIGTERM") from None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.strip().splitlines()[-1] == "rewind: stopped by SIGTERM", err[-3000:]
+    assert _traffic(st) == {base: 100} and _loaded(st) == [base]
+    (rollout,) = [r for r in sv.rollouts(cat, MODEL) if r.to_version == new]
+    assert rollout.state == "failed" and "rollout stopped: Stopped: stopped by SIGTERM" in (
+        rollout.reason or ""
+    ), rollout.reason
+    assert sv.get_version(cat, MODEL, new).state == "rolled_back"
+
+
 def test_good_version_is_promoted_and_the_old_one_unloaded(stack_env, base):
     from flows.serving import rollout_model
 

@@ -11,7 +11,7 @@ from infra.catalog.db import Catalog
 from infra.catalog.models import Incident, utcnow
 from infra.errors import ConfigError, NotFoundError
 
-KINDS = ("crash", "hang", "nan", "loss_spike", "gpu", "manual")
+KINDS = ("crash", "failed_to_start", "hang", "nan", "loss_spike", "gpu", "manual")  # at most 16 characters
 
 
 def open_incident(cat: Catalog, run: str, kind: str, reason: str, **fields: Any) -> int:

@@ -196,7 +196,7 @@ class Incident(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
-    kind: Mapped[str] = mapped_column(String(16))  # crash | hang | nan | loss_spike | gpu | manual
+    kind: Mapped[str] = mapped_column(String(16))  # incidents.KINDS: crash | failed_to_start | hang | ...
     detected_at: Mapped[datetime] = mapped_column(default=utcnow)
     reason: Mapped[str | None] = mapped_column(Text)
     decision: Mapped[str | None] = mapped_column(Text)

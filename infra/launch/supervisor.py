@@ -40,25 +40,49 @@ BUSY_FACTOR = 10  # a busy phase (restore, start-up, save) may take this many ha
 MIN_BUSY_S = 300.0
 
 
+TAIL_LINES = 20  # the job's last lines kept for the flow log, the incident and the failure event
+TAIL_BYTES = 4096  # ... and no more than this many bytes of them (UTF-8)
+_READ_CHUNK = 8192  # a line longer than this is kept in pieces: one endless line cannot fill memory
+
+
+def bounded_tail(lines: list[str], max_lines: int = TAIL_LINES, max_bytes: int = TAIL_BYTES) -> list[str]:
+    """The newest ``lines`` that fit ``max_lines`` and ``max_bytes`` (a longer last line keeps its end),
+    with any URL's user:password hidden."""
+    out: list[str] = []
+    used = 0
+    for line in reversed(lines[-max_lines:]):
+        line = redact.text(line)
+        size = len(line.encode()) + 1
+        if used + size > max_bytes:
+            if not out:  # the newest line alone is too long: keep its end
+                out.append("..." + line.encode()[-(max_bytes - 4) :].decode(errors="ignore"))
+            break
+        out.append(line)
+        used += size
+    return out[::-1]
+
+
 class _Process:
     """One child process (a job, or a node's agent) in its own session, its output's tail kept for the incident."""
 
     def __init__(self, cmd: list[str], *, cwd: str | None, env: dict[str, str], node: int) -> None:
         self.node, self.cmd = node, cmd
         self.ended_at: float | None = None  # when it ended, by this clock: which node failed first
-        self.tail: collections.deque[str] = collections.deque(maxlen=200)
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.proc = subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True,
+            stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1, start_new_session=True,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"rewind-out-{self.proc.pid}")
         self._reader.start()
         threading.Thread(target=self._wait, daemon=True, name=f"rewind-wait-{self.proc.pid}").start()
 
     def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:  # children that outlive it may keep the pipe open: not our clock
-            self.tail.append(line.rstrip("\n"))
+        out = self.proc.stdout
+        assert out is not None
+        # children that outlive it may keep the pipe open: not our clock
+        for chunk in iter(lambda: out.readline(_READ_CHUNK), ""):
+            self.tail.append(chunk.rstrip("\n"))
 
     def _wait(self) -> None:
         self.proc.wait()
@@ -236,7 +260,11 @@ class Supervisor:
         return code
 
     def tail(self) -> list[str]:
-        return [line for p in self.processes for line in list(p.tail)[-40:]]
+        """The job's last lines of output (stdout and stderr), at most ``TAIL_LINES`` and ``TAIL_BYTES``;
+        with several nodes, each line says which node's agent printed it."""
+        if len(self.processes) == 1:
+            return bounded_tail(list(self.processes[0].tail))
+        return bounded_tail([f"[node {p.node}] {line}" for p in self.processes for line in list(p.tail)])
 
 
 def redacted(spec: JobSpec) -> dict[str, Any]:

@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 import httpx
 
-from infra.errors import ConfigError, NotFoundError, RewindError, ServingUnavailable
+from infra import stopping
+from infra.errors import ConfigError, NotFoundError, RewindError, ServingUnavailable, Stopped
 from infra.launch.process import program, stop_group
 from infra.net import LOOPBACK, free_port
 
@@ -255,6 +256,9 @@ def start(
             if time.monotonic() > deadline:
                 stop_group(proc.pid)
                 raise ServingUnavailable(f"TorchServe did not answer /ping within {timeout_s:.0f}s")
-            time.sleep(0.2)
+            stopping.sleep(0.2)
+    except Stopped:
+        stop_group(proc.pid, timeout_s=3)  # asked to stop while starting: nothing half-started is left
+        raise
     finally:
         client.close()

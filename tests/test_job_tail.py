@@ -1,0 +1,44 @@
+"""The supervisor keeps the job's last lines, bounded, whatever the job prints."""
+
+from __future__ import annotations
+
+import time
+
+from infra.catalog import incidents
+from infra.catalog.db import Catalog
+from infra.launch.observe import Seen
+from infra.launch.spec import JobSpec
+from infra.launch.supervisor import TAIL_BYTES, TAIL_LINES, Supervisor, bounded_tail
+
+
+def test_bounded_tail_keeps_the_newest_lines_that_fit_and_hides_url_credentials():
+    lines = [f"line {i}" for i in range(100)] + ["fetching s3://key:topsecret@host/bucket"]
+    got = bounded_tail(lines)
+    assert len(got) == TAIL_LINES and got[-2] == "line 99" and "topsecret" not in got[-1]
+    wide = bounded_tail(["x" * 3000, "y" * 3000])
+    assert wide == ["y" * 3000]  # two do not fit 4 KiB: the newest one stays whole
+    huge = bounded_tail(["a", "é" * 10_000])
+    assert len(huge) == 1 and len(huge[0].encode()) <= TAIL_BYTES and huge[0].endswith("é")
+
+
+def test_every_incident_kind_fits_the_kind_column():
+    assert "failed_to_start" in incidents.KINDS
+    assert all(len(k) <= 16 for k in incidents.KINDS)  # incident.kind is String(16)
+
+
+def test_a_job_that_floods_its_output_leaves_only_its_last_lines(pg_url, run_name):
+    """5000 lines and then a 200 kB line without a newline: the tail is the end of it, 4 KiB at most."""
+    job = (
+        "import sys\n"
+        "for i in range(5000): print('noise', i)\n"
+        "sys.stdout.write('z' * 200_000); sys.stdout.flush(); sys.exit(3)\n"
+    )
+    sup = Supervisor(Catalog(pg_url), run_name, JobSpec.from_dict({"command": ["python", "-c", job]}))
+    sup.start()
+    deadline = time.monotonic() + 60
+    while not any(o.kind is Seen.EXITED for o in sup.poll(1.0)):
+        assert time.monotonic() < deadline, "the job did not exit within 60 s"
+    assert sup.finish() == 3
+    tail = sup.tail()
+    assert len(tail) <= TAIL_LINES and sum(len(line.encode()) + 1 for line in tail) <= TAIL_BYTES
+    assert tail[-1].endswith("z" * 1000) and not any("noise" in line for line in tail[-1:])
