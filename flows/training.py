@@ -12,6 +12,7 @@ from tasks.common import artifact_key
 from tasks.detect import (
     annotate_incident,
     check_recovery_budget,
+    claim_recovery,
     load_incident,
     record_failure,
     record_spec,
@@ -95,6 +96,10 @@ def recover_training(
     flow_started = time.time()
     incident = load_incident(incident_id)
     run, details = incident["run"], incident["details"]
+    other = claim_recovery(incident_id)
+    if other is not None:
+        log.warning("incident %d is already being recovered by %s: nothing to do", incident_id, other)
+        return {"run": run, "status": "already-recovering", "incident_id": incident_id, "by": other}
     died_at = details["died_at"]
     annotate_incident(
         incident_id,
