@@ -85,7 +85,7 @@ def cmd_rollout(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]
         args.model, args.run, args.step, traffic_steps=steps, bake_s=args.bake, checks_per_step=args.checks,
         max_error_rate=args.max_error_rate, max_p95_latency_ms=args.max_p95_ms, min_quality=args.min_quality,
         probe_set=args.probe_set, failure_limit=args.failure_limit, version=args.version, handler=args.handler,
-        extra_files=args.extra_file, triggered_by=args.by,
+        extra_files=args.extra_file, triggered_by=args.by, warm_s=args.warm,
     )  # fmt: skip
     emit(args, out, lambda: _rollout_text(out))
     return 0 if out["state"] == "promoted" else 1
@@ -210,6 +210,12 @@ def register(
     ro.add_argument("--steps", default="10,50,100", help="traffic percentages (default 10,50,100)")
     ro.add_argument("--bake", type=amount, default=60.0, help="seconds per step")
     ro.add_argument("--checks", type=count, default=1, help="gate checks per step")
+    ro.add_argument(
+        "--warm",
+        type=amount,
+        default=120.0,
+        help="seconds the old version stays loaded after promotion while the gates keep watching (0: none)",
+    )
     ro.add_argument("--max-error-rate", type=amount, default=0.05)
     ro.add_argument("--max-p95-ms", type=amount, default=1000.0)
     ro.add_argument("--min-quality", type=amount, help="share of probes answered right (needs --probe-set)")

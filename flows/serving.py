@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import getpass
+import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow
@@ -98,6 +100,7 @@ def rollout_model(
     handler: str | None = None,
     extra_files: list[str] | None = None,
     triggered_by: str | None = None,
+    warm_s: float = 120.0,
 ) -> dict[str, Any]:
     """Canary a checkpoint of `run` at `step` against the stable version of `model`.
 
@@ -105,8 +108,10 @@ def rollout_model(
     judged `checks_per_step` times on error rate (real traffic and probes), p95
     latency and, with a JSONL `probe_set`, quality. More than `failure_limit`
     failed checks roll back to the stable version at once and emit
-    `rewind.rollout.rolled_back`; passing every step promotes the canary and
-    unloads the old version.
+    `rewind.rollout.rolled_back`; passing every step promotes the canary. The old
+    version then stays loaded at weight 0 for `warm_s` seconds while the same gates
+    keep watching the new one: a failure in that window is still one weight change
+    back (reason `post-promotion: ...`). Only then is the old version unloaded.
     """
     _check_steps(traffic_steps)
     gate_values: dict[str, Any] = {
@@ -118,8 +123,8 @@ def rollout_model(
     Gates(max_error_rate=max_error_rate, max_p95_latency_ms=max_p95_latency_ms, min_quality=min_quality)
     if min_quality is not None and not probe_set:
         raise ConfigError("min_quality needs a probe_set (JSON lines of input and expected output)")
-    if checks_per_step < 1 or failure_limit < 0 or bake_s <= 0:
-        raise ConfigError("checks_per_step >= 1, failure_limit >= 0 and bake_s > 0 are required")
+    if checks_per_step < 1 or failure_limit < 0 or bake_s <= 0 or warm_s < 0:
+        raise ConfigError("checks_per_step >= 1, failure_limit >= 0, bake_s > 0 and warm_s >= 0 are required")
     actor = _actor(triggered_by)
     stable = serving_state(model)["stable"]
     if stable is None:
@@ -136,15 +141,21 @@ def rollout_model(
         "checks_per_step": checks_per_step,
         "failure_limit": failure_limit,
         "probe_set": probe_set,
+        "warm_s": warm_s,
         **gate_values,
     }
     rid = open_rollout(
         model, "rollout", new, from_version=stable, triggered_by=actor, params=params, load=loaded
     )
 
+    judge = _Judge(model, new, stable, rid, gate_values, probe_set, checks_per_step, failure_limit)
     try:
-        ended = _walk(model, new, stable, rid, actor, traffic_steps, bake_s, checks_per_step, failure_limit,
-                      gate_values, probe_set)  # fmt: skip
+        ended = _walk(judge, actor, traffic_steps, bake_s)
+        if ended is None:
+            promote_version(model, new, rid, actor)
+            # the warm window is judged at the canary's cadence: a window as long as one canary check
+            windows = max(1, math.ceil(warm_s * checks_per_step / bake_s))
+            ended = judge.bake(warm_s, "post-promotion: gates failed", windows) if warm_s > 0 else None
     except BaseException as exc:
         # Whatever broke (a task out of retries, a dead proxy) or stopped it (SIGTERM, Ctrl-C), the stable
         # version gets the traffic back, the canary is unloaded and the record is closed, so nothing is
@@ -159,51 +170,65 @@ def rollout_model(
         raise
     if ended is not None:
         return ended
-    promote_version(model, new, rid, actor)
-    unload_version(model, stable, rid, "retired", actor)  # after the 100% bake, as promised
+    unload_version(model, stable, rid, "retired", actor)  # after the warm window, as promised
     finish_rollout(rid, "promoted")
     return {"rollout_id": rid, "state": "promoted", "version": new, "previous": stable}
 
 
-def _walk(
-    model: str,
-    new: str,
-    stable: str,
-    rid: int,
-    actor: str,
-    traffic_steps: list[int],
-    bake_s: float,
-    checks_per_step: int,
-    failure_limit: int,
-    gate_values: dict[str, Any],
-    probe_set: str | None,
-) -> dict[str, Any] | None:
-    """The rollout loop: traffic steps, bake windows, gates, failure limit. None: every check passed."""
-    failures = 0
+@dataclass
+class _Judge:
+    """One rollout's gates: judged in windows, failures counted across the whole rollout."""
+
+    model: str
+    new: str
+    stable: str
+    rid: int
+    gate_values: dict[str, Any]
+    probe_set: str | None
+    checks: int
+    failure_limit: int
+    failures: int = 0
+
+    def bake(self, seconds: float, where: str, windows: int | None = None) -> dict[str, Any] | None:
+        """Watch ``seconds`` in ``windows`` (default ``checks``) windows; the rollout's end if it ended,
+        None if every check passed."""
+        n = windows or self.checks
+        for _ in range(n):
+            verdict = watch_canary(self.model, self.new, self.rid, seconds / n, self.gate_values,
+                                   self.probe_set)  # fmt: skip
+            if not still_running(self.rid):  # a manual rollback took over meanwhile
+                return {"rollout_id": self.rid, "state": "interrupted", "version": self.new}
+            if not verdict["passed"]:
+                self.failures += 1
+                if self.failures > self.failure_limit:
+                    return self.roll_back(f"{where}: " + "; ".join(verdict["reasons"]))
+        return None
+
+    def roll_back(self, reason: str) -> dict[str, Any]:
+        decided = time.time()
+        switched = switch_back(
+            self.model, self.stable, self.rid, actor="gates", reason=reason, decided_at=decided
+        )
+        unload_version(self.model, self.new, self.rid, "rolled_back", "gates")
+        finish_rollout(self.rid, "rolled_back", reason, decided, switched["switch_s"])
+        return {
+            "rollout_id": self.rid,
+            "state": "rolled_back",
+            "version": self.new,
+            "stable": self.stable,
+            "reason": reason,
+            "switch_s": switched["switch_s"],
+            "failures": self.failures,
+        }
+
+
+def _walk(judge: _Judge, actor: str, traffic_steps: list[int], bake_s: float) -> dict[str, Any] | None:
+    """The rollout loop: traffic steps and their bake windows. None: every check passed."""
     for pct in traffic_steps:
-        shift_traffic(model, {new: pct, stable: 100 - pct}, rid, actor)
-        for _ in range(checks_per_step):
-            verdict = watch_canary(model, new, rid, bake_s / checks_per_step, gate_values, probe_set)
-            if not still_running(rid):  # a manual rollback took over meanwhile
-                return {"rollout_id": rid, "state": "interrupted", "version": new}
-            if verdict["passed"]:
-                continue
-            failures += 1
-            if failures > failure_limit:
-                reason = f"gates failed at {pct}%: " + "; ".join(verdict["reasons"])
-                decided = time.time()
-                switched = switch_back(model, stable, rid, actor="gates", reason=reason, decided_at=decided)
-                unload_version(model, new, rid, "rolled_back", "gates")
-                finish_rollout(rid, "rolled_back", reason, decided, switched["switch_s"])
-                return {
-                    "rollout_id": rid,
-                    "state": "rolled_back",
-                    "version": new,
-                    "stable": stable,
-                    "reason": reason,
-                    "switch_s": switched["switch_s"],
-                    "failures": failures,
-                }
+        shift_traffic(judge.model, {judge.new: pct, judge.stable: 100 - pct}, judge.rid, actor)
+        ended = judge.bake(bake_s, f"gates failed at {pct}%")
+        if ended is not None:
+            return ended
     return None
 
 

@@ -14,6 +14,7 @@ from tasks.detect import (
     FAILED_TO_START,
     annotate_incident,
     check_recovery_budget,
+    claim_recovery,
     load_incident,
     record_failure,
     record_spec,
@@ -104,6 +105,10 @@ def recover_training(
             f"incident {incident_id}: {run!r} failed to start, so it is not recovered (a relaunch would fail "
             f"the same way); fix the job and run protect-training again. {incident['reason']}"
         )
+    other = claim_recovery(incident_id)
+    if other is not None:
+        log.warning("incident %d is already being recovered by %s: nothing to do", incident_id, other)
+        return {"run": run, "status": "already-recovering", "incident_id": incident_id, "by": other}
     died_at = details["died_at"]
     annotate_incident(
         incident_id,

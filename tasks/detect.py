@@ -183,7 +183,7 @@ def _crash_reason(outcome: dict[str, Any]) -> str:
 
 @task(name="record-failure", **RETRY)
 def record_failure(outcome: dict[str, Any]) -> int:
-    """One incident and one ``rewind.failure.detected`` event per abnormal end."""
+    """One incident and one ``rewind.failure.detected`` event per abnormal end, however often retried."""
     cat = catalog()
     run = outcome["run"]
     now = time.time()
@@ -195,6 +195,7 @@ def record_failure(outcome: dict[str, Any]) -> int:
         run,
         kind,
         reason,
+        origin=f"launch:{outcome['launch_id']}" if outcome.get("launch_id") is not None else None,
         # a hang is detected when a rank's silence passes its timeout: measured from its last heartbeat
         detection_s=hang["silent_s"] if hang else now - outcome["died_at"],
         details={
@@ -227,6 +228,8 @@ def record_failure(outcome: dict[str, Any]) -> int:
             f"{died} after step {outcome['last_step']}. Its last lines:\n\n```\n" + tail + "\n```\n"
         ),
     )
+    if incidents.announced(cat, incident_id):  # a retry of this task after the event went out
+        return incident_id
     emit(
         "rewind.failure.detected",
         run,
@@ -243,7 +246,22 @@ def record_failure(outcome: dict[str, Any]) -> int:
         },
         labels={INCIDENT_KIND_LABEL: kind},  # the recovery trigger leaves failed_to_start alone
     )
+    incidents.mark_announced(cat, incident_id)
     return incident_id
+
+
+@task(name="claim-recovery", **RETRY)
+def claim_recovery(incident_id: int) -> str | None:
+    """Make this flow run the one recovery of the incident; the flow run that already holds it, if another.
+
+    A failure event delivered twice (or a recovery started by hand beside the automatic one)
+    must not relaunch the job twice.
+    """
+    from prefect.runtime import flow_run
+
+    me = f"flow-run:{flow_run.id or 'local'}"
+    holder = incidents.claim_recovery(catalog(), incident_id, me)
+    return None if holder == me else holder
 
 
 @task(name="load-incident", **RETRY)

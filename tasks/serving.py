@@ -15,6 +15,7 @@ from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_table_artifact
+from prefect.runtime import flow_run
 
 from infra import config, stopping
 from infra.catalog import serving as sv
@@ -100,6 +101,9 @@ def open_rollout(
 ) -> int:
     """Start the record of a change. A rollback closes any rollout in progress (its loop then stops)."""
     cat = catalog()
+    origin = f"flow-run:{flow_run.id}:{kind}" if flow_run.id else None  # a retry finds its own record
+    if origin is not None and (mine := sv.rollout_by_origin(cat, origin)) is not None:
+        return mine
     running = sv.running_rollouts(cat, model)
     if running and kind != "rollback":
         raise ConfigError(
@@ -107,7 +111,14 @@ def open_rollout(
             "wait for it or roll back"
         )
     rid = sv.begin_rollout(
-        cat, model, kind, to_version, from_version=from_version, triggered_by=triggered_by, params=params
+        cat,
+        model,
+        kind,
+        to_version,
+        from_version=from_version,
+        triggered_by=triggered_by,
+        params=params,
+        origin=origin,
     )
     for other in running:
         sv.record_step(cat, other.id, "interrupted", actor=triggered_by, detail=f"{kind} {rid} took over")
@@ -311,10 +322,10 @@ def finish_rollout(
     decided_at: float | None = None,
     switch_s: float | None = None,
 ) -> dict[str, Any]:
-    """Close the rollout record and publish its timeline as a table artifact."""
+    """Close the rollout record (unless a rollback already closed it) and publish its timeline."""
     cat = catalog()
     when = datetime.fromtimestamp(decided_at, UTC) if decided_at else None
-    sv.finish_rollout(cat, rollout_id, state, reason=reason, decided_at=when, switch_s=switch_s)
+    state = sv.finish_rollout(cat, rollout_id, state, reason=reason, decided_at=when, switch_s=switch_s)
     ro = sv.get_rollout(cat, rollout_id)
     rows = [
         {

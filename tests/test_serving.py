@@ -25,6 +25,7 @@ from tests.trainproc import REPO, run_to_end
 MODEL = "tiny"
 PROBES = str(REPO / "examples" / "tiny_lm_probes.jsonl")
 FLAKY = str(REPO / "tests" / "serving_files" / "flaky_handler.py")
+TURNS_BAD = str(REPO / "tests" / "serving_files" / "turns_bad_handler.py")
 HANDLER_FILES = [str(REPO / "examples" / "tiny_lm_handler.py"), str(REPO / "examples" / "tiny_lm_model.py")]
 
 
@@ -116,7 +117,7 @@ def _loaded(st) -> list[str]:  # type: ignore[no-untyped-def]
 
 def _gates(stack_env, **kw):  # type: ignore[no-untyped-def]
     return {"max_error_rate": 0.05, "max_p95_latency_ms": 5000, "min_quality": stack_env["min_quality"],
-            "probe_set": PROBES, **kw}  # fmt: skip
+            "probe_set": PROBES, "warm_s": 0.0, **kw}  # fmt: skip
 
 
 @pytest.fixture
@@ -293,6 +294,45 @@ def test_good_version_is_promoted_and_the_old_one_unloaded(stack_env, base):
         {new: 100, base: 0},
     ]
     assert [s.passed for s in steps if s.action == "gate"] == [True, True, True]
+
+
+def test_gate_failure_after_promotion_rolls_back_in_one_weight_change(stack_env, base):
+    """The old version stays warm after promotion while the gates keep watching: going bad then is one
+    weight change back, with no request failed."""
+    import tempfile
+    import threading
+    import uuid
+
+    from flows.serving import rollout_model
+
+    st, cat = stack_env["stack"], stack_env["cat"]
+    new = f"late{uuid.uuid4().hex[:6]}"
+    flag = Path(tempfile.gettempdir()) / f"rewind-turns-bad-{new}"
+    result: dict = {}
+    rollout = threading.Thread(
+        target=lambda: result.update(rollout_model(MODEL, "lm", 120, traffic_steps=[100], bake_s=1.0, version=new,
+                                                   handler=TURNS_BAD, extra_files=HANDLER_FILES, triggered_by="test",
+                                                   **_gates(stack_env, warm_s=60.0))),
+        daemon=True,
+    )  # fmt: skip
+    try:
+        with Load(st.proxy(MODEL).url + f"/predictions/{MODEL}", _key(st), workers=2) as load:
+            rollout.start()
+            _wait(lambda: sv.stable(cat, MODEL).version == new, "the promotion")
+            assert _traffic(st) == {new: 100, base: 0}  # promoted, and the old version still loaded
+            flag.touch()  # the new version goes bad
+            rollout.join(timeout=120)
+            assert not rollout.is_alive(), "the rollout did not end within the warm window"
+    finally:
+        flag.unlink(missing_ok=True)
+    assert result["state"] == "rolled_back" and result["reason"].startswith("post-promotion"), result
+    assert "quality" in result["reason"]
+    steps = sv.steps_of(cat, result["rollout_id"])
+    after = steps[[s.action for s in steps].index("promote") + 1 :]
+    assert [s.weights for s in after if s.weights] == [{base: 100, new: 0}]  # one weight change, no reload
+    assert load.failed == []
+    assert _traffic(st) == {base: 100} and _loaded(st) == [base]
+    _assert_event("rewind.rollout.rolled_back", result["rollout_id"])
 
 
 def test_history_traces_every_version_to_its_checkpoint(stack_env, base, capsys):

@@ -212,6 +212,10 @@ class Incident(Base):
     rto_s: Mapped[float | None] = mapped_column(Float)
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)
     resolved_at: Mapped[datetime | None]
+    # What it records (``launch:<id>``): a retried record-failure finds this row instead of adding one.
+    origin: Mapped[str | None] = mapped_column(String(200), unique=True)
+    announced_at: Mapped[datetime | None]  # when its failure event went out (at most once per incident)
+    recovered_by: Mapped[str | None] = mapped_column(String(200))  # the one recovery flow run acting on it
 
 
 class JobSpecRow(Base):
@@ -331,6 +335,7 @@ class Rollout(Base):
     decided_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
     switch_s: Mapped[float | None] = mapped_column(Float)
+    origin: Mapped[str | None] = mapped_column(String(200), unique=True)  # ``flow-run:<id>:<kind>``
 
 
 class RolloutStep(Base):

@@ -12,9 +12,10 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
 
 from infra.catalog.db import Catalog, changed
-from infra.catalog.models import Rollout, RolloutStep, ServingVersion, utcnow
+from infra.catalog.models import Rollout, RolloutState, RolloutStep, ServingVersion, utcnow
 from infra.catalog.models import VersionState as V
 from infra.errors import NotFoundError
 
@@ -187,19 +188,33 @@ def begin_rollout(
     from_version: str | None,
     triggered_by: str,
     params: dict[str, Any] | None = None,
+    origin: str | None = None,
 ) -> int:
+    """A new rollout record; with an ``origin`` that another caller just recorded, that one."""
+    try:
+        with cat.session() as s:
+            row = Rollout(
+                model=model,
+                kind=kind,
+                to_version=to_version,
+                from_version=from_version,
+                triggered_by=triggered_by,
+                params=params or {},
+                origin=origin,
+            )
+            s.add(row)
+            s.flush()
+            return row.id
+    except IntegrityError:
+        known = rollout_by_origin(cat, str(origin))
+        if known is None:
+            raise
+        return known
+
+
+def rollout_by_origin(cat: Catalog, origin: str) -> int | None:
     with cat.session() as s:
-        row = Rollout(
-            model=model,
-            kind=kind,
-            to_version=to_version,
-            from_version=from_version,
-            triggered_by=triggered_by,
-            params=params or {},
-        )
-        s.add(row)
-        s.flush()
-        return row.id
+        return s.scalar(select(Rollout.id).where(Rollout.origin == origin))
 
 
 def record_step(
@@ -235,15 +250,18 @@ def finish_rollout(
     reason: str | None = None,
     decided_at: datetime | None = None,
     switch_s: float | None = None,
-) -> None:
+) -> str:
+    """Close a running rollout; returns the state it has now. One already closed (a manual rollback
+    took over) keeps its state: the loop that finishes late must not overwrite it."""
     with cat.session() as s:
         s.execute(
             update(Rollout)
-            .where(Rollout.id == rollout_id)
+            .where(Rollout.id == rollout_id, Rollout.state == RolloutState.RUNNING.value)
             .values(
                 state=state, reason=reason, decided_at=decided_at, switch_s=switch_s, finished_at=func.now()
             )
         )
+        return str(s.scalar(select(Rollout.state).where(Rollout.id == rollout_id)))
 
 
 def models(cat: Catalog) -> list[str]:
