@@ -299,7 +299,6 @@ def test_good_version_is_promoted_and_the_old_one_unloaded(stack_env, base):
 def test_gate_failure_after_promotion_rolls_back_in_one_weight_change(stack_env, base):
     """The old version stays warm after promotion while the gates keep watching: going bad then is one
     weight change back, with no request failed."""
-    import tempfile
     import threading
     import uuid
 
@@ -307,7 +306,7 @@ def test_gate_failure_after_promotion_rolls_back_in_one_weight_change(stack_env,
 
     st, cat = stack_env["stack"], stack_env["cat"]
     new = f"late{uuid.uuid4().hex[:6]}"
-    flag = Path(tempfile.gettempdir()) / f"rewind-turns-bad-{new}"
+    flag = st.endpoints.directory / "tmp" / f"rewind-turns-bad-{new}"  # TorchServe's workers' TMPDIR
     result: dict = {}
     rollout = threading.Thread(
         target=lambda: result.update(rollout_model(MODEL, "lm", 120, traffic_steps=[100], bake_s=1.0, version=new,

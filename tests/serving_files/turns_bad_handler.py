@@ -1,7 +1,8 @@
 """A tiny LM handler that answers well until its flag file appears, then wrongly (still HTTP 200):
 a version that passes its canary and goes bad after promotion, for the post-promotion gates to catch.
 
-The flag is ``<tmp>/rewind-turns-bad-<version>``: the test that deploys the version creates it.
+The flag is ``$TMPDIR/rewind-turns-bad-<version>`` (the serving stack gives TorchServe a private
+``tmp/``): the test that deploys the version creates it.
 """
 
 from __future__ import annotations
