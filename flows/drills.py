@@ -17,6 +17,7 @@ import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,7 @@ def replicate_to_shared(configuration: dict[str, Any]) -> list[int]:
 # -- one drill ------------------------------------------------------------------------------------
 
 
-def reference_curve(job: dict[str, Any]) -> dict[int, float]:
+def reference_curve(job: dict[str, Any], environ: dict[str, str] | None = None) -> dict[int, float]:
     """The loss per step of the same job uninterrupted and unsupervised (own SQLite catalog), cached."""
     key = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:12]
     cached = _home() / "drills" / f"reference-{key}.jsonl"
@@ -149,7 +150,7 @@ def reference_curve(job: dict[str, Any]) -> dict[int, float]:
             log = Path(tmp) / "loss.jsonl"
             cmd = _command({"job": {**job, "step_time_s": 0.0}}, "reference", Path(tmp) / "out", log)
             cmd[0] = sys.executable
-            env = {**os.environ, "REWIND_HOME": tmp, "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
+            env = {**(environ if environ is not None else os.environ), "REWIND_HOME": tmp, "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
                    "OMP_NUM_THREADS": "1"}  # fmt: skip
             for k in ("REWIND_FAULT", "REWIND_FAULT_ONCE"):
                 env.pop(k, None)
@@ -197,7 +198,9 @@ def run_one(
     run = f"drill-{scenario}-{uuid.uuid4().hex[:6]}"
     state = _home() / "drills" / run
     state.mkdir(parents=True, exist_ok=True)
-    reference = reference_curve({k: v for k, v in job_cfg.items() if k in ("steps", "every", "seed")})
+    pool = ThreadPoolExecutor(1, thread_name_prefix="drill-reference")  # its own process, beside the drill
+    ref_job = {k: v for k, v in job_cfg.items() if k in ("steps", "every", "seed")}
+    pending = pool.submit(reference_curve, ref_job, dict(os.environ))  # copied before a fault is armed
     configuration = {"run": run, "state_dir": str(state), "job": job_cfg, "slo_file": slo_file}
     experiment = {**experiment, "configuration": configuration}
     t0 = time.monotonic()
@@ -206,6 +209,10 @@ def run_one(
     finally:
         os.environ.pop("REWIND_FAULT", None)
         os.environ.pop("REWIND_FAULT_ONCE", None)
+    try:
+        reference = pending.result(timeout=300)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     error = _journal_error(journal)
     try:
         found = incidents.incidents_of(cat, run)
