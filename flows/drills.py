@@ -193,7 +193,14 @@ def run_one(
             cat, scenario=scenario, failure_kind=kind, started_at=started, outcome="skipped",
             reason=str(ext["skip"]), slo=budget.as_dict(),
         )  # fmt: skip
-        return {"id": drill_id, "scenario": scenario, "outcome": "skipped", "reason": ext["skip"]}
+        return {
+            "id": drill_id,
+            "scenario": scenario,
+            "outcome": "skipped",
+            "reason": ext["skip"],
+            "as_expected": True,
+        }
+    expected = ext.get("expect_failure_at")  # a scenario that breaks a phase on purpose
     job_cfg = {**JOB_DEFAULTS, **(ext.get("job") or {}), **(job or {})}
     run = f"drill-{scenario}-{uuid.uuid4().hex[:6]}"
     state = _home() / "drills" / run
@@ -232,11 +239,13 @@ def run_one(
         loss_curve=m["loss_curve"], failed_phase=verdict.failed_phase, reason=verdict.reason,
         seed=int(job_cfg["seed"]), slo={**budget.as_dict(), "source": slos.source},
         details={"journal_status": journal.get("status"), "deviated": journal.get("deviated"),
-                 "wall_s": round(time.monotonic() - t0, 2), "job": job_cfg, "error": error},
+                 "wall_s": round(time.monotonic() - t0, 2), "job": job_cfg, "error": error,
+                 "expected_failure_at": expected},
     )  # fmt: skip
     return {"id": drill_id, "scenario": scenario, "outcome": "passed" if verdict.passed else "failed",
             "failed_phase": verdict.failed_phase, "reason": verdict.reason, "rto_s": m["rto_s"],
-            "rpo_steps": m["rpo_steps"], "run": run}  # fmt: skip
+            "rpo_steps": m["rpo_steps"], "run": run,
+            "as_expected": verdict.failed_phase == expected if expected else verdict.passed}  # fmt: skip
 
 
 def _journal_error(journal: dict[str, Any]) -> str | None:

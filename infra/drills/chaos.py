@@ -86,12 +86,23 @@ def signal_rank(
     raise TimeoutError(f"rank {rank} of {run} did not reach step {at_step} within {timeout_s:g}s")
 
 
-def damage_newest_checkpoint(how: str, configuration: dict[str, Any] | None = None) -> str:
-    """Damage the newest restorable checkpoint's local copy: ``flip_byte`` in its largest data file,
-    ``delete_shard`` (a data file), or ``delete_manifest``. Returns what was damaged."""
-    ck = _newest(_run(configuration))
-    if ck is None:
-        raise NotFoundError(f"{_run(configuration)} has no checkpoint to damage")
+def damage_newest_checkpoint(
+    how: str, every: bool = False, configuration: dict[str, Any] | None = None
+) -> list[str]:
+    """Damage the newest restorable checkpoint's local copy (``every``: all of them): ``flip_byte`` in its
+    largest data file, ``delete_shard`` (a data file), or ``delete_manifest``. Returns what was damaged."""
+    run = _run(configuration)
+    cat = Catalog()
+    try:
+        found = lineage.restorable(cat, lineage.get_run(cat, run).id)
+    except NotFoundError:
+        found = []
+    if not found:
+        raise NotFoundError(f"{run} has no checkpoint to damage")
+    return [_damage(ck, how) for ck in (found if every else found[:1])]
+
+
+def _damage(ck: Any, how: str) -> str:
     d = Path(ck.path)
     data = sorted(
         (f for f in d.iterdir() if f.suffix in (".safetensors", ".distcp")), key=lambda f: -f.stat().st_size
