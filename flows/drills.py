@@ -129,7 +129,9 @@ def replicate_to_shared(configuration: dict[str, Any]) -> list[int]:
     from infra.tiers import open_tier
 
     cat, run = Catalog(), configuration["run"]
-    tier = open_tier(str(Path(configuration["state_dir"]) / "shared"))
+    shared = Path(configuration["state_dir"]) / "shared"  # stands in for an NFS/Lustre mount
+    shared.mkdir(parents=True, exist_ok=True)
+    tier = open_tier(str(shared))
     done = []
     for ck in lineage.restorable(cat, lineage.get_run(cat, run).id):
         replicate(cat, ck, tier)
