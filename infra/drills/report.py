@@ -49,7 +49,7 @@ def _plots(drills: list[Any]) -> list[tuple[str, str]]:
             ax.barh(labels, vals, left=left, label=name)
             left = [a + b for a, b in zip(left, vals, strict=True)]
         ax.set_xlabel("seconds")
-        ax.set_title("Recovery time per phase")
+        ax.set_title("Recovery time per phase (RTO ends at first_step; replay comes after it)")
         ax.legend(loc="lower right", fontsize=8)
         ax.invert_yaxis()
         out.append(("RTO per phase", _png(fig)))
