@@ -71,6 +71,11 @@ def test_drill_cli_lists_reports_and_refuses_bad_input(sqlite_env, capsys):
     assert main(["drill", "run", "no-such-scenario"]) == 2
     assert "no drill scenario" in capsys.readouterr().err
     assert main(["drill", "run"]) == 2
+    assert main(["drill", "run", "crash-at-save", "--slo", str(sqlite_env / "absent.yaml")]) == 2
+    bad = sqlite_env / "bad.yaml"
+    bad.write_text("kinds:\n  crash: {rto_s: -1}\n")
+    assert main(["drill", "run", "crash-at-save", "--slo", str(bad)]) == 2
+    assert "budgets must be positive" in capsys.readouterr().err
     drills.record(Catalog(), scenario="s3-outage", failure_kind="offsite", outcome="skipped", reason="why")
     out = sqlite_env / "report.html"
     assert main(["drill", "report", "--out", str(out)]) == 0

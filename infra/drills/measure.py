@@ -48,7 +48,10 @@ def measure(
     after = [r for r in log if died is not None and r.get("t", 0) > died and r.get("launch") != failed_launch]
     resumed = next((r for r in after if r.get("event") == "resumed"), None)
     steps_after = [r for r in after if "step" in r]
-    last = d.get("last_step")
+    # The failed launch's own last step: the incident's is the last one reported (up to a second stale).
+    logged = [int(r["step"]) for r in log if "step" in r and r.get("launch") == failed_launch]
+    last = max(logged) if logged else d.get("last_step")
+    restored = d.get("resumed_at_step")
     replay_end = next((r for r in steps_after if last is not None and r["step"] >= last), None)
     detect = getattr(incident, "detection_s", None)
     seconds: dict[str, float | None] = {
@@ -68,14 +71,13 @@ def measure(
         s = seconds[name]
         if s is not None:
             phases[name] = {"s": round(max(0.0, s), 4), "status": "ok"}
-        elif name == "replay" and seconds["first_step"] is not None and (incident.replayed_steps or 0) == 0:
+        elif name == "replay" and seconds["first_step"] is not None and (last or 0) <= (restored or 0):
             phases[name] = {"s": 0.0, "status": "ok"}  # nothing to replay
         elif not broken and error is not None:
             broken = True
             phases[name] = {"s": None, "status": "failed", "why": error}
         else:
             phases[name] = {"s": None, "status": "skipped" if broken else "not_measured"}
-    restored = d.get("resumed_at_step")
     before = {r["step"]: r["t"] for r in log if "step" in r and r.get("t", 0) <= (died or 0)}
     rpo_s = died - before[restored] if died is not None and restored in before else None
     curve_steps = [r["step"] for r in steps_after][:CURVE_STEPS]
@@ -85,7 +87,9 @@ def measure(
     return {
         "phases": phases,
         "rto_s": getattr(incident, "rto_s", None),
-        "rpo_steps": getattr(incident, "replayed_steps", None),
+        "rpo_steps": last - restored
+        if last is not None and restored is not None
+        else getattr(incident, "replayed_steps", None),
         "rpo_s": round(rpo_s, 4) if rpo_s is not None else None,
         "loss_max_deviation": max(devs) if devs else None,
         "loss_curve": {"steps": curve_steps, "loss": curve_loss, "reference": ref} if curve_steps else None,
