@@ -144,7 +144,10 @@ def replicate_to_shared(configuration: dict[str, Any]) -> list[int]:
 
 def reference_curve(job: dict[str, Any], environ: dict[str, str] | None = None) -> dict[int, float]:
     """The loss per step of the same job uninterrupted and unsupervised (own SQLite catalog), cached."""
-    key = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()[:12]
+    h = hashlib.sha256(json.dumps(job, sort_keys=True).encode())
+    for src in ("examples/tiny_lm.py", "examples/tiny_lm_model.py"):  # a changed example: a new reference
+        h.update((REPO / src).read_bytes())
+    key = h.hexdigest()[:12]
     cached = _home() / "drills" / f"reference-{key}.jsonl"
     if not cached.exists():
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -152,8 +155,13 @@ def reference_curve(job: dict[str, Any], environ: dict[str, str] | None = None) 
             log = Path(tmp) / "loss.jsonl"
             cmd = _command({"job": {**job, "step_time_s": 0.0}}, "reference", Path(tmp) / "out", log)
             cmd[0] = sys.executable
-            env = {**(environ if environ is not None else os.environ), "REWIND_HOME": tmp, "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
-                   "OMP_NUM_THREADS": "1"}  # fmt: skip
+            own = {
+                "REWIND_HOME": tmp,
+                "REWIND_CATALOG_URL": "",
+                "REWIND_CHECKPOINT_ROOT": "",
+                "OMP_NUM_THREADS": "1",
+            }
+            env = {**(environ if environ is not None else os.environ), **own}
             for k in ("REWIND_FAULT", "REWIND_FAULT_ONCE"):
                 env.pop(k, None)
             cmd = _without_poison(cmd)

@@ -81,3 +81,12 @@ def test_drill_cli_lists_reports_and_refuses_bad_input(sqlite_env, capsys):
     assert main(["drill", "report", "--out", str(out)]) == 0
     page = out.read_text()
     assert page.startswith("<!doctype html>") and "s3-outage" in page
+
+
+def test_run_drills_flow_records_a_skipped_scenario_with_its_reason(prefect_api, sqlite_env):
+    from flows.drills import run_drills
+
+    (got,) = run_drills(["s3-outage"])
+    assert got["outcome"] == "skipped" and "not built yet" in got["reason"]
+    row = drills.get(Catalog(), got["id"])
+    assert row.outcome == "skipped" and row.reason == got["reason"] and row.slo["rto_s"] == 600
