@@ -29,6 +29,12 @@ def cmd_list(args: argparse.Namespace, emit: Callable[..., None], catalog: Calla
 
 
 def cmd_run(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+    import os
+
+    # The first start of the ephemeral server migrates its database: give a busy machine time.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    os.environ.setdefault("PREFECT_TASKS_DEFAULT_NO_CACHE", "true")  # as `make demo`: every task runs
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows.drills import run_many
     from infra.drills import experiments, slo
     from infra.errors import ConfigError

@@ -99,8 +99,10 @@ def recover(configuration: dict[str, Any], timeout_s: float = 600.0) -> dict[str
     """Run recover-training on the drill's incident, as the failure event's automation would."""
     from flows.training import recover_training
 
-    slot = _ACTIVE[configuration["run"]]
-    incident_id = slot["result"]["incident_id"]
+    slot = _ACTIVE.get(configuration["run"]) or {}
+    incident_id = (slot.get("result") or {}).get("incident_id")
+    if incident_id is None:
+        raise RuntimeError("no incident to recover: the job did not fail as the experiment meant it to")
     done: dict[str, Any] = {}
 
     def go() -> None:
