@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.catalog import drills as drill_rows
 from infra.catalog import incidents
@@ -256,7 +256,7 @@ def run_one(
     )  # fmt: skip
     return {"id": drill_id, "scenario": scenario, "outcome": "passed" if verdict.passed else "failed",
             "failed_phase": verdict.failed_phase, "reason": verdict.reason, "rto_s": m["rto_s"],
-            "rpo_steps": m["rpo_steps"], "run": run,
+            "rpo_steps": m["rpo_steps"], "run": run, "phases": m["phases"],
             "as_expected": verdict.failed_phase == expected if expected else verdict.passed}  # fmt: skip
 
 
@@ -302,5 +302,14 @@ def run_drills(scenarios: list[str] | None = None, slo_file: str | None = None) 
         lines.append(f"| {r['scenario']} | {r['outcome']} | {rto} | {r.get('rpo_steps', '-')} | "
                      f"{r.get('failed_phase') or '-'} | {r.get('reason') or ''} |")  # fmt: skip
     create_markdown_artifact(key="rewind-drills", markdown="\n".join(lines))
+    create_table_artifact(
+        key="rewind-drill-phases",
+        table=[
+            {"scenario": r["scenario"], "outcome": r["outcome"], "failed_phase": r.get("failed_phase") or "",
+             **{n: (r.get("phases") or {}).get(n, {}).get("s") for n in slo.PHASES}}
+            for r in results
+        ],
+        description="Seconds per recovery phase of each drill (rewind drill report has the plots).",
+    )  # fmt: skip
     get_run_logger().info("%d drills: %s", len(results), {r["scenario"]: r["outcome"] for r in results})
     return results
