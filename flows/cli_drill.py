@@ -90,6 +90,37 @@ def cmd_report(args: argparse.Namespace, emit: Callable[..., None], catalog: Cal
     return 0
 
 
+def cmd_goodput(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+    import sys
+
+    from infra.drills.goodput import goodput
+    from infra.errors import ConfigError
+
+    if args.steps < 10 or args.failures < 0:
+        raise ConfigError("--steps must be at least 10 and --failures not negative")
+
+    def command(run: str, out: Path, log: Path) -> list[str]:
+        return [sys.executable, "-m", "examples.tiny_lm", "--run", run, "--steps", str(args.steps),
+                "--checkpoint-every", str(args.every), "--seed", "0", "--out", str(out),
+                "--step-time-s", str(args.step_time_s), "--loss-log", str(log)]  # fmt: skip
+
+    got = goodput(command, steps=args.steps, failures=args.failures, seed=args.seed)
+
+    def text() -> str:
+        w, g = got["wall_s"], got["goodput_steps_per_s"]
+        return (
+            f"{args.steps} steps, killed at steps {got['killed_at_steps']} (seed {got['seed']})\n"
+            f"no failure    {w['no_failure']:8.2f} s  {g['no_failure']:.3f} steps/s\n"
+            f"rewind        {w['rewind']:8.2f} s  {g['rewind']:.3f} steps/s\n"
+            f"from scratch  {w['from_scratch']:8.2f} s  {g['from_scratch']:.3f} steps/s\n"
+            f"goodput: rewind / no failure {got['rewind_vs_no_failure']:.3f}, "
+            f"rewind / from scratch {got['rewind_vs_from_scratch']:.3f}"
+        )
+
+    emit(args, got, text)
+    return 0
+
+
 def register(
     sub: Any,
     add: Callable[..., argparse.ArgumentParser],
@@ -111,6 +142,19 @@ def register(
     rn.add_argument("--all", action="store_true", help="every scenario")
     rn.add_argument("--slo", help="SLO file (default: $REWIND_SLO_FILE or ./rewind-slo.yaml)")
     rn.add_argument("--report", metavar="FILE", help="write the HTML report afterwards")
+    gp = add(
+        dr,
+        "goodput",
+        wrap(cmd_goodput),
+        "useful steps per second of the example under N random SIGKILLs: Rewind's resume against no "
+        "failure and against restarting from scratch",
+        json_flag=True,
+    )
+    gp.add_argument("--failures", type=int, default=3)
+    gp.add_argument("--steps", type=int, default=60)
+    gp.add_argument("--every", type=int, default=10, help="checkpoint every K steps")
+    gp.add_argument("--step-time-s", type=float, default=0.1, help="pad each step to this long")
+    gp.add_argument("--seed", type=int, default=None, help="where the kills land (default: random, printed)")
     rp = add(
         dr, "report", wrap(cmd_report), "write every drill as one self-contained HTML page", json_flag=True
     )
