@@ -76,6 +76,7 @@ def test_drill_cli_lists_reports_and_refuses_bad_input(sqlite_env, capsys):
     bad.write_text("kinds:\n  crash: {rto_s: -1}\n")
     assert main(["drill", "run", "crash-at-save", "--slo", str(bad)]) == 2
     assert "budgets must be positive" in capsys.readouterr().err
+    assert main(["drill", "goodput", "--steps", "5"]) == 2
     drills.record(Catalog(), scenario="s3-outage", failure_kind="offsite", outcome="skipped", reason="why")
     out = sqlite_env / "report.html"
     assert main(["drill", "report", "--out", str(out)]) == 0
