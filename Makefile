@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # The CPU build of torch; a range in pyproject.toml lets users keep their own build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test test-heavy lint bench clean
+.PHONY: install demo test test-heavy lint bench drills clean
 
 install: $(VENV)/.installed
 
@@ -31,6 +31,10 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+
+# Every drill scenario against the example job, recorded in the catalog, then the HTML report.
+drills: install
+	$(BIN)/rewind drill run --all --report drills-report.html
 
 bench: install
 	$(BIN)/python -m bench.run

@@ -11,11 +11,13 @@ The catalog and checkpoint root come from ``REWIND_CATALOG_URL`` /
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
 import random
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +93,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--async-save", action="store_true", help="stage to memory, persist in the background")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed for reproducibility)")
+    p.add_argument(
+        "--step-time-s", type=float, default=0.0, help="pad each step to this long (a bigger model's pace)"
+    )
+    p.add_argument(
+        "--loss-log", type=Path, default=None, help="append one JSON line per step (step, loss, time, launch)"
+    )
+    p.add_argument(
+        "--poison-position",
+        type=int,
+        default=None,
+        help="a test seam: the step whose batch holds this sample position (global, from the start) "
+        "gets a NaN loss (a bad batch; skipped after recovery, so it is not drawn again)",
+    )
     return p
 
 
@@ -156,10 +171,16 @@ def _loop(
     model.train()
     batches = iter(loader)
     step = s.start_step
+    log = _LossLog(args.loss_log)
+    log.write({"event": "resumed", "from_step": s.start_step})
     for step in s.steps(args.steps):
+        began = time.monotonic()
         x, y = (t.to(device, non_blocking=True) for t in next(batches))
         logits = model(x)
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+        p = args.poison_position
+        if p is not None and loader.total - args.batch_size <= p < loader.total:
+            loss = loss * float("nan")  # a bad batch: the session stops the job at this step
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -167,10 +188,27 @@ def _loop(
         sched.step()
         value = loss.item()
         print(f"step={step} loss={value!r}", flush=True)
+        log.write({"step": step, "loss": value})
+        if (pad := args.step_time_s - (time.monotonic() - began)) > 0:
+            time.sleep(pad)  # the pace of a bigger model, not synchronisation
         s.report(step, value)
         if args.stop_after is not None and step >= args.stop_after:
             return None
     return step
+
+
+class _LossLog:
+    """One JSON line per event, flushed as written (a drill reads the curve after a crash)."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        line = {**record, "t": time.time(), "launch": os.environ.get("REWIND_LAUNCH_ID")}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -420,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     from flows import cli_catalog
 
     cli_catalog.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
+    from flows import cli_drill
+
+    cli_drill.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
     from flows import cli_serving
 
     cli_serving.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))

@@ -10,6 +10,7 @@ from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 
+from flows.drills import run_drills
 from flows.maintenance import (
     adopt_checkpoints,
     replicate_offsite,
@@ -35,6 +36,7 @@ def build(
     replicate_every: timedelta = timedelta(minutes=15),
     replicate_to: str | None = None,
     adopt_every: timedelta = timedelta(minutes=10),
+    drill_every: timedelta = timedelta(days=7),
 ) -> list[RunnerDeployment]:
     target = replicate_to or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
     found = [
@@ -58,6 +60,12 @@ def build(
         ),
         restore_checkpoint_flow.to_deployment(name="restore-checkpoint", tags=["rewind", "restore"]),
         _adopt_deployment(adopt_every),
+        run_drills.to_deployment(
+            name="run-drills",
+            interval=drill_every,
+            paused=os.environ.get("REWIND_DRILLS_SCHEDULED") != "1",  # drills hurt jobs: opt in
+            tags=["rewind", "drills"],
+        ),
         deploy_model.to_deployment(name="deploy-model", tags=["rewind", "serving"]),
         rollout_model.to_deployment(name="rollout-model", tags=["rewind", "serving"]),
         rollback_model.to_deployment(name="rollback-model", tags=["rewind", "serving"]),

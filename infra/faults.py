@@ -8,8 +8,10 @@ hits in this process, so a retried task can succeed; ``%<rank>`` fires only in t
 process whose ``RANK`` is that (one rank of a job lost). Points are named where they
 are called: ``save.file_written``, ``save.before_manifest``, ``save.before_rename``,
 ``save.before_catalog``, ``save.shard_written`` (a rank's share of a sharded save),
-``verify.read``. Unset in production; reading one
-environment variable is the whole cost.
+``verify.read``. With ``REWIND_FAULT_ONCE=<path>`` the fault fires at most once across
+processes (the first hit creates that file): a drill's relaunch, which inherits the job's
+environment, is then not hurt again. Unset in production; reading one environment variable is
+the whole cost.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import signal
 from collections import Counter
 
 ENV = "REWIND_FAULT"
+ONCE_ENV = "REWIND_FAULT_ONCE"
 _hits: Counter[str] = Counter()
 
 
@@ -38,6 +41,12 @@ def fault_point(point: str, step: int | None = None) -> None:
     _hits[spec] += 1
     if times and _hits[spec] > int(times):
         return
+    once = os.environ.get(ONCE_ENV)
+    if once:
+        try:
+            os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        except FileExistsError:
+            return  # fired already, in this process or another
     if action == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "enospc":

@@ -352,3 +352,33 @@ class RolloutStep(Base):
     gates: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     passed: Mapped[bool | None] = mapped_column(Boolean)
     detail: Mapped[str | None] = mapped_column(Text)
+
+
+class Drill(Base):
+    """One recovery drill (a Chaos Toolkit experiment against a job): its outcome and where it broke.
+
+    ``phases`` maps each recovery phase (detect, decide, rebuild, restore, relaunch, replay,
+    first_step) to ``{"s": seconds or None, "status": ok|over_budget|failed|not_measured|skipped}``.
+    """
+
+    __tablename__ = "drill"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    scenario: Mapped[str] = mapped_column(String(100), index=True)
+    failure_kind: Mapped[str] = mapped_column(String(32))  # the SLO key: crash, hang, nan, corruption, ...
+    run_name: Mapped[str | None] = mapped_column(String(200))
+    incident_id: Mapped[int | None] = mapped_column(ForeignKey("incident.id", ondelete="SET NULL"))
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    ended_at: Mapped[datetime | None]
+    outcome: Mapped[str] = mapped_column(String(16))  # passed | failed | skipped
+    phases: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    rto_s: Mapped[float | None] = mapped_column(Float)
+    rpo_steps: Mapped[int | None] = mapped_column(Integer)
+    rpo_s: Mapped[float | None] = mapped_column(Float)
+    loss_max_deviation: Mapped[float | None] = mapped_column(Float)
+    loss_curve: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # {"steps", "loss", "reference"}
+    failed_phase: Mapped[str | None] = mapped_column(String(32))
+    reason: Mapped[str | None] = mapped_column(Text)
+    seed: Mapped[int | None] = mapped_column(Integer)
+    slo: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # the budget it was judged against
+    details: Mapped[dict[str, Any]] = mapped_column(default=dict)  # the Chaos Toolkit journal's summary

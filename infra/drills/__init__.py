@@ -1,0 +1,1 @@
+"""Recovery drills: Chaos Toolkit experiments against a real job, judged against SLOs (no Prefect here)."""
