@@ -13,6 +13,7 @@ from prefect.events import emit_event
 from prefect.states import State
 from prefect.tasks import exponential_backoff
 
+from infra import config
 from infra.catalog.db import Catalog
 from infra.errors import TransientError
 
@@ -53,10 +54,14 @@ RETRY: dict[str, Any] = {
 }
 
 
-@functools.cache
 def catalog() -> Catalog:
-    """One catalog per process; the URL comes from REWIND_CATALOG_URL."""
-    return Catalog()
+    """One catalog per process and URL; the URL comes from REWIND_CATALOG_URL, read at each call."""
+    return _catalog_at(config.catalog_url())
+
+
+@functools.cache
+def _catalog_at(url: str) -> Catalog:
+    return Catalog(url)
 
 
 def run_resource(run: str) -> dict[str, str]:

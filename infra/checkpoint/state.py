@@ -7,6 +7,7 @@ adapters here. Nothing is captured by pickling trainer objects.
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import random
@@ -82,13 +83,18 @@ def as_stateful(name: str, obj: object) -> Stateful:
 
 def writer(engine: str) -> dict[str, str]:
     """Who wrote a checkpoint, for its manifest: lets a catalog rebuilt from storage say so."""
+    return {"engine": engine, "rewind": _rewind_version(), "host": socket.gethostname(), "pid": str(os.getpid())}
+
+
+@functools.cache
+def _rewind_version() -> str:
+    """Looked up once: reading package metadata costs milliseconds, and a sync save's stall counts them."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        rewind = version("rewind")
+        return version("rewind")
     except PackageNotFoundError:
-        rewind = "unknown"
-    return {"engine": engine, "rewind": rewind, "host": socket.gethostname(), "pid": str(os.getpid())}
+        return "unknown"
 
 
 def environment() -> dict[str, str]:
