@@ -83,7 +83,12 @@ def as_stateful(name: str, obj: object) -> Stateful:
 
 def writer(engine: str) -> dict[str, str]:
     """Who wrote a checkpoint, for its manifest: lets a catalog rebuilt from storage say so."""
-    return {"engine": engine, "rewind": _rewind_version(), "host": socket.gethostname(), "pid": str(os.getpid())}
+    return {
+        "engine": engine,
+        "rewind": _rewind_version(),
+        "host": socket.gethostname(),
+        "pid": str(os.getpid()),
+    }
 
 
 @functools.cache
