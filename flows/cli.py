@@ -205,6 +205,7 @@ def cmd_ckpt_show(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt_verify(args: argparse.Namespace) -> int:
+    from flows import progress_view
     from infra.catalog import lineage
     from infra.restore.scrub import scrub
 
@@ -222,7 +223,8 @@ def cmd_ckpt_verify(args: argparse.Namespace) -> int:
     tiers = None if args.tier is None else (args.tier,)
     results = []
     for ck in targets:
-        check = scrub(cat, ck, deep=args.deep, tiers=tiers)
+        with progress_view.shown():
+            check = scrub(cat, ck, deep=args.deep, tiers=tiers)
         if not check.copies and ck.status == "corrupt":
             continue  # condemned earlier and nothing left to look at: history, not news
         results.append(

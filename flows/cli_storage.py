@@ -36,6 +36,7 @@ def _open(uri: str, args: argparse.Namespace) -> Any:
 def cmd_replicate(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
     import os
 
+    from flows import progress_view
     from infra.catalog import copies, lineage
     from infra.replication import replicate
 
@@ -48,7 +49,8 @@ def cmd_replicate(args: argparse.Namespace, emit: Callable[..., None], catalog: 
     tier.check()
     rows = []
     for ck in copies.without_copy(cat, tier.name, tier.uri, args.run):
-        done = replicate(cat, ck, tier)
+        with progress_view.shown():
+            done = replicate(cat, ck, tier)
         rows.append(
             {
                 "step": ck.step,
@@ -71,10 +73,12 @@ def cmd_replicate(args: argparse.Namespace, emit: Callable[..., None], catalog: 
 
 
 def cmd_restore(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+    from flows import progress_view
     from infra.restore.foreign import verified_directory
 
     tiers = None if args.source is None else (args.source,)
-    done = verified_directory(catalog(), args.run, step=args.step, tiers=tiers)
+    with progress_view.shown():
+        done = verified_directory(catalog(), args.run, step=args.step, tiers=tiers)
     row = {
         "step": done.step,
         "from": done.source,
@@ -106,6 +110,7 @@ def cmd_pin(args: argparse.Namespace, emit: Callable[..., None], catalog: Callab
 
 
 def cmd_gc(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+    from flows import progress_view
     from infra import retention
 
     cat = catalog()
@@ -115,8 +120,9 @@ def cmd_gc(args: argparse.Namespace, emit: Callable[..., None], catalog: Callabl
         byte_budget=int(args.budget_gb * 1e9) if args.budget_gb is not None else None,
         grace_s=args.grace_days * 86400,
     )
-    gc = retention.plan(cat, args.run, policy)
-    removed = [] if args.dry_run else retention.execute(cat, gc, policy)
+    with progress_view.shown():
+        gc = retention.plan(cat, args.run, policy)
+        removed = [] if args.dry_run else retention.execute(cat, gc, policy)
     usage = retention.usage(cat, args.run, args.price_per_gb_month)
     out = {
         "run": args.run,

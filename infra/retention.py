@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from infra import config
+from infra import config, progress
 from infra.catalog import copies, leases, lineage, serving
 from infra.catalog.db import Catalog
 from infra.catalog.models import Checkpoint, CheckpointStatus, utcnow
@@ -176,38 +176,42 @@ def plan(cat: Catalog, run: str, policy: Policy, *, root: Path | None = None) ->
 
 def _delete_copies(cat: Catalog, run: str, r: Removal) -> None:
     for ref in r.copies:
-        if ref.status == R.MISSING.value or copies.location_in_use(cat, ref.replica_id):
-            copies.mark_deleted(cat, ref.replica_id)  # nothing of its own there to delete
-            continue
-        try:
-            _delete_copy(ref, run, r.step)
-        except Exception as exc:  # still listed: the next run tries again
-            log.warning(
-                "could not delete %s copy of %s step %d at %s: %s", ref.tier, run, r.step, ref.uri, exc
-            )
-            continue
-        copies.mark_deleted(cat, ref.replica_id)
+        _delete_one(cat, run, r.step, ref)
+        progress.advance(r.bytes)  # dealt with, whether freed now or left for the next run
+
+
+def _delete_one(cat: Catalog, run: str, step: int, ref: CopyRef) -> None:
+    if ref.status == R.MISSING.value or copies.location_in_use(cat, ref.replica_id):
+        copies.mark_deleted(cat, ref.replica_id)  # nothing of its own there to delete
+        return
+    try:
+        _delete_copy(ref, run, step)
+    except Exception as exc:  # still listed: the next run tries again
+        log.warning("could not delete %s copy of %s step %d at %s: %s", ref.tier, run, step, ref.uri, exc)
+        return
+    copies.mark_deleted(cat, ref.replica_id)
 
 
 def execute(cat: Catalog, gc: GcPlan, policy: Policy) -> list[int]:
     """Remove what the plan says, each deletion re-checked; returns the steps actually removed."""
     removed = []
-    for r in gc.remove:
-        if not leases.delete_guarded(
-            cat, r.checkpoint_id, keep_last=policy.keep_last, reason="retention policy"
-        ):
-            log.info(
-                "kept %s step %d: it is needed again (restored, pinned, or the newest verified)",
-                gc.run,
-                r.step,
-            )
-            continue
-        _delete_copies(cat, gc.run, r)
-        removed.append(r.step)
-    for r in gc.reclaim:
-        _delete_copies(cat, gc.run, r)
-    for p in gc.quarantine:
-        shutil.rmtree(p, ignore_errors=True)
+    with progress.phase(f"gc {gc.run}", gc.freed_bytes):
+        for r in gc.remove:
+            if not leases.delete_guarded(
+                cat, r.checkpoint_id, keep_last=policy.keep_last, reason="retention policy"
+            ):
+                log.info(
+                    "kept %s step %d: it is needed again (restored, pinned, or the newest verified)",
+                    gc.run,
+                    r.step,
+                )
+                continue
+            _delete_copies(cat, gc.run, r)
+            removed.append(r.step)
+        for r in gc.reclaim:
+            _delete_copies(cat, gc.run, r)
+        for p in gc.quarantine:
+            shutil.rmtree(p, ignore_errors=True)
     return removed
 
 

@@ -18,6 +18,7 @@ from infra.launch.spec import JobSpec
 from infra.launch.supervisor import Supervisor, redacted
 from infra.training import progress
 from tasks.common import INCIDENT_KIND_LABEL, RETRY, artifact_key, catalog, emit
+from tasks.progress import TrainingView
 from tasks.verify import verify_checkpoint
 
 # The job ended by itself with an error before any rank got past the step it started from (an import
@@ -59,9 +60,12 @@ def supervise_training(
         sup.spec.nproc_per_node,
     )
     watch = _Watch(run, incident_id, died_at, sup.started_at)
+    view = TrainingView(run)
     try:
-        while not watch.done(sup.poll(poll_s), sup):
-            pass
+        finished = False
+        while not finished:
+            finished = watch.done(sup.poll(poll_s), sup)
+            view.show(sup.ranks, watch.verified_step)
     except BaseException:  # never leave a job running that nobody watches
         sup.stop(grace_s=10)
         raise
@@ -77,6 +81,7 @@ class _Watch:
         self.exits: list[Observation] = []
         self.first_step_at: float | None = None
         self.stopped = False
+        self.verified_step: int | None = None
 
     def done(self, seen: list[Observation], sup: Supervisor) -> bool:
         for o in seen:
@@ -101,6 +106,8 @@ class _Watch:
         state = verify_checkpoint(ck_id, deep=True, return_state=True)
         if state.is_failed():
             get_run_logger().error("checkpoint step %s failed verification: %s", o.step, state.message)
+        elif o.step is not None:
+            self.verified_step = max(o.step, self.verified_step or 0)
 
     def _first_step(self, o: Observation) -> None:
         self.first_step_at = o.at

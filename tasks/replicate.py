@@ -11,6 +11,7 @@ from infra import retention
 from infra.catalog import copies, lineage
 from infra.replication import replicate
 from infra.tiers import open_tier
+from tasks import progress
 from tasks.common import RETRY, catalog, emit
 
 
@@ -35,7 +36,8 @@ def replicate_checkpoint(
     tier = open_tier(target, **options)
     tier.check()
     started = time.monotonic()
-    done = replicate(cat, ck, tier)
+    with progress.shown():
+        done = replicate(cat, ck, tier)
     took = time.monotonic() - started
     get_run_logger().info(
         "%s step %d replicated to %s/%s: %d bytes sent in %.1fs%s",
@@ -66,7 +68,8 @@ def apply_retention(run: str | None, keep_last: int, keep_every: int = 0) -> dic
     cat = catalog()
     policy = retention.Policy(keep_last=keep_last, keep_every=keep_every)
     runs = [run] if run else [r["run"] for r in lineage.list_runs(cat)]
-    removed = {name: retention.execute(cat, retention.plan(cat, name, policy), policy) for name in runs}
+    with progress.shown():
+        removed = {name: retention.execute(cat, retention.plan(cat, name, policy), policy) for name in runs}
     for name, steps in removed.items():
         if steps:
             get_run_logger().info("retention on %s (keep_last %d): removed steps %s", name, keep_last, steps)

@@ -14,6 +14,7 @@ from infra.format import payload
 from infra.format.verify import verify_files
 from infra.restore import execute, plan
 from infra.restore.execute import Skip
+from tasks import progress
 from tasks.common import RETRY, artifact_key, catalog, emit
 from tasks.verify import announce_corrupt
 
@@ -58,7 +59,7 @@ def restore_checkpoint(
     cat = catalog()
     p = plan.plan(cat, run, root=config.checkpoint_root(), step=step, before_step=before_step)
     try:
-        with execute.restoring(cat, p, verify_files) as done:
+        with progress.shown(), execute.restoring(cat, p, verify_files) as done:
             retired: list[int] = []
             if roll_back:
                 why = reason or f"rolled back to step {done.step}"

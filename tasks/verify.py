@@ -12,6 +12,7 @@ from infra.catalog.models import CheckpointStatus
 from infra.errors import CheckpointUnverifiable, CorruptCheckpoint
 from infra.format.verify import Verdict
 from infra.restore.scrub import scrub
+from tasks import progress
 from tasks.common import RETRY, artifact_key, catalog, emit
 
 
@@ -29,7 +30,8 @@ def verify_checkpoint(checkpoint_id: int, deep: bool = True, tier: str | None = 
     cat = catalog()
     ck = lineage.get_checkpoint(cat, checkpoint_id)
     run = lineage.get_run_by_id(cat, ck.run_id).name
-    check = scrub(cat, ck, deep=deep, tiers=None if tier is None else (tier,))
+    with progress.shown():
+        check = scrub(cat, ck, deep=deep, tiers=None if tier is None else (tier,))
     result = {
         "run": run,
         "step": ck.step,

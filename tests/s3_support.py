@@ -113,3 +113,24 @@ class SeaweedS3:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
             self.proc = None
+
+
+def big_checkpoint(run: str, root: Path, mb: int = 260):  # type: ignore[no-untyped-def]
+    """A real multi-file checkpoint of ``mb`` MB (model + optimizer + rng + state.json)."""
+    import torch
+
+    from infra.catalog.db import Catalog
+    from infra.checkpoint.engine import Checkpointer
+    from infra.checkpoint.state import RNGState
+
+    torch.manual_seed(0)
+    n = mb * (1 << 20) // 4 // 3  # params + two Adam moments
+    model = torch.nn.Linear(n // 1024, 1024, bias=False)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(1, n // 1024)).sum().backward()
+    opt.step()
+    ck = Checkpointer(
+        run, states={"model": model, "optimizer": opt, "rng": RNGState()}, root=root, catalog=Catalog()
+    )
+    ck.save(1)
+    return ck.last_saved

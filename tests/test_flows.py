@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import DeploymentFilter, FlowRunFilter
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    ArtifactFilterType,
+    DeploymentFilter,
+    FlowRunFilter,
+)
 from prefect.deployments import run_deployment
 from prefect.events.filters import EventFilter, EventNameFilter
 
@@ -106,6 +112,15 @@ def test_crash_is_recovered_by_the_event_driven_deployment(reference, served, fl
         inc.rto_s,
     )
     assert 0 <= inc.replayed_steps <= 10, inc.replayed_steps
+    shown = client.read_artifacts(
+        artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[run.id]), type=ArtifactFilterType(any_=["progress"])
+        )
+    )  # the relaunched job's progress, as the UI shows it
+    assert [(a.data, a.description.split(", loss")[0]) for a in shown] == [
+        (100.0, f"{run_name}: step 60 of 60")
+    ], [(a.data, a.description) for a in shown]
+    assert shown[0].description.endswith("newest verified checkpoint: step 60"), shown[0].description
     print(
         f"\nRECOVERY kill->flow start {inc.details['flow_start_s']:.2f}s, kill->first step {inc.rto_s:.2f}s, "
         f"detection {inc.detection_s:.3f}s, restore {inc.load_s:.2f}s, relaunch {inc.rebuild_s:.2f}s, "
@@ -177,8 +192,11 @@ def test_a_job_that_fails_to_start_is_an_incident_with_its_last_lines_and_not_re
     assert "failed to start" in inc.reason and "rewind_no_such_module" in inc.reason, inc.reason
     assert "\n" not in inc.reason
 
-    logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fr.id])))
-    assert any("rewind_no_such_module" in log.message and "last lines" in log.message for log in logs)
+    def logged():  # the worker ships its logs in batches: they may land after the run is final
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[fr.id])))
+        return any("rewind_no_such_module" in log.message and "last lines" in log.message for log in logs)
+
+    wait_until(logged, 30, "the flow log line with the job's last lines")
 
     def failure_event():
         page = client.read_events(

@@ -11,7 +11,7 @@ from infra.format.digest import hash_file
 from infra.tiers.base import AlreadyExists, ObjectNotFound
 from infra.tiers.filesystem import FileTier
 from infra.tiers.s3 import S3Tier
-from tests.s3_support import BUCKET
+from tests.s3_support import BUCKET, big_checkpoint
 
 
 @pytest.fixture(params=["filesystem", "s3"])
@@ -63,27 +63,6 @@ def test_s3_multipart_carries_the_manifest_crc(s3_env, tmp_path):
 # -- replication end to end ----------------------------------------------------------------
 
 
-def _big_checkpoint(run: str, root: Path, mb: int = 260):  # type: ignore[no-untyped-def]
-    """A real multi-file checkpoint of ``mb`` MB (model + optimizer + rng + state.json)."""
-    import torch
-
-    from infra.catalog.db import Catalog
-    from infra.checkpoint.engine import Checkpointer
-    from infra.checkpoint.state import RNGState
-
-    torch.manual_seed(0)
-    n = mb * (1 << 20) // 4 // 3  # params + two Adam moments
-    model = torch.nn.Linear(n // 1024, 1024, bias=False)
-    opt = torch.optim.Adam(model.parameters())
-    model(torch.randn(1, n // 1024)).sum().backward()
-    opt.step()
-    ck = Checkpointer(
-        run, states={"model": model, "optimizer": opt, "rng": RNGState()}, root=root, catalog=Catalog()
-    )
-    ck.save(1)
-    return ck.last_saved
-
-
 def test_s3_round_trip_checksums_and_deep_verify(s3_env, rewind_env, run_name, tmp_path, capsys):
     from flows.cli import main as rewind
     from infra.catalog import lineage
@@ -92,7 +71,7 @@ def test_s3_round_trip_checksums_and_deep_verify(s3_env, rewind_env, run_name, t
     from infra.restore import plan
     from infra.tiers.transfer import copy_key
 
-    saved = _big_checkpoint(run_name, tmp_path / "ckpt")
+    saved = big_checkpoint(run_name, tmp_path / "ckpt")
     assert saved.total_bytes >= 256 << 20
     uri = f"s3://{BUCKET}/offsite"
     assert rewind(["replicate", run_name, "--to", uri, "--part-size-mib", "16", "--concurrency", "4"]) == 0
@@ -132,7 +111,7 @@ def test_s3_outage_mid_replication_is_retried_and_resumed(
     from infra.tiers.transfer import copy_key
     from tests.prefect_support import wait_until
 
-    saved = _big_checkpoint(run_name, tmp_path / "ckpt", mb=300)
+    saved = big_checkpoint(run_name, tmp_path / "ckpt", mb=300)
     uri = f"s3://{BUCKET}/outage"
     manifest_key = f"outage/{copy_key(run_name, 1)}/manifest.json"
     observed: dict[str, object] = {}
@@ -197,7 +176,7 @@ def test_bad_targets_fail_clearly_and_record_nothing(
     from infra.catalog import lineage
     from infra.catalog.db import Catalog
 
-    _big_checkpoint(run_name, tmp_path / "ckpt", mb=1)
+    big_checkpoint(run_name, tmp_path / "ckpt", mb=1)
     uri = f"s3://{BUCKET}/bad"
     if case == "wrong_credentials":
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")

@@ -17,6 +17,8 @@ from typing import BinaryIO
 import crc32c
 import xxhash
 
+from infra import progress
+
 DIGEST_ALGORITHM = "xxh3-128"
 CHUNK = 8 << 20
 
@@ -57,7 +59,7 @@ class Hasher:
 
 
 class HashingWriter:
-    """A write-only file wrapper that hashes exactly the bytes it writes."""
+    """A write-only file wrapper that hashes exactly the bytes it writes (and reports them as progress)."""
 
     def __init__(self, raw: BinaryIO) -> None:
         self._raw = raw
@@ -65,11 +67,13 @@ class HashingWriter:
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
         self.hasher.update(data)
-        return self._raw.write(data)
+        n = self._raw.write(data)
+        progress.advance(n)
+        return n
 
 
 class HashingReader:
-    """Reads a file once, hashing and counting exactly the bytes read."""
+    """Reads a file once, hashing and counting exactly the bytes read (and reporting them as progress)."""
 
     def __init__(self, raw: BinaryIO, hasher: Hasher) -> None:
         self._raw = raw
@@ -86,6 +90,7 @@ class HashingReader:
             self.hasher.update(view[pos : pos + n])
             self.count += n
             pos += n
+            progress.advance(n)
         return True
 
     def skip(self, n: int) -> bool:
@@ -115,6 +120,7 @@ class HashingReader:
         while pos < limit and (n := self._raw.readinto(view[pos:])):  # type: ignore[attr-defined]
             self.hasher.update(view[pos : pos + n])
             pos += n
+            progress.advance(n)
         self.count += pos
         self.finish(limit)
         return bytes(buf[:pos])

@@ -17,6 +17,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import BinaryIO
 
+from infra import progress
 from infra.errors import CorruptCheckpoint
 from infra.faults import fault_point
 from infra.format import keyring as kr
@@ -197,7 +198,9 @@ def check_copy(
     manifest, findings = check_manifest(raw, expected, ring)
     if manifest is None:
         return Report(directory, None, tuple(findings), deep)
-    findings = [f for e in manifest.files if (f := check_entry(directory, e, deep)) is not None]
+    checking = progress.phase(f"verify {_label(directory)}", manifest.total_bytes)
+    with checking if deep else contextlib.nullcontext():
+        findings = [f for e in manifest.files if (f := check_entry(directory, e, deep)) is not None]
     listed = {e.path for e in manifest.files} | {mf.MANIFEST_NAME}
     for root, _dirs, names in os.walk(directory):
         for name in names:
@@ -205,6 +208,11 @@ def check_copy(
             if rel not in listed:
                 findings.append(Finding(Problem.UNLISTED, rel, "present on disk, not in the manifest"))
     return Report(directory, manifest, tuple(findings), deep)
+
+
+def _label(directory: Path) -> str:
+    """``run/step-N`` of a copy at ``<root>/<run>/step-<N>``, as progress names it."""
+    return f"{directory.parent.name}/{directory.name}"
 
 
 def require(report: Report) -> mf.Manifest:
@@ -244,6 +252,7 @@ def read_verified(directory: Path, entry: mf.FileEntry) -> bytes:
 
 def verify_files(directory: Path, manifest: mf.Manifest) -> None:
     """Re-hash every file a manifest lists; ``CorruptCheckpoint`` with every finding if any differs."""
-    findings = [f for e in manifest.files if (f := hash_entry(directory, e)) is not None]
+    with progress.phase(f"verify {_label(directory)}", manifest.total_bytes):
+        findings = [f for e in manifest.files if (f := hash_entry(directory, e)) is not None]
     if findings:
         raise CorruptCheckpoint(str(directory), findings)

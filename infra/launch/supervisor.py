@@ -124,6 +124,7 @@ class Supervisor:
         self.started_at = 0.0
         self._seen_ckpts: set[int] = set()
         self._first_step = False
+        self.ranks: list[progress.RankState] = []  # the ranks' rows as last read, for whoever shows progress
         self._next_gpu = 0.0
         self._ended = 0
 
@@ -197,7 +198,7 @@ class Supervisor:
 
     def _progress(self, now: float) -> list[Observation]:
         assert self.launch_id is not None
-        ranks = progress.read(self.cat, self.launch_id)
+        ranks = self.ranks = progress.read(self.cat, self.launch_id)
         out = []
         if not self._first_step and (first := observe.first_step(ranks)) is not None:
             self._first_step = True

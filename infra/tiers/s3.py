@@ -27,6 +27,7 @@ import crc32c as crc32c_mod
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
 
+from infra import progress
 from infra.tiers.base import (
     AlreadyExists,
     ObjectInfo,
@@ -206,6 +207,7 @@ class S3Tier:
         size = src.stat().st_size
         if size <= self.part_size:
             self.put_bytes(key, src.read_bytes(), crc32c=crc32c)
+            progress.advance(size)
             return size
         return self._multipart(self._key(key), src, size, crc32c)
 
@@ -241,8 +243,15 @@ class S3Tier:
             )["UploadId"]
         count = (size + self.part_size - 1) // self.part_size
         fd = os.open(src, os.O_RDONLY)
+        meter = progress.current()  # the part threads report to this context's watcher
 
         def part(n: int) -> tuple[dict[str, Any], int]:
+            done = send(n)
+            if meter is not None:
+                meter.advance(min(self.part_size, size - (n - 1) * self.part_size))
+            return done
+
+        def send(n: int) -> tuple[dict[str, Any], int]:
             offset = (n - 1) * self.part_size
             data = os.pread(fd, min(self.part_size, size - offset), offset)
             crc = crc32c_b64(crc32c_mod.crc32c(data))

@@ -14,10 +14,12 @@ manifest can claim.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
+from infra import progress
 from infra.errors import CorruptCheckpoint
 from infra.format import keyring as kr
 from infra.format import manifest as mf
@@ -93,17 +95,19 @@ def push(
     """
     manifest = mf.parse(raw)
     sent = 0
-    for e in manifest.files:
-        target = f"{key}/{e.path}"
-        # A leftover is kept only if the server vouches for its checksum; otherwise it is sent again.
-        finding = _stat_matches(tier, target, e, need_checksum=True)
-        if finding is None:
-            continue
-        if finding.problem is not Problem.MISSING:
-            tier.delete(target)  # a leftover from an older, different attempt
-        sent += tier.put(target, source / e.path, crc32c=e.crc32c)
-        if on_file is not None:
-            on_file(e.path, sent)
+    with progress.phase(f"send {key} to {tier.uri}", manifest.total_bytes):
+        for e in manifest.files:
+            target = f"{key}/{e.path}"
+            # A leftover is kept only if the server vouches for its checksum; otherwise it is sent again.
+            finding = _stat_matches(tier, target, e, need_checksum=True)
+            if finding is None:
+                progress.advance(e.size)  # already there: done, at no cost
+                continue
+            if finding.problem is not Problem.MISSING:
+                tier.delete(target)  # a leftover from an older, different attempt
+            sent += tier.put(target, source / e.path, crc32c=e.crc32c)
+            if on_file is not None:
+                on_file(e.path, sent)
     bad = [f for e in manifest.files if (f := _stat_matches(tier, f"{key}/{e.path}", e))]
     if bad:
         raise CorruptCheckpoint(f"{tier.uri}/{key}", bad)
@@ -118,6 +122,7 @@ def _hash_remote(tier: Tier, key: str, entry: mf.FileEntry) -> Finding | None:
         while chunk := body.read(CHUNK):
             h.update(chunk)
             size += len(chunk)
+            progress.advance(len(chunk))
     if size != entry.size:
         return Finding(Problem.SIZE, entry.path, f"{tier.name} copy has {size} bytes, manifest {entry.size}")
     if h.result().xxh3 != entry.xxh3:
@@ -155,7 +160,10 @@ def check_remote(tier: Tier, key: str, expected: str, *, deep: bool, keyring: kr
     manifest, findings = check_manifest(raw, expected, keyring)
     if manifest is None:
         return Report(where, None, tuple(findings), deep)
-    return Report(where, manifest, tuple(_file_findings(tier, key, manifest, deep)), deep)
+    reading = progress.phase(f"verify {tier.uri}/{key}", manifest.total_bytes)
+    with reading if deep else contextlib.nullcontext():
+        found = tuple(_file_findings(tier, key, manifest, deep))
+    return Report(where, manifest, found, deep)
 
 
 def pull(
@@ -201,4 +209,5 @@ def pull(
         return fill
 
     files = [(e.path, stream(e.path)) for e in manifest.files]
-    return store.write_checkpoint(run_dir, manifest, files, copy_of=raw, displace=displace)
+    with progress.phase(f"fetch {key} from {tier.uri}", manifest.total_bytes):
+        return store.write_checkpoint(run_dir, manifest, files, copy_of=raw, displace=displace)

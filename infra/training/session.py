@@ -235,7 +235,9 @@ class TrainingSession:
         return self.start_step + 1
 
     def steps(self, total: int) -> Iterator[int]:
-        """The steps left to run: ``start_step + 1`` to ``total``."""
+        """The steps left to run: ``start_step + 1`` to ``total`` (the supervisor shows progress out of ``total``)."""
+        if self._writer is not None:
+            self._writer.note(total_steps=total)
         return iter(range(self._first, total + 1))
 
     def report(self, step: int, loss: float | None = None, *, samples: int | None = None) -> None:
