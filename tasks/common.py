@@ -16,6 +16,7 @@ from prefect.tasks import exponential_backoff
 from infra import config
 from infra.catalog.db import Catalog
 from infra.errors import TransientError
+from tasks.log_view import keep_task_state_lines_out
 
 _TRANSIENT_ERRNOS = {
     errno.EIO,
@@ -44,6 +45,8 @@ def retry_transient(task: Task, task_run: TaskRun, state: State) -> bool:
         return is_transient(exc)
     return False
 
+
+keep_task_state_lines_out()  # flow logs say what Rewind decided, not that each task finished
 
 # Explicit, jittered backoff for transient faults only.
 RETRY: dict[str, Any] = {

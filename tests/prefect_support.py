@@ -37,7 +37,12 @@ def rewind_serve(api_url: str, env: dict[str, str], *extra: str) -> Iterator[sub
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "serve", *extra],
         cwd=REPO,
-        env={**os.environ, **env, "PREFECT_API_URL": api_url},
+        env={
+            **os.environ,
+            **env,
+            "PREFECT_API_URL": api_url,
+            "PREFECT_LOGGING_LEVEL": "INFO",
+        },  # as users see it
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

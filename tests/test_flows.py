@@ -14,6 +14,8 @@ from prefect.client.schemas.filters import (
     ArtifactFilterType,
     DeploymentFilter,
     FlowRunFilter,
+    LogFilter,
+    LogFilterFlowRunId,
 )
 from prefect.deployments import run_deployment
 from prefect.events.filters import EventFilter, EventNameFilter
@@ -121,6 +123,14 @@ def test_crash_is_recovered_by_the_event_driven_deployment(reference, served, fl
         (100.0, f"{run_name}: step 60 of 60")
     ], [(a.data, a.description) for a in shown]
     assert shown[0].description.endswith("newest verified checkpoint: step 60"), shown[0].description
+
+    def logged():  # shipped in batches: the decision lines may land after the run is final
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))
+        return logs if any(log.message.startswith(f"restore point of {run_name}") for log in logs) else None
+
+    logs = wait_until(logged, 30, "recover-training's restore decision in its log")
+    task_states = [log.message for log in logs if log.task_run_id and "Finished in state" in log.message]
+    assert task_states == [], task_states  # what Rewind decided, not that each task finished
     print(
         f"\nRECOVERY kill->flow start {inc.details['flow_start_s']:.2f}s, kill->first step {inc.rto_s:.2f}s, "
         f"detection {inc.detection_s:.3f}s, restore {inc.load_s:.2f}s, relaunch {inc.rebuild_s:.2f}s, "
@@ -169,7 +179,6 @@ def test_a_job_that_fails_to_start_is_an_incident_with_its_last_lines_and_not_re
     """A job that dies at import is `failed_to_start`: its last lines in the incident, the flow log and the
     event; the recovery trigger does not cover the event (judged by the server's own matcher) and
     recover-training, run by hand, refuses in one line."""
-    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
     from prefect.server.events.schemas.automations import EventTrigger
     from prefect.server.events.schemas.events import ReceivedEvent
 
