@@ -490,7 +490,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     except RewindError as exc:
         print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # what was sent is kept: a re-run resumes it, nothing half-done is registered
+        print("rewind: interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
         if os.environ.get("REWIND_DEBUG"):
