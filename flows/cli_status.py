@@ -8,100 +8,11 @@ from typing import Any
 
 
 def cmd_status(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
-    from infra.catalog import overview
+    from infra.catalog import overview, overview_text
 
     got = overview.status(catalog(), args.run)
-    emit(args, got, lambda: text(got))
+    emit(args, got, lambda: overview_text.text(got))
     return 0
-
-
-def ago(seconds: float | None) -> str:
-    if seconds is None:
-        return "?"
-    s = max(0.0, seconds)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if s >= size:
-            return f"{s / size:.1f}{unit}"
-    return f"{s:.1f}s"
-
-
-def _size(n: int) -> str:
-    x = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if x < 1000 or unit == "TB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1000
-    return f"{n} B"
-
-
-def _run_lines(r: dict[str, Any]) -> list[str]:
-    lines = [f"run {r['run']}"]
-
-    def row(label: str, value: str) -> None:
-        lines.append(f"  {label:18}{value}")
-
-    nv = r["newest_verified"]
-    row(
-        "newest verified",
-        "none"
-        if nv is None
-        else f"step {nv['step']}, {ago(nv['age_s'])} ago (checkpoint {nv['checkpoint_id']})",
-    )
-    if r["newest_unverified"] is not None:
-        u = r["newest_unverified"]
-        row("not yet verified", f"step {u['step']}, {ago(u['age_s'])} ago")
-    rpo = r["rpo"]
-    if rpo["steps"] is None:
-        row("if it died now", "unknown: no rank reported progress to the catalog")
-    else:
-        secs = "" if rpo["seconds"] is None else f", {ago(rpo['seconds'])} of training"
-        row("if it died now", f"{rpo['steps']} steps lost{secs} (newest reported step {rpo['to_step']})")
-    job = r["job"]
-    if job is not None:
-        state = "running" if job["running"] else f"ended, exit {job['exit_code']}"
-        beat = (
-            "" if job["last_report_age_s"] is None else f", last report {ago(job['last_report_age_s'])} ago"
-        )
-        row("job", f"launch {job['launch_id']} {state}, {job['ranks']} rank(s){beat}")
-    if not r["tiers"]:
-        row("copies", "none of a verified checkpoint")
-    for i, (tier, t) in enumerate(r["tiers"].items()):
-        lag = (
-            "no verified copy"
-            if t["newest_verified_step"] is None
-            else f"newest step {t['newest_verified_step']}, lag {t['lag_steps']} steps"
-            + ("" if not t["lag_steps"] or t["lag_s"] is None else f" / {ago(t['lag_s'])}")
-        )
-        row(
-            "copies" if i == 0 else "",
-            f"{tier:8}{t['copies']} ({t['verified_copies']} verified, {_size(t['bytes'])}), {lag}",
-        )
-    if not r["open_incidents"]:
-        row("open incidents", "none")
-    for i, inc in enumerate(r["open_incidents"]):
-        reason = " ".join(str(inc["reason"] or "").split())
-        reason = reason if len(reason) <= 120 else reason[:117] + "..."
-        row(
-            "open incidents" if i == 0 else "",
-            f"#{inc['id']} {inc['kind']} {ago(inc['age_s'])} ago: {reason}",
-        )
-    return lines
-
-
-def _model_lines(m: dict[str, Any]) -> list[str]:
-    lines = [f"model {m['model']}"]
-    for v in m["versions"]:
-        source = f"{v['run']}@{v['step']}"
-        if v["checkpoint_id"] is not None:
-            source += f" (checkpoint {v['checkpoint_id']}, {v['checkpoint_status'] or 'gone'})"
-        lines.append(f"  {v['version']:10}{v['state']:12}weight {v['weight']:<5}{source}")
-    return lines
-
-
-def text(got: dict[str, Any]) -> str:
-    blocks = ["\n".join(_run_lines(r)) for r in got["runs"]] or ["no runs"]
-    blocks += ["\n".join(_model_lines(m)) for m in got["models"]]
-    return "\n\n".join(blocks)
 
 
 def register(

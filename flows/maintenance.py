@@ -14,12 +14,12 @@ from tasks.common import artifact_key
 from tasks.detect import load_spec, record_failure, record_spec, supervise_training
 from tasks.replicate import apply_retention, pending_replication, replicate_checkpoint
 from tasks.restore import restore_checkpoint
-from tasks.verify import check_catalog, list_checkpoints, verify_checkpoint
+from tasks.verify import check_catalog, list_checkpoints, status_overview, verify_checkpoint
 
 
 @flow(name="verify-checkpoints")
 def verify_checkpoints(run: str | None = None, deep: bool = True) -> dict[str, Any]:
-    """Re-verify (scrub) committed checkpoints, then check the catalog against storage both ways.
+    """Re-verify (scrub) committed checkpoints, check the catalog against storage both ways, publish the status.
 
     Any corrupt checkpoint fails the run and is reported; drift (files no catalog
     row names, rows whose files are gone) is published as the catalog-check artifact.
@@ -42,6 +42,7 @@ def verify_checkpoints(run: str | None = None, deep: bool = True) -> dict[str, A
         get_run_logger().warning(
             "catalog and storage disagree in %d place(s): see the catalog-check artifact", len(drift)
         )
+    status_overview(run)  # where everything stands, after this scrub's verdicts
     bad = [r for r in rows if not r["ok"]]
     if bad:
         raise RewindError(  # corrupt, or unverifiable right now: each row's detail says which

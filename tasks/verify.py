@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra.catalog import copies, lineage
+from infra.catalog import copies, lineage, overview, overview_text
 from infra.catalog.models import CheckpointStatus
 from infra.errors import CheckpointUnverifiable, CorruptCheckpoint
 from infra.format.verify import Verdict
@@ -138,3 +138,15 @@ def check_catalog(run: str | None = None, deep: bool = False, rows: bool = True)
         description="Catalog against storage",
     )
     return found
+
+
+@task(name="status-overview", **RETRY)
+def status_overview(run: str | None = None) -> str:
+    """`rewind status` as a markdown artifact: is each run protected right now, refreshed by every scrub."""
+    text = overview_text.text(overview.status(catalog(), run))
+    create_markdown_artifact(
+        key=artifact_key("rewind", run or "all", "status"),
+        markdown=f"```\n{text}\n```",
+        description="rewind status: newest verified step, what dying now would cost, copies, incidents, models",
+    )
+    return text

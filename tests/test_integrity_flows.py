@@ -68,9 +68,12 @@ def test_gc_plan_made_before_a_rollback_keeps_what_it_chose(
 
 def test_adopt_flow_takes_each_new_checkpoint_once(prefect_api, rewind_env, run_name, tmp_path):
     """Adoption as a flow (the UI form, or a schedule watching an HF Trainer output_dir)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from safetensors.torch import save_file
 
     from flows.maintenance import adopt_checkpoints, verify_checkpoints
+    from tasks.common import artifact_key
 
     out = tmp_path / "trainer_out"
 
@@ -92,3 +95,11 @@ def test_adopt_flow_takes_each_new_checkpoint_once(prefect_api, rewind_env, run_
     rows = {c.step: c for c in lineage.checkpoints(Catalog(), run_name)}
     assert rows[1500].parent_id == rows[1000].id and rows[1000].parent_id == rows[500].id
     assert verify_checkpoints(run=run_name) == {"checked": 3, "corrupt": 0, "drift": 0}
+    with get_client(sync_client=True) as client:  # the scrub refreshed the status overview
+        (status,) = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=[artifact_key("rewind", run_name, "status")])
+            ),
+            limit=1,
+        )
+    assert f"run {run_name}" in status.data and "newest verified   step 1500" in status.data, status.data
