@@ -53,8 +53,14 @@ def flow_env(pg_url, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def served(prefect_api, flow_env):
-    with rewind_serve(prefect_api, flow_env) as proc, get_client(sync_client=True) as client:
+def served(prefect_api, flow_env, tmp_path_factory):
+    # The worker's PATH finds a `python` that cannot train (as on a machine whose system python lacks
+    # torch): a command starting with "python", as the README's, must run on the worker's interpreter.
+    shims = tmp_path_factory.mktemp("path")
+    (shims / "python").write_text("#!/bin/sh\necho 'this python has no torch' >&2\nexit 1\n")
+    (shims / "python").chmod(0o755)
+    env = {**flow_env, "PATH": f"{shims}:{os.environ['PATH']}"}
+    with rewind_serve(prefect_api, env) as proc, get_client(sync_client=True) as client:
         wait_until(
             lambda: proc.poll() is not None or deployment_ids(client, DEPLOYMENTS),
             90,
@@ -85,7 +91,11 @@ def test_crash_is_recovered_by_the_event_driven_deployment(reference, served, fl
     out = tmp_path / "out"
     run_deployment(
         "protect-training/protect-training",
-        parameters={"run": run_name, "command": tiny_lm_cmd(run_name, out), "cwd": str(REPO)},
+        parameters={
+            "run": run_name,
+            "command": ["python", *tiny_lm_cmd(run_name, out)[1:]],
+            "cwd": str(REPO),
+        },
         timeout=0,
     )
     run_id = wait_until(lambda: _run_id(cat, run_name), 60, "the run to appear")
