@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -63,7 +64,7 @@ def cmd_adopt(args: argparse.Namespace, emit: Callable[..., None], catalog: Call
             f"{got.bytes} bytes, pinned); verify, replicate and restore now protect it"
         )
 
-    emit(args, {k: getattr(got, k) for k in got.__slots__}, text)
+    emit(args, dataclasses.asdict(got), text)
     return 0
 
 

@@ -17,7 +17,7 @@ from sqlalchemy import select, update
 
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
-from infra.catalog.models import LIVE_STATUSES, Checkpoint, CheckpointFile, Replica, utcnow
+from infra.catalog.models import LIVE_STATUSES, Checkpoint, CheckpointFile, Replica, aware, utcnow
 from infra.catalog.models import CheckpointStatus as S
 from infra.catalog.models import ReplicaStatus as R
 from infra.errors import RewindError
@@ -32,11 +32,6 @@ class FirstCopy:
     uri: str
     key: str | None
     status: R
-
-
-def aware(t: datetime) -> datetime:
-    """SQLite hands timestamps back without a zone; every one Rewind writes is UTC."""
-    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
 
 
 def manifest_time(m: Manifest) -> datetime:

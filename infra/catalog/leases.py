@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 from sqlalchemy import and_, case, delete, exists, func, select, update
@@ -21,10 +21,11 @@ from sqlalchemy.orm import aliased
 
 from infra.catalog import lineage
 from infra.catalog.db import Catalog, changed
-from infra.catalog.models import Checkpoint, Launch, RestoreLease, Run, ServingVersion, utcnow
+from infra.catalog.models import Checkpoint, Launch, RestoreLease, Run, ServingVersion, aware, utcnow
 from infra.catalog.models import CheckpointStatus as S
 from infra.catalog.serving import KEEPS_CHECKPOINT
 from infra.errors import NotFoundError, RunBusy
+from infra.format import store
 
 DEFAULT_TTL_S = 6 * 3600.0
 RESTORABLE = (S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value)
@@ -132,9 +133,9 @@ def _gone(cat_session: Any, writer: str, seen_at: Any) -> bool:
         row = cat_session.get(Launch, int(launch))
         if row is not None and row.ended_at is not None:
             return True  # its supervisor saw the launch end
-    if host == socket.gethostname() and pid_text.isdigit() and not _alive(int(pid_text)):
+    if host == socket.gethostname() and pid_text.isdigit() and not store.pid_alive(int(pid_text)):
         return True
-    return seen_at is None or (utcnow() - _aware(seen_at)).total_seconds() > WRITER_TTL_S
+    return seen_at is None or (utcnow() - aware(seen_at)).total_seconds() > WRITER_TTL_S
 
 
 def take_writer(cat: Catalog, run_id: int, who: str | None = None) -> None:
@@ -168,17 +169,3 @@ def release_writer(cat: Catalog, run_id: int, who: str | None = None) -> None:
         s.execute(
             update(Run).where(Run.id == run_id, Run.writer == (who or writer_name())).values(writer=None)
         )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _aware(ts: datetime) -> datetime:
-    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)

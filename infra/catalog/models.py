@@ -41,6 +41,11 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def aware(ts: datetime) -> datetime:
+    """A timestamp from the catalog in UTC: SQLite hands them back without a zone; Rewind writes UTC only."""
+    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
     type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}

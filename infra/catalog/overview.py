@@ -20,7 +20,16 @@ from sqlalchemy import func, select
 from infra.catalog import lineage
 from infra.catalog.copies import TIER_ORDER
 from infra.catalog.db import Catalog
-from infra.catalog.models import Checkpoint, Incident, Launch, RankProgress, Replica, Run, ServingVersion
+from infra.catalog.models import (
+    Checkpoint,
+    Incident,
+    Launch,
+    RankProgress,
+    Replica,
+    Run,
+    ServingVersion,
+    aware,
+)
 from infra.catalog.models import CheckpointStatus as S
 from infra.catalog.models import ReplicaStatus as R
 
@@ -29,10 +38,7 @@ LIVE_COPY = (R.PENDING.value, R.VERIFIED.value, R.UNVERIFIABLE.value)  # a copy 
 
 
 def _aware(ts: datetime | None) -> datetime | None:
-    """SQLite hands back naive datetimes: they were stored as UTC."""
-    if ts is None:
-        return None
-    return ts if ts.tzinfo is not None else ts.replace(tzinfo=UTC)
+    return None if ts is None else aware(ts)
 
 
 def _age(ts: datetime | None, now: datetime) -> float | None:

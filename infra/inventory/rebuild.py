@@ -15,7 +15,7 @@ what is missing.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,18 +61,7 @@ class RebuildReport:
     unsigned: int = 0  # imported on the tier's word alone (no key configured)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "tier": self.tier,
-            "uri": self.uri,
-            "deep": self.deep,
-            "placed": [vars_of(p) for p in self.placed],
-            "refused": [vars_of(r) for r in self.refused],
-            "unsigned": self.unsigned,
-        }
-
-
-def vars_of(obj: Any) -> dict[str, Any]:
-    return {name: getattr(obj, name) for name in obj.__slots__}
+        return asdict(self)
 
 
 def _read_manifest(tier: Tier, key: str) -> bytes:
