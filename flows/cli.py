@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flows.cli_args import OneLineParser, amount, step
+from flows.cli_args import EXIT_FINDINGS, EXIT_INTERNAL, EXIT_UNAVAILABLE, EXIT_USAGE, OneLineParser, amount
+from flows.cli_output import table
 from infra.errors import RewindError, Stopped, TransientError
 
-EXIT_FINDINGS, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERNAL = 1, 2, 3, 70
 EXIT_TERMINATED = 128 + signal.SIGTERM
 STOP_S = 5.0  # after SIGTERM the process is gone within this, cleaned up or not
 
@@ -87,16 +87,6 @@ def _emit(args: argparse.Namespace, rows: Any, text: Callable[[], str]) -> None:
     print(json.dumps(rows, indent=1, default=str) if args.json else text())
 
 
-def _table(rows: Sequence[dict[str, Any]], cols: Sequence[str]) -> str:
-    if not rows:
-        return "(none)"
-    cells = [[("" if r.get(c) is None else str(r.get(c))) for c in cols] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths, strict=True))]
-    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
-    return "\n".join(lines)
-
-
 # -- db -----------------------------------------------------------------------
 
 
@@ -127,151 +117,6 @@ def cmd_db_current(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- runs / ckpt ----------------------------------------------------------------
-
-
-def cmd_runs_list(args: argparse.Namespace) -> int:
-    from infra.catalog import lineage
-
-    rows = lineage.list_runs(_catalog())
-    _emit(args, rows, lambda: _table(rows, ["run", "latest_step", "verified_checkpoints", "created_at"]))
-    return 0
-
-
-def _ckpt_row(ck: Any) -> dict[str, Any]:
-    return {
-        "id": ck.id,
-        "step": ck.step,
-        "status": ck.status,
-        "parent_id": ck.parent_id,
-        "bytes": ck.total_bytes,
-        "manifest_digest": ck.manifest_digest,
-        "loss": (ck.metrics or {}).get("loss"),
-        "stall_s": None if ck.save_stall_s is None else round(ck.save_stall_s, 4),
-        "pinned": ck.pinned,
-        "created_at": ck.created_at.isoformat(),
-        "reason": ck.status_reason,
-        "path": ck.path,
-    }
-
-
-def cmd_ckpt_list(args: argparse.Namespace) -> int:
-    from infra.catalog import lineage
-
-    rows = [_ckpt_row(ck) for ck in lineage.checkpoints(_catalog(), args.run)]
-    cols = ["id", "step", "status", "parent_id", "bytes", "loss", "stall_s", "reason"]
-    _emit(args, rows, lambda: _table(rows, cols))
-    return 0
-
-
-def cmd_ckpt_show(args: argparse.Namespace) -> int:
-    from infra.catalog import lineage
-
-    cat = _catalog()
-    found = lineage.checkpoints(cat, args.run, args.step)
-    if not found:
-        raise RewindError(f"run {args.run!r} has no checkpoint at step {args.step}")
-    out = []
-    for ck in found:
-        row = _ckpt_row(ck)
-        row["layout"], row["environment"] = ck.layout, ck.environment
-        row["files"] = [
-            {"path": f.path, "size": f.size, "xxh3": f.xxh3, "crc32c": f.crc32c}
-            for f in lineage.files_of(cat, ck.id)
-        ]
-        row["replicas"] = [
-            {
-                "tier": r.tier,
-                "uri": r.uri if r.key is None else f"{r.uri.rstrip('/')}/{r.key}",
-                "status": r.status,
-                "verified_at": lineage.iso(r.verified_at),
-                "detail": r.detail,
-            }
-            for r in lineage.replicas_of(cat, ck.id)
-        ]
-        out.append(row)
-
-    def text() -> str:
-        parts = []
-        for row in out:
-            head = {k: v for k, v in row.items() if k not in ("files", "replicas", "environment")}
-            parts.append("\n".join(f"{k:16} {v}" for k, v in head.items()))
-            parts.append(_table(row["files"], ["path", "size", "xxh3", "crc32c"]))
-            parts.append(_table(row["replicas"], ["tier", "status", "verified_at", "uri", "detail"]))
-        return "\n\n".join(parts)
-
-    _emit(args, out if len(out) > 1 else out[0], text)
-    return 0
-
-
-def cmd_ckpt_verify(args: argparse.Namespace) -> int:
-    from flows import progress_view
-    from infra.catalog import lineage
-    from infra.restore.scrub import scrub
-
-    cat = _catalog()
-    targets = [
-        ck
-        for ck in lineage.checkpoints(cat, args.run, args.step)
-        if ck.status in ("committed", "verified", "corrupt")
-    ]
-    if not targets:
-        raise RewindError(
-            f"run {args.run!r} has no committed checkpoint"
-            + (f" at step {args.step}" if args.step is not None else "")
-        )
-    tiers = None if args.tier is None else (args.tier,)
-    results = []
-    for ck in targets:
-        with progress_view.shown():
-            check = scrub(cat, ck, deep=args.deep, tiers=tiers)
-        if not check.copies and ck.status == "corrupt":
-            continue  # condemned earlier and nothing left to look at: history, not news
-        results.append(
-            {
-                "step": ck.step,
-                "id": ck.id,
-                "ok": check.ok,
-                "status": check.status,
-                "deep": args.deep,
-                "path": ck.path,
-                "copies": [
-                    {
-                        "tier": c.tier,
-                        "where": c.where,
-                        "verdict": c.verdict.value,
-                        "findings": [f.as_dict() for f in c.findings],
-                    }
-                    for c in check.copies
-                ],
-                "findings": [f.as_dict() for f in check.findings],
-            }
-        )
-    if not results:
-        raise RewindError(
-            f"run {args.run!r} has no copy" + (f" on the {args.tier} tier" if args.tier else "") + " to check"
-        )
-    _emit(args, results, lambda: _verify_text(results))
-    return EXIT_FINDINGS if any(not r["ok"] for r in results) else 0
-
-
-def _verify_text(results: list[dict[str, Any]]) -> str:
-    lines = []
-    for r in results:
-        mode = "deep" if r["deep"] else "quick"
-        lines.append(
-            f"step {r['step']}: {'ok' if r['ok'] else 'PROBLEMS'} ({mode}), checkpoint {r['status']}"
-        )
-        for c in r["copies"]:
-            lines.append(
-                f"  {c['tier']:8} {c['verdict'].upper() if c['verdict'] != 'verified' else 'ok'}  {c['where']}"
-            )
-            lines += [f"    {f['path']}: {f['problem']}: {f['detail']}" for f in c["findings"]]
-    bad = sum(not r["ok"] for r in results)
-    lines.append(f"{len(results)} checked, {bad} with problems")
-    return "\n".join(lines)
-
-
 def cmd_gpu(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
@@ -282,7 +127,7 @@ def cmd_gpu(args: argparse.Namespace) -> int:
     _emit(
         args,
         rows,
-        lambda: _table(rows, ["index", "name", "temperature_c", "ecc_uncorrected", "healthy", "problems"]),
+        lambda: table(rows, ["index", "name", "temperature_c", "ecc_uncorrected", "healthy", "problems"]),
     )
     return 0 if all(g.healthy for g in gpus) else EXIT_FINDINGS
 
@@ -380,42 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("revision")
     add(db, "current", cmd_db_current, "show the catalog's revision", json_flag=True)
 
-    runs = sub.add_parser("runs", help="training runs").add_subparsers(
-        dest="runs_command", required=True, metavar="ACTION"
-    )
-    add(runs, "list", cmd_runs_list, "list runs with their newest checkpoint", json_flag=True)
+    from flows import cli_ckpt
 
-    ck = sub.add_parser("ckpt", help="checkpoints of a run").add_subparsers(
-        dest="ckpt_command", required=True, metavar="ACTION"
-    )
-    ls = add(ck, "list", cmd_ckpt_list, "list a run's checkpoints with status and lineage", json_flag=True)
-    ls.add_argument("run")
-    show = add(
-        ck,
-        "show",
-        cmd_ckpt_show,
-        "show one checkpoint: files, digests, replicas, environment",
-        json_flag=True,
-    )
-    show.add_argument("run")
-    show.add_argument("step", type=step)
-    ver = add(
-        ck,
-        "verify",
-        cmd_ckpt_verify,
-        "check every copy against the catalog's manifest digest (exit 1 on any problem)",
-        json_flag=True,
-    )
-    ver.add_argument("run")
-    ver.add_argument("--step", type=step, help="only this step (default: every committed checkpoint)")
-    ver.add_argument("--deep", action="store_true", help="re-read and re-hash every byte, not only sizes")
-    ver.add_argument(
-        "--tier",
-        choices=["local", "shared", "offsite"],
-        default=None,
-        help="only the copies on this tier (default: every copy); offsite quick compares server-side "
-        "checksums without downloading",
-    )
+    ck = cli_ckpt.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
     from flows import cli_storage
 
     cli_storage.register(sub, ck, add, lambda fn: lambda args: fn(args, _emit, _catalog))
@@ -431,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     from flows import cli_status
 
     cli_status.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
+    _add_machine_commands(sub, add)
+    return p
+
+
+def _add_machine_commands(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
+    """`rewind gpu`, `rewind serve` and `rewind server`: this machine's GPUs, worker and Prefect server."""
     add(
         sub,
         "gpu",
@@ -455,7 +273,6 @@ def build_parser() -> argparse.ArgumentParser:
     ui.add_argument("--host", default="127.0.0.1")
     ui.add_argument("--port", type=int, default=4200)
     ui.add_argument("--no-auth", action="store_true", help="serve the API without basic auth (not advised)")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

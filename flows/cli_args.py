@@ -8,6 +8,8 @@ import sys
 from typing import NoReturn
 
 MAX_STEP = 2**63 - 1  # what the catalog's BIGINT holds
+# Exit codes: a check found problems, bad input or state, something unreachable right now, a bug.
+EXIT_FINDINGS, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERNAL = 1, 2, 3, 70
 
 
 class OneLineParser(argparse.ArgumentParser):

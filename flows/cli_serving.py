@@ -7,14 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from flows.cli_args import amount, count, step
+from flows.cli_output import table
 
 Emit = Callable[..., None]
-
-
-def _table(rows: list[dict[str, Any]], cols: list[str]) -> str:
-    from flows.cli import _table as table
-
-    return table(rows, cols)
 
 
 def cmd_start(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
@@ -132,7 +127,7 @@ def cmd_status(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any])
     finally:
         b.close()
     emit(args, out, lambda: f"{args.model} at {out['endpoint']}\n"
-                            + _table(out["versions"], ["version", "state", "weight", "healthy", "run", "step"]))  # fmt: skip
+                            + table(out["versions"], ["version", "state", "weight", "healthy", "run", "step"]))  # fmt: skip
     return 0
 
 
@@ -168,8 +163,8 @@ def cmd_history(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]
         for r in sv.rollouts(cat, args.model)
     ]
     out = {"model": args.model, "versions": versions, "rollouts": changes}
-    emit(args, out, lambda: _table(versions, ["version", "state", "run", "step", "manifest_digest", "promoted_at"])
-         + "\n\n" + _table(changes, ["id", "kind", "from", "to", "state", "switch_ms", "triggered_by", "reason"]))  # fmt: skip
+    emit(args, out, lambda: table(versions, ["version", "state", "run", "step", "manifest_digest", "promoted_at"])
+         + "\n\n" + table(changes, ["id", "kind", "from", "to", "state", "switch_ms", "triggered_by", "reason"]))  # fmt: skip
     return 0
 
 

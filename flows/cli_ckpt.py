@@ -1,0 +1,200 @@
+"""`rewind runs list` and `rewind ckpt list|show|verify`: what the catalog holds of runs and checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+from flows.cli_args import EXIT_FINDINGS, step
+from flows.cli_output import table
+from infra.errors import RewindError
+
+
+def cmd_runs_list(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+    from infra.catalog import lineage
+
+    rows = lineage.list_runs(catalog())
+    emit(args, rows, lambda: table(rows, ["run", "latest_step", "verified_checkpoints", "created_at"]))
+    return 0
+
+
+def _ckpt_row(ck: Any) -> dict[str, Any]:
+    return {
+        "id": ck.id,
+        "step": ck.step,
+        "status": ck.status,
+        "parent_id": ck.parent_id,
+        "bytes": ck.total_bytes,
+        "manifest_digest": ck.manifest_digest,
+        "loss": (ck.metrics or {}).get("loss"),
+        "stall_s": None if ck.save_stall_s is None else round(ck.save_stall_s, 4),
+        "pinned": ck.pinned,
+        "created_at": ck.created_at.isoformat(),
+        "reason": ck.status_reason,
+        "path": ck.path,
+    }
+
+
+def cmd_ckpt_list(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+    from infra.catalog import lineage
+
+    rows = [_ckpt_row(ck) for ck in lineage.checkpoints(catalog(), args.run)]
+    cols = ["id", "step", "status", "parent_id", "bytes", "loss", "stall_s", "reason"]
+    emit(args, rows, lambda: table(rows, cols))
+    return 0
+
+
+def cmd_ckpt_show(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+    from infra.catalog import lineage
+
+    cat = catalog()
+    found = lineage.checkpoints(cat, args.run, args.step)
+    if not found:
+        raise RewindError(f"run {args.run!r} has no checkpoint at step {args.step}")
+    out = []
+    for ck in found:
+        row = _ckpt_row(ck)
+        row["layout"], row["environment"] = ck.layout, ck.environment
+        row["files"] = [
+            {"path": f.path, "size": f.size, "xxh3": f.xxh3, "crc32c": f.crc32c}
+            for f in lineage.files_of(cat, ck.id)
+        ]
+        row["replicas"] = [
+            {
+                "tier": r.tier,
+                "uri": r.uri if r.key is None else f"{r.uri.rstrip('/')}/{r.key}",
+                "status": r.status,
+                "verified_at": lineage.iso(r.verified_at),
+                "detail": r.detail,
+            }
+            for r in lineage.replicas_of(cat, ck.id)
+        ]
+        out.append(row)
+
+    def text() -> str:
+        parts = []
+        for row in out:
+            head = {k: v for k, v in row.items() if k not in ("files", "replicas", "environment")}
+            parts.append("\n".join(f"{k:16} {v}" for k, v in head.items()))
+            parts.append(table(row["files"], ["path", "size", "xxh3", "crc32c"]))
+            parts.append(table(row["replicas"], ["tier", "status", "verified_at", "uri", "detail"]))
+        return "\n\n".join(parts)
+
+    emit(args, out if len(out) > 1 else out[0], text)
+    return 0
+
+
+def cmd_ckpt_verify(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+    from flows import progress_view
+    from infra.catalog import lineage
+    from infra.restore.scrub import scrub
+
+    cat = catalog()
+    targets = [
+        ck
+        for ck in lineage.checkpoints(cat, args.run, args.step)
+        if ck.status in ("committed", "verified", "corrupt")
+    ]
+    if not targets:
+        raise RewindError(
+            f"run {args.run!r} has no committed checkpoint"
+            + (f" at step {args.step}" if args.step is not None else "")
+        )
+    tiers = None if args.tier is None else (args.tier,)
+    results = []
+    for ck in targets:
+        with progress_view.shown():
+            check = scrub(cat, ck, deep=args.deep, tiers=tiers)
+        if not check.copies and ck.status == "corrupt":
+            continue  # condemned earlier and nothing left to look at: history, not news
+        results.append(
+            {
+                "step": ck.step,
+                "id": ck.id,
+                "ok": check.ok,
+                "status": check.status,
+                "deep": args.deep,
+                "path": ck.path,
+                "copies": [
+                    {
+                        "tier": c.tier,
+                        "where": c.where,
+                        "verdict": c.verdict.value,
+                        "findings": [f.as_dict() for f in c.findings],
+                    }
+                    for c in check.copies
+                ],
+                "findings": [f.as_dict() for f in check.findings],
+            }
+        )
+    if not results:
+        raise RewindError(
+            f"run {args.run!r} has no copy" + (f" on the {args.tier} tier" if args.tier else "") + " to check"
+        )
+    emit(args, results, lambda: _verify_text(results))
+    return EXIT_FINDINGS if any(not r["ok"] for r in results) else 0
+
+
+def _verify_text(results: list[dict[str, Any]]) -> str:
+    lines = []
+    for r in results:
+        mode = "deep" if r["deep"] else "quick"
+        lines.append(
+            f"step {r['step']}: {'ok' if r['ok'] else 'PROBLEMS'} ({mode}), checkpoint {r['status']}"
+        )
+        for c in r["copies"]:
+            lines.append(
+                f"  {c['tier']:8} {c['verdict'].upper() if c['verdict'] != 'verified' else 'ok'}  {c['where']}"
+            )
+            lines += [f"    {f['path']}: {f['problem']}: {f['detail']}" for f in c["findings"]]
+    bad = sum(not r["ok"] for r in results)
+    lines.append(f"{len(results)} checked, {bad} with problems")
+    return "\n".join(lines)
+
+
+def register(
+    sub: Any,
+    add: Callable[..., argparse.ArgumentParser],
+    wrap: Callable[[Callable[..., int]], Callable[[argparse.Namespace], int]],
+) -> Any:
+    """The `runs` and `ckpt` commands; returns the `ckpt` subparsers, where more checkpoint commands go."""
+    runs = sub.add_parser("runs", help="training runs").add_subparsers(
+        dest="runs_command", required=True, metavar="ACTION"
+    )
+    add(runs, "list", wrap(cmd_runs_list), "list runs with their newest checkpoint", json_flag=True)
+
+    ck = sub.add_parser("ckpt", help="checkpoints of a run").add_subparsers(
+        dest="ckpt_command", required=True, metavar="ACTION"
+    )
+    ls = add(
+        ck, "list", wrap(cmd_ckpt_list), "list a run's checkpoints with status and lineage", json_flag=True
+    )
+    ls.add_argument("run")
+    show = add(
+        ck,
+        "show",
+        wrap(cmd_ckpt_show),
+        "show one checkpoint: files, digests, replicas, environment",
+        json_flag=True,
+    )
+    show.add_argument("run")
+    show.add_argument("step", type=step)
+    ver = add(
+        ck,
+        "verify",
+        wrap(cmd_ckpt_verify),
+        "check every copy against the catalog's manifest digest (exit 1 on any problem)",
+        json_flag=True,
+    )
+    ver.add_argument("run")
+    ver.add_argument("--step", type=step, help="only this step (default: every committed checkpoint)")
+    ver.add_argument("--deep", action="store_true", help="re-read and re-hash every byte, not only sizes")
+    ver.add_argument(
+        "--tier",
+        choices=["local", "shared", "offsite"],
+        default=None,
+        help="only the copies on this tier (default: every copy); offsite quick compares server-side "
+        "checksums without downloading",
+    )
+    return ck
