@@ -53,12 +53,12 @@ def watching(meter: Meter) -> Iterator[Meter]:
 
 @contextlib.contextmanager
 def phase(what: str, total: int) -> Iterator[None]:
-    """One stretch of byte work, shown as one bar or one series of lines."""
+    """One stretch of byte work, shown as one bar or one series of lines (nothing to show for 0 bytes)."""
     meter = _watcher.get()
-    if meter is None:
+    if meter is None or total <= 0:
         yield
         return
-    meter.begin(what, max(0, total))
+    meter.begin(what, total)
     try:
         yield
     finally:
