@@ -100,6 +100,8 @@ class LineMeter:
 
     def advance(self, nbytes: int) -> None:
         with self._lock:
+            if not self._what:
+                return  # bytes outside any phase: nothing to show them against
             self._done += nbytes
             tenth = 10 * self._done // self._total if self._total else 0
             now = time.monotonic()
@@ -112,6 +114,7 @@ class LineMeter:
         with self._lock:
             took = time.monotonic() - self._started
             self._line(f", done in {took:.1f}s ({_size(self._done / took if took > 0 else 0)}/s)")
+            self._what = ""
 
     def __enter__(self) -> LineMeter:
         return self
