@@ -387,3 +387,38 @@ class Drill(Base):
     seed: Mapped[int | None] = mapped_column(Integer)
     slo: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # the budget it was judged against
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)  # the Chaos Toolkit journal's summary
+
+
+class ChatSession(Base):
+    """A conversation served by a generative model: its history lives here, not in the serving process.
+
+    ``tokens`` is every token so far (prompts and replies, in order), so any instance can take the
+    conversation over; ``blocks`` names its KV-cache blocks (``[prefix hash, content digest, end]`` per
+    full block) so that instance can load them from a tier and check every byte first.
+    """
+
+    __tablename__ = "chat_session"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    session_key: Mapped[str] = mapped_column(String(200), unique=True)  # the client's session_id
+    model: Mapped[str] = mapped_column(String(100))
+    tokens: Mapped[list[int]] = mapped_column(JSON, default=list)
+    blocks: Mapped[list[Any]] = mapped_column(JSON, default=list)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_turn_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(index=True)
+
+
+class ChatTurn(Base):
+    """One turn of a conversation, written before its reply is returned."""
+
+    __tablename__ = "chat_turn"
+    __table_args__ = (UniqueConstraint("session_id", "n"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    session_id: Mapped[int] = mapped_column(ForeignKey("chat_session.id", ondelete="CASCADE"), index=True)
+    n: Mapped[int] = mapped_column(Integer)  # 1, 2, ... within the session
+    prompt: Mapped[list[int]] = mapped_column(JSON)
+    reply: Mapped[list[int]] = mapped_column(JSON)
+    instance: Mapped[str | None] = mapped_column(String(200))  # who answered
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
