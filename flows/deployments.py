@@ -13,6 +13,7 @@ from prefect.events import DeploymentEventTrigger
 from flows.drills import run_drills
 from flows.maintenance import (
     adopt_checkpoints,
+    expire_conversations_flow,
     replicate_offsite,
     restore_checkpoint_flow,
     verify_checkpoints,
@@ -37,6 +38,7 @@ def build(
     replicate_to: str | None = None,
     adopt_every: timedelta = timedelta(minutes=10),
     drill_every: timedelta = timedelta(days=7),
+    expire_every: timedelta = timedelta(hours=1),
 ) -> list[RunnerDeployment]:
     target = replicate_to or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
     found = [
@@ -65,6 +67,9 @@ def build(
             interval=drill_every,
             paused=os.environ.get("REWIND_DRILLS_SCHEDULED") != "1",  # drills hurt jobs: opt in
             tags=["rewind", "drills"],
+        ),
+        expire_conversations_flow.to_deployment(
+            name="expire-conversations", interval=expire_every, tags=["rewind", "serving"]
         ),
         deploy_model.to_deployment(name="deploy-model", tags=["rewind", "serving"]),
         rollout_model.to_deployment(name="rollout-model", tags=["rewind", "serving"]),

@@ -14,6 +14,7 @@ from tasks.common import artifact_key
 from tasks.detect import load_spec, record_failure, record_spec, supervise_training
 from tasks.replicate import apply_retention, pending_replication, replicate_checkpoint
 from tasks.restore import restore_checkpoint
+from tasks.sessions import expire_conversations
 from tasks.verify import check_catalog, list_checkpoints, status_overview, verify_checkpoint
 
 
@@ -146,3 +147,9 @@ def adopt_checkpoints(
         raise ConfigError(f"`step` names one checkpoint, but {path} holds {len(found)} to adopt")
     done = [adopt_checkpoint(p, run, step, format) for p in found]
     return {"adopted": [d["step"] for d in done if d["action"] == "adopted"], "checked": len(found)}
+
+
+@flow(name="expire-conversations")
+def expire_conversations_flow() -> dict[str, int]:
+    """Delete conversations (history and KV-block names) past their TTL; runs on a schedule."""
+    return {"expired": expire_conversations()}

@@ -143,6 +143,7 @@ SLOW_FILES_FIRST = [
     "test_integrity_tiers.py",  # ~150
     "test_catalog_rebuild.py",  # ~100
     "test_progress.py",  # ~40
+    "test_conversation.py",  # ~25
     "test_adopt.py",  # ~90
     "test_elastic.py",  # ~130
     "test_corruption.py",  # ~130

@@ -31,5 +31,6 @@ def test_prefect_yaml_matches_rewind_serve():
         "adopt-checkpoints"
     ].paused  # until REWIND_ADOPT_FROM and REWIND_ADOPT_RUN name what to watch
     assert served["run-drills"].schedules and served["run-drills"].paused  # weekly, opt in
+    assert served["expire-conversations"].schedules and not served["expire-conversations"].paused
     (weekly,) = declared["run-drills"]["schedules"]
     assert weekly["interval"] == 7 * 24 * 3600 and weekly["active"] is False
