@@ -40,6 +40,7 @@ drills: install
 bench: install
 	$(BIN)/python -m bench.run
 	$(BIN)/python -m bench.s3
+	$(BIN)/python -m bench.session
 
 clean:
 	rm -rf $(VENV) .pytest_cache
