@@ -22,7 +22,7 @@ def cmd_start(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) 
     from infra.serving.backend import TorchServeBackend
     from infra.serving.restart import reload_stable
 
-    st = stack.start(inference_port=args.port)
+    st = stack.start(inference_port=args.port, instances=args.instances)
     b = TorchServeBackend(st)
     try:
         reloaded = reload_stable(catalog(), b)
@@ -33,9 +33,10 @@ def cmd_start(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) 
         **st.endpoints.as_dict(),
         "key_file": str(st.endpoints.key_file),
         "pid": st.pid,
+        "instances": [ep.inference for ep in st.all],
         "reloaded": stable,
     }
-    emit(args, out, lambda: f"TorchServe up: inference {out['inference']}, management {out['management']}\n"
+    emit(args, out, lambda: f"TorchServe up ({len(st.all)} instance(s)): inference {out['inference']}, management {out['management']}\n"
                             f"keys in {out['key_file']} (token auth on); stable versions loaded again: "
                             f"{', '.join(stable) or 'none'}")  # fmt: skip
     return 0
@@ -195,7 +196,13 @@ def register(
         dest="serving_command", required=True, metavar="ACTION"
     )
     start = add(sv, "start", wrap(cmd_start), "start TorchServe on 127.0.0.1 (token auth on)", json_flag=True)
-    start.add_argument("--port", type=count, help="inference port (default: a free one)")
+    start.add_argument("--port", type=count, help="inference port of instance 0 (default: a free one)")
+    start.add_argument(
+        "--instances",
+        type=count,
+        default=1,
+        help="TorchServe instances behind each model's proxy; each loads every version (default 1)",
+    )
     add(sv, "stop", wrap(cmd_stop), "stop the proxies and the TorchServe that `start` started")
     dep = add(sv, "deploy", wrap(cmd_deploy), "export a verified checkpoint and load it", json_flag=True)
     _artifact_options(dep)

@@ -1,0 +1,173 @@
+"""The serving stack's own watcher: it starts the TorchServe instances and restarts one that dies.
+
+`rewind serving start` runs it in its own session (``python -m infra.serving.supervisor DIR``).
+Each tick it reaps its instances; one that exited is taken out of every proxy's rotation, started
+again on the same ports (so no proxy config changes), given every version its proxies route, and
+put back. It also keeps the proxies' key maps in step with the instances' key files, and renews
+an instance's inference key before TorchServe lets it expire. It uses no catalog and no Prefect:
+restarting a server must not wait for either (docs/design.md, "Serving instances").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from infra.errors import RewindError
+from infra.launch.process import stop_group
+from infra.serving import stack, torchserve
+from infra.serving.export import archive_name
+from infra.serving.haproxy import Proxy
+from infra.serving.torchserve import Endpoints, TorchServe
+
+log = logging.getLogger("rewind.serving.supervisor")
+TICK_S = 0.2
+RENEW_BEFORE_S = 300.0  # renew an inference key this long before it expires
+RESTARTS = "restarts.jsonl"
+
+
+@dataclass
+class Instance:
+    index: int
+    ep: Endpoints
+    proc: subprocess.Popen[bytes]
+
+
+def instance_dir(directory: Path, index: int) -> Path:
+    return directory if index == 0 else directory / f"instance-{index}"
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def reload_versions(ep: Endpoints, source: Path, proxies: list[Proxy]) -> list[str]:
+    """Load on one instance every version the proxies route that it lacks; each model's default too."""
+    client = TorchServe(ep)
+    loaded_now: list[str] = []
+    try:
+        for proxy in proxies:
+            model, routed = proxy.directory.name, proxy.stats()
+            have = {str(v["modelVersion"]) for v in client.describe(model)}
+            for version in sorted(set(routed) - have):
+                torchserve.stage(source, ep, archive_name(model, version))
+                client.register(archive_name(model, version))
+                loaded_now.append(f"{model} {version}")
+            top = max(routed.items(), key=lambda kv: kv[1].weight, default=None)
+            if top is not None and top[1].weight > 0 and set(routed) - have:
+                client.set_default(model, top[0])
+    finally:
+        client.close()
+    return loaded_now
+
+
+class Supervisor:
+    def __init__(self, directory: Path, count: int, port: int | None) -> None:
+        self.directory, self.count, self.port = directory, count, port
+        self.instances: list[Instance] = []
+        self.kept: dict[str, float] = {}  # keys clients may still hold, until they expire
+        self.stop = threading.Event()
+
+    def _running_proxies(self) -> list[Proxy]:
+        return [p for p in stack.load(self.directory).proxies() if p.running()]
+
+    def _record(self) -> None:
+        stack.write(self.directory, [i.ep for i in self.instances], [i.proc.pid for i in self.instances],
+                    supervisor=os.getpid())  # fmt: skip
+
+    def start_all(self) -> None:
+        spawned = [
+            torchserve.spawn(instance_dir(self.directory, i), inference_port=self.port if i == 0 else None)
+            for i in range(self.count)
+        ]
+        for ep, proc in spawned:
+            torchserve.wait_ready(ep, proc)
+        self.instances = [Instance(i, ep, proc) for i, (ep, proc) in enumerate(spawned)]
+        self._record()
+
+    def restart(self, inst: Instance) -> None:
+        died_at = time.time()
+        proxies = self._running_proxies()
+        for proxy in proxies:
+            proxy.set_instance(inst.index, False)  # out of the rotation before its health check notices
+        stop_group(inst.proc.pid, timeout_s=5)  # its workers, if they outlived it
+        ep, proc = torchserve.spawn(
+            inst.ep.directory,
+            inference_port=_port(inst.ep.inference),
+            management_port=_port(inst.ep.management),
+        )
+        inst.ep, inst.proc = ep, proc
+        torchserve.wait_ready(ep, proc)
+        self._record()
+        self.sync_keys()
+        source = self.instances[0].ep.model_store
+        reloaded = reload_versions(ep, source, proxies)
+        for proxy in proxies:
+            proxy.set_instance(inst.index, True)
+        serving_at = time.time()
+        row = {"instance": inst.index, "died_at": died_at, "serving_at": serving_at,
+               "restart_s": round(serving_at - died_at, 3), "reloaded": reloaded}  # fmt: skip
+        with open(self.directory / RESTARTS, "a") as out:
+            out.write(json.dumps(row) + "\n")
+        log.warning("instance %d restarted in %.1f s with %s", inst.index, row["restart_s"], reloaded)
+
+    def sync_keys(self) -> None:
+        now = time.time()
+        for inst in self.instances:
+            current = torchserve.inference_keys(inst.ep)
+            if any(at - now < RENEW_BEFORE_S for at in current.values()):
+                client = TorchServe(inst.ep, timeout_s=5)
+                try:
+                    client.rotate("inference")  # TorchServe rewrites the key file; the old key stays accepted
+                finally:
+                    client.close()
+            self.kept.update(current)
+        self.kept = {k: at for k, at in self.kept.items() if at > now}
+        keys = stack.load(self.directory).keys(self.kept)
+        for proxy in self._running_proxies():
+            proxy.sync_keys(keys)
+
+    def tick(self) -> None:
+        for inst in self.instances:
+            if inst.proc.poll() is not None and not self.stop.is_set():
+                log.warning("instance %d exited with %s: restarting it", inst.index, inst.proc.returncode)
+                self.restart(inst)
+        self.sync_keys()
+
+    def run(self) -> None:
+        try:
+            self.start_all()
+            while not self.stop.wait(TICK_S):
+                try:
+                    self.tick()
+                except RewindError as exc:  # one failed restart or proxy call: try again next tick
+                    log.error("supervisor tick failed: %s", exc)
+        finally:
+            for inst in self.instances:
+                stop_group(inst.proc.pid)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m infra.serving.supervisor")
+    p.add_argument("directory", type=Path)
+    p.add_argument("--instances", type=int, default=1)
+    p.add_argument("--port", type=int)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    sup = Supervisor(args.directory, args.instances, args.port)
+    signal.signal(signal.SIGTERM, lambda *_: sup.stop.set())
+    signal.signal(signal.SIGINT, lambda *_: sup.stop.set())
+    sup.run()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
