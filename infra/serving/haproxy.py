@@ -103,11 +103,11 @@ listen {ROUTER}
     option httpchk GET /ping
     http-check expect status 200
     retry-on conn-failure empty-response response-timeout 502
-    retries 3
+    retries 5
     option redispatch 1
 """
     servers = "".join(
-        f"    server ts{i} {LOOPBACK}:{gate_port} check inter 500 fall 2 rise 1\n"
+        f"    server ts{i} {LOOPBACK}:{gate_port} check inter 300 fall 1 rise 1\n"
         for i, (gate_port, _) in enumerate(gates)
     )
     return head + servers + "".join(_gate(i, gp, up, directory) for i, (gp, up) in enumerate(gates))
