@@ -180,12 +180,8 @@ def test_an_instance_killed_under_load_fails_no_request_and_comes_back(stack_env
     back_s = back.ended - killed_at
     print(f"instance {victim} back and answering {back_s:.2f} s after SIGKILL; {len(load.samples)} requests, "
           f"{len(load.failed)} failed")  # fmt: skip
-    raw = st.proxy(MODEL).command("show stat").lstrip("# ")
-    import csv
-    for row in csv.DictReader(raw.splitlines()):
-        print({k: row[k] for k in ("pxname", "svname", "status", "econ", "eresp", "wretr", "wredis", "hrsp_5xx", "stot")})
-    print("killed_at", killed_at, (st.directory / "restarts.jsonl").read_text())
-    assert load.failed == [], load.failed[:5]
+    stats = st.proxy(MODEL).command("show stat")  # retries and redispatches per instance, for a failure
+    assert load.failed == [], (load.failed[:5], stats)
     assert back_s < 30
     assert {s.version for s in load.samples} == {base}
     revived = TorchServe(stack.load(st.directory).all[victim])
