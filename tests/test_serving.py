@@ -191,6 +191,22 @@ def test_an_instance_killed_under_load_fails_no_request_and_comes_back(stack_env
         revived.close()
 
 
+def test_a_version_an_instance_lacks_is_loaded_there_by_the_supervisor(stack_env, base):
+    """What a deploy while an instance was down leaves behind (a routed version one instance lacks) is
+    repaired by the supervisor within a bounded wait, with no request through the proxy."""
+    from infra.serving.torchserve import TorchServe
+
+    st = stack_env["stack"]
+    last = TorchServe(st.all[-1])
+    try:
+        last.unregister(MODEL, base)
+        _wait(
+            lambda: [str(v["modelVersion"]) for v in last.describe(MODEL)] == [base], "the version back", 30
+        )
+    finally:
+        last.close()
+
+
 def test_rotated_keys_are_picked_up_from_the_key_file(stack_env, base):
     """TorchServe answers InvalidKeyException to an old key; the client re-reads the key file and goes on."""
     import httpx

@@ -135,9 +135,15 @@ class TorchServeBackend:
         return proxy.stats() if proxy.running() else {}
 
     def health(self, model: str, version: str) -> Health:
-        rows = [v for v in self.ts.describe(model) if str(v["modelVersion"]) == version]
-        ready = sum(1 for w in (rows[0].get("workers", []) if rows else []) if w.get("status") == "READY")
-        return Health(bool(rows), ready, version in self.counters(model))
+        """Loaded on every instance up now, with the ready workers of all of them."""
+        loaded, ready = True, 0
+        for client in self._each():
+            rows = [v for v in client.describe(model) if str(v["modelVersion"]) == version]
+            loaded = loaded and bool(rows)
+            ready += sum(
+                1 for w in (rows[0].get("workers", []) if rows else []) if w.get("status") == "READY"
+            )
+        return Health(loaded, ready, version in self.counters(model))
 
     def predict(
         self, model: str, payload: bytes, version: str | None = None, *, timeout_s: float | None = None

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.errors import RewindError
+from infra.errors import NotFoundError, RewindError
 from infra.launch.process import stop_group
 from infra.serving import stack, torchserve
 from infra.serving.export import archive_name
@@ -30,6 +30,7 @@ from infra.serving.torchserve import Endpoints, TorchServe
 
 log = logging.getLogger("rewind.serving.supervisor")
 TICK_S = 0.2
+RECONCILE_S = 2.0  # how often every live instance is checked for a routed version it lacks
 RENEW_BEFORE_S = 300.0  # renew an inference key this long before it expires
 RESTARTS = "restarts.jsonl"
 
@@ -58,7 +59,11 @@ def reload_versions(ep: Endpoints, source: Path, proxies: list[Proxy]) -> list[s
             model, routed = proxy.directory.name, proxy.stats()
             have = {str(v["modelVersion"]) for v in client.describe(model)}
             for version in sorted(set(routed) - have):
-                torchserve.stage(source, ep, archive_name(model, version))
+                try:
+                    torchserve.stage(source, ep, archive_name(model, version))
+                except NotFoundError as exc:  # not exported by Rewind: nothing to load it from
+                    log.error("%s %s not loaded on %s: %s", model, version, ep.inference, exc)
+                    continue
                 client.register(archive_name(model, version))
                 loaded_now.append(f"{model} {version}")
             top = max(routed.items(), key=lambda kv: kv[1].weight, default=None)
@@ -75,6 +80,7 @@ class Supervisor:
         self.instances: list[Instance] = []
         self.kept: dict[str, float] = {}  # keys clients may still hold, until they expire
         self.stop = threading.Event()
+        self.next_reconcile = 0.0
 
     def _running_proxies(self) -> list[Proxy]:
         return [p for p in stack.load(self.directory).proxies() if p.running()]
@@ -141,6 +147,18 @@ class Supervisor:
                 log.warning("instance %d exited with %s: restarting it", inst.index, inst.proc.returncode)
                 self.restart(inst)
         self.sync_keys()
+        if time.monotonic() >= self.next_reconcile:
+            self.next_reconcile = time.monotonic() + RECONCILE_S
+            self.reconcile()
+
+    def reconcile(self) -> None:
+        """A version deployed while an instance was down (or restarting) reaches it here."""
+        proxies = self._running_proxies()
+        for inst in self.instances:
+            if inst.proc.poll() is None and proxies:
+                loaded = reload_versions(inst.ep, self.instances[0].ep.model_store, proxies)
+                if loaded:
+                    log.warning("instance %d lacked %s: loaded", inst.index, loaded)
 
     def run(self) -> None:
         try:
@@ -162,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request every tick otherwise
     sup = Supervisor(args.directory, args.instances, args.port)
     signal.signal(signal.SIGTERM, lambda *_: sup.stop.set())
     signal.signal(signal.SIGINT, lambda *_: sup.stop.set())
