@@ -72,12 +72,20 @@ def render(*, port: int, router_port: int, gates: list[tuple[int, str]], directo
     """
     accepted = directory / "accepted.map"
     head = f"""# Written by Rewind; weights change through the runtime API at {directory / "admin.sock"}, never by editing this.
+# The last requests of every section, with their termination flags: `show events buf` on the socket.
+ring buf
+    size 1048576
+    format raw
+
 global
+    log ring@buf local0
     stats socket {directory / "admin.sock"} mode 600 level admin
     maxconn 4096
 
 defaults
     mode http
+    log global
+    option httplog
     timeout connect 2s
     timeout client 60s
     timeout server 60s
@@ -100,6 +108,9 @@ listen {ROUTER}
     bind {LOOPBACK}:{router_port}
     http-request set-path %[path]/%[req.hdr(x-rewind-version)] if {{ path_reg ^/predictions/[^/]+$ }}
     balance roundrobin
+    # Retries need the whole request in hand when it is first sent: without this a POST whose body came
+    # in a later packet is sent at once, and HAProxy silently drops its L7 retry (1 in ~200 failed).
+    option http-buffer-request
     option httpchk GET /ping
     http-check expect status 200
     retry-on conn-failure empty-response response-timeout 502
