@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.errors import NotFoundError, RewindError
+from infra import stopping
+from infra.errors import NotFoundError, Stopped
 from infra.launch.process import stop_group
 from infra.serving import stack, torchserve
 from infra.serving.export import archive_name
@@ -90,13 +91,13 @@ class Supervisor:
                     supervisor=os.getpid())  # fmt: skip
 
     def start_all(self) -> None:
-        spawned = [
-            torchserve.spawn(instance_dir(self.directory, i), inference_port=self.port if i == 0 else None)
-            for i in range(self.count)
-        ]
-        for ep, proc in spawned:
-            torchserve.wait_ready(ep, proc)
-        self.instances = [Instance(i, ep, proc) for i, (ep, proc) in enumerate(spawned)]
+        for i in range(self.count):  # each one known at once: a stop while starting stops every one
+            ep, proc = torchserve.spawn(
+                instance_dir(self.directory, i), inference_port=self.port if i == 0 else None
+            )
+            self.instances.append(Instance(i, ep, proc))
+        for inst in self.instances:
+            torchserve.wait_ready(inst.ep, inst.proc)
         self._record()
 
     def restart(self, inst: Instance) -> None:
@@ -166,8 +167,10 @@ class Supervisor:
             while not self.stop.wait(TICK_S):
                 try:
                     self.tick()
-                except RewindError as exc:  # one failed restart or proxy call: try again next tick
-                    log.error("supervisor tick failed: %s", exc)
+                except Exception:  # one failed restart or proxy call: the instances stay up, try again
+                    log.exception("supervisor tick failed")
+        except Stopped:
+            pass
         finally:
             for inst in self.instances:
                 stop_group(inst.proc.pid)
@@ -182,8 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request every tick otherwise
     sup = Supervisor(args.directory, args.instances, args.port)
-    signal.signal(signal.SIGTERM, lambda *_: sup.stop.set())
-    signal.signal(signal.SIGINT, lambda *_: sup.stop.set())
+
+    def stop(*_: object) -> None:
+        sup.stop.set()
+        stopping.request()  # a start or restart in progress ends at its next wait
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     sup.run()
     return 0
 
