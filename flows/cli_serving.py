@@ -115,9 +115,12 @@ def cmd_status(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any])
     try:
         live = b.traffic(args.model)
         endpoint = b.endpoint(args.model) if live else None
+        proxy = b.stack.proxy(args.model)
         out = {
             "model": args.model,
             "endpoint": f"{endpoint}/predictions/{args.model}" if endpoint else None,
+            # the proxy's view of each TorchServe instance: UP, DOWN, MAINT (being restarted)
+            "instances": {str(i): s for i, s in proxy.instances().items()} if proxy.running() else {},
             "versions": [
                 {
                     "version": r.version,
@@ -132,7 +135,8 @@ def cmd_status(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any])
         }
     finally:
         b.close()
-    emit(args, out, lambda: f"{args.model} at {out['endpoint']}\n"
+    emit(args, out, lambda: f"{args.model} at {out['endpoint']}; instances: "
+                            + (", ".join(f"{i} {s}" for i, s in out["instances"].items()) or "none") + "\n"
                             + _table(out["versions"], ["version", "state", "weight", "healthy", "run", "step"]))  # fmt: skip
     return 0
 

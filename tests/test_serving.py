@@ -1,6 +1,6 @@
 """Serving rollouts against real TorchServe and HAProxy on loopback, Postgres and a Prefect server.
 
-The tests share one stack (and run on one worker) but not an order: each starts from
+The tests share one stack of two TorchServe instances (and run on one worker) but not an order: each starts from
 whatever version is stable (the ``base`` fixture deploys lm@60 when nothing is), so
 any one of them, or any order of them, passes.
 """
@@ -146,7 +146,7 @@ def test_first_deploy_takes_all_traffic(stack_env, base):
     assert not load.failed and {s.version for s in load.samples} == {base}
 
 
-def test_an_instance_killed_under_load_fails_no_request_and_comes_back(stack_env, base):
+def test_an_instance_killed_under_load_fails_no_request_and_comes_back(stack_env, base, capsys):
     """SIGKILL one TorchServe instance (its whole process group) while 4 clients send requests through the
     proxy: the proxy retries what the dead instance dropped on the other one, so no request fails; the
     supervisor starts it again on the same ports with every version, and it answers requests again."""
@@ -191,6 +191,15 @@ def test_an_instance_killed_under_load_fails_no_request_and_comes_back(stack_env
         assert sorted(str(v["modelVersion"]) for v in revived.describe(MODEL)) == _loaded(st) == [base]
     finally:
         revived.close()
+    from flows.cli import main
+
+    with capsys.disabled():  # the seed and the measured times stay in the test's output
+        print(capsys.readouterr().out, end="")
+    assert main(["serving", "status", MODEL, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["instances"] == {"0": "UP", "1": "UP"} and [v["healthy"] for v in status["versions"]] == [
+        True
+    ]
 
 
 def test_a_version_an_instance_lacks_is_loaded_there_by_the_supervisor(stack_env, base):
