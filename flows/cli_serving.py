@@ -17,7 +17,7 @@ def cmd_start(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) 
     from infra.serving.backend import TorchServeBackend
     from infra.serving.restart import reload_stable
 
-    st = stack.start(inference_port=args.port)
+    st = stack.start(inference_port=args.port, instances=args.instances)
     b = TorchServeBackend(st)
     try:
         reloaded = reload_stable(catalog(), b)
@@ -28,9 +28,10 @@ def cmd_start(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) 
         **st.endpoints.as_dict(),
         "key_file": str(st.endpoints.key_file),
         "pid": st.pid,
+        "instances": [ep.inference for ep in st.all],
         "reloaded": stable,
     }
-    emit(args, out, lambda: f"TorchServe up: inference {out['inference']}, management {out['management']}\n"
+    emit(args, out, lambda: f"TorchServe up ({len(st.all)} instance(s)): inference {out['inference']}, management {out['management']}\n"
                             f"keys in {out['key_file']} (token auth on); stable versions loaded again: "
                             f"{', '.join(stable) or 'none'}")  # fmt: skip
     return 0
@@ -109,9 +110,12 @@ def cmd_status(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any])
     try:
         live = b.traffic(args.model)
         endpoint = b.endpoint(args.model) if live else None
+        proxy = b.stack.proxy(args.model)
         out = {
             "model": args.model,
             "endpoint": f"{endpoint}/predictions/{args.model}" if endpoint else None,
+            # the proxy's view of each TorchServe instance: UP, DOWN, MAINT (being restarted)
+            "instances": {str(i): s for i, s in proxy.instances().items()} if proxy.running() else {},
             "versions": [
                 {
                     "version": r.version,
@@ -126,7 +130,8 @@ def cmd_status(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any])
         }
     finally:
         b.close()
-    emit(args, out, lambda: f"{args.model} at {out['endpoint']}\n"
+    emit(args, out, lambda: f"{args.model} at {out['endpoint']}; instances: "
+                            + (", ".join(f"{i} {s}" for i, s in out["instances"].items()) or "none") + "\n"
                             + table(out["versions"], ["version", "state", "weight", "healthy", "run", "step"]))  # fmt: skip
     return 0
 
@@ -190,7 +195,13 @@ def register(
         dest="serving_command", required=True, metavar="ACTION"
     )
     start = add(sv, "start", wrap(cmd_start), "start TorchServe on 127.0.0.1 (token auth on)", json_flag=True)
-    start.add_argument("--port", type=count, help="inference port (default: a free one)")
+    start.add_argument("--port", type=count, help="inference port of instance 0 (default: a free one)")
+    start.add_argument(
+        "--instances",
+        type=count,
+        default=1,
+        help="TorchServe instances behind each model's proxy; each loads every version (default 1)",
+    )
     add(sv, "stop", wrap(cmd_stop), "stop the proxies and the TorchServe that `start` started")
     dep = add(sv, "deploy", wrap(cmd_deploy), "export a verified checkpoint and load it", json_flag=True)
     _artifact_options(dep)

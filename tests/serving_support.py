@@ -15,6 +15,7 @@ class Sample:
     ended: float
     status: int  # 0: no HTTP answer at all
     version: str | None
+    instance: str | None = None  # which TorchServe instance answered (the proxy's x-rewind-instance)
 
 
 @dataclass
@@ -41,7 +42,8 @@ class Load:
                 t0 = time.time()
                 try:
                     r = client.post(self.url, content=b"the model learns to pred", headers=headers)
-                    s = Sample(t0, time.time(), r.status_code, r.headers.get("x-rewind-version"))
+                    s = Sample(t0, time.time(), r.status_code, r.headers.get("x-rewind-version"),
+                               r.headers.get("x-rewind-instance"))  # fmt: skip
                 except httpx.HTTPError:
                     s = Sample(t0, time.time(), 0, None)
                 with self._lock:

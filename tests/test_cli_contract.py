@@ -127,11 +127,11 @@ def test_serving_stop_never_kills_an_unrelated_process_a_stale_file_names(tmp_pa
 def test_a_command_haproxy_refuses_is_not_retried_as_an_outage(tmp_path):
     """HAProxy answered "no": asking again gets the same answer, so it must not look transient."""
     from infra.errors import Refused
-    from infra.serving.haproxy import Proxy
+    from infra.serving.haproxy import Keys, Proxy
     from tasks.common import is_transient
 
     proxy = Proxy(tmp_path / "proxy")
-    proxy.start("127.0.0.1:9")
+    proxy.start(["127.0.0.1:9"], Keys(frozenset(), ("",)))
     try:
         proxy.add("v1")
         proxy.set_weights({"v1": 100})  # accepted: no error

@@ -1,6 +1,6 @@
 """Serving rollouts against real TorchServe and HAProxy on loopback, Postgres and a Prefect server.
 
-The tests share one stack (and run on one worker) but not an order: each starts from
+The tests share one stack of two TorchServe instances (and run on one worker) but not an order: each starts from
 whatever version is stable (the ``base`` fixture deploys lm@60 when nothing is), so
 any one of them, or any order of them, passes.
 """
@@ -23,6 +23,7 @@ from tests.serving_support import Load
 from tests.trainproc import REPO, run_to_end
 
 MODEL = "tiny"
+INSTANCES = 2
 PROBES = str(REPO / "examples" / "tiny_lm_probes.jsonl")
 FLAKY = str(REPO / "tests" / "serving_files" / "flaky_handler.py")
 TURNS_BAD = str(REPO / "tests" / "serving_files" / "turns_bad_handler.py")
@@ -90,7 +91,7 @@ def stack_env(pg_url, tmp_path_factory, prefect_api):
         )
         bad_q = _accuracy(dict(model.state_dict()))
         assert good_q >= 0.2 and bad_q < good_q / 2, (good_q, bad_q)
-        st = stack.start()
+        st = stack.start(instances=INSTANCES)  # every rollout below runs across both instances
         try:
             yield {"env": env, "cat": cat, "stack": st, "min_quality": round(good_q / 2, 3)}
         finally:
@@ -145,6 +146,78 @@ def test_first_deploy_takes_all_traffic(stack_env, base):
     assert not load.failed and {s.version for s in load.samples} == {base}
 
 
+def test_an_instance_killed_under_load_fails_no_request_and_comes_back(stack_env, base, capsys):
+    """SIGKILL one TorchServe instance (its whole process group) while 4 clients send requests through the
+    proxy: the proxy retries what the dead instance dropped on the other one, so no request fails; the
+    supervisor starts it again on the same ports with every version, and it answers requests again."""
+    import os
+    import random
+    import signal
+    import time
+
+    from infra.serving import stack
+    from infra.serving.torchserve import TorchServe
+
+    st = stack_env["stack"]
+    seed = int(os.environ.get("REWIND_TEST_SEED") or random.SystemRandom().randrange(2**31))
+    rng = random.Random(seed)
+    victim, at = rng.randrange(INSTANCES), rng.randrange(10, 40)  # which instance, after how many answers
+    print(f"\nseed {seed}: killing instance {victim} after {at} answers (REWIND_TEST_SEED={seed} replays it)")
+    with Load(st.proxy(MODEL).url + f"/predictions/{MODEL}", _key(st), workers=4) as load:
+        _wait(
+            lambda: load.count() >= at and {s.instance for s in load.samples} == {"0", "1"}, "both instances"
+        )
+        killed_at = time.time()
+        os.killpg(stack.load(st.directory).pids[victim], signal.SIGKILL)
+        back = _wait(
+            lambda: next(
+                (s for s in load.samples if s.instance == str(victim) and s.started > killed_at), None
+            ),
+            f"instance {victim} answering again",
+        )
+        settle = load.count()
+        _wait(lambda: load.count() >= settle + 20, "20 more answers")
+    back_s = back.ended - killed_at
+    print(f"instance {victim} back and answering {back_s:.2f} s after SIGKILL; {len(load.samples)} requests, "
+          f"{len(load.failed)} failed")  # fmt: skip
+    stats = st.proxy(MODEL).command("show stat")  # retries and redispatches per instance, for a failure
+    if load.failed:  # each section's retries and redispatches, and the last requests with their flags
+        print(stats, st.proxy(MODEL).command("show events buf"), sep="\n")
+    assert load.failed == [], load.failed[:5]
+    assert back_s < 30
+    assert {s.version for s in load.samples} == {base}
+    revived = TorchServe(stack.load(st.directory).all[victim])
+    try:
+        assert sorted(str(v["modelVersion"]) for v in revived.describe(MODEL)) == _loaded(st) == [base]
+    finally:
+        revived.close()
+    from flows.cli import main
+
+    with capsys.disabled():  # the seed and the measured times stay in the test's output
+        print(capsys.readouterr().out, end="")
+    assert main(["serving", "status", MODEL, "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["instances"] == {"0": "UP", "1": "UP"} and [v["healthy"] for v in status["versions"]] == [
+        True
+    ]
+
+
+def test_a_version_an_instance_lacks_is_loaded_there_by_the_supervisor(stack_env, base):
+    """What a deploy while an instance was down leaves behind (a routed version one instance lacks) is
+    repaired by the supervisor within a bounded wait, with no request through the proxy."""
+    from infra.serving.torchserve import TorchServe
+
+    st = stack_env["stack"]
+    last = TorchServe(st.all[-1])
+    try:
+        last.unregister(MODEL, base)
+        _wait(
+            lambda: [str(v["modelVersion"]) for v in last.describe(MODEL)] == [base], "the version back", 30
+        )
+    finally:
+        last.close()
+
+
 def test_rotated_keys_are_picked_up_from_the_key_file(stack_env, base):
     """TorchServe answers InvalidKeyException to an old key; the client re-reads the key file and goes on."""
     import httpx
@@ -163,6 +236,9 @@ def test_rotated_keys_are_picked_up_from_the_key_file(stack_env, base):
         assert client.predict(MODEL, base, b"the model lea").status_code == 200
     finally:
         client.close()
+    # Through the proxy too, where every instance has its own key: the new key is accepted within 5 s.
+    url, new = st.proxy(MODEL).url + f"/predictions/{MODEL}", {"Authorization": f"Bearer {_key(st)}"}
+    _wait(lambda: httpx.post(url, content=b"the model lea", headers=new).status_code == 200, "new key", 5)
 
 
 def test_flaky_version_is_rolled_back_by_the_error_rate_gate(stack_env, base):
@@ -306,7 +382,7 @@ def test_gate_failure_after_promotion_rolls_back_in_one_weight_change(stack_env,
 
     st, cat = stack_env["stack"], stack_env["cat"]
     new = f"late{uuid.uuid4().hex[:6]}"
-    flag = st.endpoints.directory / "tmp" / f"rewind-turns-bad-{new}"  # TorchServe's workers' TMPDIR
+    flags = [ep.directory / "tmp" / f"rewind-turns-bad-{new}" for ep in st.all]  # each instance's TMPDIR
     result: dict = {}
     rollout = threading.Thread(
         target=lambda: result.update(rollout_model(MODEL, "lm", 120, traffic_steps=[100], bake_s=1.0, version=new,
@@ -319,11 +395,13 @@ def test_gate_failure_after_promotion_rolls_back_in_one_weight_change(stack_env,
             rollout.start()
             _wait(lambda: sv.stable(cat, MODEL).version == new, "the promotion")
             assert _traffic(st) == {new: 100, base: 0}  # promoted, and the old version still loaded
-            flag.touch()  # the new version goes bad
+            for flag in flags:
+                flag.touch()  # the new version goes bad, on every instance
             rollout.join(timeout=120)
             assert not rollout.is_alive(), "the rollout did not end within the warm window"
     finally:
-        flag.unlink(missing_ok=True)
+        for flag in flags:
+            flag.unlink(missing_ok=True)
     assert result["state"] == "rolled_back" and result["reason"].startswith("post-promotion"), result
     assert "quality" in result["reason"]
     steps = sv.steps_of(cat, result["rollout_id"])

@@ -16,7 +16,7 @@ from typing import Protocol
 from infra.errors import ConfigError, NotFoundError, RewindError, ServingUnavailable
 from infra.serving.haproxy import Proxy, ServerStats
 from infra.serving.stack import Stack
-from infra.serving.torchserve import TorchServe
+from infra.serving.torchserve import TorchServe, stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,34 +57,56 @@ def check_weights(weights: dict[str, int]) -> None:
 
 
 class TorchServeBackend:
+    """Every instance of the stack loads every version; the proxy's version weights apply across them."""
+
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
-        self.ts = TorchServe(stack.endpoints)
+        self.clients = [TorchServe(ep) for ep in stack.all]
+        self._live: TorchServe | None = None
 
     def close(self) -> None:
-        self.ts.close()
+        for client in self.clients:
+            client.close()
+
+    @property
+    def ts(self) -> TorchServe:
+        """The first instance that answers (instance 0 unless it is down): reads and direct probes go there."""
+        if self._live is None:
+            self._live = next((c for c in self.clients if c.ping()), self.clients[0])
+        return self._live
+
+    def _each(self) -> list[TorchServe]:
+        """The instances up now; one that is down gets its versions from the supervisor when it is back."""
+        up = [c for c in self.clients if c.ping()]
+        if not up:
+            raise ServingUnavailable(f"no TorchServe instance of the stack at {self.stack.directory} answers")
+        return up
 
     def endpoint(self, model: str) -> str:
         return self.stack.proxy(model).url
 
     def _proxy(self, model: str) -> Proxy:
         proxy = self.stack.proxy(model)
-        proxy.start(self.stack.endpoints.inference.removeprefix("http://"))
+        proxy.start([ep.inference.removeprefix("http://") for ep in self.stack.all], self.stack.keys())
         return proxy
 
     def loaded(self, model: str) -> list[str]:
         return [str(v["modelVersion"]) for v in self.ts.describe(model)]
 
     def deploy(self, model: str, version: str, archive: str) -> None:
-        """Load the archive and give it a proxy server at weight 0; undone if any part fails."""
-        fresh = version not in self.loaded(model)
-        if fresh:
-            self.ts.register(archive)
+        """Load the archive on every instance and give it a proxy server at weight 0; undone if any part fails."""
+        fresh: list[TorchServe] = []
         try:
+            for client in self._each():
+                if version not in {str(v["modelVersion"]) for v in client.describe(model)}:
+                    stage(self.stack.endpoints.model_store, client.endpoints, archive)
+                    client.register(archive)
+                    fresh.append(client)
             self._proxy(model).add(version, 0)
         except RewindError:
-            if fresh:
-                self.ts.unregister(model, version)
+            for client in fresh:
+                with contextlib.suppress(RewindError):
+                    client.unregister(model, version)
             raise
 
     def set_traffic(self, model: str, weights: dict[str, int]) -> None:
@@ -102,7 +124,8 @@ class TorchServeBackend:
         proxy.set_weights({**dict.fromkeys((v for v in present if v not in weights), 0), **weights})
         full = [v for v, w in weights.items() if w == 100]
         if full:
-            self.ts.set_default(model, full[0])  # direct TorchServe clients follow too
+            for client in self._each():
+                client.set_default(model, full[0])  # direct TorchServe clients follow too
 
     def traffic(self, model: str) -> dict[str, int]:
         return {v: s.weight for v, s in self.counters(model).items()}
@@ -112,9 +135,15 @@ class TorchServeBackend:
         return proxy.stats() if proxy.running() else {}
 
     def health(self, model: str, version: str) -> Health:
-        rows = [v for v in self.ts.describe(model) if str(v["modelVersion"]) == version]
-        ready = sum(1 for w in (rows[0].get("workers", []) if rows else []) if w.get("status") == "READY")
-        return Health(bool(rows), ready, version in self.counters(model))
+        """Loaded on every instance up now, with the ready workers of all of them."""
+        loaded, ready = True, 0
+        for client in self._each():
+            rows = [v for v in client.describe(model) if str(v["modelVersion"]) == version]
+            loaded = loaded and bool(rows)
+            ready += sum(
+                1 for w in (rows[0].get("workers", []) if rows else []) if w.get("status") == "READY"
+            )
+        return Health(loaded, ready, version in self.counters(model))
 
     def predict(
         self, model: str, payload: bytes, version: str | None = None, *, timeout_s: float | None = None
@@ -132,5 +161,6 @@ class TorchServeBackend:
         proxy = self.stack.proxy(model)
         if proxy.running():
             proxy.remove(version)
-        with contextlib.suppress(NotFoundError):  # already unloaded
-            self.ts.unregister(model, version)
+        for client in self._each():
+            with contextlib.suppress(NotFoundError):  # already unloaded
+                client.unregister(model, version)

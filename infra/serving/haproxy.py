@@ -3,7 +3,10 @@
 One HAProxy per model. Its ``versions`` backend has one server per loaded version,
 named after the version, all pointing at an internal ``router`` listener; HAProxy
 sends the chosen server's name in a header and the router appends it to the path,
-so ``/predictions/<model>`` reaches TorchServe's ``/predictions/<model>/<version>``.
+so ``/predictions/<model>`` reaches TorchServe's ``/predictions/<model>/<version>``
+on one of the stack's TorchServe instances (every instance loads every version, so
+the version weights apply across instances). The router checks each instance and
+retries a request that an instance dropped on another one.
 Weights are server weights: ``set server ... weight`` takes effect for the next
 request with no reload, and the previous version stays loaded behind weight 0.
 Every server is added at run time (``add server``), so every one can be removed.
@@ -25,27 +28,75 @@ from infra.launch.process import is_running, program, stop_group
 from infra.net import LOOPBACK, free_port
 
 BACKEND = "versions"
+ROUTER = "router"
 VERSION_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+# What a client with a wrong key gets: TorchServe's own answer, so clients that re-read keys on it still do.
+INVALID_KEY = (
+    '{"code": 400, "type": "InvalidKeyException", '
+    '"message": "Token Authorization failed. Token either incorrect, expired, or not provided correctly"}'
+)
+# A gate that cannot reach its instance answers this instead of 503: the router retries a 502 on another
+# instance, but never a 503, which is also what TorchServe answers when a handler fails (a canary's real error).
+INSTANCE_DOWN = (
+    "HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/plain\r\nContent-Length: 22\r\n"
+    "Connection: close\r\n\r\ninstance not reachable"
+)
 
 
-def render(*, port: int, router_port: int, upstream: str, socket_path: Path) -> str:
-    """The whole configuration; the servers come later, through the runtime API."""
-    return f"""# Written by Rewind; weights change through the runtime API at {socket_path}, never by editing this.
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Inference keys: the ones clients may present, and each instance's own (what its gate sends on)."""
+
+    accepted: frozenset[str]
+    instances: tuple[str, ...]
+
+
+def _gate(i: int, gate_port: int, upstream: str, directory: Path) -> str:
+    return f"""
+listen gate{i}
+    bind {LOOPBACK}:{gate_port}
+    retries 0
+    errorfile 503 {directory / "instance-down.http"}
+    http-request set-header Authorization "Bearer %[str({i}),map({directory / "instances.map"})]"
+    http-response set-header x-rewind-instance {i}
+    server torchserve{i} {upstream}
+"""
+
+
+def render(*, port: int, router_port: int, gates: list[tuple[int, str]], directory: Path) -> str:
+    """The whole configuration; the version servers come later, through the runtime API.
+
+    Each TorchServe instance has a gate that swaps the client's key for the instance's own (keys
+    differ per instance); the router spreads requests over the gates, checks each instance's /ping,
+    and sends a request that an instance dropped (killed mid-request, refused) to another one.
+    """
+    accepted = directory / "accepted.map"
+    head = f"""# Written by Rewind; weights change through the runtime API at {directory / "admin.sock"}, never by editing this.
+# The last requests of every section, with their termination flags: `show events buf` on the socket.
+ring buf
+    size 1048576
+    format raw
+
 global
-    stats socket {socket_path} mode 600 level admin
+    log ring@buf local0
+    stats socket {directory / "admin.sock"} mode 600 level admin
     maxconn 4096
 
 defaults
     mode http
+    log global
+    option httplog
     timeout connect 2s
     timeout client 60s
     timeout server 60s
     timeout http-keep-alive 10s
+    timeout check 2s
     option redispatch
     retries 2
 
 frontend model
     bind {LOOPBACK}:{port}
+    http-request return status 400 content-type application/json string '{INVALID_KEY}' unless {{ req.hdr(authorization),word(2,' '),map({accepted}) -m found }}
     default_backend {BACKEND}
 
 backend {BACKEND}
@@ -53,11 +104,24 @@ backend {BACKEND}
     http-send-name-header x-rewind-version
     http-response set-header x-rewind-version %[srv_name]
 
-listen router
+listen {ROUTER}
     bind {LOOPBACK}:{router_port}
     http-request set-path %[path]/%[req.hdr(x-rewind-version)] if {{ path_reg ^/predictions/[^/]+$ }}
-    server torchserve {upstream}
+    balance roundrobin
+    # Retries need the whole request in hand when it is first sent: without this a POST whose body came
+    # in a later packet is sent at once, and HAProxy silently drops its L7 retry (1 in ~200 failed).
+    option http-buffer-request
+    option httpchk GET /ping
+    http-check expect status 200
+    retry-on conn-failure empty-response response-timeout 502
+    retries 5
+    option redispatch 1
 """
+    servers = "".join(
+        f"    server ts{i} {LOOPBACK}:{gate_port} check inter 300 fall 1 rise 1\n"
+        for i, (gate_port, _) in enumerate(gates)
+    )
+    return head + servers + "".join(_gate(i, gp, up, directory) for i, (gp, up) in enumerate(gates))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +171,9 @@ class Proxy:
             return False
         return True
 
-    def start(self, upstream: str, *, port: int | None = None, timeout_s: float = 20) -> str:
+    def start(
+        self, upstreams: list[str], keys: Keys, *, port: int | None = None, timeout_s: float = 20
+    ) -> str:
         """Start HAProxy (daemonised, its own session) unless it already runs; returns its URL."""
         if self.running():
             return self.url
@@ -115,10 +181,11 @@ class Proxy:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.socket.unlink(missing_ok=True)
         port, router_port = port or free_port(), free_port()
+        gates = [(free_port(), upstream) for upstream in upstreams]
+        (self.directory / "instance-down.http").write_text(INSTANCE_DOWN)
+        self._write_maps(keys)
         config = self.directory / "haproxy.cfg"
-        config.write_text(
-            render(port=port, router_port=router_port, upstream=upstream, socket_path=self.socket)
-        )
+        config.write_text(render(port=port, router_port=router_port, gates=gates, directory=self.directory))
         check = subprocess.run([binary, "-c", "-q", "-f", str(config)], capture_output=True, text=True)
         if check.returncode != 0:
             raise ConfigError(f"haproxy rejected {config}: {check.stderr.strip() or check.stdout.strip()}")
@@ -138,6 +205,46 @@ class Proxy:
                 )
             time.sleep(0.05)
         return self.url
+
+    def _write_maps(self, keys: Keys) -> None:
+        for name, lines in (
+            ("accepted.map", [f"{k} 1" for k in sorted(keys.accepted)]),
+            ("instances.map", [f"{i} {k}" for i, k in enumerate(keys.instances)]),
+        ):
+            path = self.directory / name
+            path.touch(mode=0o600)
+            path.write_text("".join(line + "\n" for line in lines))
+
+    def _map(self, name: str) -> dict[str, str]:
+        rows = (line.split() for line in self.command(f"show map {self.directory / name}").splitlines())
+        return {row[1]: row[2] for row in rows if len(row) == 3}
+
+    def sync_keys(self, keys: Keys) -> None:
+        """Make the live maps say ``keys``; a key is added before any is taken away."""
+        accepted, path = self._map("accepted.map"), self.directory / "accepted.map"
+        for key in sorted(keys.accepted - accepted.keys()):
+            self.command(f"add map {path} {key} 1")
+        instances, path = self._map("instances.map"), self.directory / "instances.map"
+        for i, key in enumerate(keys.instances):
+            if str(i) not in instances:
+                self.command(f"add map {path} {i} {key}")
+            elif instances[str(i)] != key:
+                self.command(f"set map {path} {i} {key}")
+        for key in sorted(accepted.keys() - keys.accepted):
+            self.command(f"del map {self.directory / 'accepted.map'} {key}")
+
+    def set_instance(self, index: int, serving: bool) -> None:
+        """Take an instance out of the rotation (maintenance) or put it back."""
+        self.command(f"{'enable' if serving else 'disable'} server {ROUTER}/ts{index}")
+
+    def instances(self) -> dict[int, str]:
+        """The router's view of each instance: UP, DOWN, MAINT..."""
+        raw = self.command("show stat").lstrip("# ")
+        return {
+            int(row["svname"][2:]): row["status"]
+            for row in csv.DictReader(raw.splitlines())
+            if row.get("pxname") == ROUTER and row.get("svname", "").startswith("ts")
+        }
 
     def stop(self) -> None:
         st = self.state()

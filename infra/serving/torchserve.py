@@ -8,6 +8,7 @@ that failed, asks TorchServe for a fresh one with the API key, once.
 
 from __future__ import annotations
 
+import calendar
 import json
 import logging
 import os
@@ -101,7 +102,7 @@ class TorchServe:
             raise ConfigError(f"TorchServe key file {self.endpoints.key_file} has no {api!r} key")
         return self._keys[api]
 
-    def _rotate(self, api: Api) -> None:
+    def rotate(self, api: Api) -> None:
         """Ask TorchServe for a new key (the old one expired); it rewrites its key file."""
         r = self._http.get(
             f"{self.endpoints.management}/token",
@@ -121,7 +122,7 @@ class TorchServe:
         failed = self._key(api)
         self._keys = None  # re-read: the keys may have been rotated
         if self._key(api) == failed:
-            self._rotate(api)  # same key in the file: it expired
+            self.rotate(api)  # same key in the file: it expired
         r = self._send(api, method, path, **kwargs)
         if _invalid_key(r):
             raise ConfigError(f"TorchServe refuses the {api} key in {self.endpoints.key_file}")
@@ -214,17 +215,19 @@ def executable() -> str:
     return found
 
 
-def start(
-    directory: Path, *, inference_port: int | None = None, timeout_s: float = 120
-) -> tuple[Endpoints, int]:
-    """Start TorchServe on loopback in its own process group; returns when /ping answers Healthy."""
+def spawn(directory: Path, *, inference_port: int | None = None, management_port: int | None = None
+          ) -> tuple[Endpoints, subprocess.Popen[bytes]]:  # fmt: skip
+    """Start TorchServe on loopback in its own process group (given ports: the same ones again after a crash)."""
     directory.mkdir(parents=True, exist_ok=True)
     ep = Endpoints(
-        f"http://{LOOPBACK}:{inference_port or free_port()}", f"http://{LOOPBACK}:{free_port()}", directory
+        f"http://{LOOPBACK}:{inference_port or free_port()}",
+        f"http://{LOOPBACK}:{management_port or free_port()}",
+        directory,
     )
     ep.model_store.mkdir(exist_ok=True)
     tmp = directory / "tmp"
     tmp.mkdir(exist_ok=True)
+    (tmp / ".model_server.pid").unlink(missing_ok=True)  # a killed server's: TorchServe would refuse to start
     ep.key_file.unlink(missing_ok=True)
     config = directory / "config.properties"
     config.write_text(
@@ -239,18 +242,23 @@ def start(
              "--model-store", str(ep.model_store)],
             cwd=directory, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
+    return ep, proc
+
+
+def wait_ready(ep: Endpoints, proc: subprocess.Popen[bytes], *, timeout_s: float = 120) -> None:
+    """Return when /ping answers Healthy; a server that exits or stays silent is stopped and refused."""
     client = TorchServe(ep, timeout_s=5)
     deadline = time.monotonic() + timeout_s
     try:
         while True:
             if proc.poll() is not None:
                 raise ServingUnavailable(
-                    f"TorchServe exited with {proc.returncode}; see {directory / 'torchserve.out'}"
+                    f"TorchServe exited with {proc.returncode}; see {ep.directory / 'torchserve.out'}"
                 )
             if ep.key_file.exists():
                 try:
                     if client.ping():
-                        return ep, proc.pid
+                        return
                 except ConfigError:
                     pass  # key file half-written
             if time.monotonic() > deadline:
@@ -262,3 +270,36 @@ def start(
         raise
     finally:
         client.close()
+
+
+def start(
+    directory: Path, *, inference_port: int | None = None, timeout_s: float = 120
+) -> tuple[Endpoints, int]:
+    """Start TorchServe on loopback in its own process group; returns when /ping answers Healthy."""
+    ep, proc = spawn(directory, inference_port=inference_port)
+    wait_ready(ep, proc, timeout_s=timeout_s)
+    return ep, proc.pid
+
+
+def inference_keys(ep: Endpoints) -> dict[str, float]:
+    """The inference key in the server's key file with its expiry (epoch seconds); empty while none is written."""
+    try:
+        entry = json.loads(ep.key_file.read_text())["inference"]
+        expires = str(entry["expiration time"])[:19]  # UTC, "2026-11-30T15:07:29.600029314Z"
+        return {str(entry["key"]): float(calendar.timegm(time.strptime(expires, "%Y-%m-%dT%H:%M:%S")))}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}  # not written yet, or half-written: the next look sees it
+
+
+def stage(source: Path, ep: Endpoints, archive: str) -> None:
+    """Put an archive of the stack's model store into this server's own store (a hard link; a copy across disks)."""
+    target = ep.model_store / archive
+    if target.exists() or source.resolve() == ep.model_store.resolve():
+        return
+    ep.model_store.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(source / archive, target)
+    except FileNotFoundError:
+        raise NotFoundError(f"archive {archive} is not in the model store {source}") from None
+    except OSError:
+        shutil.copy2(source / archive, target)
