@@ -14,7 +14,9 @@ first and advances that meter from its threads (every ``Meter`` is thread-safe).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+import weakref
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Protocol
 
@@ -34,11 +36,14 @@ class Meter(Protocol):
 
 
 _watcher: ContextVar[Meter | None] = ContextVar("rewind_progress", default=None)
+_silenced: weakref.WeakSet[Meter] = weakref.WeakSet()
+log = logging.getLogger("rewind.progress")
 
 
 def current() -> Meter | None:
-    """The meter watching this context, to hand to worker threads (None: nobody watches)."""
-    return _watcher.get()
+    """The meter watching this context, guarded, to hand to worker threads (None: nobody watches)."""
+    meter = _watcher.get()
+    return None if meter is None else guarded(meter)
 
 
 @contextlib.contextmanager
@@ -51,6 +56,18 @@ def watching(meter: Meter) -> Iterator[Meter]:
         _watcher.reset(token)
 
 
+def _report(meter: Meter, call: Callable[[], None]) -> None:
+    """Showing progress must never fail the work: a meter that raises (a closed stderr, an API error) is
+    silenced for the rest of the block instead."""
+    if meter in _silenced:
+        return
+    try:
+        call()
+    except Exception as exc:
+        _silenced.add(meter)
+        log.warning("progress no longer shown: %s", exc)
+
+
 @contextlib.contextmanager
 def phase(what: str, total: int) -> Iterator[None]:
     """One stretch of byte work, shown as one bar or one series of lines (nothing to show for 0 bytes)."""
@@ -58,15 +75,34 @@ def phase(what: str, total: int) -> Iterator[None]:
     if meter is None or total <= 0:
         yield
         return
-    meter.begin(what, total)
+    _report(meter, lambda: meter.begin(what, total))
     try:
         yield
     finally:
-        meter.end()
+        _report(meter, meter.end)
 
 
 def advance(nbytes: int) -> None:
     """``nbytes`` of the current phase are done (hashed, written, sent, freed)."""
     meter = _watcher.get()
     if meter is not None and nbytes > 0:
-        meter.advance(nbytes)
+        _report(meter, lambda: meter.advance(nbytes))
+
+
+def guarded(meter: Meter) -> Meter:
+    """``meter`` for code that calls it directly from worker threads (S3 parts), with the same guard."""
+    return _Guarded(meter)
+
+
+class _Guarded:
+    def __init__(self, meter: Meter) -> None:
+        self._meter = meter
+
+    def begin(self, what: str, total: int) -> None:
+        _report(self._meter, lambda: self._meter.begin(what, total))
+
+    def advance(self, nbytes: int) -> None:
+        _report(self._meter, lambda: self._meter.advance(nbytes))
+
+    def end(self) -> None:
+        _report(self._meter, self._meter.end)

@@ -205,6 +205,7 @@ def execute(cat: Catalog, gc: GcPlan, policy: Policy) -> list[int]:
                     gc.run,
                     r.step,
                 )
+                progress.advance(r.bytes * len(r.copies))  # dealt with: kept
                 continue
             _delete_copies(cat, gc.run, r)
             removed.append(r.step)

@@ -65,7 +65,10 @@ def supervise_training(
         finished = False
         while not finished:
             finished = watch.done(sup.poll(poll_s), sup)
-            view.show(sup.ranks, watch.verified_step)
+            try:
+                view.show(sup.ranks, watch.verified_step)
+            except Exception as exc:  # showing progress must never stop the job it shows
+                get_run_logger().warning("training progress not shown: %s", exc)
     except BaseException:  # never leave a job running that nobody watches
         sup.stop(grace_s=10)
         raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from uuid import UUID
@@ -23,59 +24,75 @@ log = logging.getLogger("rewind.progress")
 
 
 MIN_BYTES = 256 << 20  # smaller work is over before a bar would help; no artifact for it
+QUIET_S = 30.0  # after an API error, updates wait this long before trying again
 
 
 class ArtifactMeter:
-    """One progress artifact per phase of at least ``min_bytes``; thread-safe (S3 part threads report too)."""
+    """One progress artifact per phase of at least ``min_bytes``; thread-safe (S3 part threads report too).
+
+    The API is called outside the meter's lock and by one thread at a time (the others go on with
+    their bytes; the next percent carries the news), so a slow Prefect API never holds up a transfer.
+    """
 
     def __init__(self, min_bytes: int = MIN_BYTES) -> None:
         self._min = min_bytes
         self._lock = threading.Lock()
+        self._sending = threading.Lock()
         self._id: UUID | None = None
         self._what, self._total, self._done, self._shown = "", 0, 0, 0
-        self._broken = False
+        self._quiet_until = 0.0
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if self._broken:
+        if time.monotonic() < self._quiet_until:
             return None
         try:
             return fn(*args, **kwargs)
-        except Exception as exc:  # the UI's view is lost, the work is not
-            self._broken = True
+        except Exception as exc:  # the UI's view is late, the work is not: try again in a while
+            self._quiet_until = time.monotonic() + QUIET_S
             log.warning("progress artifact not updated (%s); the work goes on", exc)
             return None
 
     def begin(self, what: str, total: int) -> None:
         with self._lock:
-            self._what, self._total, self._done, self._shown = what, total, 0, 0
-            if total >= self._min:
-                self._id = self._call(create_progress_artifact, 0.0, description=what)
+            self._what, self._total, self._done, self._shown, self._id = what, total, 0, 0, None
+        if total >= self._min:
+            made = self._call(create_progress_artifact, 0.0, description=what)
+            with self._lock:
+                self._id = made
 
     def advance(self, nbytes: int) -> None:
         with self._lock:
             self._done += nbytes
             pct = min(100, 100 * self._done // self._total) if self._total else 0
-            if pct > self._shown and self._id is not None:
-                self._shown = pct
-                self._call(update_progress_artifact, self._id, float(pct))
+            if pct <= self._shown or self._id is None:
+                return
+            self._shown = pct
+        if self._sending.acquire(
+            blocking=False
+        ):  # another thread is sending: it or the next percent will say
+            try:
+                with self._lock:
+                    target, newest = self._id, self._shown
+                if target is not None:
+                    self._call(update_progress_artifact, target, float(newest))
+            finally:
+                self._sending.release()
 
     def set(self, what: str, pct: float) -> None:
         """Show ``what`` at ``pct`` percent, outside any byte phase (one artifact, kept up to date)."""
-        with self._lock:
-            if self._id is None:
-                self._id = self._call(create_progress_artifact, pct, description=what)
-            else:
-                self._call(update_progress_artifact, self._id, pct, description=what)
+        if self._id is None:
+            self._id = self._call(create_progress_artifact, pct, description=what)
+        else:
+            self._call(update_progress_artifact, self._id, pct, description=what)
 
     def end(self) -> None:
         with self._lock:
-            if self._id is not None:
-                gib = self._done / (1 << 30)
-                pct = 100.0 if self._done >= self._total else 100 * self._done / self._total
-                self._call(
-                    update_progress_artifact, self._id, pct, description=f"{self._what}: {gib:.2f} GiB"
-                )
-            self._id = None
+            target, self._id = self._id, None
+            gib = self._done / (1 << 30)
+            pct = 100.0 if self._done >= self._total else 100 * self._done / max(1, self._total)
+        if target is not None:
+            with self._sending:
+                self._call(update_progress_artifact, target, pct, description=f"{self._what}: {gib:.2f} GiB")
 
 
 @contextlib.contextmanager
@@ -109,7 +126,7 @@ class TrainingView:
         what = (
             f"{self.run}: step {step}" + (f" of {total}" if total else "")
             + (f", loss {loss:.4g}" if loss is not None else "")
-            + f", newest verified checkpoint: {'step ' + str(verified_step) if verified_step else 'none yet'}"
+            + f", newest verified checkpoint: {'none yet' if verified_step is None else f'step {verified_step}'}"
         )  # fmt: skip
         pct = min(100.0, 100 * step / total) if total else 0.0
         self._meter.set(what, pct)

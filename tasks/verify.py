@@ -146,7 +146,7 @@ def status_overview(run: str | None = None) -> str:
     text = overview_text.text(overview.status(catalog(), run))
     create_markdown_artifact(
         key=artifact_key("rewind", run or "all", "status"),
-        markdown=f"```\n{text}\n```",
+        markdown="\n".join("    " + line for line in text.splitlines()),  # a code block no reason can end
         description="rewind status: newest verified step, what dying now would cost, copies, incidents, models",
     )
     return text

@@ -492,3 +492,54 @@ def _assert_event(name: str, rollout_id: int) -> None:
 
         (event,) = wait_until(found, 30, name)
     assert event.resource.id == f"rewind.model.{MODEL}"
+
+
+def test_a_conversation_survives_the_instance_that_held_it(stack_env):
+    """A 2,000-token conversation sticks to one instance; that instance is SIGKILLed; the next turn is answered
+    by the other one from the KV blocks on the node's tier (every block checked against the digest the
+    catalog recorded), with the reply the same conversation gets when nothing fails."""
+    import os
+    import random
+    import signal
+
+    import httpx
+
+    from examples.chat_lm import build_model
+    from flows.serving import deploy_model
+    from infra.checkpoint.engine import Checkpointer
+    from infra.serving import stack
+
+    st, cat = stack_env["stack"], stack_env["cat"]
+    if "chat" not in sv.models(cat):
+        saver = Checkpointer("chat", states={"model": build_model(seed=0)}, catalog=cat)
+        saver.save(1)
+        saver.close()
+        (ck,) = lineage.checkpoints(cat, "chat", 1)
+        assert scrub(cat, ck, deep=True).ok
+        deploy_model("chat", "chat", 1, triggered_by="test", handler=str(REPO / "examples" / "chat_lm_handler.py"),
+                     extra_files=[str(REPO / "examples" / "chat_lm.py")])  # fmt: skip
+    seed = int(os.environ.get("REWIND_TEST_SEED") or random.SystemRandom().randrange(2**31))
+    print(f"\nseed {seed} (REWIND_TEST_SEED={seed} replays it)")
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(n)] for n in (2000, 24, 24)]
+    url, headers = st.proxy("chat").url + "/predictions/chat", {"Authorization": f"Bearer {_key(st)}"}
+
+    def say(client: httpx.Client, session: str, n: int) -> tuple[dict, str]:
+        body = {"session_id": f"{session}-{seed}", "tokens": prompts[n - 1], "turn": n, "max_new_tokens": 16}
+        r = client.post(url, json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.json(), r.headers["x-rewind-instance"]
+
+    with httpx.Client(timeout=120) as client:
+        answered = [say(client, "talk", n) for n in (1, 2)]
+        holder = answered[0][1]
+        assert answered[1][1] == holder and answered[1][0]["source"] == "process"  # stuck to its instance
+        os.killpg(stack.load(st.directory).pids[int(holder)], signal.SIGKILL)
+        taken_over, by = say(client, "talk", 3)
+        reference = [say(client, "reference", n)[0] for n in (1, 2, 3)]  # the same turns, nothing killed
+    assert by != holder
+    assert taken_over["source"] == "blocks (disk)" and taken_over["recomputed_tokens"] == 0, taken_over
+    assert taken_over["reused_tokens"] >= 2000 + 24 + 16
+    assert taken_over["tokens"] == reference[2]["tokens"]  # the reply an uninterrupted conversation gets
+    print(f"turn 3 on instance {by} after instance {holder} died: first token in {taken_over['ttft_ms']} ms "
+          f"({taken_over['reused_tokens']} tokens of context from the node's KV blocks)")  # fmt: skip

@@ -12,10 +12,11 @@ from datetime import datetime, timedelta
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
 
 from infra.catalog.db import Catalog
 from infra.catalog.models import ChatSession, ChatTurn, aware, utcnow
-from infra.errors import ConfigError
+from infra.errors import ConfigError, Refused
 
 DEFAULT_TTL_S = 24 * 3600.0
 MAX_KEY = 200
@@ -89,30 +90,84 @@ def record_turn(
     prompt: list[int],
     reply: list[int],
     blocks: list[BlockRef],
+    history_len: int,
     instance: str | None = None,
     ttl_s: float = DEFAULT_TTL_S,
+    expect: int | None = None,
 ) -> int:
-    """Append one turn (and the blocks that now cover it); returns its number. The TTL restarts."""
+    """Append one turn (and the blocks that now cover it) to a conversation of ``history_len`` tokens;
+    returns its number. The TTL restarts.
+
+    ``Refused`` if the conversation is not the one the reply was computed from (another request
+    added a turn meanwhile, or it belongs to another model), or, with ``expect``, if the turn would
+    not get that number.
+    """
     _check_key(key)
-    session_id = _session_row(cat, key, model, ttl_s)
+    for _ in range(3):  # the row may vanish between finding and locking it (expired and deleted)
+        session_id = _session_row(cat, key, model, ttl_s)
+        try:
+            with cat.session() as s:
+                row = s.scalar(select(ChatSession).where(ChatSession.id == session_id).with_for_update())
+                if row is None:
+                    continue
+                return _append(s, row, model, prompt, reply, blocks, history_len, instance, ttl_s, expect)
+        except IntegrityError as exc:  # SQLite: two writers numbered the same turn
+            raise Refused(f"session {key}: another request answered this turn meanwhile") from exc
+    raise Refused(f"session {key}: deleted while this turn was recorded")
+
+
+def _append(
+    s: Session,
+    row: ChatSession,
+    model: str,
+    prompt: list[int],
+    reply: list[int],
+    blocks: list[BlockRef],
+    history_len: int,
+    instance: str | None,
+    ttl_s: float,
+    expect: int | None,
+) -> int:
     now = utcnow()
-    with cat.session() as s:
-        row = s.scalar(select(ChatSession).where(ChatSession.id == session_id).with_for_update())
-        assert row is not None
-        n = (s.scalar(select(func.max(ChatTurn.n)).where(ChatTurn.session_id == session_id)) or 0) + 1
-        s.add(ChatTurn(session_id=session_id, n=n, prompt=prompt, reply=reply, instance=instance))
-        row.tokens = [*row.tokens, *prompt, *reply]
-        row.blocks = [b.as_list() for b in blocks]
-        row.last_turn_at, row.expires_at = now, now + timedelta(seconds=ttl_s)
+    if aware(row.expires_at) <= now:  # expired but not yet cleaned up: a new conversation under the old key
+        s.execute(delete(ChatTurn).where(ChatTurn.session_id == row.id))
+        row.tokens, row.blocks = [], []
+        row.model = model
+    elif row.model != model:
+        raise Refused(f"session {row.session_key} is a conversation with {row.model}, not {model}")
+    if len(row.tokens) != history_len:
+        raise Refused(
+            f"session {row.session_key}: another request added a turn meanwhile; this reply is not kept"
+        )
+    n = (s.scalar(select(func.max(ChatTurn.n)).where(ChatTurn.session_id == row.id)) or 0) + 1
+    if expect is not None and n != expect:
+        raise Refused(f"session {row.session_key}: turn {expect} was answered by another request meanwhile")
+    s.add(ChatTurn(session_id=row.id, n=n, prompt=prompt, reply=reply, instance=instance))
+    s.flush()
+    row.tokens = [*row.tokens, *prompt, *reply]
+    row.blocks = [b.as_list() for b in blocks]
+    row.last_turn_at, row.expires_at = now, now + timedelta(seconds=ttl_s)
     return n
+
+
+def recorded_turn(cat: Catalog, key: str, n: int) -> tuple[list[int], list[int]] | None:
+    """(prompt, reply) of turn ``n``, if it was recorded."""
+    with cat.session() as s:
+        row = s.execute(
+            select(ChatTurn.prompt, ChatTurn.reply)
+            .join(ChatSession, ChatSession.id == ChatTurn.session_id)
+            .where(ChatSession.session_key == key, ChatTurn.n == n)
+        ).first()
+    return None if row is None else (list(row[0]), list(row[1]))
 
 
 def expire(cat: Catalog, *, now: datetime | None = None) -> int:
     """Delete every conversation past its TTL (turns first); returns how many."""
     cutoff = now or utcnow()
-    with cat.session() as s:
-        gone = list(s.scalars(select(ChatSession.id).where(ChatSession.expires_at <= cutoff)))
-        if gone:
-            s.execute(delete(ChatTurn).where(ChatTurn.session_id.in_(gone)))
-            s.execute(delete(ChatSession).where(ChatSession.id.in_(gone)))
-    return len(gone)
+    with cat.session() as s:  # the condition is evaluated again at delete: a turn that renewed it keeps it
+        stale = select(ChatSession.id).where(ChatSession.expires_at <= cutoff).scalar_subquery()
+        s.execute(delete(ChatTurn).where(ChatTurn.session_id.in_(stale)))
+        gone = s.scalars(
+            delete(ChatSession).where(ChatSession.expires_at <= cutoff).returning(ChatSession.id)
+        )
+        return len(list(gone))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from infra.catalog import sessions
 from infra.catalog.db import Catalog
 from infra.catalog.sessions import BlockRef
-from infra.errors import CorruptCheckpoint
+from infra.errors import MalformedFile, Refused
 from infra.serving import kv_blocks
 from infra.serving.kv_blocks import BLOCK_TOKENS, TieredBlocks
 
@@ -72,26 +73,38 @@ class Conversations:
         blocks: TieredBlocks,
         model_name: str,
         instance: str,
+        model_id: str | None = None,
         block_tokens: int = BLOCK_TOKENS,
         ttl_s: float = sessions.DEFAULT_TTL_S,
+        keep_live: int = 64,
     ) -> None:
+        """``model_id`` names the weights (e.g. the version's manifest digest): blocks are only shared by
+        instances serving the same one. ``keep_live``: conversations whose cache this process keeps."""
         self.model, self.cat, self.blocks = model.eval(), catalog, blocks
         self.model_name, self.instance = model_name, instance
-        self.block_tokens, self.ttl_s = block_tokens, ttl_s
-        self._live: dict[str, _Live] = {}
+        self.model_id = model_id or model_name
+        self.block_tokens, self.ttl_s, self.keep_live = block_tokens, ttl_s, keep_live
+        self.device = next(model.parameters()).device
+        self._live: OrderedDict[str, _Live] = OrderedDict()
         # transformers 5 calls the cache `cache`; 4.x `past_key_values`
         self._cache_kw = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
 
     def _forward(self, ids: list[int], cache: Any) -> tuple[torch.Tensor, Any]:
-        out = self.model(torch.tensor([ids]), use_cache=True, **{self._cache_kw: cache})
+        out = self.model(torch.tensor([ids], device=self.device), use_cache=True, **{self._cache_kw: cache})
         return out.logits, out["cache"] if "cache" in out else out["past_key_values"]
 
     @torch.no_grad()
-    def turn(self, key: str, prompt: list[int], max_new_tokens: int) -> Reply:
+    def turn(self, key: str, prompt: list[int], max_new_tokens: int, *, number: int | None = None) -> Reply:
+        """Answer the next turn of ``key``; with ``number`` (the turn the client means), a retried request for
+        a turn already answered gets the recorded reply, not a second turn."""
         started = time.perf_counter()
         conv = sessions.load(self.cat, key)
+        if conv is not None and conv.model != self.model_name:
+            raise Refused(f"session {key} is a conversation with {conv.model}, not {self.model_name}")
+        if number is not None and (done := self._answered(key, conv, prompt, number)) is not None:
+            return done
         history = conv.tokens if conv is not None else []
         live, how = self._context(key, history, conv.blocks if conv is not None else [])
         feed = [
@@ -110,10 +123,24 @@ class Conversations:
         live.blocks = self._store_blocks(live)
         n = sessions.record_turn(
             self.cat, key, self.model_name, prompt=prompt, reply=reply, blocks=live.blocks,
-            instance=self.instance, ttl_s=self.ttl_s,
+            history_len=len(history), instance=self.instance, ttl_s=self.ttl_s, expect=number,
         )  # fmt: skip
         self._live[key] = live
+        self._live.move_to_end(key)
+        while len(self._live) > self.keep_live:
+            self._live.popitem(last=False)
         return Reply(reply, n, ttft, *how)
+
+    def _answered(
+        self, key: str, conv: sessions.Conversation | None, prompt: list[int], number: int
+    ) -> Reply | None:
+        turns = conv.turns if conv is not None else 0
+        if number == turns + 1:
+            return None
+        recorded = sessions.recorded_turn(self.cat, key, number) if number <= turns else None
+        if recorded is None or recorded[0] != prompt:
+            raise Refused(f"session {key}: turn {number} asked, but the conversation is at turn {turns}")
+        return Reply(recorded[1], number, 0.0, "recorded", 0, 0, 0)
 
     def forget(self, key: str) -> None:
         """Drop this process's copy of a conversation (as a dead instance would have)."""
@@ -130,20 +157,29 @@ class Conversations:
         values: list[list[torch.Tensor]] = []
         good: list[BlockRef] = []
         first_tier, refused = "", 0
-        for ref in refs:
-            found = self.blocks.get(ref.name)
-            if found is None:
-                break
+        for ref, name, end in zip(refs, *self._expected(history), strict=False):
+            if (ref.name, ref.end) != (name, end):
+                break  # not a block of this conversation's tokens under these weights: recomputed
+            found = self.blocks.get(ref.name, ref.digest)
+            refused += found.refused
+            if found.data is None:
+                break  # missing, or no copy matches its digest: recomputed, never used, with all after it
             try:
-                k, v = kv_blocks.decode(found[0], ref.digest, ref.name)
-            except CorruptCheckpoint:
+                k, v = kv_blocks.decode(found.data)
+            except MalformedFile:
                 refused += 1
-                break  # a damaged block is recomputed, never used; so is everything after it
-            first_tier = first_tier or found[1]
+                break
+            first_tier = first_tier or found.tier
             keys.append(k)
             values.append(v)
             good.append(ref)
         return self._rebuild(history, keys, values, good, first_tier, refused)
+
+    def _expected(self, history: list[int]) -> tuple[list[str], list[int]]:
+        """The names and ends of the blocks that cover ``history`` (all but its last token have KV)."""
+        with_kv = max(0, len(history) - 1)
+        names = kv_blocks.block_names(history[:with_kv], self.model_id, self.block_tokens)
+        return names, [min((i + 1) * self.block_tokens, with_kv) for i in range(len(names))]
 
     def _rebuild(
         self,
@@ -159,8 +195,8 @@ class Conversations:
         if good:
             layers = len(keys[0])
             cache = _make_cache(
-                [torch.cat([b[i] for b in keys], dim=1) for i in range(layers)],
-                [torch.cat([b[i] for b in values], dim=1) for i in range(layers)],
+                [torch.cat([b[i] for b in keys], dim=1).to(self.device) for i in range(layers)],
+                [torch.cat([b[i] for b in values], dim=1).to(self.device) for i in range(layers)],
                 self.model.config,
             )
         todo = history[
@@ -173,16 +209,14 @@ class Conversations:
 
     def _store_blocks(self, live: _Live) -> list[BlockRef]:
         """Write every block not yet written (and the partial last one again); the full list of refs."""
-        with_kv = len(live.tokens) - 1  # the last reply token has no KV entry yet
-        names = kv_blocks.block_names(live.tokens[:with_kv], self.block_tokens)
-        kept = [r for r in live.blocks if r.end % self.block_tokens == 0 and r.end <= with_kv]
+        names, ends = self._expected(live.tokens)
+        kept = [r for r in live.blocks if r.end % self.block_tokens == 0][: len(names)]
         layers = _layers(live.cache)
         refs = list(kept)
         for i in range(len(kept), len(names)):
-            start, end = i * self.block_tokens, min((i + 1) * self.block_tokens, with_kv)
+            start, end = i * self.block_tokens, ends[i]
             data = kv_blocks.encode(
                 [k[0, :, start:end] for k, _ in layers], [v[0, :, start:end] for _, v in layers]
             )
-            self.blocks.put(names[i], data)
-            refs.append(BlockRef(names[i], kv_blocks.digest(data), end))
+            refs.append(BlockRef(names[i], self.blocks.put(names[i], data), end))
         return refs

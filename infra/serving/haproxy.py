@@ -116,6 +116,12 @@ listen {ROUTER}
     retry-on conn-failure empty-response response-timeout 502
     retries 5
     option redispatch 1
+    # A conversation's turns go to the instance that holds its KV cache while it is up (then to another,
+    # which loads the cache from the blocks' tier): the session id from a header, or the JSON body.
+    stick-table type string len 200 size 100k expire 30m
+    http-request set-var(txn.session) req.hdr(x-session-id)
+    http-request set-var(txn.session) req.body,json_query('$.session_id') unless {{ var(txn.session) -m found }}
+    stick on var(txn.session)
 """
     servers = "".join(
         f"    server ts{i} {LOOPBACK}:{gate_port} check inter 300 fall 1 rise 1\n"
