@@ -156,7 +156,16 @@ class Page:
 
     def wait_for_text(self, ok: Callable[[str], bool], timeout_s: float, what: str) -> str:
         """The page's text once ``ok`` holds for it (bounded), as a person waits for the page to fill."""
-        return wait_until(lambda: (t := self.text()) and ok(t) and t, timeout_s, what, interval=0.25)
+        seen = [""]
+
+        def probe() -> str | None:
+            seen[0] = self.text()
+            return seen[0] if seen[0] and ok(seen[0]) else None
+
+        try:
+            return wait_until(probe, timeout_s, what, interval=0.25)
+        except TimeoutError as exc:  # what the page showed instead, for whoever reads the failure
+            raise TimeoutError(f"{exc}; the page showed: {' '.join(seen[0].split())[:1500]!r}") from None
 
     def screenshot(self, path: Path) -> None:
         data = self.call("Page.captureScreenshot", format="png")["data"]
