@@ -18,11 +18,15 @@ from typing import Any
 from infra import faults
 from infra.catalog import incidents, jobs, lineage
 from infra.catalog.db import Catalog
-from infra.drills import slo
-from infra.errors import ConfigError, NotFoundError
+from infra.drills import servers, slo
+from infra.errors import ConfigError, NotFoundError, RewindError, TransientError
 from infra.format.verify import check_copy
 
 POLL_S = 0.2
+BUCKET = "rewind-drill"  # the bucket on the drill's own S3 server
+_SERVERS: dict[
+    str, dict[str, Any]
+] = {}  # run -> the servers its drill started, and the environment they replaced
 
 
 def _run(configuration: dict[str, Any] | None) -> str:
@@ -139,6 +143,102 @@ def delete_local_tier(configuration: dict[str, Any] | None = None) -> str:
     return str(target)
 
 
+def _servers(configuration: dict[str, Any] | None) -> dict[str, Any]:
+    return _SERVERS.setdefault(_run(configuration), {"env": {}})
+
+
+def _set_env(held: dict[str, Any], values: dict[str, str]) -> None:
+    for k, v in values.items():
+        held["env"].setdefault(k, os.environ.get(k))  # the first value seen is the one put back
+        os.environ[k] = v
+
+
+def start_s3(configuration: dict[str, Any] | None = None) -> str:
+    """Start the drill's own S3 server (SeaweedFS on loopback, in the drill's directory) with a bucket,
+    and point this process's AWS_* environment at it (the job and the flows inherit it). Returns its URI."""
+    held = _servers(configuration)
+    server = servers.SeaweedS3(_state(configuration) / "s3")
+    server.start()
+    held["s3"] = server
+    server.client().create_bucket(Bucket=BUCKET)
+    _set_env(held, server.env)
+    return f"s3://{BUCKET}/offsite"
+
+
+def stop_servers(configuration: dict[str, Any] | None = None) -> list[str]:
+    """Rollback: stop every server the drill started and put the environment back as it was."""
+    held = _SERVERS.pop(_run(configuration), {"env": {}})
+    stopped = []
+    for name in ("s3", "postgres"):
+        if held.get(name) is not None:
+            held[name].stop()
+            stopped.append(name)
+    for k, v in held["env"].items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    return stopped
+
+
+def replicate_through_outage(configuration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Replicate the run's newest checkpoint to the drill's S3 server and stop that server as soon as the
+    first file is on it (replication's own per-file hook: mid-copy, before the manifest); then check that
+    nothing was registered and no manifest landed, start the server again and replicate again, as the
+    replicate task's retry does: it must send only what is missing and register one verified copy."""
+    from infra.catalog.models import ReplicaStatus
+    from infra.format import keyring as kr
+    from infra.format.verify import Verdict
+    from infra.replication import replicate
+    from infra.tiers import open_tier, transfer
+
+    run, held = _run(configuration), _servers(configuration)
+    server: servers.SeaweedS3 | None = held.get("s3")
+    if server is None:
+        raise ConfigError("the drill started no S3 server (start_s3 comes first)")
+    ck = _newest(run)
+    if ck is None:
+        raise NotFoundError(f"{run} has no checkpoint to replicate")
+    cat, uri = Catalog(), f"s3://{BUCKET}/offsite"
+    sent_before: list[str] = []
+
+    def outage(path: str, sent: int) -> None:
+        if not sent_before:
+            sent_before.append(path)
+            server.stop()  # graceful, as a service stop: SeaweedFS keeps what it acknowledged
+
+    started = time.monotonic()
+    try:
+        replicate(cat, ck, open_tier(uri), on_file=outage)
+    except TransientError as exc:
+        failed_with = str(exc)
+    else:
+        raise RewindError("the S3 server stopped mid-replication, yet the replication reported success")
+    finally:
+        if server.proc is None:
+            server.start()
+    offsite = [r for r in lineage.replicas_of(cat, ck.id) if r.tier == "offsite"]
+    if offsite:
+        raise RewindError(f"a copy was registered during the outage: {[(r.key, r.status) for r in offsite]}")
+    key = transfer.copy_key(run, ck.step)
+    if transfer.holds(open_tier(uri), key, str(ck.manifest_digest)) is not None:
+        raise RewindError(f"a manifest landed at {uri}/{key} although the copy was cut short")
+    done = replicate(cat, ck, open_tier(uri))
+    report = transfer.check_remote(
+        open_tier(uri), done.key, str(ck.manifest_digest), deep=True, keyring=kr.from_env()
+    )
+    if report.verdict is not Verdict.VERIFIED:
+        raise RewindError(f"the copy at {uri}/{done.key} does not prove itself: {report.findings}")
+    registered = [(r.key, r.status) for r in lineage.replicas_of(cat, ck.id) if r.tier == "offsite"]
+    if registered != [(done.key, ReplicaStatus.VERIFIED.value)]:
+        raise RewindError(f"expected one verified off-site copy, the catalog has {registered}")
+    return {
+        "step": ck.step, "stopped_after": sent_before[0] if sent_before else None, "failed_with": failed_with,
+        "bytes_resent": done.bytes_sent, "bytes_total": ck.total_bytes, "key": done.key,
+        "seconds": round(time.monotonic() - started, 3),
+    }  # fmt: skip
+
+
 # -- probes ------------------------------------------------------------------------------------
 
 
@@ -155,6 +255,17 @@ def newest_checkpoint_verifies(configuration: dict[str, Any] | None = None) -> b
     """The newest restorable checkpoint's local copy proves itself, every byte (true when there is none yet)."""
     ck = _newest(_run(configuration))
     return ck is None or check_copy(Path(ck.path), ck.manifest_digest, deep=True).ok
+
+
+def offsite_copies_verified(configuration: dict[str, Any] | None = None) -> bool:
+    """The run has an off-site copy, and every off-site copy the catalog registered for it is verified."""
+    run, cat = _run(configuration), Catalog()
+    try:
+        cks = lineage.checkpoints(cat, run)
+    except NotFoundError:
+        return False
+    offsite = [r for ck in cks for r in lineage.replicas_of(cat, ck.id) if r.tier == "offsite"]
+    return bool(offsite) and all(r.status == "verified" for r in offsite)
 
 
 def fault_fired(configuration: dict[str, Any] | None = None) -> bool:

