@@ -8,6 +8,7 @@ post-recovery loss curve against an uninterrupted reference run, and the phase t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -128,6 +129,19 @@ def await_failure(configuration: dict[str, Any], timeout_s: float = 300.0) -> di
     if not result.get("incident_id"):
         raise RuntimeError(f"the fault did not stop the job: {result}")
     return dict(result)
+
+
+def await_end(configuration: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+    """Wait (bounded) for protect-training to end; a job that failed is recovered, one that finished is left."""
+    slot = _ACTIVE[configuration["run"]]
+    slot["thread"].join(timeout=timeout_s)
+    if slot["thread"].is_alive():
+        raise TimeoutError(f"protect-training of {configuration['run']} did not end within {timeout_s:g}s")
+    if slot["error"]:
+        raise RuntimeError(f"protect-training failed: {slot['error']}")
+    if slot["result"].get("incident_id"):
+        return {"ended": dict(slot["result"]), "recovery": recover(configuration)}
+    return {"ended": dict(slot["result"])}
 
 
 def recover(configuration: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
@@ -307,8 +321,12 @@ def run_one(
     }
     experiment = {**experiment, "configuration": configuration}
     t0 = time.monotonic()
+    found: list[Any] = []
     try:
         journal = run_experiment(experiment)
+        # Where the job's incidents are: the drill's own catalog when it started one (still up here).
+        with contextlib.suppress(NotFoundError):
+            found = incidents.incidents_of(Catalog(), run)
     finally:
         os.environ.pop("REWIND_FAULT", None)
         os.environ.pop("REWIND_FAULT_ONCE", None)
@@ -318,15 +336,17 @@ def run_one(
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     error = _journal_error(journal)
-    try:
-        found = incidents.incidents_of(cat, run)
-    except NotFoundError:
-        found = []
     inc = found[0] if found else None
     m = measure.measure(inc, measure.read_log(state / "loss.jsonl"), reference, error)
-    if inc is None:
+    if inc is None and error is None and ext.get("incident") == "optional":
+        # The job rode the fault out: nothing to recover, so no phase ran and there is no RTO.
+        m["phases"] = {n: {"s": None, "status": "not_needed"} for n in slo.PHASES}
+        verdict = slo.Verdict(True, None, "the job rode the fault out: no incident, nothing to recover")
+    elif inc is None:
         m["phases"]["detect"] = {"s": None, "status": "failed", "why": error or "no incident was recorded"}
-    verdict = slo.judge(budget, m["phases"], m["rto_s"], m["rpo_steps"])
+        verdict = slo.judge(budget, m["phases"], m["rto_s"], m["rpo_steps"])
+    else:
+        verdict = slo.judge(budget, m["phases"], m["rto_s"], m["rpo_steps"])
     if error and verdict.passed:
         verdict = slo.Verdict(False, None, error)
     drill_id = drill_rows.record(

@@ -165,14 +165,66 @@ def start_s3(configuration: dict[str, Any] | None = None) -> str:
     return f"s3://{BUCKET}/offsite"
 
 
+def start_catalog(configuration: dict[str, Any] | None = None) -> str:
+    """Start the drill's own PostgreSQL cluster (initdb in the drill's directory, a free loopback port),
+    create the catalog there and point this process's REWIND_CATALOG_URL at it: the job, its supervisor
+    and the flows use it; the drill itself is still recorded in the catalog it was started with."""
+    held = _servers(configuration)
+    pg = servers.PostgresCluster(_state(configuration) / "pg")
+    pg.start()
+    held["postgres"] = pg
+    Catalog(pg.url)  # migrated to the newest schema
+    _set_env(held, {"REWIND_CATALOG_URL": pg.url})
+    return f"postgresql://127.0.0.1:{pg.port}/{pg.database}"
+
+
+def restart_catalog(
+    at_step: int,
+    mode: str = "fast",
+    outage_s: float = 0.0,
+    timeout_s: float = 180.0,
+    configuration: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Once a rank of the run reported ``at_step`` (bounded wait), stop the drill's PostgreSQL
+    (``fast``: every session is ended, as a service restart does; ``immediate``: a crash), keep it down
+    for ``outage_s`` (the fault's length) and start it again. Returns the step reached and the seconds
+    the catalog was down."""
+    held = _servers(configuration)
+    pg: servers.PostgresCluster | None = held.get("postgres")
+    if pg is None:
+        raise ConfigError("the drill started no PostgreSQL (start_catalog comes first)")
+    run, cat, deadline = _run(configuration), Catalog(), time.monotonic() + timeout_s
+    reached = None
+    while reached is None:
+        try:
+            ls = jobs.launches(cat, run)
+        except NotFoundError:
+            ls = []
+        steps = [p.step or 0 for p in jobs.progress(cat, ls[-1].id)] if ls else []
+        if steps and max(steps) >= at_step:
+            reached = max(steps)
+        elif time.monotonic() > deadline:
+            raise TimeoutError(f"{run} did not reach step {at_step} within {timeout_s:g}s")
+        else:
+            time.sleep(POLL_S)
+    cat.engine.dispose()
+    down = time.monotonic()
+    pg.stop(mode)
+    time.sleep(outage_s)  # the outage itself, not a wait for anything
+    pg.start()
+    return {"at_step": reached, "down_s": round(time.monotonic() - down, 3), "mode": mode}
+
+
 def stop_servers(configuration: dict[str, Any] | None = None) -> list[str]:
     """Rollback: stop every server the drill started and put the environment back as it was."""
     held = _SERVERS.pop(_run(configuration), {"env": {}})
     stopped = []
-    for name in ("s3", "postgres"):
-        if held.get(name) is not None:
-            held[name].stop()
-            stopped.append(name)
+    if held.get("s3") is not None:
+        held["s3"].stop()
+        stopped.append("s3")
+    if held.get("postgres") is not None:
+        held["postgres"].discard()
+        stopped.append("postgres")
     for k, v in held["env"].items():
         if v is None:
             os.environ.pop(k, None)
@@ -266,6 +318,15 @@ def offsite_copies_verified(configuration: dict[str, Any] | None = None) -> bool
         return False
     offsite = [r for ck in cks for r in lineage.replicas_of(cat, ck.id) if r.tier == "offsite"]
     return bool(offsite) and all(r.status == "verified" for r in offsite)
+
+
+def run_finished(configuration: dict[str, Any] | None = None) -> bool:
+    """The run's newest launch ended with exit code 0 (the job ran to its end)."""
+    try:
+        ls = jobs.launches(Catalog(), _run(configuration))
+    except NotFoundError:
+        return False
+    return bool(ls) and ls[-1].exit_code == 0
 
 
 def fault_fired(configuration: dict[str, Any] | None = None) -> bool:

@@ -9,10 +9,12 @@ restartable on the same ports and data, which is what a drill that stops one mid
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +61,21 @@ def postgres_bin() -> Path:
     raise ConfigError("PostgreSQL's server binaries (initdb, pg_ctl) are not installed")
 
 
+def postgres_owner() -> str | None:
+    """The user a cluster runs as: None for this process's own; as root (PostgreSQL refuses root), ``postgres``."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        raise ConfigError(
+            "PostgreSQL refuses to run as root and there is no postgres user to run it as"
+        ) from None
+    if not shutil.which("runuser"):
+        raise ConfigError("PostgreSQL refuses to run as root and runuser (util-linux) is missing")
+    return "postgres"
+
+
 def missing(component: str) -> str | None:
     """Why ``component`` (``seaweedfs`` or ``postgres``) cannot be started here, or None when it can."""
     try:
@@ -66,6 +83,7 @@ def missing(component: str) -> str | None:
             weed_binary()
         elif component == "postgres":
             postgres_bin()
+            postgres_owner()
         else:
             return f"unknown component {component!r}"
     except ConfigError as exc:
@@ -169,47 +187,62 @@ class SeaweedS3:
 
 @dataclass
 class PostgresCluster:
-    """A throwaway PostgreSQL cluster (initdb in ``data``, trust auth) on a private loopback port."""
+    """A throwaway PostgreSQL cluster (initdb, trust auth) on a private loopback port.
+
+    Its files lie in ``data``; run as root, in a fresh directory under the system's temporary one owned
+    by the ``postgres`` user (PostgreSQL will not run as root, and ``data`` may lie below a private one)."""
 
     data: Path
     port: int = field(default_factory=free_port)
     database: str = "rewind"
+    owner: str | None = field(default_factory=postgres_owner)
+    _home: Path | None = None
 
     @property
     def url(self) -> str:
         return f"postgresql+psycopg://postgres@{LOOPBACK}:{self.port}/{self.database}"
 
+    @property
+    def home(self) -> Path:
+        """Where the cluster's files are (``data`` unless it runs as another user)."""
+        if self._home is None:
+            if self.owner is None:
+                self._home = self.data
+            else:
+                self._home = Path(tempfile.mkdtemp(prefix="rewind-drill-pg-"))
+                shutil.chown(self._home, self.owner, self.owner)
+            self._home.mkdir(parents=True, exist_ok=True)
+        return self._home
+
     def _run(self, *argv: str, timeout: float = 120) -> None:
-        done = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
+        cmd = [*(["runuser", "-u", self.owner, "--"] if self.owner else []), *argv]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=self.home)
         if done.returncode != 0:
             raise RewindError(f"{Path(argv[0]).name} failed: {(done.stderr or done.stdout).strip()[-300:]!r}")
 
     def start(self, timeout: float = 60) -> None:
         """initdb on first start, then pg_ctl start (waits until it accepts connections); creates the database."""
-        bindir = postgres_bin()
-        pgdata = self.data / "pgdata"
+        bindir, pgdata = postgres_bin(), self.home / "pgdata"
         first = not (pgdata / "PG_VERSION").exists()
         if first:
-            self.data.mkdir(parents=True, exist_ok=True)
             self._run(
                 str(bindir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust", "-E", "UTF8"
             )
-        opts = f"-c listen_addresses={LOOPBACK} -c port={self.port} -c unix_socket_directories={self.data}"
+        opts = f"-c listen_addresses={LOOPBACK} -c port={self.port} -c unix_socket_directories={self.home}"
         self._run(
-            str(bindir / "pg_ctl"), "-D", str(pgdata), "-l", str(self.data / "postgres.log"),
+            str(bindir / "pg_ctl"), "-D", str(pgdata), "-l", str(self.home / "postgres.log"),
             "-o", opts, "-w", "-t", str(int(timeout)), "start", timeout=timeout + 10,
         )  # fmt: skip
         if first:
             import psycopg
 
-            with psycopg.connect(
-                f"host={LOOPBACK} port={self.port} user=postgres dbname=postgres", autocommit=True
-            ) as c:
+            dsn = f"host={LOOPBACK} port={self.port} user=postgres dbname=postgres"
+            with psycopg.connect(dsn, autocommit=True, connect_timeout=10) as c:
                 c.execute(f'CREATE DATABASE "{self.database}"')
 
     def stop(self, mode: str = "fast", timeout: float = 60) -> None:
         """pg_ctl stop: ``fast`` ends every session (what a restart of the service does), ``immediate`` crashes."""
-        pgdata = self.data / "pgdata"
+        pgdata = self.home / "pgdata"
         if (pgdata / "postmaster.pid").exists():
             self._run(
                 str(postgres_bin() / "pg_ctl"), "-D", str(pgdata), "-m", mode, "-w", "-t", str(int(timeout)), "stop",
@@ -219,3 +252,9 @@ class PostgresCluster:
     def restart(self, mode: str = "fast", timeout: float = 60) -> None:
         self.stop(mode, timeout)
         self.start(timeout)
+
+    def discard(self) -> None:
+        """Stop it and delete a cluster kept outside ``data`` (one under ``data`` stays with the drill's files)."""
+        self.stop()
+        if self._home is not None and self._home != self.data:
+            shutil.rmtree(self._home, ignore_errors=True)
