@@ -313,24 +313,22 @@ def run_one(
     ref_job = {k: v for k, v in job_cfg.items() if k in ("steps", "every", "seed")}
     pending = pool.submit(reference_curve, ref_job, dict(os.environ), spec)  # copied before a fault is armed
     configuration = {
-        "run": run,
-        "state_dir": str(state),
-        "job": job_cfg,
-        "slo_file": slo_file,
-        "job_spec": spec,
-    }
+        "run": run, "state_dir": str(state), "job": job_cfg, "slo_file": slo_file, "job_spec": spec,
+        "servers_stopped_by": "rewind",  # after measuring: the job's incident may be in the drill's own catalog
+    }  # fmt: skip
     experiment = {**experiment, "configuration": configuration}
     t0 = time.monotonic()
     found: list[Any] = []
+    own = None
     try:
         journal = run_experiment(experiment)
-        # Where the job's incidents are: the drill's own catalog when it started one (still up here).
+        own = chaos.own_catalog(configuration)
         with contextlib.suppress(NotFoundError):
-            found = incidents.incidents_of(Catalog(), run)
+            found = incidents.incidents_of(Catalog(own) if own else cat, run)
     finally:
         os.environ.pop("REWIND_FAULT", None)
         os.environ.pop("REWIND_FAULT_ONCE", None)
-        chaos.stop_servers(configuration)  # the rollbacks do it too; a drill never leaves a server behind
+        chaos.stop_servers(now=True, configuration=configuration)  # a drill never leaves a server behind
     try:
         reference = pending.result(timeout=600)
     finally:
@@ -350,7 +348,7 @@ def run_one(
     if error and verdict.passed:
         verdict = slo.Verdict(False, None, error)
     drill_id = drill_rows.record(
-        cat, scenario=scenario, failure_kind=kind, run_name=run, incident_id=inc.id if inc else None,
+        cat, scenario=scenario, failure_kind=kind, run_name=run, incident_id=inc.id if inc and not own else None,
         started_at=started, outcome="passed" if verdict.passed else "failed", phases=m["phases"],
         rto_s=m["rto_s"], rpo_steps=m["rpo_steps"], rpo_s=m["rpo_s"], loss_max_deviation=m["loss_max_deviation"],
         loss_curve=m["loss_curve"], failed_phase=verdict.failed_phase, reason=verdict.reason,
@@ -358,7 +356,9 @@ def run_one(
         details={"journal_status": journal.get("status"), "deviated": journal.get("deviated"),
                  "wall_s": round(time.monotonic() - t0, 2), "job": None if spec else job_cfg,
                  "job_spec": spec, "error": error, "expected_failure_at": expected,
-                 "activities": _outputs(journal)},
+                 "activities": _outputs(journal),
+                 "own_catalog_incident": {"id": inc.id, "kind": inc.kind, "reason": inc.reason}
+                 if inc is not None and own else None},
     )  # fmt: skip
     return {"id": drill_id, "scenario": scenario, "outcome": "passed" if verdict.passed else "failed",
             "failed_phase": verdict.failed_phase, "reason": verdict.reason, "rto_s": m["rto_s"],

@@ -215,8 +215,18 @@ def restart_catalog(
     return {"at_step": reached, "down_s": round(time.monotonic() - down, 3), "mode": mode}
 
 
-def stop_servers(configuration: dict[str, Any] | None = None) -> list[str]:
-    """Rollback: stop every server the drill started and put the environment back as it was."""
+def own_catalog(configuration: dict[str, Any] | None = None) -> str | None:
+    """The URL of the catalog the drill started for itself (while it runs), or None."""
+    pg = _SERVERS.get(_run(configuration), {}).get("postgres")
+    return str(pg.url) if pg is not None else None
+
+
+def stop_servers(now: bool = False, configuration: dict[str, Any] | None = None) -> list[str]:
+    """Rollback: stop every server the drill started and put the environment back as it was. Where the
+    configuration says ``servers_stopped_by: rewind``, the drill runner does it itself after measuring
+    (what the job recorded in the drill's own catalog goes with it), unless ``now``."""
+    if not now and (configuration or {}).get("servers_stopped_by") == "rewind":
+        return []
     held = _SERVERS.pop(_run(configuration), {"env": {}})
     stopped = []
     if held.get("s3") is not None:
