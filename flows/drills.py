@@ -83,6 +83,14 @@ def _command(configuration: dict[str, Any], run: str, out: Path, log: Path) -> l
 # -- actions named by the experiments --------------------------------------------------------------
 
 
+def _prefect_of(configuration: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """The drill's own Prefect server for the flows run in this thread, where the drill started one."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api = chaos.own_prefect_api(configuration)
+    return temporary_settings(updates={PREFECT_API_URL: api}) if api else contextlib.nullcontext()
+
+
 def start_protected(configuration: dict[str, Any]) -> str:
     """Start the drill's job under protect-training (in a thread: the next actions hurt it meanwhile)."""
     from flows.training import protect_training
@@ -106,7 +114,8 @@ def start_protected(configuration: dict[str, Any]) -> str:
 
     def go() -> None:
         try:
-            slot["result"] = protect_training(run, cmd, **kw)
+            with _prefect_of(configuration):
+                slot["result"] = protect_training(run, cmd, **kw)
         except BaseException as exc:
             slot["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -156,7 +165,8 @@ def recover(configuration: dict[str, Any], timeout_s: float = 600.0) -> dict[str
 
     def go() -> None:
         try:
-            done["result"] = recover_training(incident_id)
+            with _prefect_of(configuration):
+                done["result"] = recover_training(incident_id)
         except BaseException as exc:
             done["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -171,6 +181,17 @@ def recover(configuration: dict[str, Any], timeout_s: float = 600.0) -> dict[str
     if done["result"].get("status") != "recovered":
         raise RuntimeError(f"recover-training ended {done['result'].get('status')}: {done['result']}")
     return dict(done["result"])
+
+
+def flow_runs_completed_on_own_server(configuration: dict[str, Any]) -> bool:
+    """Every flow run on the drill's own Prefect server reached Completed (its states got through the restart)."""
+    from prefect.client.orchestration import get_client
+
+    if chaos.own_prefect_api(configuration) is None:
+        return False
+    with _prefect_of(configuration), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs()
+    return bool(runs) and all(r.state_type is not None and r.state_type.value == "COMPLETED" for r in runs)
 
 
 def replicate_to_shared(configuration: dict[str, Any]) -> list[int]:

@@ -35,7 +35,7 @@ def test_scenarios_are_chaos_toolkit_experiments():
 
     found = experiments.load_all()
     runnable = [n for n, e in found.items() if not experiments.rewind_ext(e).get("skip")]
-    assert len(runnable) >= 13 and {"s3-outage", "catalog-restart"} <= set(runnable), runnable
+    assert len(runnable) >= 14 and {"s3-outage", "catalog-restart", "prefect-restart"} <= set(runnable), runnable
     for name, exp in found.items():
         exp = {**exp, "configuration": {"run": "x", "state_dir": "/tmp"}}
         ensure_experiment_is_valid(exp)  # chaostoolkit-lib's own validation (functions and arguments)
@@ -94,7 +94,7 @@ def test_run_drills_flow_records_a_skipped_scenario_with_its_reason(prefect_api,
     # catalog-restart needs PostgreSQL's server binaries: where they are not found, it is skipped, saying so.
     monkeypatch.setattr(servers, "POSTGRES_BIN_DIRS", (str(sqlite_env / "no-postgres"),))
     monkeypatch.setenv("PATH", str(sqlite_env / "empty-path"))
-    got = run_drills(["prefect-restart", "catalog-restart"])
+    got = run_drills(["torchserve-kill", "catalog-restart"])
     assert [g["outcome"] for g in got] == ["skipped", "skipped"], got
     assert "not built yet" in got[0]["reason"]
     assert "needs postgres" in got[1]["reason"] and "not installed" in got[1]["reason"], got[1]

@@ -193,26 +193,60 @@ def restart_catalog(
     pg: servers.PostgresCluster | None = held.get("postgres")
     if pg is None:
         raise ConfigError("the drill started no PostgreSQL (start_catalog comes first)")
-    run, cat, deadline = _run(configuration), Catalog(), time.monotonic() + timeout_s
-    reached = None
-    while reached is None:
+    reached = _await_step(_run(configuration), at_step, timeout_s)
+    down = time.monotonic()
+    pg.stop(mode)
+    time.sleep(outage_s)  # the outage itself, not a wait for anything
+    pg.start()
+    return {"at_step": reached, "down_s": round(time.monotonic() - down, 3), "mode": mode}
+
+
+def start_prefect(configuration: dict[str, Any] | None = None) -> str:
+    """Start the drill's own Prefect server (its own database, in the drill's directory); the drill's
+    flows (protect-training, recover-training) talk to it. Returns its API URL."""
+    held = _servers(configuration)
+    server = servers.PrefectServer(_state(configuration) / "prefect")
+    server.start()
+    held["prefect"] = server
+    return server.api
+
+
+def own_prefect_api(configuration: dict[str, Any] | None = None) -> str | None:
+    """The API URL of the Prefect server the drill started for itself (while it runs), or None."""
+    server = _SERVERS.get(_run(configuration), {}).get("prefect")
+    return str(server.api) if server is not None else None
+
+
+def _await_step(run: str, at_step: int, timeout_s: float) -> int:
+    """The step a rank of the run's newest launch reported once it is at least ``at_step`` (bounded)."""
+    cat, deadline = Catalog(), time.monotonic() + timeout_s
+    while True:
         try:
             ls = jobs.launches(cat, run)
         except NotFoundError:
             ls = []
         steps = [p.step or 0 for p in jobs.progress(cat, ls[-1].id)] if ls else []
         if steps and max(steps) >= at_step:
-            reached = max(steps)
-        elif time.monotonic() > deadline:
+            return max(steps)
+        if time.monotonic() > deadline:
             raise TimeoutError(f"{run} did not reach step {at_step} within {timeout_s:g}s")
-        else:
-            time.sleep(POLL_S)
-    cat.engine.dispose()
+        time.sleep(POLL_S)
+
+
+def restart_prefect(
+    at_step: int, outage_s: float = 0.0, timeout_s: float = 180.0, configuration: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Once a rank of the run reported ``at_step``, stop the drill's Prefect server (SIGTERM, then SIGKILL),
+    keep it down ``outage_s`` and start it again on the same port and database."""
+    server: servers.PrefectServer | None = _servers(configuration).get("prefect")
+    if server is None:
+        raise ConfigError("the drill started no Prefect server (start_prefect comes first)")
+    reached = _await_step(_run(configuration), at_step, timeout_s)
     down = time.monotonic()
-    pg.stop(mode)
+    server.stop()
     time.sleep(outage_s)  # the outage itself, not a wait for anything
-    pg.start()
-    return {"at_step": reached, "down_s": round(time.monotonic() - down, 3), "mode": mode}
+    server.start()
+    return {"at_step": reached, "down_s": round(time.monotonic() - down, 3)}
 
 
 def own_catalog(configuration: dict[str, Any] | None = None) -> str | None:
@@ -235,6 +269,9 @@ def stop_servers(now: bool = False, configuration: dict[str, Any] | None = None)
     if held.get("postgres") is not None:
         held["postgres"].discard()
         stopped.append("postgres")
+    if held.get("prefect") is not None:
+        held["prefect"].stop()
+        stopped.append("prefect")
     for k, v in held["env"].items():
         if v is None:
             os.environ.pop(k, None)

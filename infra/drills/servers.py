@@ -186,6 +186,63 @@ class SeaweedS3:
 
 
 @dataclass
+class PrefectServer:
+    """A Prefect server of the drill's own (``python -m prefect server start``, its own SQLite database
+    under ``home``, UI off) on a private loopback port; restartable on the same port and database."""
+
+    home: Path
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def api(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}/api"
+
+    def start(self, timeout: float = 180) -> None:
+        import httpx
+
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "PREFECT_HOME": str(self.home),
+            "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{self.home / 'server.db'}",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "PREFECT_SERVER_UI_ENABLED": "false",
+        }
+        env.pop("PREFECT_API_URL", None)
+        cmd = [
+            sys.executable,
+            "-m",
+            "prefect",
+            "server",
+            "start",
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(self.port),
+        ]
+        log = self.home / "server.log"
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        proc = self.proc
+        _wait(
+            lambda: httpx.get(f"{self.api}/health", timeout=2).status_code == 200,
+            lambda: proc.poll() is None,
+            timeout,
+            "prefect server",
+            log,
+        )
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc is None:
+            return
+        stop_group(self.proc.pid, timeout_s=timeout)
+        self.proc = None
+
+
+@dataclass
 class PostgresCluster:
     """A throwaway PostgreSQL cluster (initdb, trust auth) on a private loopback port.
 
