@@ -35,7 +35,9 @@ def test_scenarios_are_chaos_toolkit_experiments():
 
     found = experiments.load_all()
     runnable = [n for n, e in found.items() if not experiments.rewind_ext(e).get("skip")]
-    assert len(runnable) >= 14 and {"s3-outage", "catalog-restart", "prefect-restart"} <= set(runnable), runnable
+    assert len(runnable) >= 14 and {"s3-outage", "catalog-restart", "prefect-restart"} <= set(runnable), (
+        runnable
+    )
     for name, exp in found.items():
         exp = {**exp, "configuration": {"run": "x", "state_dir": "/tmp"}}
         ensure_experiment_is_valid(exp)  # chaostoolkit-lib's own validation (functions and arguments)
