@@ -30,7 +30,7 @@ from infra.catalog import drills as drill_rows
 from infra.catalog import incidents
 from infra.catalog.db import Catalog
 from infra.drills import chaos, experiments, measure, servers, slo
-from infra.errors import ConfigError, NotFoundError
+from infra.errors import ConfigError, NotFoundError, RewindError
 from infra.launch.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -126,31 +126,31 @@ def start_protected(configuration: dict[str, Any]) -> str:
     return run
 
 
-def await_failure(configuration: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
-    """Wait (bounded) for protect-training to end; the job must have failed (an incident)."""
+def _ended(configuration: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """What protect-training returned, once it ended (bounded)."""
     slot = _ACTIVE[configuration["run"]]
     slot["thread"].join(timeout=timeout_s)
     if slot["thread"].is_alive():
-        raise TimeoutError(f"protect-training of {configuration['run']} did not end within {timeout_s:g}s")
+        raise RewindError(f"protect-training of {configuration['run']} did not end within {timeout_s:g}s")
     if slot["error"]:
-        raise RuntimeError(f"protect-training failed: {slot['error']}")
-    result = slot["result"]
+        raise RewindError(f"protect-training failed: {slot['error']}")
+    return dict(slot["result"])
+
+
+def await_failure(configuration: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+    """Wait (bounded) for protect-training to end; the job must have failed (an incident)."""
+    result = _ended(configuration, timeout_s)
     if not result.get("incident_id"):
-        raise RuntimeError(f"the fault did not stop the job: {result}")
-    return dict(result)
+        raise RewindError(f"the fault did not stop the job: {result}")
+    return result
 
 
 def await_end(configuration: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
     """Wait (bounded) for protect-training to end; a job that failed is recovered, one that finished is left."""
-    slot = _ACTIVE[configuration["run"]]
-    slot["thread"].join(timeout=timeout_s)
-    if slot["thread"].is_alive():
-        raise TimeoutError(f"protect-training of {configuration['run']} did not end within {timeout_s:g}s")
-    if slot["error"]:
-        raise RuntimeError(f"protect-training failed: {slot['error']}")
-    if slot["result"].get("incident_id"):
-        return {"ended": dict(slot["result"]), "recovery": recover(configuration)}
-    return {"ended": dict(slot["result"])}
+    result = _ended(configuration, timeout_s)
+    if result.get("incident_id"):
+        return {"ended": result, "recovery": recover(configuration)}
+    return {"ended": result}
 
 
 def recover(configuration: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
@@ -160,7 +160,7 @@ def recover(configuration: dict[str, Any], timeout_s: float = 600.0) -> dict[str
     slot = _ACTIVE.get(configuration["run"]) or {}
     incident_id = (slot.get("result") or {}).get("incident_id")
     if incident_id is None:
-        raise RuntimeError("no incident to recover: the job did not fail as the experiment meant it to")
+        raise RewindError("no incident to recover: the job did not fail as the experiment meant it to")
     done: dict[str, Any] = {}
 
     def go() -> None:
@@ -177,9 +177,9 @@ def recover(configuration: dict[str, Any], timeout_s: float = 600.0) -> dict[str
         done["error"] = f"recover-training did not end within {timeout_s:g}s"
     slot["recovery"] = done
     if "error" in done:
-        raise RuntimeError(done["error"])
+        raise RewindError(done["error"])
     if done["result"].get("status") != "recovered":
-        raise RuntimeError(f"recover-training ended {done['result'].get('status')}: {done['result']}")
+        raise RewindError(f"recover-training ended {done['result'].get('status')}: {done['result']}")
     return dict(done["result"])
 
 
@@ -257,7 +257,7 @@ def reference_curve(
                 env.pop(k, None)
             done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
-                raise RuntimeError(f"the reference run failed: {done.stdout[-500:]}{done.stderr[-500:]}")
+                raise RewindError(f"the reference run failed: {done.stdout[-500:]}{done.stderr[-500:]}")
             os.replace(log, cached)
     return measure.reference_losses(measure.read_log(cached))
 

@@ -87,7 +87,7 @@ def signal_rank(
                 os.kill(p.pid, sig)
                 return p.pid
         time.sleep(POLL_S)
-    raise TimeoutError(f"rank {rank} of {run} did not reach step {at_step} within {timeout_s:g}s")
+    raise RewindError(f"rank {rank} of {run} did not reach step {at_step} within {timeout_s:g}s")
 
 
 def damage_newest_checkpoint(
@@ -229,7 +229,7 @@ def _await_step(run: str, at_step: int, timeout_s: float) -> int:
         if steps and max(steps) >= at_step:
             return max(steps)
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{run} did not reach step {at_step} within {timeout_s:g}s")
+            raise RewindError(f"{run} did not reach step {at_step} within {timeout_s:g}s")
         time.sleep(POLL_S)
 
 

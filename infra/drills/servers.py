@@ -107,8 +107,30 @@ def _wait(ready: Any, proc_alive: Any, timeout: float, what: str, log: Path) -> 
         time.sleep(0.2)
 
 
+class _Spawned:
+    """A server run as its own process group, stopped (bounded) by ``stop``."""
+
+    proc: subprocess.Popen | None
+
+    def _spawn(
+        self, cmd: list[str], env: dict[str, str], log: Path, ready: Any, what: str, timeout: float
+    ) -> None:
+        with open(log, "ab") as out:
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        proc = self.proc
+        _wait(ready, lambda: proc.poll() is None, timeout, what, log)
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.proc is None:
+            return
+        stop_group(self.proc.pid, timeout_s=timeout)
+        self.proc = None
+
+
 @dataclass
-class SeaweedS3:
+class SeaweedS3(_Spawned):
     """One `weed mini` process with every listener on a private loopback port; restartable on the same ports."""
 
     data: Path
@@ -154,29 +176,8 @@ class SeaweedS3:
             "-admin.ui=false",
             *(f"-{k}={v}" for k, v in self.ports.items()),
         ]
-        log = self.data / "weed.log"
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(
-                cmd,
-                env={**os.environ, **self.env},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        proc = self.proc
-        _wait(
-            lambda: self.client().list_buckets() is not None,
-            lambda: proc.poll() is None,
-            timeout,
-            "weed mini",
-            log,
-        )
-
-    def stop(self, timeout: float = 20) -> None:
-        if self.proc is None:
-            return
-        stop_group(self.proc.pid, timeout_s=timeout)
-        self.proc = None
+        ready = lambda: self.client().list_buckets() is not None  # noqa: E731
+        self._spawn(cmd, {**os.environ, **self.env}, self.data / "weed.log", ready, "weed mini", timeout)
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -186,7 +187,7 @@ class SeaweedS3:
 
 
 @dataclass
-class PrefectServer:
+class PrefectServer(_Spawned):
     """A Prefect server of the drill's own (``python -m prefect server start``, its own SQLite database
     under ``home``, UI off) on a private loopback port; restartable on the same port and database."""
 
@@ -221,25 +222,8 @@ class PrefectServer:
             "--port",
             str(self.port),
         ]
-        log = self.home / "server.log"
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(
-                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        proc = self.proc
-        _wait(
-            lambda: httpx.get(f"{self.api}/health", timeout=2).status_code == 200,
-            lambda: proc.poll() is None,
-            timeout,
-            "prefect server",
-            log,
-        )
-
-    def stop(self, timeout: float = 20) -> None:
-        if self.proc is None:
-            return
-        stop_group(self.proc.pid, timeout_s=timeout)
-        self.proc = None
+        ready = lambda: httpx.get(f"{self.api}/health", timeout=2).status_code == 200  # noqa: E731
+        self._spawn(cmd, env, self.home / "server.log", ready, "prefect server", timeout)
 
 
 @dataclass
