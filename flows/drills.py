@@ -35,9 +35,6 @@ from infra.launch.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_DEFAULTS: dict[str, Any] = {"steps": 40, "every": 10, "seed": 0, "step_time_s": 0.15}
-# In a user's job spec (command and env values): the drill's own run name (required: a drill never hurts
-# the user's run), a private output directory, and the loss log that gives the curve and the late phases.
-PLACEHOLDERS = ("{run}", "{out}", "{loss_log}")
 SPEC_UNSUPPORTED = ("rdzv_endpoint", "torchrun", "model")
 _ACTIVE: dict[str, dict[str, Any]] = {}  # run -> the protect thread, its result, recovery's result
 
@@ -51,6 +48,9 @@ def _job(configuration: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fill(value: str, run: str, out: Path, log: Path) -> str:
+    """A user's job spec's placeholders (in its command and env values): ``{run}``, the drill's own run name
+    (required: a drill never hurts the user's run), ``{out}``, a private output directory, and
+    ``{loss_log}``, the loss log that gives the curve and the late phases."""
     return value.replace("{run}", run).replace("{out}", str(out)).replace("{loss_log}", str(log))
 
 
