@@ -3,7 +3,9 @@
 Experiments name these as ``{"type": "python", "module": "infra.drills.chaos", "func": ...}``.
 Every function takes the experiment's ``configuration`` (``run``: the drill's run; ``state_dir``: a
 private directory of the drill) and reads the catalog from the environment. No Prefect here: what
-starts and recovers the job (the flows) is named by the experiment separately.
+starts and recovers the job (the flows) is named by the experiment separately. A drill may start
+servers of its own (``infra.drills.servers``: S3, PostgreSQL, a Prefect server as a process) and
+stop them mid-run; ``stop_servers`` stops them and puts the environment back.
 """
 
 from __future__ import annotations
@@ -24,9 +26,8 @@ from infra.format.verify import check_copy
 
 POLL_S = 0.2
 BUCKET = "rewind-drill"  # the bucket on the drill's own S3 server
-_SERVERS: dict[
-    str, dict[str, Any]
-] = {}  # run -> the servers its drill started, and the environment they replaced
+# run -> the servers its drill started (s3, postgres, prefect), and the environment values they replaced
+_SERVERS: dict[str, dict[str, Any]] = {}
 
 
 def _run(configuration: dict[str, Any] | None) -> str:
