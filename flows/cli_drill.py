@@ -15,7 +15,7 @@ def cmd_list(args: argparse.Namespace, emit: Callable[..., None], catalog: Calla
     for name, exp in experiments.load_all().items():
         ext = experiments.rewind_ext(exp)
         rows.append({"scenario": name, "kind": ext.get("failure_kind"), "title": exp.get("title"),
-                     "skipped": ext.get("skip")})  # fmt: skip
+                     "skipped": experiments.skip_reason(ext)})  # fmt: skip
 
     def text() -> str:
         return "\n".join(

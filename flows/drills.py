@@ -29,7 +29,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from infra.catalog import drills as drill_rows
 from infra.catalog import incidents
 from infra.catalog.db import Catalog
-from infra.drills import chaos, experiments, measure, servers, slo
+from infra.drills import chaos, experiments, measure, slo
 from infra.errors import ConfigError, NotFoundError, RewindError
 from infra.launch.spec import JobSpec
 
@@ -275,22 +275,6 @@ def _without_poison(cmd: list[str]) -> list[str]:
     return out
 
 
-def _skip_reason(ext: dict[str, Any], spec: dict[str, Any] | None) -> str | None:
-    if ext.get("skip"):
-        return str(ext["skip"])
-    for component in ext.get("needs") or []:
-        why = servers.missing(str(component))
-        if why:
-            return f"needs {component}: {why}"
-    if spec is not None and (ext.get("job") or {}).get("extra"):
-        return (
-            "hurts the example job through its own flags "
-            + " ".join(ext["job"]["extra"])
-            + "; not run against a job spec"
-        )
-    return None
-
-
 def run_one(
     scenario: str,
     *,
@@ -312,7 +296,7 @@ def run_one(
     spec = check_job_spec(job_spec) if job_spec is not None else None
     cat = Catalog()
     started = datetime.now(UTC)
-    skip = _skip_reason(ext, spec)
+    skip = experiments.skip_reason(ext, spec)
     if skip:
         drill_id = drill_rows.record(
             cat, scenario=scenario, failure_kind=kind, started_at=started, outcome="skipped",
