@@ -106,7 +106,7 @@ def test_run_drills_flow_records_a_skipped_scenario_with_its_reason(prefect_api,
 
 
 JOB_SPEC = """# a user's job: the drill fills in {run} (its own run), {out} and {loss_log}
-command: [python, -m, examples.tiny_lm, --run, "{run}", --steps, "40", --checkpoint-every, "10",
+command: [python, -m, examples.tiny_lm, --run, "{run}", --steps, "50", --checkpoint-every, "10",
           --seed, "3", --out, "{out}", --step-time-s, "0.15", --loss-log, "{loss_log}"]
 cwd: REPO
 env: {OMP_NUM_THREADS: "1"}
@@ -133,9 +133,9 @@ def test_s3_outage_drill_against_a_job_spec(prefect_api, sqlite_env, capsys):
     assert "unreachable" in outage["failed_with"] and outage["stopped_after"], outage
     assert 0 < outage["bytes_resent"] < outage["bytes_total"], outage  # resumed: only what was missing
     assert acts["offsite-copies-verified"] is True and acts["offsite-copies-verified-after-recovery"] is True
-    assert acts["recover"]["restored_step"] == outage["step"] and acts["recover"]["last_step"] == 40
+    assert acts["recover"]["restored_step"] == outage["step"] and acts["recover"]["last_step"] == 50
     assert all(row.phases[n]["status"] == "ok" for n in slo.PHASES), row.phases
-    assert row.loss_curve["steps"][-1] == 40 and row.loss_max_deviation == 0.0  # the spec's own reference
+    assert row.loss_curve["steps"][-1] == 50 and row.loss_max_deviation == 0.0  # the spec's own reference
     assert servers.missing("seaweedfs") is None and not list((sqlite_env / "home").glob("**/weed.pid"))
 
 
