@@ -65,6 +65,15 @@ def disarm_fault(configuration: dict[str, Any] | None = None) -> None:
     os.environ.pop(faults.ONCE_ENV, None)
 
 
+def _not_ended(run: str, launches: list[Any], at_step: int) -> None:
+    """A job that ended before the step a drill waits for makes the drill fail now, not at its timeout."""
+    if launches and launches[-1].exit_code is not None:
+        raise RewindError(
+            f"{run} ended (exit code {launches[-1].exit_code}) before step {at_step}: "
+            "the job is too short for this scenario"
+        )
+
+
 def signal_rank(
     at_step: int,
     rank: int = 0,
@@ -83,7 +92,8 @@ def signal_rank(
             ls = jobs.launches(cat, run)
         except NotFoundError:
             ls = []
-        for p in jobs.progress(cat, ls[-1].id) if ls and ls[-1].exit_code is None else []:
+        _not_ended(run, ls, at_step)
+        for p in jobs.progress(cat, ls[-1].id) if ls else []:
             if p.rank == rank and (p.step or 0) >= at_step:
                 os.kill(p.pid, sig)
                 return p.pid
@@ -229,6 +239,7 @@ def _await_step(run: str, at_step: int, timeout_s: float) -> int:
         steps = [p.step or 0 for p in jobs.progress(cat, ls[-1].id)] if ls else []
         if steps and max(steps) >= at_step:
             return max(steps)
+        _not_ended(run, ls, at_step)
         if time.monotonic() > deadline:
             raise RewindError(f"{run} did not reach step {at_step} within {timeout_s:g}s")
         time.sleep(POLL_S)
