@@ -24,11 +24,11 @@ from bench.run import HERE, Blob, machine
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
 from infra.checkpoint.engine import Checkpointer
+from infra.drills.servers import SeaweedS3
 from infra.format import keyring
 from infra.replication import replicate
 from infra.tiers.s3 import S3Tier
 from infra.tiers.transfer import check_remote
-from tests.s3_support import SeaweedS3
 
 
 def main(argv: list[str] | None = None) -> int:

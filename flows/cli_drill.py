@@ -15,7 +15,7 @@ def cmd_list(args: argparse.Namespace, emit: Callable[..., None], catalog: Calla
     for name, exp in experiments.load_all().items():
         ext = experiments.rewind_ext(exp)
         rows.append({"scenario": name, "kind": ext.get("failure_kind"), "title": exp.get("title"),
-                     "skipped": ext.get("skip")})  # fmt: skip
+                     "skipped": experiments.skip_reason(ext)})  # fmt: skip
 
     def text() -> str:
         return "\n".join(
@@ -35,16 +35,20 @@ def cmd_run(args: argparse.Namespace, emit: Callable[..., None], catalog: Callab
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_TASKS_DEFAULT_NO_CACHE", "true")  # as `make demo`: every task runs
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.drills import run_many
+    from flows.drills import check_job_spec, run_many
     from infra.drills import experiments, slo
     from infra.errors import ConfigError
+    from infra.launch.spec import load_file
 
     if args.all == bool(args.scenarios):
         raise ConfigError("name scenarios or give --all (not both)")
     slo.load(args.slo)  # a bad SLO file is bad input: say so before any drill runs
+    spec = load_file(args.job_spec) if args.job_spec else None
+    if spec is not None:
+        check_job_spec(spec)  # so is a job spec a drill cannot run
     names = list(experiments.load_all()) if args.all else args.scenarios
     catalog()  # the catalog exists and is current before anything is hurt
-    results = run_many(names, slo_file=args.slo)
+    results = run_many(names, slo_file=args.slo, job_spec=spec)
     if args.report:
         _write_report(catalog(), Path(args.report))
 
@@ -134,7 +138,7 @@ def register(
         dr,
         "run",
         wrap(cmd_run),
-        "run scenarios against the example job; each is recorded in the catalog (exit 1 if any failed "
+        "run scenarios against the example job (or --job-spec FILE); each is recorded in the catalog (exit 1 if any failed "
         "other than where its scenario breaks a phase on purpose)",
         json_flag=True,
     )
@@ -142,6 +146,12 @@ def register(
     rn.add_argument("--all", action="store_true", help="every scenario")
     rn.add_argument("--slo", help="SLO file (default: $REWIND_SLO_FILE or ./rewind-slo.yaml)")
     rn.add_argument("--report", metavar="FILE", help="write the HTML report afterwards")
+    rn.add_argument(
+        "--job-spec",
+        metavar="FILE",
+        help="drill this job instead of the example: a job spec (JSON or YAML: command, cwd, env, "
+        "nproc_per_node, ...) whose command takes the drill's run name as {run} (also {out}, {loss_log})",
+    )
     gp = add(
         dr,
         "goodput",

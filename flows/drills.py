@@ -8,6 +8,7 @@ post-recovery loss curve against an uninterrupted reference run, and the phase t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -28,11 +29,13 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from infra.catalog import drills as drill_rows
 from infra.catalog import incidents
 from infra.catalog.db import Catalog
-from infra.drills import experiments, measure, slo
-from infra.errors import ConfigError, NotFoundError
+from infra.drills import chaos, experiments, measure, slo
+from infra.errors import ConfigError, NotFoundError, RewindError
+from infra.launch.spec import JobSpec
 
 REPO = Path(__file__).resolve().parents[1]
 JOB_DEFAULTS: dict[str, Any] = {"steps": 40, "every": 10, "seed": 0, "step_time_s": 0.15}
+SPEC_UNSUPPORTED = ("rdzv_endpoint", "torchrun", "model")
 _ACTIVE: dict[str, dict[str, Any]] = {}  # run -> the protect thread, its result, recovery's result
 
 
@@ -44,7 +47,31 @@ def _job(configuration: dict[str, Any]) -> dict[str, Any]:
     return {**JOB_DEFAULTS, **(configuration.get("job") or {})}
 
 
+def _fill(value: str, run: str, out: Path, log: Path) -> str:
+    """A user's job spec's placeholders (in its command and env values): ``{run}``, the drill's own run name
+    (required: a drill never hurts the user's run), ``{out}``, a private output directory, and
+    ``{loss_log}``, the loss log that gives the curve and the late phases."""
+    return value.replace("{run}", run).replace("{out}", str(out)).replace("{loss_log}", str(log))
+
+
+def check_job_spec(spec: JobSpec) -> dict[str, Any]:
+    """A user's job spec as a drill runs it: it must take the drill's run name as ``{run}``."""
+    d = spec.as_dict()
+    if not any("{run}" in a for a in [*d["command"], *d["env"].values()]):
+        raise ConfigError(
+            "the job spec must take the run name as {run} in its command or env (a drill runs the job "
+            "under a run of its own and never hurts yours); {out} and {loss_log} are filled in too"
+        )
+    odd = [k for k in SPEC_UNSUPPORTED if d.get(k) is not None]
+    if odd:
+        raise ConfigError(f"a drill cannot run a job spec that sets {', '.join(odd)} yet")
+    return d
+
+
 def _command(configuration: dict[str, Any], run: str, out: Path, log: Path) -> list[str]:
+    spec = configuration.get("job_spec")
+    if spec:
+        return [_fill(a, run, out, log) for a in spec["command"]]
     j = _job(configuration)
     return [
         "python", "-m", "examples.tiny_lm", "--run", run, "--steps", str(j["steps"]),
@@ -56,21 +83,39 @@ def _command(configuration: dict[str, Any], run: str, out: Path, log: Path) -> l
 # -- actions named by the experiments --------------------------------------------------------------
 
 
+def _prefect_of(configuration: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+    """The drill's own Prefect server for the flows run in this thread, where the drill started one."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    api = chaos.own_prefect_api(configuration)
+    return temporary_settings(updates={PREFECT_API_URL: api}) if api else contextlib.nullcontext()
+
+
 def start_protected(configuration: dict[str, Any]) -> str:
     """Start the drill's job under protect-training (in a thread: the next actions hurt it meanwhile)."""
     from flows.training import protect_training
 
     run, state = configuration["run"], Path(configuration["state_dir"])
     j = _job(configuration)
-    cmd = _command(configuration, run, state / "out", state / "loss.jsonl")
+    out, log = state / "out", state / "loss.jsonl"
+    cmd = _command(configuration, run, out, log)
     slot: dict[str, Any] = {"result": None, "error": None}
     hang_s = float(j["heartbeat_timeout_s"]) if j.get("heartbeat_timeout_s") else None
+    spec = configuration.get("job_spec")
+    if spec:  # the user's job, as the spec says; a scenario's hang timeout where the spec sets none
+        kw: dict[str, Any] = {
+            "cwd": spec["cwd"], "env": {k: _fill(v, run, out, log) for k, v in spec["env"].items()},
+            "nproc_per_node": spec["nproc_per_node"], "nnodes": spec["nnodes"],
+            "min_world_size": spec["min_world_size"], "heartbeat_timeout_s": spec["heartbeat_timeout_s"] or hang_s,
+            "loss_spike_factor": spec["loss_spike_factor"], "global_batch": spec["global_batch"], "lr": spec["lr"],
+        }  # fmt: skip
+    else:
+        kw = {"cwd": str(REPO), "env": {"OMP_NUM_THREADS": "1"}, "heartbeat_timeout_s": hang_s}
 
     def go() -> None:
         try:
-            slot["result"] = protect_training(
-                run, cmd, str(REPO), env={"OMP_NUM_THREADS": "1"}, heartbeat_timeout_s=hang_s
-            )
+            with _prefect_of(configuration):
+                slot["result"] = protect_training(run, cmd, **kw)
         except BaseException as exc:
             slot["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -81,18 +126,31 @@ def start_protected(configuration: dict[str, Any]) -> str:
     return run
 
 
-def await_failure(configuration: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
-    """Wait (bounded) for protect-training to end; the job must have failed (an incident)."""
+def _ended(configuration: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """What protect-training returned, once it ended (bounded)."""
     slot = _ACTIVE[configuration["run"]]
     slot["thread"].join(timeout=timeout_s)
     if slot["thread"].is_alive():
-        raise TimeoutError(f"protect-training of {configuration['run']} did not end within {timeout_s:g}s")
+        raise RewindError(f"protect-training of {configuration['run']} did not end within {timeout_s:g}s")
     if slot["error"]:
-        raise RuntimeError(f"protect-training failed: {slot['error']}")
-    result = slot["result"]
+        raise RewindError(f"protect-training failed: {slot['error']}")
+    return dict(slot["result"])
+
+
+def await_failure(configuration: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+    """Wait (bounded) for protect-training to end; the job must have failed (an incident)."""
+    result = _ended(configuration, timeout_s)
     if not result.get("incident_id"):
-        raise RuntimeError(f"the fault did not stop the job: {result}")
-    return dict(result)
+        raise RewindError(f"the fault did not stop the job: {result}")
+    return result
+
+
+def await_end(configuration: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+    """Wait (bounded) for protect-training to end; a job that failed is recovered, one that finished is left."""
+    result = _ended(configuration, timeout_s)
+    if result.get("incident_id"):
+        return {"ended": result, "recovery": recover(configuration)}
+    return {"ended": result}
 
 
 def recover(configuration: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
@@ -102,12 +160,13 @@ def recover(configuration: dict[str, Any], timeout_s: float = 600.0) -> dict[str
     slot = _ACTIVE.get(configuration["run"]) or {}
     incident_id = (slot.get("result") or {}).get("incident_id")
     if incident_id is None:
-        raise RuntimeError("no incident to recover: the job did not fail as the experiment meant it to")
+        raise RewindError("no incident to recover: the job did not fail as the experiment meant it to")
     done: dict[str, Any] = {}
 
     def go() -> None:
         try:
-            done["result"] = recover_training(incident_id)
+            with _prefect_of(configuration):
+                done["result"] = recover_training(incident_id)
         except BaseException as exc:
             done["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -118,10 +177,21 @@ def recover(configuration: dict[str, Any], timeout_s: float = 600.0) -> dict[str
         done["error"] = f"recover-training did not end within {timeout_s:g}s"
     slot["recovery"] = done
     if "error" in done:
-        raise RuntimeError(done["error"])
+        raise RewindError(done["error"])
     if done["result"].get("status") != "recovered":
-        raise RuntimeError(f"recover-training ended {done['result'].get('status')}: {done['result']}")
+        raise RewindError(f"recover-training ended {done['result'].get('status')}: {done['result']}")
     return dict(done["result"])
+
+
+def flow_runs_completed_on_own_server(configuration: dict[str, Any]) -> bool:
+    """Every flow run on the drill's own Prefect server reached Completed (its states got through the restart)."""
+    from prefect.client.orchestration import get_client
+
+    if chaos.own_prefect_api(configuration) is None:
+        return False
+    with _prefect_of(configuration), get_client(sync_client=True) as client:
+        runs = client.read_flow_runs()
+    return bool(runs) and all(r.state_type is not None and r.state_type.value == "COMPLETED" for r in runs)
 
 
 def replicate_to_shared(configuration: dict[str, Any]) -> list[int]:
@@ -144,9 +214,19 @@ def replicate_to_shared(configuration: dict[str, Any]) -> list[int]:
 # -- one drill ------------------------------------------------------------------------------------
 
 
-def reference_curve(job: dict[str, Any], environ: dict[str, str] | None = None) -> dict[int, float]:
-    """The loss per step of the same job uninterrupted and unsupervised (own SQLite catalog), cached."""
-    h = hashlib.sha256(json.dumps(job, sort_keys=True).encode())
+def reference_curve(
+    job: dict[str, Any], environ: dict[str, str] | None = None, spec: dict[str, Any] | None = None
+) -> dict[int, float]:
+    """The loss per step of the same job uninterrupted and unsupervised (own SQLite catalog), cached.
+
+    With a user's job spec: its command as given (one process), when it writes a ``{loss_log}``;
+    without one (or for a distributed job) there is no reference and no curve to compare."""
+    if spec is not None and (
+        spec["nnodes"] * spec["nproc_per_node"] > 1
+        or not any("{loss_log}" in a for a in [*spec["command"], *spec["env"].values()])
+    ):
+        return {}
+    h = hashlib.sha256(json.dumps(spec if spec is not None else job, sort_keys=True).encode())
     for src in ("examples/tiny_lm.py", "examples/tiny_lm_model.py"):  # a changed example: a new reference
         h.update((REPO / src).read_bytes())
     key = h.hexdigest()[:12]
@@ -154,22 +234,30 @@ def reference_curve(job: dict[str, Any], environ: dict[str, str] | None = None) 
     if not cached.exists():
         cached.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="rewind-ref-") as tmp:
-            log = Path(tmp) / "loss.jsonl"
-            cmd = _command({"job": {**job, "step_time_s": 0.0}}, "reference", Path(tmp) / "out", log)
-            cmd[0] = sys.executable
+            log, out = Path(tmp) / "loss.jsonl", Path(tmp) / "out"
+            if spec is not None:
+                cmd = _command({"job_spec": spec}, "reference", out, log)
+                cwd, extra = (
+                    spec["cwd"] or os.getcwd(),
+                    {k: _fill(v, "reference", out, log) for k, v in spec["env"].items()},
+                )
+            else:
+                cmd = _without_poison(_command({"job": {**job, "step_time_s": 0.0}}, "reference", out, log))
+                cwd, extra = str(REPO), {}
+            if cmd[0] in ("python", "python3"):
+                cmd[0] = sys.executable
             own = {
                 "REWIND_HOME": tmp,
                 "REWIND_CATALOG_URL": "",
                 "REWIND_CHECKPOINT_ROOT": "",
                 "OMP_NUM_THREADS": "1",
             }
-            env = {**(environ if environ is not None else os.environ), **own}
+            env = {**(environ if environ is not None else os.environ), **extra, **own}
             for k in ("REWIND_FAULT", "REWIND_FAULT_ONCE"):
                 env.pop(k, None)
-            cmd = _without_poison(cmd)
-            done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+            done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:
-                raise RuntimeError(f"the reference run failed: {done.stdout[-500:]}{done.stderr[-500:]}")
+                raise RewindError(f"the reference run failed: {done.stdout[-500:]}{done.stderr[-500:]}")
             os.replace(log, cached)
     return measure.reference_losses(measure.read_log(cached))
 
@@ -188,9 +276,16 @@ def _without_poison(cmd: list[str]) -> list[str]:
 
 
 def run_one(
-    scenario: str, *, slo_file: str | None = None, job: dict[str, Any] | None = None
+    scenario: str,
+    *,
+    slo_file: str | None = None,
+    job: dict[str, Any] | None = None,
+    job_spec: JobSpec | None = None,
 ) -> dict[str, Any]:
-    """Run one scenario through chaostoolkit-lib, measure it, judge it against the SLO, record it."""
+    """Run one scenario through chaostoolkit-lib, measure it, judge it against the SLO, record it.
+
+    ``job`` changes the example job's settings; ``job_spec`` runs the user's job instead (its command and
+    env take the drill's run name as ``{run}``; see ``check_job_spec``)."""
     from chaoslib.experiment import run_experiment
 
     experiment = experiments.load(scenario)
@@ -198,18 +293,20 @@ def run_one(
     kind = str(ext.get("failure_kind", "crash"))
     slos = slo.load(slo_file)
     budget = slos.for_kind(kind)
+    spec = check_job_spec(job_spec) if job_spec is not None else None
     cat = Catalog()
     started = datetime.now(UTC)
-    if ext.get("skip"):
+    skip = experiments.skip_reason(ext, spec)
+    if skip:
         drill_id = drill_rows.record(
             cat, scenario=scenario, failure_kind=kind, started_at=started, outcome="skipped",
-            reason=str(ext["skip"]), slo=budget.as_dict(),
+            reason=skip, slo=budget.as_dict(), details={"job_spec": spec} if spec else {},
         )  # fmt: skip
         return {
             "id": drill_id,
             "scenario": scenario,
             "outcome": "skipped",
-            "reason": ext["skip"],
+            "reason": skip,
             "as_expected": True,
         }
     expected = ext.get("expect_failure_at")  # a scenario that breaks a phase on purpose
@@ -219,45 +316,72 @@ def run_one(
     state.mkdir(parents=True, exist_ok=True)
     pool = ThreadPoolExecutor(1, thread_name_prefix="drill-reference")  # its own process, beside the drill
     ref_job = {k: v for k, v in job_cfg.items() if k in ("steps", "every", "seed")}
-    pending = pool.submit(reference_curve, ref_job, dict(os.environ))  # copied before a fault is armed
-    configuration = {"run": run, "state_dir": str(state), "job": job_cfg, "slo_file": slo_file}
+    pending = pool.submit(reference_curve, ref_job, dict(os.environ), spec)  # copied before a fault is armed
+    configuration = {
+        "run": run, "state_dir": str(state), "job": job_cfg, "slo_file": slo_file, "job_spec": spec,
+        "servers_stopped_by": "rewind",  # after measuring: the job's incident may be in the drill's own catalog
+    }  # fmt: skip
     experiment = {**experiment, "configuration": configuration}
     t0 = time.monotonic()
+    found: list[Any] = []
+    own = None
     try:
         journal = run_experiment(experiment)
+        own = chaos.own_catalog(configuration)
+        with contextlib.suppress(NotFoundError):
+            found = incidents.incidents_of(Catalog(own) if own else cat, run)
     finally:
         os.environ.pop("REWIND_FAULT", None)
         os.environ.pop("REWIND_FAULT_ONCE", None)
+        chaos.stop_servers(now=True, configuration=configuration)  # a drill never leaves a server behind
     try:
-        reference = pending.result(timeout=300)
+        reference = pending.result(timeout=600)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     error = _journal_error(journal)
-    try:
-        found = incidents.incidents_of(cat, run)
-    except NotFoundError:
-        found = []
     inc = found[0] if found else None
     m = measure.measure(inc, measure.read_log(state / "loss.jsonl"), reference, error)
-    if inc is None:
+    if inc is None and error is None and ext.get("incident") == "optional":
+        # The job rode the fault out: nothing to recover, so no phase ran and there is no RTO.
+        m["phases"] = {n: {"s": None, "status": "not_needed"} for n in slo.PHASES}
+        verdict = slo.Verdict(True, None, "the job rode the fault out: no incident, nothing to recover")
+    elif inc is None:
         m["phases"]["detect"] = {"s": None, "status": "failed", "why": error or "no incident was recorded"}
-    verdict = slo.judge(budget, m["phases"], m["rto_s"], m["rpo_steps"])
+        verdict = slo.judge(budget, m["phases"], m["rto_s"], m["rpo_steps"])
+    else:
+        verdict = slo.judge(budget, m["phases"], m["rto_s"], m["rpo_steps"])
     if error and verdict.passed:
         verdict = slo.Verdict(False, None, error)
     drill_id = drill_rows.record(
-        cat, scenario=scenario, failure_kind=kind, run_name=run, incident_id=inc.id if inc else None,
+        cat, scenario=scenario, failure_kind=kind, run_name=run, incident_id=inc.id if inc and not own else None,
         started_at=started, outcome="passed" if verdict.passed else "failed", phases=m["phases"],
         rto_s=m["rto_s"], rpo_steps=m["rpo_steps"], rpo_s=m["rpo_s"], loss_max_deviation=m["loss_max_deviation"],
         loss_curve=m["loss_curve"], failed_phase=verdict.failed_phase, reason=verdict.reason,
         seed=int(job_cfg["seed"]), slo={**budget.as_dict(), "source": slos.source},
         details={"journal_status": journal.get("status"), "deviated": journal.get("deviated"),
-                 "wall_s": round(time.monotonic() - t0, 2), "job": job_cfg, "error": error,
-                 "expected_failure_at": expected},
+                 "wall_s": round(time.monotonic() - t0, 2), "job": None if spec else job_cfg,
+                 "job_spec": spec, "error": error, "expected_failure_at": expected,
+                 "activities": _outputs(journal),
+                 "own_catalog_incident": {"id": inc.id, "kind": inc.kind, "reason": inc.reason}
+                 if inc is not None and own else None},
     )  # fmt: skip
     return {"id": drill_id, "scenario": scenario, "outcome": "passed" if verdict.passed else "failed",
             "failed_phase": verdict.failed_phase, "reason": verdict.reason, "rto_s": m["rto_s"],
             "rpo_steps": m["rpo_steps"], "run": run, "phases": m["phases"],
             "as_expected": verdict.failed_phase == expected if expected else verdict.passed}  # fmt: skip
+
+
+def _outputs(journal: dict[str, Any]) -> dict[str, Any]:
+    """What each activity of the method returned, where it is plain data (what was hurt, what was resent)."""
+    out: dict[str, Any] = {}
+    for r in journal.get("run") or []:
+        try:
+            json.dumps(r.get("output"))
+        except (TypeError, ValueError):
+            continue
+        if r.get("output") is not None:
+            out[r["activity"]["name"]] = r["output"]
+    return out
 
 
 def _journal_error(journal: dict[str, Any]) -> str | None:
@@ -275,6 +399,7 @@ def _journal_error(journal: dict[str, Any]) -> str | None:
 
 
 def run_many(names: list[str], **kw: Any) -> list[dict[str, Any]]:
+    """Run ``names`` in order (``run_one``'s keywords apply to each)."""
     unknown = [n for n in names if n not in experiments.load_all()]
     if unknown:
         raise ConfigError(f"no drill scenario {', '.join(unknown)}; `rewind drill list` shows them")
@@ -282,15 +407,22 @@ def run_many(names: list[str], **kw: Any) -> list[dict[str, Any]]:
 
 
 @flow(name="run-drills")
-def run_drills(scenarios: list[str] | None = None, slo_file: str | None = None) -> list[dict[str, Any]]:
+def run_drills(
+    scenarios: list[str] | None = None, slo_file: str | None = None, job_spec_file: str | None = None
+) -> list[dict[str, Any]]:
     """Run recovery drills (default: every scenario) and publish the results as an artifact.
 
     Args:
         scenarios: Scenario names (`rewind drill list`); empty runs them all.
         slo_file: The SLO file to judge against (default: $REWIND_SLO_FILE or ./rewind-slo.yaml).
+        job_spec_file: A job spec (JSON or YAML) to drill instead of the example job; its command takes
+            the drill's run name as {run} (and may take {out} and {loss_log}).
     """
+    from infra.launch.spec import load_file
+
     names = scenarios or list(experiments.load_all())
-    results = run_many(names, slo_file=slo_file)
+    spec = load_file(job_spec_file) if job_spec_file else None
+    results = run_many(names, slo_file=slo_file, job_spec=spec)
     lines = [
         "# Recovery drills",
         "",

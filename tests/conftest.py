@@ -149,6 +149,7 @@ SLOW_FILES_FIRST = [
     "test_corruption.py",  # ~130
     "test_hf_example.py",  # ~105
     "test_integrity.py",  # ~100
+    "test_drills.py",  # ~85-105 alone, loaded
     "test_async_save.py",  # ~80
 ]
 

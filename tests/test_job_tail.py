@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
-from infra.catalog import incidents
+import pytest
+
+from infra.catalog import incidents, jobs
 from infra.catalog.db import Catalog
+from infra.drills import servers
 from infra.launch.observe import Seen
 from infra.launch.spec import JobSpec
 from infra.launch.supervisor import TAIL_BYTES, TAIL_LINES, Supervisor, bounded_tail
@@ -42,3 +46,29 @@ def test_a_job_that_floods_its_output_leaves_only_its_last_lines(pg_url, run_nam
     tail = sup.tail()
     assert len(tail) <= TAIL_LINES and sum(len(line.encode()) + 1 for line in tail) <= TAIL_BYTES
     assert tail[-1].endswith("z" * 1000) and not any("noise" in line for line in tail[-1:])
+
+
+@pytest.mark.skipif(servers.missing("postgres") is not None, reason="no PostgreSQL server binaries")
+def test_the_end_of_a_launch_is_recorded_across_a_catalog_restart(tmp_path, run_name):
+    """The catalog is down when the job ends (a throwaway PostgreSQL cluster, stopped for real): the
+    supervisor keeps trying (bounded) and records the exit once the database is back, so the incident
+    that follows is not lost (found by the catalog-restart drill)."""
+    pg = servers.PostgresCluster(tmp_path / "pg")
+    pg.start()
+    try:
+        cat = Catalog(pg.url)
+        sup = Supervisor(
+            cat, run_name, JobSpec.from_dict({"command": ["python", "-c", "raise SystemExit(3)"]})
+        )
+        sup.start()
+        pg.stop()
+        ended: dict[str, int] = {}
+        t = threading.Thread(target=lambda: ended.setdefault("code", sup.finish()), daemon=True)
+        t.start()
+        assert not ended  # it cannot record the end while the database is down
+        pg.start()
+        t.join(timeout=60)
+        assert ended == {"code": 3}
+        assert [launch.exit_code for launch in jobs.launches(cat, run_name)] == [3]
+    finally:
+        pg.discard()

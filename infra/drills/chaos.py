@@ -3,7 +3,9 @@
 Experiments name these as ``{"type": "python", "module": "infra.drills.chaos", "func": ...}``.
 Every function takes the experiment's ``configuration`` (``run``: the drill's run; ``state_dir``: a
 private directory of the drill) and reads the catalog from the environment. No Prefect here: what
-starts and recovers the job (the flows) is named by the experiment separately.
+starts and recovers the job (the flows) is named by the experiment separately. A drill may start
+servers of its own (``infra.drills.servers``: S3, PostgreSQL, a Prefect server as a process) and
+stop them mid-run; ``stop_servers`` stops them and puts the environment back.
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ from typing import Any
 from infra import faults
 from infra.catalog import incidents, jobs, lineage
 from infra.catalog.db import Catalog
-from infra.drills import slo
-from infra.errors import ConfigError, NotFoundError
+from infra.drills import servers, slo
+from infra.errors import ConfigError, NotFoundError, RewindError, TransientError
 from infra.format.verify import check_copy
 
 POLL_S = 0.2
+BUCKET = "rewind-drill"  # the bucket on the drill's own S3 server
+# run -> the servers its drill started (s3, postgres, prefect), and the environment values they replaced
+_SERVERS: dict[str, dict[str, Any]] = {}
 
 
 def _run(configuration: dict[str, Any] | None) -> str:
@@ -60,6 +65,15 @@ def disarm_fault(configuration: dict[str, Any] | None = None) -> None:
     os.environ.pop(faults.ONCE_ENV, None)
 
 
+def _not_ended(run: str, launches: list[Any], at_step: int) -> None:
+    """A job that ended before the step a drill waits for makes the drill fail now, not at its timeout."""
+    if launches and launches[-1].exit_code is not None:
+        raise RewindError(
+            f"{run} ended (exit code {launches[-1].exit_code}) before step {at_step}: "
+            "the job is too short for this scenario"
+        )
+
+
 def signal_rank(
     at_step: int,
     rank: int = 0,
@@ -78,12 +92,13 @@ def signal_rank(
             ls = jobs.launches(cat, run)
         except NotFoundError:
             ls = []
-        for p in jobs.progress(cat, ls[-1].id) if ls and ls[-1].exit_code is None else []:
+        _not_ended(run, ls, at_step)
+        for p in jobs.progress(cat, ls[-1].id) if ls else []:
             if p.rank == rank and (p.step or 0) >= at_step:
                 os.kill(p.pid, sig)
                 return p.pid
         time.sleep(POLL_S)
-    raise TimeoutError(f"rank {rank} of {run} did not reach step {at_step} within {timeout_s:g}s")
+    raise RewindError(f"rank {rank} of {run} did not reach step {at_step} within {timeout_s:g}s")
 
 
 def damage_newest_checkpoint(
@@ -139,6 +154,202 @@ def delete_local_tier(configuration: dict[str, Any] | None = None) -> str:
     return str(target)
 
 
+def _servers(configuration: dict[str, Any] | None) -> dict[str, Any]:
+    return _SERVERS.setdefault(_run(configuration), {"env": {}})
+
+
+def _set_env(held: dict[str, Any], values: dict[str, str]) -> None:
+    for k, v in values.items():
+        held["env"].setdefault(k, os.environ.get(k))  # the first value seen is the one put back
+        os.environ[k] = v
+
+
+def start_s3(configuration: dict[str, Any] | None = None) -> str:
+    """Start the drill's own S3 server (SeaweedFS on loopback, in the drill's directory) with a bucket,
+    and point this process's AWS_* environment at it (the job and the flows inherit it). Returns its URI."""
+    held = _servers(configuration)
+    server = servers.SeaweedS3(_state(configuration) / "s3")
+    server.start()
+    held["s3"] = server
+    server.client().create_bucket(Bucket=BUCKET)
+    _set_env(held, server.env)
+    return f"s3://{BUCKET}/offsite"
+
+
+def start_catalog(configuration: dict[str, Any] | None = None) -> str:
+    """Start the drill's own PostgreSQL cluster (initdb in the drill's directory, a free loopback port),
+    create the catalog there and point this process's REWIND_CATALOG_URL at it: the job, its supervisor
+    and the flows use it; the drill itself is still recorded in the catalog it was started with."""
+    held = _servers(configuration)
+    pg = servers.PostgresCluster(_state(configuration) / "pg")
+    pg.start()
+    held["postgres"] = pg
+    Catalog(pg.url)  # migrated to the newest schema
+    _set_env(held, {"REWIND_CATALOG_URL": pg.url})
+    return f"postgresql://127.0.0.1:{pg.port}/{pg.database}"
+
+
+def restart_catalog(
+    at_step: int,
+    mode: str = "fast",
+    outage_s: float = 0.0,
+    timeout_s: float = 180.0,
+    configuration: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Once a rank of the run reported ``at_step`` (bounded wait), stop the drill's PostgreSQL
+    (``fast``: every session is ended, as a service restart does; ``immediate``: a crash), keep it down
+    for ``outage_s`` (the fault's length) and start it again. Returns the step reached and the seconds
+    the catalog was down."""
+    held = _servers(configuration)
+    pg: servers.PostgresCluster | None = held.get("postgres")
+    if pg is None:
+        raise ConfigError("the drill started no PostgreSQL (start_catalog comes first)")
+    reached = _await_step(_run(configuration), at_step, timeout_s)
+    down = time.monotonic()
+    pg.stop(mode)
+    time.sleep(outage_s)  # the outage itself, not a wait for anything
+    pg.start()
+    return {"at_step": reached, "down_s": round(time.monotonic() - down, 3), "mode": mode}
+
+
+def start_prefect(configuration: dict[str, Any] | None = None) -> str:
+    """Start the drill's own Prefect server (its own database, in the drill's directory); the drill's
+    flows (protect-training, recover-training) talk to it. Returns its API URL."""
+    held = _servers(configuration)
+    server = servers.PrefectServer(_state(configuration) / "prefect")
+    server.start()
+    held["prefect"] = server
+    return server.api
+
+
+def own_prefect_api(configuration: dict[str, Any] | None = None) -> str | None:
+    """The API URL of the Prefect server the drill started for itself (while it runs), or None."""
+    server = _SERVERS.get(_run(configuration), {}).get("prefect")
+    return str(server.api) if server is not None else None
+
+
+def _await_step(run: str, at_step: int, timeout_s: float) -> int:
+    """The step a rank of the run's newest launch reported once it is at least ``at_step`` (bounded)."""
+    cat, deadline = Catalog(), time.monotonic() + timeout_s
+    while True:
+        try:
+            ls = jobs.launches(cat, run)
+        except NotFoundError:
+            ls = []
+        steps = [p.step or 0 for p in jobs.progress(cat, ls[-1].id)] if ls else []
+        if steps and max(steps) >= at_step:
+            return max(steps)
+        _not_ended(run, ls, at_step)
+        if time.monotonic() > deadline:
+            raise RewindError(f"{run} did not reach step {at_step} within {timeout_s:g}s")
+        time.sleep(POLL_S)
+
+
+def restart_prefect(
+    at_step: int, outage_s: float = 0.0, timeout_s: float = 180.0, configuration: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Once a rank of the run reported ``at_step``, stop the drill's Prefect server (SIGTERM, then SIGKILL),
+    keep it down ``outage_s`` and start it again on the same port and database."""
+    server: servers.PrefectServer | None = _servers(configuration).get("prefect")
+    if server is None:
+        raise ConfigError("the drill started no Prefect server (start_prefect comes first)")
+    reached = _await_step(_run(configuration), at_step, timeout_s)
+    down = time.monotonic()
+    server.stop()
+    time.sleep(outage_s)  # the outage itself, not a wait for anything
+    server.start()
+    return {"at_step": reached, "down_s": round(time.monotonic() - down, 3)}
+
+
+def own_catalog(configuration: dict[str, Any] | None = None) -> str | None:
+    """The URL of the catalog the drill started for itself (while it runs), or None."""
+    pg = _SERVERS.get(_run(configuration), {}).get("postgres")
+    return str(pg.url) if pg is not None else None
+
+
+def stop_servers(now: bool = False, configuration: dict[str, Any] | None = None) -> list[str]:
+    """Rollback: stop every server the drill started and put the environment back as it was. Where the
+    configuration says ``servers_stopped_by: rewind``, the drill runner does it itself after measuring
+    (what the job recorded in the drill's own catalog goes with it), unless ``now``."""
+    if not now and (configuration or {}).get("servers_stopped_by") == "rewind":
+        return []
+    held = _SERVERS.pop(_run(configuration), {"env": {}})
+    stopped = []
+    if held.get("s3") is not None:
+        held["s3"].stop()
+        stopped.append("s3")
+    if held.get("postgres") is not None:
+        held["postgres"].discard()
+        stopped.append("postgres")
+    if held.get("prefect") is not None:
+        held["prefect"].stop()
+        stopped.append("prefect")
+    for k, v in held["env"].items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    return stopped
+
+
+def replicate_through_outage(configuration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Replicate the run's newest checkpoint to the drill's S3 server and stop that server as soon as the
+    first file is on it (replication's own per-file hook: mid-copy, before the manifest); then check that
+    nothing was registered and no manifest landed, start the server again and replicate again, as the
+    replicate task's retry does: it must send only what is missing and register one verified copy."""
+    from infra.catalog.models import ReplicaStatus
+    from infra.format import keyring as kr
+    from infra.format.verify import Verdict
+    from infra.replication import replicate
+    from infra.tiers import open_tier, transfer
+
+    run, held = _run(configuration), _servers(configuration)
+    server: servers.SeaweedS3 | None = held.get("s3")
+    if server is None:
+        raise ConfigError("the drill started no S3 server (start_s3 comes first)")
+    ck = _newest(run)
+    if ck is None:
+        raise NotFoundError(f"{run} has no checkpoint to replicate")
+    cat, uri = Catalog(), f"s3://{BUCKET}/offsite"
+    sent_before: list[str] = []
+
+    def outage(path: str, sent: int) -> None:
+        if not sent_before:
+            sent_before.append(path)
+            server.stop()  # graceful, as a service stop: SeaweedFS keeps what it acknowledged
+
+    started = time.monotonic()
+    try:
+        replicate(cat, ck, open_tier(uri), on_file=outage)
+    except TransientError as exc:
+        failed_with = str(exc)
+    else:
+        raise RewindError("the S3 server stopped mid-replication, yet the replication reported success")
+    finally:
+        if server.proc is None:
+            server.start()
+    offsite = [r for r in lineage.replicas_of(cat, ck.id) if r.tier == "offsite"]
+    if offsite:
+        raise RewindError(f"a copy was registered during the outage: {[(r.key, r.status) for r in offsite]}")
+    key = transfer.copy_key(run, ck.step)
+    if transfer.holds(open_tier(uri), key, str(ck.manifest_digest)) is not None:
+        raise RewindError(f"a manifest landed at {uri}/{key} although the copy was cut short")
+    done = replicate(cat, ck, open_tier(uri))
+    report = transfer.check_remote(
+        open_tier(uri), done.key, str(ck.manifest_digest), deep=True, keyring=kr.from_env()
+    )
+    if report.verdict is not Verdict.VERIFIED:
+        raise RewindError(f"the copy at {uri}/{done.key} does not prove itself: {report.findings}")
+    registered = [(r.key, r.status) for r in lineage.replicas_of(cat, ck.id) if r.tier == "offsite"]
+    if registered != [(done.key, ReplicaStatus.VERIFIED.value)]:
+        raise RewindError(f"expected one verified off-site copy, the catalog has {registered}")
+    return {
+        "step": ck.step, "stopped_after": sent_before[0] if sent_before else None, "failed_with": failed_with,
+        "bytes_resent": done.bytes_sent, "bytes_total": ck.total_bytes, "key": done.key,
+        "seconds": round(time.monotonic() - started, 3),
+    }  # fmt: skip
+
+
 # -- probes ------------------------------------------------------------------------------------
 
 
@@ -155,6 +366,26 @@ def newest_checkpoint_verifies(configuration: dict[str, Any] | None = None) -> b
     """The newest restorable checkpoint's local copy proves itself, every byte (true when there is none yet)."""
     ck = _newest(_run(configuration))
     return ck is None or check_copy(Path(ck.path), ck.manifest_digest, deep=True).ok
+
+
+def offsite_copies_verified(configuration: dict[str, Any] | None = None) -> bool:
+    """The run has an off-site copy, and every off-site copy the catalog registered for it is verified."""
+    run, cat = _run(configuration), Catalog()
+    try:
+        cks = lineage.checkpoints(cat, run)
+    except NotFoundError:
+        return False
+    offsite = [r for ck in cks for r in lineage.replicas_of(cat, ck.id) if r.tier == "offsite"]
+    return bool(offsite) and all(r.status == "verified" for r in offsite)
+
+
+def run_finished(configuration: dict[str, Any] | None = None) -> bool:
+    """The run's newest launch ended with exit code 0 (the job ran to its end)."""
+    try:
+        ls = jobs.launches(Catalog(), _run(configuration))
+    except NotFoundError:
+        return False
+    return bool(ls) and ls[-1].exit_code == 0
 
 
 def fault_fired(configuration: dict[str, Any] | None = None) -> bool:

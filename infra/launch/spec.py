@@ -100,6 +100,27 @@ class JobSpec:
             raise ConfigError(f"bad job spec: {exc}") from exc
 
 
+def load_file(path: str | os.PathLike[str]) -> JobSpec:
+    """A job spec from a JSON or YAML file holding the fields above (``command`` a list of strings);
+    a relative ``cwd`` is taken from the file's directory."""
+    from pathlib import Path
+
+    import yaml
+
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())  # JSON is YAML
+    except OSError as exc:
+        raise ConfigError(f"cannot read job spec {p}: {exc.strerror or exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"job spec {p} is neither JSON nor YAML: {str(exc).splitlines()[0]}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"job spec {p}: expected a mapping of job spec fields, with a command")
+    if raw.get("cwd") and not Path(str(raw["cwd"])).is_absolute():
+        raw["cwd"] = str((p.resolve().parent / str(raw["cwd"])).resolve())
+    return JobSpec.from_dict(raw)
+
+
 def _is_python(program: str) -> bool:
     name = os.path.basename(program)
     return program == sys.executable or name.startswith("python")

@@ -25,7 +25,7 @@ from infra import redact
 from infra.catalog import jobs, lineage
 from infra.catalog.db import Catalog
 from infra.catalog.models import CheckpointStatus
-from infra.errors import TransientError
+from infra.errors import CatalogUnavailable, TransientError
 from infra.health import nvml
 from infra.health.signals import describe_exit
 from infra.launch import observe
@@ -257,8 +257,23 @@ class Supervisor:
         failed = first_failure(exits)
         code = failed.detail["exit_code"] if failed is not None else 0
         if self.launch_id is not None:
-            jobs.end_launch(self.cat, self.launch_id, code)
+            self._end_launch(code)
         return code
+
+    def _end_launch(self, code: int, timeout_s: float = 120.0) -> None:
+        """Record the exit, riding out a catalog restart (bounded): the job is over, and losing its
+        end would lose the incident too (found by the catalog-restart drill)."""
+        deadline, wait = time.monotonic() + timeout_s, 0.5
+        while True:
+            try:
+                jobs.end_launch(self.cat, self.launch_id, code)  # type: ignore[arg-type]
+                return
+            except CatalogUnavailable as exc:
+                if time.monotonic() + wait > deadline:
+                    raise
+                log.warning("could not record the end of launch %s yet (retrying): %s", self.launch_id, exc)
+                time.sleep(wait)
+                wait = min(wait * 2, 5.0)
 
     def tail(self) -> list[str]:
         """The job's last lines of output (stdout and stderr), at most ``TAIL_LINES`` and ``TAIL_BYTES``;
