@@ -43,20 +43,7 @@ def build(
     target = replicate_to or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
     found = [
         protect_training.to_deployment(name="protect-training", tags=["rewind", "training"]),
-        recover_training.to_deployment(
-            name="recover-training",
-            tags=["rewind", "training"],
-            triggers=[
-                DeploymentEventTrigger(
-                    name="recover-on-failure",
-                    description="Recover a training run whenever a failure is detected "
-                    "(not a job that failed to start: it would fail again).",
-                    expect={FAILURE_EVENT},
-                    match=RECOVERABLE,
-                    parameters={"incident_id": "{{ event.payload.incident_id }}"},
-                )
-            ],
-        ),
+        _recover_deployment(),
         verify_checkpoints.to_deployment(
             name="verify-checkpoints", interval=scrub_every, tags=["rewind", "scrub"]
         ),
@@ -74,27 +61,50 @@ def build(
         deploy_model.to_deployment(name="deploy-model", tags=["rewind", "serving"]),
         rollout_model.to_deployment(name="rollout-model", tags=["rewind", "serving"]),
         rollback_model.to_deployment(name="rollback-model", tags=["rewind", "serving"]),
-        replicate_offsite.to_deployment(
-            name="replicate-offsite",
-            interval=replicate_every,
-            parameters={"target": target} if target else None,
-            paused=target is None,  # nothing to replicate to until a target is configured
-            tags=["rewind", "replication"],
-            triggers=[
-                DeploymentEventTrigger(
-                    name="replicate-on-verified",
-                    description="Replicate as soon as a checkpoint is verified.",
-                    expect={"rewind.checkpoint.verified"},
-                    match={"prefect.resource.id": "rewind.run.*"},
-                    parameters={"target": target, "run": "{{ event.payload.run }}"},
-                )
-            ]
-            if target
-            else None,
-        ),
+        _replicate_deployment(target, replicate_every),
     ]
     # ``to_deployment`` answers with a coroutine only inside an event loop: never here.
     return [cast(RunnerDeployment, d) for d in found]
+
+
+def _recover_deployment() -> Any:
+    """recover-training, started by every recoverable failure event."""
+    return recover_training.to_deployment(
+        name="recover-training",
+        tags=["rewind", "training"],
+        triggers=[
+            DeploymentEventTrigger(
+                name="recover-on-failure",
+                description="Recover a training run whenever a failure is detected "
+                "(not a job that failed to start: it would fail again).",
+                expect={FAILURE_EVENT},
+                match=RECOVERABLE,
+                parameters={"incident_id": "{{ event.payload.incident_id }}"},
+            )
+        ],
+    )
+
+
+def _replicate_deployment(target: str | None, every: timedelta) -> Any:
+    """replicate-offsite on a schedule and on every verified checkpoint; paused until a target is configured."""
+    return replicate_offsite.to_deployment(
+        name="replicate-offsite",
+        interval=every,
+        parameters={"target": target} if target else None,
+        paused=target is None,  # nothing to replicate to until a target is configured
+        tags=["rewind", "replication"],
+        triggers=[
+            DeploymentEventTrigger(
+                name="replicate-on-verified",
+                description="Replicate as soon as a checkpoint is verified.",
+                expect={"rewind.checkpoint.verified"},
+                match={"prefect.resource.id": "rewind.run.*"},
+                parameters={"target": target, "run": "{{ event.payload.run }}"},
+            )
+        ]
+        if target
+        else None,
+    )
 
 
 def _adopt_deployment(every: timedelta) -> Any:

@@ -16,8 +16,8 @@ from tests.test_protect_any_job import BATCH, STEPS, config, protect, ranks_at
 
 def _lose_node(run: str, node: int) -> int:
     """SIGKILL every process of ``node`` in the run's current launch: its torchrun agent and its ranks."""
-    launch = jobs.launches(Catalog(), run)[-1].id
-    pids = pids_with_env(REWIND_LAUNCH_ID=str(launch), REWIND_NODE=str(node))
+    launch = jobs.launches(Catalog(), run)[-1]  # found by its token: launch ids repeat across test catalogs
+    pids = pids_with_env(REWIND_LAUNCH_TOKEN=launch.handoff["token"], REWIND_NODE=str(node))
     assert len(pids) >= 2, (
         pids
     )  # the agent and at least one rank (torchrun starts ranks in their own sessions)

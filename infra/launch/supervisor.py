@@ -19,6 +19,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from typing import Any
 
 from infra import redact
@@ -120,6 +121,8 @@ class Supervisor:
         }
         self.incident_id, self.gpu_check_s = incident_id, gpu_check_s
         self.launch_id: int | None = None
+        self.token = uuid.uuid4().hex  # what the launch's processes are found by (ids repeat across catalogs)
+        self.handoff["token"] = self.token
         self.processes: list[_Process] = []
         self.started_at = 0.0
         self._seen_ckpts: set[int] = set()
@@ -154,7 +157,11 @@ class Supervisor:
     def _handoff_env(self) -> dict[str, str]:
         """For jobs that do not use the session object: the same facts as documented variables."""
         h = self.handoff
-        env = {progress.LAUNCH_ENV: str(self.launch_id), "REWIND_LR_SCALE": repr(float(h["lr_scale"]))}
+        env = {
+            progress.LAUNCH_ENV: str(self.launch_id),
+            progress.TOKEN_ENV: self.token,
+            "REWIND_LR_SCALE": repr(float(h["lr_scale"])),
+        }
         if h.get("global_batch") is not None:
             env["REWIND_GLOBAL_BATCH"] = str(h["global_batch"])
         return env
@@ -242,7 +249,7 @@ class Supervisor:
     def _signal(self, sig: int) -> None:
         if self.launch_id is None:
             return
-        workers = pids_with_env(**{progress.LAUNCH_ENV: str(self.launch_id)})
+        workers = pids_with_env(**{progress.TOKEN_ENV: self.token})
         signal_all([p.proc.pid for p in self.processes if p.ended() is None] + workers, sig)
 
     def finish(self) -> int:

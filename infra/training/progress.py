@@ -26,6 +26,8 @@ from infra.errors import TransientError
 
 log = logging.getLogger("rewind.progress")
 LAUNCH_ENV = "REWIND_LAUNCH_ID"
+# Launch ids restart at 1 in every catalog: processes are told apart by this token, unique per launch.
+TOKEN_ENV = "REWIND_LAUNCH_TOKEN"
 NODE_ENV = "REWIND_NODE"
 
 
