@@ -134,23 +134,23 @@ def s3_env(s3, monkeypatch):  # type: ignore[no-untyped-def]
 # first, the long files no longer leave one worker running alone at the end. Others follow, in order.
 SLOW_FILES_FIRST = [
     "test_flows.py",  # ~370
-    "test_serving.py",  # ~250
+    "test_serving.py",  # ~300
     "test_protect_any_job.py",  # ~215
     "test_sharded.py",  # ~205
     "test_resume.py",  # ~200
     "test_tiers.py",  # ~185
     "test_integrity_flows.py",  # ~165
     "test_integrity_tiers.py",  # ~150
-    "test_catalog_rebuild.py",  # ~100
-    "test_progress.py",  # ~40
-    "test_conversation.py",  # ~25
-    "test_adopt.py",  # ~90
     "test_elastic.py",  # ~130
     "test_corruption.py",  # ~130
     "test_hf_example.py",  # ~105
-    "test_integrity.py",  # ~100
     "test_drills.py",  # ~85-105 alone, loaded
+    "test_catalog_rebuild.py",  # ~100
+    "test_integrity.py",  # ~100
+    "test_adopt.py",  # ~90
     "test_async_save.py",  # ~80
+    "test_progress.py",  # ~40
+    "test_conversation.py",  # ~25
 ]
 
 
