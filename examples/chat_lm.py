@@ -36,3 +36,30 @@ def encode(text: str) -> list[int]:
 
 def decode(tokens: list[int]) -> str:
     return bytes(t for t in tokens if t < 256).decode(errors="replace")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Save the model (random weights from ``--seed``) as step 1 of ``--run``, ready to verify and deploy."""
+    import argparse
+
+    from infra.checkpoint.engine import Checkpointer
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--run", default="chat")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    args = p.parse_args(argv)
+    saver = Checkpointer(
+        args.run, states={"model": build_model(args.seed, layers=args.layers, hidden=args.hidden)}
+    )
+    try:
+        saver.save(1)
+    finally:
+        saver.close()
+    print(f"saved {args.run} step 1; next: rewind ckpt verify --deep {args.run}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
