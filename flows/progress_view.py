@@ -27,17 +27,9 @@ from rich.progress import (
 )
 from rich.table import Column
 
-from infra import progress
+from infra import progress, sizes
 
 LINE_EVERY_S = 10.0
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 class BarMeter:
@@ -87,7 +79,7 @@ class LineMeter:
     def _line(self, note: str = "") -> None:
         pct = f" {100 * self._done / self._total:5.1f}%" if self._total else ""
         print(
-            f"{self._what}:{pct} {_size(self._done)} of {_size(self._total)}{note}",
+            f"{self._what}:{pct} {sizes.human(self._done)} of {sizes.human(self._total)}{note}",
             file=self._out,
             flush=True,
         )
@@ -113,7 +105,7 @@ class LineMeter:
     def end(self) -> None:
         with self._lock:
             took = time.monotonic() - self._started
-            self._line(f", done in {took:.1f}s ({_size(self._done / took if took > 0 else 0)}/s)")
+            self._line(f", done in {took:.1f}s ({sizes.human(self._done / took if took > 0 else 0)}/s)")
             self._what = ""
 
     def __enter__(self) -> LineMeter:

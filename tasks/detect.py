@@ -60,6 +60,9 @@ def supervise_training(
         sup.spec.nproc_per_node,
     )
     watch = _Watch(run, incident_id, died_at, sup.started_at)
+    run_id = lineage.get_run(sup.cat, run).id
+    verified = [c.step for c in lineage.restorable(sup.cat, run_id) if c.status == "verified"]
+    watch.verified_step = verified[0] if verified else None  # a relaunch starts from what is proven already
     view = TrainingView(run)
     try:
         finished = False

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from infra import sizes
+
 
 def ago(seconds: float | None) -> str:
     if seconds is None:
@@ -13,15 +15,6 @@ def ago(seconds: float | None) -> str:
         if s >= size:
             return f"{s / size:.1f}{unit}"
     return f"{s:.1f}s"
-
-
-def _size(n: int) -> str:
-    x = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if x < 1000 or unit == "TB":
-            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.1f} {unit}"
-        x /= 1000
-    return f"{n} B"
 
 
 def _run_lines(r: dict[str, Any]) -> list[str]:
@@ -64,7 +57,7 @@ def _run_lines(r: dict[str, Any]) -> list[str]:
         )
         row(
             "copies" if i == 0 else "",
-            f"{tier:8}{t['copies']} ({t['verified_copies']} verified, {_size(t['bytes'])}), {lag}",
+            f"{tier:8}{t['copies']} ({t['verified_copies']} verified, {sizes.human(t['bytes'])}), {lag}",
         )
     if not r["open_incidents"]:
         row("open incidents", "none")
