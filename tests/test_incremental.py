@@ -22,7 +22,8 @@ from infra import retention
 from infra.catalog.db import Catalog
 from infra.checkpoint.engine import Checkpointer, SaveMode
 from infra.checkpoint.state import RNGState
-from infra.format import chunked
+from infra.errors import ConfigError
+from infra.format import chunked, payload, store
 from infra.format import manifest as mf
 from tests.integrity_support import flip
 
@@ -195,3 +196,72 @@ def test_sigkill_during_a_chunked_save_leaves_the_previous_checkpoint(rewind_env
     ck.close()
     assert ck.last_saved is not None and ck.last_saved.linked_bytes >= VOCAB * DIM * 4
     assert rewind(["ckpt", "verify", run_name, "--step", "2", "--deep"]) == 0
+
+
+def test_a_chunked_checkpoint_replicates_and_restores_from_the_replica(rewind_env, run_name, tmp_path):
+    root, shared = tmp_path / "ckpt", tmp_path / "shared"
+    net, opt, _ = save_steps(run_name, root, [1, 2])
+    assert rewind(["replicate", run_name, "--to", str(shared)]) == 0
+    assert any((shared / run_name / "step-2" / chunked.CHUNK_DIR).iterdir())
+    assert rewind(["ckpt", "verify", run_name, "--step", "2", "--tier", "shared", "--deep"]) == 0
+    shutil.rmtree(root / run_name / "step-2")  # the local copy is lost: the replica is fetched instead
+    assert_restores(run_name, root, net, opt, 2)
+    assert (root / run_name / "step-2" / chunked.INDEX_FILE).is_file()
+
+
+def test_odd_tensors_round_trip_and_equal_chunks_are_stored_once(tmp_path):
+    big = torch.arange(3 * 1024 * 300, dtype=torch.float32).reshape(3 * 1024, 300)  # 3.5 MiB: 4 chunks
+    state = {
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 5),
+        "transposed": torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),
+        "bf16": torch.randn(7, 3).to(torch.bfloat16),
+        "mask": torch.tensor([True, False, True]),
+        "zeros_a": torch.zeros(64, 64),
+        "zeros_b": torch.zeros(64, 64),
+        "big": big,
+        "note": "not a tensor",
+    }
+    trees, tensors = payload.split_states({"s": state})
+    files = payload.file_writers(trees, tensors, fmt=payload.CHUNKED)
+    draft = mf.Manifest(run="r", step=1, files=())
+    done = store.write_checkpoint(tmp_path, draft, files)
+    assert done.linked_bytes == 0
+    chunk_files = [e for e in done.manifest.files if e.path.startswith(f"{chunked.CHUNK_DIR}/")]
+    rows_per_chunk = chunked.CHUNK_BYTES // (300 * 4)
+    big_chunks = -(-3 * 1024 // rows_per_chunk)
+    # scalar, transposed, bf16, mask, one zeros chunk for both, the big tensor's chunks; none for "empty"
+    assert len(chunk_files) == 5 + big_chunks
+    got = payload.read_states(done.path, done.manifest)["s"]
+    assert got.keys() == state.keys()
+    for k, v in state.items():
+        assert (torch.equal(got[k], v) and got[k].dtype == v.dtype) if torch.is_tensor(v) else got[k] == v, k
+    # The next step links every chunk it shares with this one.
+    state["big"] = big.clone()
+    state["big"][0, 0] = -1.0  # one row changed: one chunk rewritten
+    trees, tensors = payload.split_states({"s": state})
+    files = payload.file_writers(trees, tensors, fmt=payload.CHUNKED, link_from=done.path)
+    done2 = store.write_checkpoint(tmp_path, mf.Manifest(run="r", step=2, files=()), files)
+    first_chunk = rows_per_chunk * 300 * 4
+    assert done2.written_bytes - done2.manifest_size <= first_chunk + 8192
+    assert done2.linked_bytes >= 3 * 1024 * 300 * 4 - first_chunk
+    assert torch.equal(payload.read_states(done2.path, done2.manifest)["s"]["big"], state["big"])
+
+
+def test_the_plain_format_stays_the_default_and_links_nothing(rewind_env, run_name, tmp_path):
+    net, opt = build()
+    ck = Checkpointer(run_name, states={"model": net, "optimizer": opt}, root=tmp_path, catalog=Catalog())
+    for step in (1, 2):
+        train(net, opt, step)
+        ck.save(step)
+        saved = ck.last_saved
+        assert saved is not None and saved.linked_bytes == 0 and saved.written_bytes > saved.total_bytes
+    ck.close()
+    assert sorted(p.name for p in (tmp_path / run_name / "step-2").iterdir()) == [
+        "manifest.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+    ]
+    with pytest.raises(ConfigError, match="format"):
+        Checkpointer(run_name, states={"model": net}, root=tmp_path, catalog=Catalog(), format="zip")
