@@ -265,3 +265,19 @@ def test_the_plain_format_stays_the_default_and_links_nothing(rewind_env, run_na
     ]
     with pytest.raises(ConfigError, match="format"):
         Checkpointer(run_name, states={"model": net}, root=tmp_path, catalog=Catalog(), format="zip")
+
+
+def test_the_flip_byte_drill_damages_a_chunk_only_the_newest_checkpoint_holds(rewind_env, run_name, tmp_path):
+    from types import SimpleNamespace
+
+    from infra.drills.chaos import _damage
+
+    root = tmp_path / "ckpt"
+    _net, _opt, results = save_steps(run_name, root, [1, 2])
+    newest = results[-1]
+    said = _damage(SimpleNamespace(path=newest.path, step=2), "flip_byte")
+    target = Path(said.rsplit(": ", 1)[1])
+    assert target.parent.name == chunked.CHUNK_DIR and target.stat().st_nlink == 1
+    net1, opt1 = build()
+    train(net1, opt1, 1)
+    assert_restores(run_name, root, net1, opt1, 1)
