@@ -281,3 +281,27 @@ def test_the_flip_byte_drill_damages_a_chunk_only_the_newest_checkpoint_holds(re
     net1, opt1 = build()
     train(net1, opt1, 1)
     assert_restores(run_name, root, net1, opt1, 1)
+
+
+def test_an_index_that_does_not_tile_its_tensor_is_unloadable_not_corrupt(tmp_path):
+    import json
+
+    from infra.errors import UnloadableCheckpoint
+
+    trees, tensors = payload.split_states({"s": {"w": torch.arange(6.0).reshape(3, 2)}})
+    files = payload.file_writers(trees, tensors, fmt=payload.CHUNKED)
+    index = json.loads(bytes(next(_capture(fill) for name, fill in files if name == chunked.INDEX_FILE)))
+    index["states"]["s"]["s.w"]["chunks"][0][2] = 2  # claims rows 0..2 of 3
+    bad = json.dumps(index).encode()
+    files = [(n, (lambda out: out.write(bad)) if n == chunked.INDEX_FILE else f) for n, f in files]
+    done = store.write_checkpoint(tmp_path, mf.Manifest(run="r", step=1, files=()), files)
+    with pytest.raises(UnloadableCheckpoint, match=r"chunks\.json.*'s\.w'"):
+        payload.read_states(done.path, done.manifest)
+
+
+def _capture(fill: object) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    fill(buf)  # type: ignore[operator]
+    return buf.getvalue()
