@@ -41,6 +41,7 @@ bench: install
 	$(BIN)/python -m bench.run
 	$(BIN)/python -m bench.s3
 	$(BIN)/python -m bench.session
+	$(BIN)/python -m bench.incremental --params-m 50 --checkpoints 20
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -150,6 +150,7 @@ SLOW_FILES_FIRST = [
     "test_adopt.py",  # ~90
     "test_async_save.py",  # ~80
     "test_progress.py",  # ~40
+    "test_incremental.py",  # ~20 alone, ~35 loaded
     "test_conversation.py",  # ~25
 ]
 

@@ -75,6 +75,8 @@ class SaveResult:
     total_bytes: int
     stall_s: float
     manifest_digest: str
+    written_bytes: int = 0  # bytes this save wrote (data files and manifest)
+    linked_bytes: int = 0  # bytes hard-linked from an earlier checkpoint instead (chunked format)
 
 
 @dataclass
@@ -88,10 +90,13 @@ class Checkpointer:
     layout: dict[str, int] = field(default_factory=lambda: {"world_size": 1, "tp": 1, "pp": 1, "dp": 1})
     mode: SaveMode = SaveMode.SYNC
     exit_timeout_s: float = 300.0
+    format: str = payload.PLAIN  # or payload.CHUNKED: unchanged chunks are linked, not written
 
     def __post_init__(self) -> None:
         if not self.states:
             raise ConfigError("Checkpointer needs at least one state to capture")
+        if self.format not in payload.FORMATS:
+            raise ConfigError(f"checkpoint format {self.format!r} is not one of {', '.join(payload.FORMATS)}")
         for name in self.states:
             mf.safe_relative(f"{name}.safetensors")
             if name.endswith(".json") or name == "manifest":
@@ -173,7 +178,8 @@ class Checkpointer:
                 metrics=metrics,
             )
             staged.ready()
-            done = store.write_checkpoint(self.run_dir, draft, payload.file_writers(trees, staged.parts))
+            files = payload.file_writers(trees, staged.parts, fmt=self.format, link_from=self._link_source())
+            done = store.write_checkpoint(self.run_dir, draft, files)
             manifest = done.manifest
             fault_point("save.before_catalog", step)
             if self.mode is SaveMode.SYNC:
@@ -181,16 +187,36 @@ class Checkpointer:
             lineage.commit(self._cat, ck_id, manifest, digest=done.digest, stall_s=stall, uri=str(final))
             leases.touch_writer(self._cat, self.run_id)
         self._parent_id, self._parent_step, self._parent_digest = ck_id, step, done.digest
-        result = SaveResult(step, ck_id, str(final), manifest.total_bytes, stall, done.digest)
+        result = SaveResult(
+            step,
+            ck_id,
+            str(final),
+            manifest.total_bytes,
+            stall,
+            done.digest,
+            done.written_bytes,
+            done.linked_bytes,
+        )
         self.last_saved = result
         log.info(
-            "checkpoint step %d committed: %s (%d bytes, stall %.3fs)",
+            "checkpoint step %d committed: %s (%d bytes, %d written, stall %.3fs)",
             step,
             final,
             manifest.total_bytes,
+            done.written_bytes,
             stall,
         )
         return result
+
+    def _link_source(self) -> Path | None:
+        """Where a chunked save links unchanged chunks from: this process's last checkpoint, else the newest on disk."""
+        if self.format != payload.CHUNKED:
+            return None
+        if self._parent_step is not None:
+            parent = store.step_dir(self.run_dir, self._parent_step)
+            if (parent / mf.MANIFEST_NAME).is_file():
+                return parent
+        return store.newest_committed(self.run_dir)
 
     # -- restore --------------------------------------------------------------
 

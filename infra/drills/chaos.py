@@ -119,8 +119,11 @@ def damage_newest_checkpoint(
 
 def _damage(ck: Any, how: str) -> str:
     d = Path(ck.path)
+    chunks = d / "chunks"  # the chunked format: prefer a chunk no other checkpoint links
+    found = [*d.iterdir(), *(chunks.iterdir() if chunks.is_dir() else ())]
     data = sorted(
-        (f for f in d.iterdir() if f.suffix in (".safetensors", ".distcp")), key=lambda f: -f.stat().st_size
+        (f for f in found if f.suffix in (".safetensors", ".distcp") or f.parent == chunks),
+        key=lambda f: (f.stat().st_nlink > 1, -f.stat().st_size),
     )
     if how == "delete_manifest":
         target = d / "manifest.json"

@@ -18,13 +18,16 @@ from typing import Any, BinaryIO
 
 import torch
 
-from infra.errors import ConfigError, UnloadableCheckpoint
+from infra.errors import ConfigError, MalformedFile, UnloadableCheckpoint
+from infra.format import chunked, tensorfile, tree
 from infra.format import manifest as mf
-from infra.format import tensorfile, tree
-from infra.format.store import FileWriter
+from infra.format.store import FileWriter, Link
 from infra.format.verify import Finding, Problem, read_verified, verified_read
 
 STATE_FILE = "state.json"
+PLAIN = "plain"  # one safetensors file per state
+CHUNKED = "chunked"  # content-addressed chunks, linked from the previous checkpoint where unchanged
+FORMATS = (PLAIN, CHUNKED)
 DCP_METADATA = ".metadata"  # present only in sharded (DCP) checkpoints
 _DECODE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, binascii.Error, RecursionError)
 
@@ -39,9 +42,17 @@ def split_states(state_dicts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
 
 
 def file_writers(
-    trees: Mapping[str, Any], tensors: Mapping[str, Mapping[str, torch.Tensor]]
-) -> list[tuple[str, FileWriter]]:
-    """The files of a checkpoint, as (name, function that streams its bytes)."""
+    trees: Mapping[str, Any],
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
+    *,
+    fmt: str = PLAIN,
+    link_from: Path | None = None,
+) -> list[tuple[str, FileWriter | Link]]:
+    """The files of a checkpoint, as (name, function that streams its bytes, or a link).
+
+    ``fmt="chunked"`` selects the chunked format (:mod:`infra.format.chunked`), hard-linking
+    the chunks that the checkpoint directory ``link_from`` already holds.
+    """
 
     def tensors_writer(part_tensors: Mapping[str, torch.Tensor]) -> FileWriter:
         return lambda out: tensorfile.write(out, part_tensors)
@@ -49,7 +60,11 @@ def file_writers(
     def state_writer(out: BinaryIO) -> None:
         out.write(json.dumps(trees, sort_keys=True, allow_nan=True).encode())
 
-    files = [(f"{part}.safetensors", tensors_writer(t)) for part, t in tensors.items() if t]
+    files: list[tuple[str, FileWriter | Link]]
+    if fmt == CHUNKED:
+        files = chunked.file_writers(tensors, link_from)
+    else:
+        files = [(f"{part}.safetensors", tensors_writer(t)) for part, t in tensors.items() if t]
     files.append((STATE_FILE, state_writer))
     return files
 
@@ -95,6 +110,12 @@ def read_states(directory: Path, manifest: mf.Manifest) -> dict[str, Any]:
     for path, entry in entries.items():
         if path.endswith(".safetensors"):
             tensors.update(read_tensors(directory, entry))
+    if chunked.INDEX_FILE in entries:
+        index = read_json(directory, entries[chunked.INDEX_FILE])
+        try:
+            tensors.update(chunked.read_tensors(directory, entries, index))
+        except MalformedFile as exc:  # the index matched the manifest: the writer made it so
+            raise _unloadable(directory, chunked.INDEX_FILE, str(exc)) from exc
     trees = read_json(directory, entries[STATE_FILE])
     if not isinstance(trees, dict):
         raise _unloadable(directory, STATE_FILE, f"holds a {type(trees).__name__}, not one state per part")

@@ -26,8 +26,34 @@ from infra.format.digest import HashingWriter, manifest_digest
 from infra.format.verify import Finding, Problem
 
 _TMP_DIR = re.compile(r"^step-\d+\.tmp-(\d+)-[0-9a-f]+$")
+_STEP_DIR = re.compile(r"^step-(\d{1,19})$")
 
 FileWriter = Callable[[BinaryIO], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """A file whose bytes an earlier checkpoint already holds: hard-linked from ``source``.
+
+    ``entry`` is what the bytes are (hashed by the writer from the bytes it holds, never
+    taken from the source's manifest); ``fallback`` writes them when the link cannot be made
+    (the source was deleted meanwhile, another filesystem, too many links) or its size differs.
+    """
+
+    source: Path
+    entry: mf.FileEntry
+    fallback: FileWriter
+
+
+def link_file(path: Path, link: Link) -> bool:
+    """Hard-link ``link.source`` to ``path``; False (nothing left behind) if it cannot be used."""
+    try:
+        if link.source.stat().st_size != link.entry.size:
+            return False
+        os.link(link.source, path)
+    except OSError:
+        return False
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +63,29 @@ class Committed:
     path: Path
     manifest: mf.Manifest
     digest: str
+    manifest_size: int = 0
+    linked_bytes: int = 0  # data bytes hard-linked from a parent checkpoint instead of written
+
+    @property
+    def written_bytes(self) -> int:
+        """Bytes this commit actually wrote: data files not linked, plus the manifest."""
+        return self.manifest.total_bytes - self.linked_bytes + self.manifest_size
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / f"step-{step}"
+
+
+def newest_committed(run_dir: Path) -> Path | None:
+    """The highest-step ``step-<N>/`` in ``run_dir`` that holds a manifest (committed on disk)."""
+    try:
+        found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _STEP_DIR.match(p.name))]
+    except OSError:
+        return None
+    for _step, p in sorted(found, reverse=True):
+        if (p / mf.MANIFEST_NAME).is_file():
+            return p
+    return None
 
 
 def fsync_dir(path: Path) -> None:
@@ -97,13 +142,27 @@ def commit(
         raise FileExistsError(f"{final} already exists")
     os.rename(tmp, final)
     fsync_dir(run_dir)
-    return Committed(final, manifest, manifest_digest(raw))
+    return Committed(final, manifest, manifest_digest(raw), manifest_size=len(raw))
+
+
+def _place(tmp: Path, name: str, fill: FileWriter | Link, made: set[Path]) -> tuple[mf.FileEntry, bool]:
+    """Write (or link) one file into ``tmp``, creating its directory; (entry, whether it was linked)."""
+    rel = mf.safe_relative(name)
+    path = tmp / rel
+    if path.parent != tmp and path.parent not in made:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        made.update(p for p in path.parents if p.is_relative_to(tmp) and p != tmp)
+    if isinstance(fill, Link):
+        if link_file(path, fill):
+            return replace(fill.entry, path=rel), True
+        fill = fill.fallback
+    return replace(write_file(path, fill), path=rel), False
 
 
 def write_checkpoint(
     run_dir: Path,
     manifest: mf.Manifest,
-    files: Iterable[tuple[str, FileWriter]],
+    files: Iterable[tuple[str, FileWriter | Link]],
     *,
     copy_of: bytes | None = None,
     displace: Displace | None = None,
@@ -118,15 +177,20 @@ def write_checkpoint(
     """
     tmp = temp_dir(run_dir, manifest.step)
     try:
-        entries = []
+        entries, made, linked = [], set[Path](), 0
         for name, fill in files:
-            entries.append(write_file(tmp / mf.safe_relative(name), fill))
+            entry, was_linked = _place(tmp, name, fill, made)
+            entries.append(entry)
+            linked += entry.size if was_linked else 0
             fault_point("save.file_written", manifest.step)
+        for d in sorted(made, key=lambda p: -len(p.parts)):  # deepest first, then the directory itself
+            fsync_dir(d)
         fsync_dir(tmp)
         if copy_of is not None:
             _same_files(tmp, manifest.files, entries)
             return commit(tmp, manifest, copy_of, displace=displace)
-        return commit(tmp, replace(manifest, files=tuple(entries)))
+        done = commit(tmp, replace(manifest, files=tuple(entries)))
+        return replace(done, linked_bytes=linked)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

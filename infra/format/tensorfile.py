@@ -40,6 +40,36 @@ _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _MAX_DIM = 1 << 40  # no real dimension is larger; an empty tensor could otherwise claim any shape
 
 
+def dtype_name(name: str, dtype: torch.dtype) -> str:
+    """The safetensors name of ``dtype`` (``ConfigError`` for one it cannot store)."""
+    if dtype not in _DTYPES:
+        raise ConfigError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store")
+    return _DTYPES[dtype]
+
+
+def dtype_named(name: str, dtype: object) -> torch.dtype:
+    """The dtype a file names for tensor ``name`` (``MalformedFile`` for one this reader lacks)."""
+    found = _BY_NAME.get(dtype) if isinstance(dtype, str) else None
+    if found is None:
+        raise MalformedFile(f"tensor {name!r} has unsupported dtype {dtype!r}")
+    return found
+
+
+def checked_shape(name: str, shape: object) -> list[int]:
+    """A shape from a file: a list of sane, non-negative dimensions (``MalformedFile`` otherwise)."""
+    if not isinstance(shape, list) or not all(type(n) is int and 0 <= n <= _MAX_DIM for n in shape):
+        raise MalformedFile(f"tensor {name!r} has a malformed shape {str(shape)[:100]}")
+    return shape
+
+
+def allocate(name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor to read into (``MalformedFile`` for a shape torch refuses)."""
+    try:
+        return torch.empty(shape, dtype=dtype)
+    except RuntimeError as exc:  # a shape torch cannot allocate, however few bytes it claims
+        raise MalformedFile(f"tensor {name!r} has shape {shape}, which torch refuses: {exc}") from exc
+
+
 def byte_view(t: torch.Tensor) -> memoryview:
     """A CPU tensor's bytes, without a copy (empty for an empty tensor)."""
     flat = t.detach().reshape(-1)

@@ -1,0 +1,307 @@
+"""The chunked checkpoint format (issue 14, local tier): unchanged chunks are hard-linked, not written.
+
+A fine-tune with a frozen backbone and a small trainable head, on the real Postgres catalog:
+later checkpoints write about the trainable bytes only, every checkpoint restores bit-exact,
+deleting older ones leaves newer ones whole, a flipped byte in a chunk is named (tensor and
+chunk) and refused, and a SIGKILL in the middle of a chunked save loses nothing committed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.cli import main as rewind
+from infra import retention
+from infra.catalog.db import Catalog
+from infra.checkpoint.engine import Checkpointer, SaveMode
+from infra.checkpoint.state import RNGState
+from infra.errors import ConfigError
+from infra.format import chunked, payload, store
+from infra.format import manifest as mf
+from tests.integrity_support import flip
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB, DIM = 4096, 256  # a 4 MiB frozen embedding: four 1 MiB chunks
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.backbone = torch.nn.Embedding(VOCAB, DIM)
+        self.head = torch.nn.Linear(DIM, 8)
+
+
+def build(seed: int = 0) -> tuple[Net, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    net = Net()
+    net.backbone.weight.requires_grad_(False)
+    return net, torch.optim.AdamW(net.head.parameters(), lr=1e-2)
+
+
+def train(net: Net, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, VOCAB, (16, 12), generator=g)
+    loss = net.head(net.backbone(ids).mean(dim=1)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def checkpointer(run: str, root: Path, net: Net, opt: torch.optim.Optimizer, **kw: object) -> Checkpointer:
+    states = {"model": net, "optimizer": opt, "rng": RNGState()}
+    return Checkpointer(run, states=states, root=root, catalog=Catalog(), format="chunked", **kw)  # type: ignore[arg-type]
+
+
+def trainable_bytes(net: Net, opt: torch.optim.Optimizer) -> int:
+    weights = sum(p.numel() * p.element_size() for p in net.head.parameters())
+    state = sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+    )
+    return weights + state
+
+
+def assert_restores(run: str, root: Path, net: Net, opt: torch.optim.Optimizer, step: int) -> None:
+    """A fresh job (other seed) restores ``step`` and holds exactly ``net``'s and ``opt``'s state."""
+    net2, opt2 = build(seed=99)
+    ck = checkpointer(run, root, net2, opt2)
+    try:
+        got = ck.restore_latest()
+    finally:
+        ck.close()
+    assert got is not None and got.step == step, ck.skipped
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, net2.state_dict()[k]), k
+    want, have = opt.state_dict()["state"], opt2.state_dict()["state"]
+    assert want.keys() == have.keys()
+    for i in want:
+        for k, v in want[i].items():
+            assert torch.equal(v, have[i][k]), (i, k)
+
+
+def save_steps(
+    run: str, root: Path, steps: list[int], mode: SaveMode = SaveMode.SYNC
+) -> tuple[Net, torch.optim.Optimizer, list]:  # type: ignore[type-arg]
+    net, opt = build()
+    ck = checkpointer(run, root, net, opt, mode=mode)
+    results = []
+    for step in steps:
+        train(net, opt, step)
+        ck.save(step)
+        ck.wait()
+        results.append(ck.last_saved)
+    ck.close()
+    return net, opt, results
+
+
+@pytest.mark.parametrize("mode", [SaveMode.SYNC, SaveMode.ASYNC])
+def test_frozen_backbone_writes_only_the_trainable_bytes(rewind_env, run_name, tmp_path, mode):
+    root = tmp_path / "ckpt"
+    net, opt, results = save_steps(run_name, root, [1, 2, 3, 4], mode)
+    backbone = VOCAB * DIM * 4
+    first, *later = results
+    assert first.linked_bytes == 0 and first.written_bytes > backbone
+    budget = trainable_bytes(net, opt) * 1.1 + 64 * 1024  # + index, state.json, RNG state and manifest
+    for r in later:
+        assert r.linked_bytes >= backbone, r
+        assert r.written_bytes <= budget, (r.written_bytes, budget)
+    # The backbone's chunks are one inode shared by every step directory.
+    chunk_dir = root / run_name / "step-1" / chunked.CHUNK_DIR
+    shared = [p for p in chunk_dir.iterdir() if p.stat().st_nlink == 4]
+    assert len(shared) >= backbone // chunked.CHUNK_BYTES
+    assert_restores(run_name, root, net, opt, 4)
+    for step in (1, 4):
+        assert rewind(["ckpt", "verify", run_name, "--step", str(step), "--deep"]) == 0
+
+
+def test_deleting_older_checkpoints_leaves_newer_ones_whole(rewind_env, run_name, tmp_path):
+    root = tmp_path / "ckpt"
+    net, opt, _ = save_steps(run_name, root, [1, 2, 3])
+    shutil.rmtree(root / run_name / "step-1")  # behind Rewind's back: only links go
+    policy = retention.Policy(keep_last=1)
+    gc = retention.plan(Catalog(), run_name, policy)
+    assert 2 in [r.step for r in gc.remove]
+    retention.execute(Catalog(), gc, policy)
+    assert not (root / run_name / "step-2").exists()
+    assert rewind(["ckpt", "verify", run_name, "--step", "3", "--deep"]) == 0
+    assert_restores(run_name, root, net, opt, 3)
+
+
+def test_a_flipped_byte_in_a_chunk_is_named_and_the_restore_falls_back(rewind_env, run_name, tmp_path):
+    root = tmp_path / "ckpt"
+    net, opt, _ = save_steps(run_name, root, [1])
+    net1, opt1 = build()
+    train(net1, opt1, 1)  # what step 1 holds
+    ck = checkpointer(run_name, root, net, opt)
+    assert ck.restore_latest().step == 1
+    train(net, opt, 2)
+    ck.save(2)
+    ck.close()
+    step2 = root / run_name / "step-2"
+    index = mf.read(step2)  # the head's weight: a chunk only step 2 holds
+    head = next(
+        e for e in index.files if e.path.startswith("chunks/") and (step2 / e.path).stat().st_nlink == 1
+    )
+    flip(step2 / head.path)
+    digest = head.path.removeprefix("chunks/")
+    net2, opt2 = build(seed=99)
+    ck2 = checkpointer(run_name, root, net2, opt2)
+    assert ck2.restore_latest().step == 1
+    ck2.close()
+    (skip,) = ck2.skipped
+    assert skip.step == 2 and "\n" not in str(skip)
+    (finding,) = skip.findings
+    assert digest in finding.detail and "tensor '" in finding.detail and finding.path == head.path
+    assert_restores(run_name, root, net1, opt1, 1)
+
+
+_KILLED_JOB = """
+import sys
+from pathlib import Path
+from tests.test_incremental import build, checkpointer, train
+net, opt = build()
+ck = checkpointer(sys.argv[1], Path(sys.argv[2]), net, opt)
+for step in (1, 2):
+    train(net, opt, step)
+    ck.save(step)
+ck.close()
+"""
+
+
+@pytest.mark.parametrize("point", ["save.file_written", "save.before_rename"])
+def test_sigkill_during_a_chunked_save_leaves_the_previous_checkpoint(rewind_env, run_name, tmp_path, point):
+    root = tmp_path / "ckpt"
+    env = {**os.environ, "REWIND_FAULT": f"kill:{point}@2"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_JOB, run_name, str(root)], cwd=REPO, env=env, timeout=120, check=False
+    )
+    assert proc.returncode == -9
+    assert any(".tmp-" in p.name for p in (root / run_name).iterdir())
+    net, opt = build()
+    train(net, opt, 1)
+    assert_restores(run_name, root, net, opt, 1)  # also sweeps the dead writer's temp directory
+    assert not any(".tmp-" in p.name for p in (root / run_name).iterdir())
+    # The run goes on in the same format, linking from what survived.
+    net3, opt3 = build(seed=7)
+    ck = checkpointer(run_name, root, net3, opt3)
+    assert ck.restore_latest().step == 1
+    train(net3, opt3, 2)
+    ck.save(2)
+    ck.close()
+    assert ck.last_saved is not None and ck.last_saved.linked_bytes >= VOCAB * DIM * 4
+    assert rewind(["ckpt", "verify", run_name, "--step", "2", "--deep"]) == 0
+
+
+def test_a_chunked_checkpoint_replicates_and_restores_from_the_replica(rewind_env, run_name, tmp_path):
+    root, shared = tmp_path / "ckpt", tmp_path / "shared"
+    net, opt, _ = save_steps(run_name, root, [1, 2])
+    assert rewind(["replicate", run_name, "--to", str(shared)]) == 0
+    assert any((shared / run_name / "step-2" / chunked.CHUNK_DIR).iterdir())
+    assert rewind(["ckpt", "verify", run_name, "--step", "2", "--tier", "shared", "--deep"]) == 0
+    shutil.rmtree(root / run_name / "step-2")  # the local copy is lost: the replica is fetched instead
+    assert_restores(run_name, root, net, opt, 2)
+    assert (root / run_name / "step-2" / chunked.INDEX_FILE).is_file()
+
+
+def test_odd_tensors_round_trip_and_equal_chunks_are_stored_once(tmp_path):
+    big = torch.arange(3 * 1024 * 300, dtype=torch.float32).reshape(3 * 1024, 300)  # 3.5 MiB: 4 chunks
+    state = {
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 5),
+        "transposed": torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),
+        "bf16": torch.randn(7, 3).to(torch.bfloat16),
+        "mask": torch.tensor([True, False, True]),
+        "zeros_a": torch.zeros(64, 64),
+        "zeros_b": torch.zeros(64, 64),
+        "big": big,
+        "note": "not a tensor",
+    }
+    trees, tensors = payload.split_states({"s": state})
+    files = payload.file_writers(trees, tensors, fmt=payload.CHUNKED)
+    draft = mf.Manifest(run="r", step=1, files=())
+    done = store.write_checkpoint(tmp_path, draft, files)
+    assert done.linked_bytes == 0
+    chunk_files = [e for e in done.manifest.files if e.path.startswith(f"{chunked.CHUNK_DIR}/")]
+    rows_per_chunk = chunked.CHUNK_BYTES // (300 * 4)
+    big_chunks = -(-3 * 1024 // rows_per_chunk)
+    # scalar, transposed, bf16, mask, one zeros chunk for both, the big tensor's chunks; none for "empty"
+    assert len(chunk_files) == 5 + big_chunks
+    got = payload.read_states(done.path, done.manifest)["s"]
+    assert got.keys() == state.keys()
+    for k, v in state.items():
+        assert (torch.equal(got[k], v) and got[k].dtype == v.dtype) if torch.is_tensor(v) else got[k] == v, k
+    # The next step links every chunk it shares with this one.
+    state["big"] = big.clone()
+    state["big"][0, 0] = -1.0  # one row changed: one chunk rewritten
+    trees, tensors = payload.split_states({"s": state})
+    files = payload.file_writers(trees, tensors, fmt=payload.CHUNKED, link_from=done.path)
+    done2 = store.write_checkpoint(tmp_path, mf.Manifest(run="r", step=2, files=()), files)
+    first_chunk = rows_per_chunk * 300 * 4
+    assert done2.written_bytes - done2.manifest_size <= first_chunk + 8192
+    assert done2.linked_bytes >= 3 * 1024 * 300 * 4 - first_chunk
+    assert torch.equal(payload.read_states(done2.path, done2.manifest)["s"]["big"], state["big"])
+
+
+def test_the_plain_format_stays_the_default_and_links_nothing(rewind_env, run_name, tmp_path):
+    net, opt = build()
+    ck = Checkpointer(run_name, states={"model": net, "optimizer": opt}, root=tmp_path, catalog=Catalog())
+    for step in (1, 2):
+        train(net, opt, step)
+        ck.save(step)
+        saved = ck.last_saved
+        assert saved is not None and saved.linked_bytes == 0 and saved.written_bytes > saved.total_bytes
+    ck.close()
+    assert sorted(p.name for p in (tmp_path / run_name / "step-2").iterdir()) == [
+        "manifest.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+    ]
+    with pytest.raises(ConfigError, match="format"):
+        Checkpointer(run_name, states={"model": net}, root=tmp_path, catalog=Catalog(), format="zip")
+
+
+def test_the_flip_byte_drill_damages_a_chunk_only_the_newest_checkpoint_holds(rewind_env, run_name, tmp_path):
+    from types import SimpleNamespace
+
+    from infra.drills.chaos import _damage
+
+    root = tmp_path / "ckpt"
+    _net, _opt, results = save_steps(run_name, root, [1, 2])
+    newest = results[-1]
+    said = _damage(SimpleNamespace(path=newest.path, step=2), "flip_byte")
+    target = Path(said.rsplit(": ", 1)[1])
+    assert target.parent.name == chunked.CHUNK_DIR and target.stat().st_nlink == 1
+    net1, opt1 = build()
+    train(net1, opt1, 1)
+    assert_restores(run_name, root, net1, opt1, 1)
+
+
+def test_an_index_that_does_not_tile_its_tensor_is_unloadable_not_corrupt(tmp_path):
+    import json
+
+    from infra.errors import UnloadableCheckpoint
+
+    trees, tensors = payload.split_states({"s": {"w": torch.arange(6.0).reshape(3, 2)}})
+    files = payload.file_writers(trees, tensors, fmt=payload.CHUNKED)
+    index = json.loads(bytes(next(_capture(fill) for name, fill in files if name == chunked.INDEX_FILE)))
+    index["states"]["s"]["s.w"]["chunks"][0][2] = 2  # claims rows 0..2 of 3
+    bad = json.dumps(index).encode()
+    files = [(n, (lambda out: out.write(bad)) if n == chunked.INDEX_FILE else f) for n, f in files]
+    done = store.write_checkpoint(tmp_path, mf.Manifest(run="r", step=1, files=()), files)
+    with pytest.raises(UnloadableCheckpoint, match=r"chunks\.json.*'s\.w'"):
+        payload.read_states(done.path, done.manifest)
+
+
+def _capture(fill: object) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    fill(buf)  # type: ignore[operator]
+    return buf.getvalue()
