@@ -144,7 +144,10 @@ def test_s3_outage_mid_replication_is_retried_and_resumed(
     def under_outage() -> dict:
         from tasks.replicate import replicate_checkpoint as task
 
-        return task.with_options(retries=5)(saved.checkpoint_id, uri, part_size_mib=8, concurrency=2)
+        # Retried every second for up to 2 minutes: the outage lasts as long as SeaweedFS takes to stop and
+        # start again (seconds, longer on a loaded machine), and the task must outlast it whatever it takes.
+        retrying = task.with_options(retries=120, retry_delay_seconds=1, retry_jitter_factor=None)
+        return retrying(saved.checkpoint_id, uri, part_size_mib=8, concurrency=2)
 
     state = under_outage(return_state=True)
     thread.join(timeout=180)
