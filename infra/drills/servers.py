@@ -35,6 +35,7 @@ _PORT_FLAGS = [
     "s3.port",
     "s3.port.grpc",
     "s3.port.iceberg",
+    "s3.port.lance",  # Lance Namespace server (default 9101): two servers on one machine collided on it
     "admin.port",
     "admin.port.grpc",
 ]
