@@ -5,9 +5,17 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from typing import NoReturn
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 MAX_STEP = 2**63 - 1  # what the catalog's BIGINT holds
+# What each command module's ``register`` is handed by flows/cli.py: ``add`` makes a subcommand, ``wrap``
+# binds a command to the shared ``emit`` (text or --json) and ``catalog`` (opened on first use).
+Emit = Callable[..., None]
+OpenCatalog = Callable[[], Any]
+Add = Callable[..., argparse.ArgumentParser]
+Wrap = Callable[[Callable[..., int]], Callable[[argparse.Namespace], int]]
+
 # Exit codes: a check found problems, bad input or state, something unreachable right now, a bug.
 EXIT_FINDINGS, EXIT_USAGE, EXIT_UNAVAILABLE, EXIT_INTERNAL = 1, 2, 3, 70
 

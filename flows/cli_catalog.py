@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
-from flows.cli_args import step
+from flows.cli_args import Add, Emit, OpenCatalog, Wrap, step
 
 TIERS = ["local", "shared", "offsite"]
 FORMATS = ["dcp", "torchtitan", "hf-trainer", "safetensors"]
 
 
-def cmd_rebuild(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_rebuild(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.inventory.rebuild import rebuild
 
     got = rebuild(catalog(), args.source, tier=args.tier, run=args.run, deep=not args.quick)
@@ -35,7 +34,7 @@ def cmd_rebuild(args: argparse.Namespace, emit: Callable[..., None], catalog: Ca
     return 1 if got.refused else 0
 
 
-def cmd_check(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_check(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.errors import ConfigError
     from infra.inventory.drift import check
 
@@ -51,7 +50,7 @@ def cmd_check(args: argparse.Namespace, emit: Callable[..., None], catalog: Call
     return 1 if found else 0
 
 
-def cmd_adopt(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_adopt(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from pathlib import Path
 
     from infra.inventory.adopt import adopt
@@ -70,8 +69,8 @@ def cmd_adopt(args: argparse.Namespace, emit: Callable[..., None], catalog: Call
 
 def register(
     sub: Any,
-    add: Callable[..., argparse.ArgumentParser],
-    wrap: Callable[[Callable[..., int]], Callable[[argparse.Namespace], int]],
+    add: Add,
+    wrap: Wrap,
 ) -> None:
     cg = sub.add_parser("catalog", help="the catalog against storage: rebuild, check").add_subparsers(
         dest="catalog_command", required=True, metavar="ACTION"

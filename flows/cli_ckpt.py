@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
-from flows.cli_args import EXIT_FINDINGS, step
+from flows.cli_args import EXIT_FINDINGS, Add, Emit, OpenCatalog, Wrap, step
 from flows.cli_output import table
 from infra.errors import RewindError
 
 
-def cmd_runs_list(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_runs_list(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.catalog import lineage
 
     rows = lineage.list_runs(catalog())
@@ -36,7 +35,7 @@ def _ckpt_row(ck: Any) -> dict[str, Any]:
     }
 
 
-def cmd_ckpt_list(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_ckpt_list(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.catalog import lineage
 
     rows = [_ckpt_row(ck) for ck in lineage.checkpoints(catalog(), args.run)]
@@ -45,7 +44,7 @@ def cmd_ckpt_list(args: argparse.Namespace, emit: Callable[..., None], catalog: 
     return 0
 
 
-def cmd_ckpt_show(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_ckpt_show(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.catalog import lineage
 
     cat = catalog()
@@ -85,7 +84,7 @@ def cmd_ckpt_show(args: argparse.Namespace, emit: Callable[..., None], catalog: 
     return 0
 
 
-def cmd_ckpt_verify(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_ckpt_verify(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from flows import progress_view
     from infra.catalog import lineage
     from infra.restore.scrub import scrub
@@ -155,8 +154,8 @@ def _verify_text(results: list[dict[str, Any]]) -> str:
 
 def register(
     sub: Any,
-    add: Callable[..., argparse.ArgumentParser],
-    wrap: Callable[[Callable[..., int]], Callable[[argparse.Namespace], int]],
+    add: Add,
+    wrap: Wrap,
 ) -> Any:
     """The `runs` and `ckpt` commands; returns the `ckpt` subparsers, where more checkpoint commands go."""
     runs = sub.add_parser("runs", help="training runs").add_subparsers(

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from flows.cli_args import Add, Emit, OpenCatalog, Wrap
 
-def cmd_list(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+
+def cmd_list(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.drills import experiments
 
     rows = []
@@ -28,7 +29,7 @@ def cmd_list(args: argparse.Namespace, emit: Callable[..., None], catalog: Calla
     return 0
 
 
-def cmd_run(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_run(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     import os
 
     # The first start of the ephemeral server migrates its database: give a busy machine time.
@@ -88,13 +89,13 @@ def _write_report(cat: Any, out: Path) -> int:
     return len(rows)
 
 
-def cmd_report(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_report(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     n = _write_report(catalog(), Path(args.out))
     emit(args, {"out": args.out, "drills": n}, lambda: f"wrote {args.out} ({n} drills)")
     return 0
 
 
-def cmd_goodput(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_goodput(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     import sys
 
     from infra.drills.goodput import goodput
@@ -127,8 +128,8 @@ def cmd_goodput(args: argparse.Namespace, emit: Callable[..., None], catalog: Ca
 
 def register(
     sub: Any,
-    add: Callable[..., argparse.ArgumentParser],
-    wrap: Callable[[Callable[..., int]], Callable[[argparse.Namespace], int]],
+    add: Add,
+    wrap: Wrap,
 ) -> None:
     dr = sub.add_parser("drill", help="recovery drills: list, run, report").add_subparsers(
         dest="drill_command", required=True, metavar="ACTION"

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
-from flows.cli_args import amount, count, step
+from flows.cli_args import Add, Emit, OpenCatalog, Wrap, amount, count, step
 from flows.cli_output import table
 
-Emit = Callable[..., None]
 
-
-def cmd_start(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+def cmd_start(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.serving import stack
     from infra.serving.backend import TorchServeBackend
     from infra.serving.restart import reload_stable
@@ -37,7 +34,7 @@ def cmd_start(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) 
     return 0
 
 
-def cmd_stop(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+def cmd_stop(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.serving import stack
 
     stack.stop()
@@ -54,7 +51,7 @@ def _rollout_text(out: dict[str, Any]) -> str:
     return line
 
 
-def cmd_deploy(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+def cmd_deploy(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from flows.serving import deploy_model
     from infra.serving.export import verified_checkpoint
 
@@ -67,7 +64,7 @@ def cmd_deploy(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any])
     return 0
 
 
-def cmd_rollout(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+def cmd_rollout(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from flows.serving import rollout_model
     from infra.errors import ConfigError
     from infra.serving.export import verified_checkpoint
@@ -87,7 +84,7 @@ def cmd_rollout(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]
     return 0 if out["state"] == "promoted" else 1
 
 
-def cmd_rollback(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+def cmd_rollback(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from flows.serving import rollback_model
     from infra.catalog import serving
 
@@ -100,7 +97,7 @@ def cmd_rollback(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any
     return 0
 
 
-def cmd_status(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+def cmd_status(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.catalog import serving as sv
     from infra.serving import stack
     from infra.serving.backend import TorchServeBackend
@@ -136,7 +133,7 @@ def cmd_status(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any])
     return 0
 
 
-def cmd_history(args: argparse.Namespace, emit: Emit, catalog: Callable[[], Any]) -> int:
+def cmd_history(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.catalog import serving as sv
 
     cat = catalog()
@@ -188,8 +185,8 @@ def _artifact_options(p: argparse.ArgumentParser) -> None:
 
 def register(
     sub: Any,
-    add: Callable[..., argparse.ArgumentParser],
-    wrap: Callable[[Callable[..., int]], Callable[[argparse.Namespace], int]],
+    add: Add,
+    wrap: Wrap,
 ) -> None:
     sv = sub.add_parser("serving", help="model serving: deploy, canary, roll back").add_subparsers(
         dest="serving_command", required=True, metavar="ACTION"

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
+from flows.cli_args import Add, Emit, OpenCatalog, Wrap
 
-def cmd_status(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+
+def cmd_status(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.catalog import overview, overview_text
 
     got = overview.status(catalog(), args.run)
@@ -17,8 +18,8 @@ def cmd_status(args: argparse.Namespace, emit: Callable[..., None], catalog: Cal
 
 def register(
     sub: Any,
-    add: Callable[..., argparse.ArgumentParser],
-    wrap: Callable[[Callable[..., int]], Callable[[argparse.Namespace], int]],
+    add: Add,
+    wrap: Wrap,
 ) -> None:
     st = add(
         sub,

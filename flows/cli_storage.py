@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from typing import Any
 
-from flows.cli_args import amount, count, step
+from flows.cli_args import Add, Emit, OpenCatalog, Wrap, amount, count, step
 from infra.errors import RewindError
 
 MiB = 1 << 20
@@ -33,7 +32,7 @@ def _open(uri: str, args: argparse.Namespace) -> Any:
     return open_tier(uri)
 
 
-def cmd_replicate(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_replicate(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     import os
 
     from flows import progress_view
@@ -72,7 +71,7 @@ def cmd_replicate(args: argparse.Namespace, emit: Callable[..., None], catalog: 
     return 0
 
 
-def cmd_restore(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_restore(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from flows import progress_view
     from infra.restore.foreign import verified_directory
 
@@ -99,7 +98,7 @@ def cmd_restore(args: argparse.Namespace, emit: Callable[..., None], catalog: Ca
     return 0
 
 
-def cmd_pin(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_pin(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.catalog import lineage
 
     lineage.set_pinned(catalog(), args.run, args.step, not args.unpin)
@@ -109,7 +108,7 @@ def cmd_pin(args: argparse.Namespace, emit: Callable[..., None], catalog: Callab
     return 0
 
 
-def cmd_gc(args: argparse.Namespace, emit: Callable[..., None], catalog: Callable[[], Any]) -> int:
+def cmd_gc(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from flows import progress_view
     from infra import retention
 
@@ -170,8 +169,8 @@ def cmd_gc(args: argparse.Namespace, emit: Callable[..., None], catalog: Callabl
 def register(
     sub: Any,
     ck: Any,
-    add: Callable[..., argparse.ArgumentParser],
-    wrap: Callable[[Callable[..., int]], Callable[[argparse.Namespace], int]],
+    add: Add,
+    wrap: Wrap,
 ) -> None:
     rep = add(
         sub,

@@ -341,17 +341,7 @@ def run_one(
     error = _journal_error(journal)
     inc = found[0] if found else None
     m = measure.measure(inc, measure.read_log(state / "loss.jsonl"), reference, error)
-    if inc is None and error is None and ext.get("incident") == "optional":
-        # The job rode the fault out: nothing to recover, so no phase ran and there is no RTO.
-        m["phases"] = {n: {"s": None, "status": "not_needed"} for n in slo.PHASES}
-        verdict = slo.Verdict(True, None, "the job rode the fault out: no incident, nothing to recover")
-    elif inc is None:
-        m["phases"]["detect"] = {"s": None, "status": "failed", "why": error or "no incident was recorded"}
-        verdict = slo.judge(budget, m["phases"], m["rto_s"], m["rpo_steps"])
-    else:
-        verdict = slo.judge(budget, m["phases"], m["rto_s"], m["rpo_steps"])
-    if error and verdict.passed:
-        verdict = slo.Verdict(False, None, error)
+    verdict = _judge(m, budget, incident=inc, error=error, optional=ext.get("incident") == "optional")
     drill_id = drill_rows.record(
         cat, scenario=scenario, failure_kind=kind, run_name=run, incident_id=inc.id if inc and not own else None,
         started_at=started, outcome="passed" if verdict.passed else "failed", phases=m["phases"],
@@ -369,6 +359,20 @@ def run_one(
             "failed_phase": verdict.failed_phase, "reason": verdict.reason, "rto_s": m["rto_s"],
             "rpo_steps": m["rpo_steps"], "run": run, "phases": m["phases"],
             "as_expected": verdict.failed_phase == expected if expected else verdict.passed}  # fmt: skip
+
+
+def _judge(
+    m: dict[str, Any], budget: slo.Budget, *, incident: Any, error: str | None, optional: bool
+) -> slo.Verdict:
+    """The drill's verdict from its measurements (``m``'s phases are completed here where none ran)."""
+    if incident is None and error is None and optional:
+        # The job rode the fault out: nothing to recover, so no phase ran and there is no RTO.
+        m["phases"] = {n: {"s": None, "status": "not_needed"} for n in slo.PHASES}
+        return slo.Verdict(True, None, "the job rode the fault out: no incident, nothing to recover")
+    if incident is None:
+        m["phases"]["detect"] = {"s": None, "status": "failed", "why": error or "no incident was recorded"}
+    verdict = slo.judge(budget, m["phases"], m["rto_s"], m["rpo_steps"])
+    return slo.Verdict(False, None, error) if error and verdict.passed else verdict
 
 
 def _outputs(journal: dict[str, Any]) -> dict[str, Any]:
