@@ -1,13 +1,14 @@
-"""The chunked checkpoint format (issue 14, local tier): unchanged chunks are hard-linked, not written.
+"""The chunked checkpoint format (issue 14, local tier): unchanged packs are hard-linked, not written.
 
 A fine-tune with a frozen backbone and a small trainable head, on the real Postgres catalog:
 later checkpoints write about the trainable bytes only, every checkpoint restores bit-exact,
-deleting older ones leaves newer ones whole, a flipped byte in a chunk is named (tensor and
+deleting older ones leaves newer ones whole, a flipped byte in a pack is named (tensor and
 chunk) and refused, and a SIGKILL in the middle of a chunked save loses nothing committed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -22,8 +23,8 @@ from infra import retention
 from infra.catalog.db import Catalog
 from infra.checkpoint.engine import Checkpointer, SaveMode
 from infra.checkpoint.state import RNGState
-from infra.errors import ConfigError
-from infra.format import chunked, payload, store
+from infra.errors import ConfigError, CorruptCheckpoint
+from infra.format import chunked, packs, payload, store
 from infra.format import manifest as mf
 from tests.integrity_support import flip
 
@@ -111,10 +112,10 @@ def test_frozen_backbone_writes_only_the_trainable_bytes(rewind_env, run_name, t
     for r in later:
         assert r.linked_bytes >= backbone, r
         assert r.written_bytes <= budget, (r.written_bytes, budget)
-    # The backbone's chunks are one inode shared by every step directory.
-    chunk_dir = root / run_name / "step-1" / chunked.CHUNK_DIR
-    shared = [p for p in chunk_dir.iterdir() if p.stat().st_nlink == 4]
-    assert len(shared) >= backbone // chunked.CHUNK_BYTES
+    # The backbone's pack is one inode shared by every step directory.
+    pack_dir = root / run_name / "step-1" / packs.PACK_DIR
+    shared = [p for p in pack_dir.iterdir() if p.stat().st_nlink == 4]
+    assert sum(p.stat().st_size for p in shared) >= backbone
     assert_restores(run_name, root, net, opt, 4)
     for step in (1, 4):
         assert rewind(["ckpt", "verify", run_name, "--step", str(step), "--deep"]) == 0
@@ -133,7 +134,15 @@ def test_deleting_older_checkpoints_leaves_newer_ones_whole(rewind_env, run_name
     assert_restores(run_name, root, net, opt, 3)
 
 
-def test_a_flipped_byte_in_a_chunk_is_named_and_the_restore_falls_back(rewind_env, run_name, tmp_path):
+def chunk_at(step_dir: Path, pack: str, offset: int) -> str:
+    """The digest of the chunk that covers ``offset`` of ``pack``, from the checkpoint's index."""
+    index = json.loads((step_dir / chunked.INDEX_FILE).read_bytes())
+    name = pack.removeprefix(f"{packs.PACK_DIR}/")
+    (digest,) = [d for d, o, n in index["packs"][name] if o <= offset < o + n]
+    return str(digest)
+
+
+def test_a_flipped_byte_in_a_pack_is_named_and_the_restore_falls_back(rewind_env, run_name, tmp_path):
     root = tmp_path / "ckpt"
     net, opt, _ = save_steps(run_name, root, [1])
     net1, opt1 = build()
@@ -144,12 +153,12 @@ def test_a_flipped_byte_in_a_chunk_is_named_and_the_restore_falls_back(rewind_en
     ck.save(2)
     ck.close()
     step2 = root / run_name / "step-2"
-    index = mf.read(step2)  # the head's weight: a chunk only step 2 holds
+    index = mf.read(step2)  # the head's pack: only step 2 holds it
     head = next(
-        e for e in index.files if e.path.startswith("chunks/") and (step2 / e.path).stat().st_nlink == 1
+        e for e in index.files if e.path.startswith("packs/") and (step2 / e.path).stat().st_nlink == 1
     )
     flip(step2 / head.path)
-    digest = head.path.removeprefix("chunks/")
+    digest = chunk_at(step2, head.path, head.size // 2)
     net2, opt2 = build(seed=99)
     ck2 = checkpointer(run_name, root, net2, opt2)
     assert ck2.restore_latest().step == 1
@@ -158,6 +167,9 @@ def test_a_flipped_byte_in_a_chunk_is_named_and_the_restore_falls_back(rewind_en
     assert skip.step == 2 and "\n" not in str(skip)
     (finding,) = skip.findings
     assert digest in finding.detail and "tensor '" in finding.detail and finding.path == head.path
+    # Nothing of step 2 was applied: the job holds exactly step 1.
+    for k, v in net1.state_dict().items():
+        assert torch.equal(v, net2.state_dict()[k]), k
     assert_restores(run_name, root, net1, opt1, 1)
 
 
@@ -202,7 +214,7 @@ def test_a_chunked_checkpoint_replicates_and_restores_from_the_replica(rewind_en
     root, shared = tmp_path / "ckpt", tmp_path / "shared"
     net, opt, _ = save_steps(run_name, root, [1, 2])
     assert rewind(["replicate", run_name, "--to", str(shared)]) == 0
-    assert any((shared / run_name / "step-2" / chunked.CHUNK_DIR).iterdir())
+    assert any((shared / run_name / "step-2" / packs.PACK_DIR).iterdir())
     assert rewind(["ckpt", "verify", run_name, "--step", "2", "--tier", "shared", "--deep"]) == 0
     shutil.rmtree(root / run_name / "step-2")  # the local copy is lost: the replica is fetched instead
     assert_restores(run_name, root, net, opt, 2)
@@ -227,11 +239,12 @@ def test_odd_tensors_round_trip_and_equal_chunks_are_stored_once(tmp_path):
     draft = mf.Manifest(run="r", step=1, files=())
     done = store.write_checkpoint(tmp_path, draft, files)
     assert done.linked_bytes == 0
-    chunk_files = [e for e in done.manifest.files if e.path.startswith(f"{chunked.CHUNK_DIR}/")]
+    pack_files = [e for e in done.manifest.files if e.path.startswith(f"{packs.PACK_DIR}/")]
+    listed = json.loads((done.path / chunked.INDEX_FILE).read_bytes())["packs"]
     rows_per_chunk = chunked.CHUNK_BYTES // (300 * 4)
     big_chunks = -(-3 * 1024 // rows_per_chunk)
     # scalar, transposed, bf16, mask, one zeros chunk for both, the big tensor's chunks; none for "empty"
-    assert len(chunk_files) == 5 + big_chunks
+    assert len(pack_files) == 1 and sum(len(refs) for refs in listed.values()) == 5 + big_chunks
     got = payload.read_states(done.path, done.manifest)["s"]
     assert got.keys() == state.keys()
     for k, v in state.items():
@@ -277,15 +290,13 @@ def test_the_flip_byte_drill_damages_a_chunk_only_the_newest_checkpoint_holds(re
     newest = results[-1]
     said = _damage(SimpleNamespace(path=newest.path, step=2), "flip_byte")
     target = Path(said.rsplit(": ", 1)[1])
-    assert target.parent.name == chunked.CHUNK_DIR and target.stat().st_nlink == 1
+    assert target.parent.name == packs.PACK_DIR and target.stat().st_nlink == 1
     net1, opt1 = build()
     train(net1, opt1, 1)
     assert_restores(run_name, root, net1, opt1, 1)
 
 
 def test_an_index_that_does_not_tile_its_tensor_is_unloadable_not_corrupt(tmp_path):
-    import json
-
     from infra.errors import UnloadableCheckpoint
 
     trees, tensors = payload.split_states({"s": {"w": torch.arange(6.0).reshape(3, 2)}})
@@ -305,3 +316,81 @@ def _capture(fill: object) -> bytes:
     buf = io.BytesIO()
     fill(buf)  # type: ignore[operator]
     return buf.getvalue()
+
+
+def _save(tmp_path: Path, step: int, state: dict, parent: Path | None = None) -> store.Committed:  # type: ignore[type-arg]
+    trees, tensors = payload.split_states({"s": state})
+    files = payload.file_writers(trees, tensors, fmt=payload.CHUNKED, link_from=parent)
+    return store.write_checkpoint(tmp_path, mf.Manifest(run="r", step=step, files=()), files)
+
+
+def _loads(done: store.Committed, state: dict) -> None:  # type: ignore[type-arg]
+    got = payload.read_states(done.path, done.manifest)["s"]
+    assert all(torch.equal(got[k], v) for k, v in state.items()), done.path
+
+
+def test_a_mostly_dead_pack_is_not_linked_its_live_chunks_move_to_a_stable_pack(tmp_path):
+    """A pack under half used is not linked; its live chunks are carried apart from the changing ones,
+    so from then on they sit in a pack that stays fully used and is linked, never written again."""
+    stable = torch.arange(3 << 18, dtype=torch.float32).reshape(-1, 256)  # 3 MiB
+    state = {"a": stable, "b": torch.randn(5 << 10, 256)}  # 5 MiB that changes every step
+    one = _save(tmp_path, 1, state)
+    assert len([e for e in one.manifest.files if e.path.startswith("packs/")]) == 1  # 8 MiB: one pack
+    state["b"] = torch.randn(5 << 10, 256)
+    two = _save(tmp_path, 2, state, one.path)
+    assert two.linked_bytes == 0  # 3 of 8 MiB live: carried, not linked
+    state["b"] = torch.randn(5 << 10, 256)
+    three = _save(tmp_path, 3, state, two.path)
+    assert three.linked_bytes == stable.numel() * 4  # the carried pack holds exactly "a"
+    assert three.written_bytes - three.manifest_size <= (5 << 20) + 8192
+    _loads(three, state)
+
+
+def test_a_parent_pack_that_cannot_be_linked_is_written_from_memory(tmp_path):
+    """A damaged parent (wrong size) is not linked: the new checkpoint is whole without it."""
+    state = {"w": torch.randn(4 << 10, 256), "h": torch.randn(8, 256)}
+    one = _save(tmp_path, 1, state)
+    (pack,) = [e for e in one.manifest.files if e.path.startswith("packs/")]
+    with open(one.path / pack.path, "ab") as f:
+        f.write(b"junk")
+    state["h"] = torch.randn(8, 256)
+    two = _save(tmp_path, 2, state, one.path)
+    assert two.linked_bytes == 0
+    assert (two.path / pack.path).stat().st_ino != (one.path / pack.path).stat().st_ino
+    verify_report = mf.read(two.path)
+    from infra.format.verify import verify_files
+
+    verify_files(two.path, verify_report)  # every file of the new checkpoint hashes to its entry
+    _loads(two, state)
+
+
+def test_a_full_training_save_writes_few_large_packs(tmp_path):
+    state = {f"layer{i}": torch.randn(1 << 10, 1 << 10) for i in range(20)}  # 80 MiB, all changing
+    one = _save(tmp_path, 1, state)
+    state = {k: v + 1 for k, v in state.items()}
+    two = _save(tmp_path, 2, state, one.path)
+    pack_files = [e for e in two.manifest.files if e.path.startswith("packs/")]
+    assert two.linked_bytes == 0 and 3 <= len(pack_files) <= 4  # 80 MiB in packs of at most 32 MiB
+    assert max(e.size for e in pack_files) <= packs.PACK_BYTES
+    _loads(two, state)
+
+
+def test_checkpoints_of_the_first_chunked_format_still_restore(tmp_path):
+    """``rewind.chunks/1`` (one file per chunk) was written by an earlier release: it must stay readable."""
+    state = {"w": torch.randn(3 << 10, 256), "b": torch.randn(3)}
+    trees, tensors = payload.split_states({"s": state})
+    index, chunks = chunked.build_index(tensors)
+    index["format"] = chunked.LEGACY_FORMAT
+    raw = json.dumps(index).encode()
+    files = [(f"{chunked.LEGACY_CHUNK_DIR}/{d}", _writer(bytes(c.data))) for d, c in chunks.items()]
+    files += [(chunked.INDEX_FILE, _writer(raw)), (payload.STATE_FILE, _writer(json.dumps(trees).encode()))]
+    done = store.write_checkpoint(tmp_path, mf.Manifest(run="r", step=1, files=()), files)
+    _loads(done, state)
+    victim = next(e for e in done.manifest.files if e.path.startswith("chunks/"))
+    flip(done.path / victim.path)
+    with pytest.raises(CorruptCheckpoint, match=victim.path.removeprefix("chunks/")):
+        payload.read_states(done.path, done.manifest)
+
+
+def _writer(data: bytes):  # type: ignore[no-untyped-def]
+    return lambda out: out.write(data)

@@ -22,6 +22,7 @@ from infra.catalog import incidents, jobs, lineage
 from infra.catalog.db import Catalog
 from infra.drills import servers, slo
 from infra.errors import ConfigError, NotFoundError, RewindError, TransientError
+from infra.format import chunked, packs
 from infra.format.verify import check_copy
 
 POLL_S = 0.2
@@ -119,10 +120,11 @@ def damage_newest_checkpoint(
 
 def _damage(ck: Any, how: str) -> str:
     d = Path(ck.path)
-    chunks = d / "chunks"  # the chunked format: prefer a chunk no other checkpoint links
-    found = [*d.iterdir(), *(chunks.iterdir() if chunks.is_dir() else ())]
+    # The chunked format: prefer a pack (or first-format chunk) no other checkpoint links.
+    stores = [d / sub for sub in (packs.PACK_DIR, chunked.LEGACY_CHUNK_DIR) if (d / sub).is_dir()]
+    found = [*d.iterdir(), *(f for sub in stores for f in sub.iterdir())]
     data = sorted(
-        (f for f in found if f.suffix in (".safetensors", ".distcp") or f.parent == chunks),
+        (f for f in found if f.suffix in (".safetensors", ".distcp") or f.parent in stores),
         key=lambda f: (f.stat().st_nlink > 1, -f.stat().st_size),
     )
     if how == "delete_manifest":

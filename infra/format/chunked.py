@@ -1,25 +1,27 @@
-"""The chunked checkpoint format: tensors in row-aligned chunks, each a file named by its digest.
+"""The chunked checkpoint format: tensors in row-aligned chunks named by digest, stored in packs.
 
 A step directory holds::
 
-    chunks/<xxh3-128 hex>   rows [a, b) of a tensor, raw bytes (~1 MiB; 0-d and small tensors whole)
-    chunks.json             per state, per tensor: dtype, shape, [[digest, first row, end row], ...]
-    state.json              the non-tensor state, exactly as the plain format stores it
-    manifest.json           every file above with its size and digests, written last
+    packs/<name>    chunks back to back, ~32 MiB a pack (:mod:`infra.format.packs`)
+    chunks.json     per state, per tensor: dtype, shape, [[digest, first row, end row], ...];
+                    per pack: [[digest, offset, length], ...] of the chunks this checkpoint uses
+    state.json      the non-tensor state, exactly as the plain format stores it
+    manifest.json   every file above with its size and digests, written last
 
-Every directory is self-contained: a chunk an earlier checkpoint of the run already
-holds is hard-linked into the new one (:class:`infra.format.store.Link`), so unchanged
-tensors cost no bytes written, and deleting a step directory only drops links (the
-filesystem's link count is the reference count). Verification, replication, retention
-and catalog rebuild see ordinary files listed in a manifest. Nothing is unpickled:
-tensors are rebuilt from chunk bytes that matched the manifest before they are used.
+Every directory is self-contained: a pack of the previous checkpoint whose chunks are
+mostly still in use is hard-linked into the new one (:class:`infra.format.store.Link`),
+so unchanged tensors cost no bytes written, and deleting a step directory only drops
+links (the filesystem's link count is the reference count). Verification, replication,
+retention and catalog rebuild see ordinary files listed in a manifest. Nothing is
+unpickled: tensors are rebuilt from chunk bytes, each proven against its digest in the
+(verified) index before it is used. Directories of the first version of the format
+(``rewind.chunks/1``: one file per chunk under ``chunks/``) are still read.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -27,21 +29,17 @@ import torch
 
 from infra.errors import CorruptCheckpoint, MalformedFile
 from infra.format import manifest as mf
-from infra.format import tensorfile
-from infra.format.digest import Hasher, hash_bytes
+from infra.format import packs, tensorfile
+from infra.format.digest import Hasher
+from infra.format.packs import Chunk
 from infra.format.store import FileWriter, Link
 from infra.format.verify import Finding, verified_read
 
 INDEX_FILE = "chunks.json"
-CHUNK_DIR = "chunks"
-INDEX_FORMAT = "rewind.chunks/1"
+INDEX_FORMAT = "rewind.chunks/2"
+LEGACY_FORMAT = "rewind.chunks/1"  # one file per chunk, under LEGACY_CHUNK_DIR: read, never written
+LEGACY_CHUNK_DIR = "chunks"
 CHUNK_BYTES = 1 << 20
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    digest: str
-    data: memoryview
 
 
 def _cpu(t: torch.Tensor) -> torch.Tensor:
@@ -74,55 +72,35 @@ def split_tensor(name: str, t: torch.Tensor, chunks: dict[str, Chunk]) -> dict[s
 
 
 def build_index(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[dict[str, Any], dict[str, Chunk]]:
-    """The index of every state's tensors, and the distinct chunks they are made of."""
+    """The index of every state's tensors, and the distinct chunks they are made of, in tensor order."""
     chunks: dict[str, Chunk] = {}
     states = {
         part: {name: split_tensor(name, t, chunks) for name, t in sorted(ts.items())}
         for part, ts in tensors.items()
     }
-    return {"format": INDEX_FORMAT, "chunk_bytes": CHUNK_BYTES, "states": states}, chunks
-
-
-def parent_chunks(parent: Path | None) -> dict[str, mf.FileEntry]:
-    """The chunk files an earlier checkpoint directory lists (none when it is gone or unreadable)."""
-    if parent is None:
-        return {}
-    try:
-        files = mf.read(parent).files
-    except (OSError, mf.ManifestError):
-        return {}
-    return {e.path: e for e in files if e.path.startswith(f"{CHUNK_DIR}/")}
-
-
-def _bytes_writer(data: memoryview | bytes) -> FileWriter:
-    def fill(out: BinaryIO) -> None:
-        out.write(data)
-
-    return fill
+    index = {
+        "format": INDEX_FORMAT,
+        "chunk_bytes": CHUNK_BYTES,
+        "pack_bytes": packs.PACK_BYTES,
+        "states": states,
+    }
+    return index, chunks
 
 
 def file_writers(
     tensors: Mapping[str, Mapping[str, torch.Tensor]], parent: Path | None
 ) -> list[tuple[str, FileWriter | Link]]:
-    """Chunk files (linked from ``parent`` where it lists the same digest), then the index.
-
-    A linked file's entry is hashed here from the bytes being saved, so the new manifest
-    states what the bytes are whatever the parent's copy has become since.
-    """
+    """Packs (those of ``parent`` still mostly used are linked, the rest written), then the index."""
     index, chunks = build_index(tensors)
-    have = parent_chunks(parent)
-    files: list[tuple[str, FileWriter | Link]] = []
-    for c in chunks.values():
-        name = f"{CHUNK_DIR}/{c.digest}"
-        write = _bytes_writer(c.data)
-        prior = have.get(name)
-        if parent is not None and prior is not None and (prior.xxh3, prior.size) == (c.digest, len(c.data)):
-            d = hash_bytes(c.data)
-            files.append((name, Link(parent / name, mf.FileEntry(name, d.size, d.xxh3, d.crc32c), write)))
-        else:
-            files.append((name, write))
+    plan = packs.layout(chunks, parent, packs.parent_packs(parent, INDEX_FILE, INDEX_FORMAT))
+    index["packs"] = plan.packs()
+    files = packs.file_writers(plan, chunks)
     raw = json.dumps(index, sort_keys=True, separators=(",", ":")).encode()
-    files.append((INDEX_FILE, _bytes_writer(raw)))
+
+    def write_index(out: BinaryIO) -> None:
+        out.write(raw)
+
+    files.append((INDEX_FILE, write_index))
     return files
 
 
@@ -146,11 +124,11 @@ def _spec(name: str, info: Any) -> tuple[torch.dtype, list[int], list[tuple[str,
     return dtype, shape, refs
 
 
-def _read_chunk(
+def _read_legacy_chunk(
     directory: Path, entries: Mapping[str, mf.FileEntry], tensor: str, digest: str, view: memoryview
 ) -> None:
-    """Fill ``view`` from one chunk file, proven against its manifest entry; findings name tensor and chunk."""
-    name = f"{CHUNK_DIR}/{digest}"
+    """Fill ``view`` from one ``rewind.chunks/1`` chunk file, proven against its manifest entry."""
+    name = f"{LEGACY_CHUNK_DIR}/{digest}"
     entry = entries.get(name)
     if entry is None or entry.size != len(view) or entry.xxh3 != digest:
         raise MalformedFile(
@@ -166,25 +144,59 @@ def _read_chunk(
         raise CorruptCheckpoint(str(directory), findings) from exc
 
 
-def read_tensors(directory: Path, entries: Mapping[str, mf.FileEntry], index: Any) -> dict[str, torch.Tensor]:
-    """Every tensor the (verified) ``index`` names, each rebuilt in storage of its own from verified chunks.
+Pieces = list[tuple[str, str, memoryview]]  # (tensor, chunk digest, where its bytes go)
 
-    ``MalformedFile`` for an index that does not describe its chunks; ``CorruptCheckpoint``
-    for a chunk whose bytes differ from the manifest; ``OSError`` for an I/O error.
-    """
-    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT:
-        raise MalformedFile(f"{INDEX_FILE} is not a {INDEX_FORMAT} index")
-    states = index.get("states")
-    if not isinstance(states, dict) or not all(isinstance(ts, dict) for ts in states.values()):
-        raise MalformedFile(f"{INDEX_FILE} has no tensors per state")
+
+def _allocate(states: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Pieces]:
+    """Every tensor the index names, allocated, and the chunk each row range of it needs."""
     out: dict[str, torch.Tensor] = {}
+    pieces: Pieces = []
     for ts in states.values():
         for name, info in ts.items():
             dtype, shape, refs = _spec(str(name), info)
             t = tensorfile.allocate(str(name), shape, dtype)
             view = tensorfile.byte_view(t)
             row_bytes = len(view) // _rows(shape) if refs else 0
-            for digest, a, b in refs:
-                _read_chunk(directory, entries, str(name), digest, view[a * row_bytes : b * row_bytes])
+            pieces.extend((str(name), d, view[a * row_bytes : b * row_bytes]) for d, a, b in refs)
             out[str(name)] = t
+    return out, pieces
+
+
+def _read_packed(
+    directory: Path, entries: Mapping[str, mf.FileEntry], index: dict[str, Any], pieces: Pieces
+) -> None:
+    """Fill every piece from the packs, pack by pack, each chunk proven as it is read."""
+    table = packs.chunk_table(index.get("packs"), entries)
+    wants: dict[str, tuple[mf.FileEntry, list[packs.Want]]] = {}
+    for tensor, digest, view in pieces:
+        if digest not in table:
+            raise MalformedFile(f"tensor {tensor!r} needs chunk {digest}, which no pack lists")
+        entry, offset, length = table[digest]
+        if length != len(view):
+            raise MalformedFile(
+                f"tensor {tensor!r} needs {len(view)} bytes of chunk {digest}, its pack holds {length}"
+            )
+        wants.setdefault(entry.path, (entry, []))[1].append(packs.Want(offset, digest, tensor, view))
+    for entry, ws in wants.values():
+        packs.read_pack(directory, entry, ws)
+
+
+def read_tensors(directory: Path, entries: Mapping[str, mf.FileEntry], index: Any) -> dict[str, torch.Tensor]:
+    """Every tensor the (verified) ``index`` names, each rebuilt in storage of its own from verified chunks.
+
+    ``MalformedFile`` for an index that does not describe its chunks; ``CorruptCheckpoint``
+    for a chunk whose bytes differ from its digest; ``OSError`` for an I/O error.
+    """
+    fmt = index.get("format") if isinstance(index, dict) else None
+    if fmt not in (INDEX_FORMAT, LEGACY_FORMAT):
+        raise MalformedFile(f"{INDEX_FILE} is not a {INDEX_FORMAT} index")
+    states = index.get("states")
+    if not isinstance(states, dict) or not all(isinstance(ts, dict) for ts in states.values()):
+        raise MalformedFile(f"{INDEX_FILE} has no tensors per state")
+    out, pieces = _allocate(states)
+    if fmt == INDEX_FORMAT:
+        _read_packed(directory, entries, index, pieces)
+    else:
+        for tensor, digest, view in pieces:
+            _read_legacy_chunk(directory, entries, tensor, digest, view)
     return out
