@@ -1,17 +1,22 @@
-"""Bytes written per checkpoint, chunked format vs the plain one, in the same run (issue 14, local tier).
+"""The chunked format against the plain one, in the same run (issue 14): bytes, stall, restore, upload.
 
-    .venv/bin/python -m bench.incremental [--params-m 8] [--checkpoints 5]
+    .venv/bin/python -m bench.incremental [--params-m 8] [--checkpoints 5] [--no-s3]
 
-Two regimes, each trained and checkpointed once per format: a frozen backbone with a ~5%
-trainable head (AdamW on the head only), and full training (everything changes). The figure
-is bytes written per checkpoint after the first (data files written, not hard-linked, plus
-the manifest), chunked over plain. The defaults fit in about a minute on 2 cores; the issue's
-version (50M parameters, 20 checkpoints per regime) is the one ``make bench`` runs:
-``--params-m 50 --checkpoints 20``. Writes ``incremental_bytes_ratio_frozen``,
-``incremental_bytes_ratio_full`` (and the frozen regime's bytes over its trainable bytes)
-to bench/results.json, and ``incremental_persist_ratio_*``: the median synchronous save
-(the whole persist, fsyncs included) chunked over plain. Upload, async stall and restore
-ratios are not measured yet.
+Two regimes, each trained and checkpointed (asynchronously, as a job would) once per
+format: a frozen backbone with a ~5% trainable head (AdamW on the head only), and full
+training (everything changes). Per checkpoint after the first: bytes written (data
+files not hard-linked, plus the manifest), the stall (what ``save()`` blocked the
+loop), the whole save (stall + background persist, fsyncs included), and, in the
+frozen regime, the bytes replication sent to a real S3 server (SeaweedFS on
+loopback). Then the newest checkpoint restored into a fresh job (median of 3). The
+defaults fit in a couple of minutes on 2 cores; the issue's version (50M parameters,
+20 checkpoints per regime) is what ``make bench`` runs: ``--params-m 50 --checkpoints 20``.
+
+Writes to bench/results.json, every ratio chunked over plain: ``incremental_bytes_ratio_*``,
+``incremental_upload_ratio_frozen``, ``incremental_stall_ratio_full``,
+``incremental_save_ratio_full``, ``incremental_restore_ratio`` (full regime, the one
+where every byte is new), and the frozen regime's bytes and upload over its trainable
+bytes (``incremental_*_vs_trainable_frozen``; <= 1.1 is the issue's bar).
 """
 
 from __future__ import annotations
@@ -19,17 +24,25 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import statistics
 import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from bench.run import machine
+from infra.catalog import lineage
 from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer
+from infra.checkpoint.engine import Checkpointer, SaveMode
+from infra.drills.servers import SeaweedS3
 from infra.format import payload
+from infra.replication import replicate
+from infra.tiers.base import Tier
+from infra.tiers.s3 import S3Tier
 
 HERE = Path(__file__).resolve().parent
 DIM = 256
@@ -43,61 +56,138 @@ class Net(torch.nn.Module):
         self.head = torch.nn.Linear(DIM, head_out)
 
 
-def run_regime(work: Path, cat: Catalog, fmt: str, frozen: bool, params: int, n: int) -> dict[str, float]:
+@dataclass
+class Regime:
+    """What one format did in one regime, per checkpoint after the first."""
+
+    written: list[int] = field(default_factory=list)
+    sent: list[int] = field(default_factory=list)
+    stall: list[float] = field(default_factory=list)
+    save: list[float] = field(default_factory=list)
+    restore: list[float] = field(default_factory=list)
+    trainable: int = 0
+
+
+def build(params: int, frozen: bool) -> tuple[Net, torch.optim.Optimizer]:
     torch.manual_seed(0)
     net = Net(params)
     net.backbone.weight.requires_grad_(not frozen)
     opt = torch.optim.AdamW(net.head.parameters() if frozen else net.parameters(), lr=1e-3)
+    return net, opt
+
+
+def train(net: Net, opt: torch.optim.Optimizer) -> None:
+    ids = torch.randint(0, net.backbone.num_embeddings, (32, 16))
+    loss = net.head(net.backbone(ids).mean(dim=1)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def trainable_bytes(net: Net, opt: torch.optim.Optimizer) -> int:
+    n = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
+    return n + sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
+
+
+def _checkpoint(ck: Checkpointer, cat: Catalog, step: int, tier: Tier | None, got: Regime) -> None:
+    """One asynchronous save, waited for (the stall and the whole save), then replicated if ``tier``."""
+    started = time.perf_counter()
+    stall = ck.save(step)
+    ck.wait()
+    whole = time.perf_counter() - started
+    saved = ck.last_saved
+    assert saved is not None and saved.step == step
+    sent = replicate(cat, lineage.get_checkpoint(cat, saved.checkpoint_id), tier).bytes_sent if tier else 0
+    if step > 1:
+        got.stall.append(stall)
+        got.save.append(whole)
+        got.written.append(saved.written_bytes)
+        got.sent.append(sent)
+
+
+def run_regime(
+    work: Path, cat: Catalog, fmt: str, frozen: bool, params: int, n: int, tier: Tier | None
+) -> Regime:
+    net, opt = build(params, frozen)
     run = f"{'frozen' if frozen else 'full'}-{fmt}"
-    ck = Checkpointer(run, states={"model": net, "optimizer": opt}, root=work, catalog=cat, format=fmt)
-    written: list[int] = []
-    seconds: list[float] = []
+    root = work / "ckpt"
+    ck = Checkpointer(
+        run, states={"model": net, "optimizer": opt}, root=root, catalog=cat, format=fmt, mode=SaveMode.ASYNC
+    )
+    got = Regime()
     for step in range(1, n + 1):
-        ids = torch.randint(0, net.backbone.num_embeddings, (32, 16))
-        loss = net.head(net.backbone(ids).mean(dim=1)).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        seconds.append(ck.save(step))  # synchronous: the whole persist, fsyncs included
-        assert ck.last_saved is not None
-        written.append(ck.last_saved.written_bytes)
+        train(net, opt)
+        _checkpoint(ck, cat, step, tier, got)
+        shutil.rmtree(root / run / f"step-{step - 2}", ignore_errors=True)  # keep the disk bounded
     ck.close()
-    params_bytes = [p for p in net.parameters() if p.requires_grad]
-    trainable = sum(p.numel() * p.element_size() for p in params_bytes)
-    trainable += sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values())
-    return {
-        "after_first": statistics.mean(written[1:]),
-        "first": written[0],
-        "trainable": trainable,
-        "save_s": statistics.median(seconds[1:]),
+    got.trainable = trainable_bytes(net, opt)
+    for _ in range(3):
+        fresh, fresh_opt = build(params, frozen)
+        train(fresh, fresh_opt)  # the optimizer's state exists, as in a job about to resume
+        job = Checkpointer(run, states={"model": fresh, "optimizer": fresh_opt}, root=root, catalog=cat)
+        started = time.perf_counter()
+        done = job.restore_latest()
+        got.restore.append(time.perf_counter() - started)
+        job.close()
+        assert done is not None and done.step == n and torch.equal(fresh.head.weight, net.head.weight)
+    return got
+
+
+def _ratios(regime: str, chunked: Regime, plain: Regime) -> dict[str, float]:
+    mean, med = statistics.mean, statistics.median
+    out = {
+        f"incremental_bytes_ratio_{regime}": mean(chunked.written) / mean(plain.written),
+        f"incremental_bytes_per_checkpoint_{regime}": mean(chunked.written),
+        f"plain_bytes_per_checkpoint_{regime}": mean(plain.written),
+        f"incremental_stall_ratio_{regime}": med(chunked.stall) / med(plain.stall),
+        f"incremental_save_ratio_{regime}": med(chunked.save) / med(plain.save),
+        f"incremental_restore_ratio_{regime}": med(chunked.restore) / med(plain.restore),
+        f"incremental_restore_s_{regime}": med(chunked.restore),
+        f"plain_restore_s_{regime}": med(plain.restore),
     }
+    if regime == "frozen":
+        out["incremental_bytes_vs_trainable_frozen"] = mean(chunked.written) / chunked.trainable
+        if mean(plain.sent):
+            out["incremental_upload_ratio_frozen"] = mean(chunked.sent) / mean(plain.sent)
+            out["incremental_upload_vs_trainable_frozen"] = mean(chunked.sent) / chunked.trainable
+    return out
 
 
-def measure(work: Path, params: int, n: int) -> dict[str, float]:
+def measure(work: Path, params: int, n: int, tier: Tier | None) -> dict[str, float]:
     cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
     out: dict[str, float] = {}
     for regime, frozen in (("frozen", True), ("full", False)):
-        got = {fmt: run_regime(work, cat, fmt, frozen, params, n) for fmt in payload.FORMATS}
-        chunked, plain = got[payload.CHUNKED], got[payload.PLAIN]
-        out[f"incremental_bytes_ratio_{regime}"] = chunked["after_first"] / plain["after_first"]
-        out[f"incremental_bytes_per_checkpoint_{regime}"] = chunked["after_first"]
-        out[f"plain_bytes_per_checkpoint_{regime}"] = plain["after_first"]
-        out[f"incremental_persist_ratio_{regime}"] = chunked["save_s"] / plain["save_s"]
-        if frozen:
-            out["incremental_bytes_vs_trainable_frozen"] = chunked["after_first"] / chunked["trainable"]
+        got = {
+            fmt: run_regime(work, cat, fmt, frozen, params, n, tier if frozen else None)
+            for fmt in payload.FORMATS
+        }
+        out |= _ratios(regime, got[payload.CHUNKED], got[payload.PLAIN])
+    out["incremental_restore_ratio"] = out["incremental_restore_ratio_full"]
     return out
+
+
+def _s3(work: Path) -> tuple[SeaweedS3, Tier]:
+    server = SeaweedS3(work / "weed")
+    server.start()
+    os.environ.update(server.env)
+    server.client().create_bucket(Bucket="bench")
+    return server, S3Tier("s3://bench/incremental")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--params-m", type=float, default=8.0, help="model size in millions of parameters")
     p.add_argument("--checkpoints", type=int, default=5, help="checkpoints per regime and format")
+    p.add_argument("--no-s3", action="store_true", help="skip the upload figures (no SeaweedFS)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     work = Path(tempfile.mkdtemp(prefix="rewind-bench-", dir=HERE))
+    server, tier = (None, None) if args.no_s3 else _s3(work)
     try:
-        got = measure(work, int(args.params_m * 1e6), max(2, args.checkpoints))
+        got = measure(work, int(args.params_m * 1e6), max(3, args.checkpoints), tier)
     finally:
+        if server is not None:
+            server.stop()
         shutil.rmtree(work, ignore_errors=True)
     for k, v in got.items():
         print(f"  {k:42} {v:14.4f}")
