@@ -53,8 +53,9 @@ def test_lower_layers_never_import_higher_ones():
 def test_the_format_sits_below_every_engine():
     graph = _graph()
     allowed = {
-        "infra.format": {"infra.format", "infra.errors", "infra.faults", "infra.progress"},
+        "infra.format": {"infra.format", "infra.errors", "infra.faults", "infra.progress", "infra.throttle"},
         "infra.tiers": {"infra.tiers", "infra.format", "infra.errors", "infra.faults", "infra.progress"},
+        "infra.throttle": {"infra.throttle", "infra.sizes", "infra.errors"},  # paces every file write
         "infra.catalog": {"infra.catalog", "infra.format", "infra.errors", "infra.config", "infra.sizes"},
         "infra.progress": {"infra.progress"},  # a leaf: the byte paths report, nothing below them
     }

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from infra import config
+from infra import config, throttle
 from infra.catalog import leases, lineage
 from infra.catalog.db import Catalog
 from infra.catalog.models import CheckpointStatus
@@ -97,6 +97,7 @@ class Checkpointer:
             raise ConfigError("Checkpointer needs at least one state to capture")
         if self.format not in payload.FORMATS:
             raise ConfigError(f"checkpoint format {self.format!r} is not one of {', '.join(payload.FORMATS)}")
+        throttle.for_writes()  # a bad REWIND_WRITE_LIMIT fails here, not in the first background save
         for name in self.states:
             mf.safe_relative(f"{name}.safetensors")
             if name.endswith(".json") or name == "manifest":

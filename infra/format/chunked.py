@@ -177,8 +177,7 @@ def _read_packed(
                 f"tensor {tensor!r} needs {len(view)} bytes of chunk {digest}, its pack holds {length}"
             )
         wants.setdefault(entry.path, (entry, []))[1].append(packs.Want(offset, digest, tensor, view))
-    for entry, ws in wants.values():
-        packs.read_pack(directory, entry, ws)
+    packs.read_packs(directory, list(wants.values()))
 
 
 def read_tensors(directory: Path, entries: Mapping[str, mf.FileEntry], index: Any) -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ from typing import BinaryIO
 import crc32c
 import xxhash
 
-from infra import progress
+from infra import progress, throttle
 
 DIGEST_ALGORITHM = "xxh3-128"
 CHUNK = 8 << 20
@@ -59,13 +59,19 @@ class Hasher:
 
 
 class HashingWriter:
-    """A write-only file wrapper that hashes exactly the bytes it writes (and reports them as progress)."""
+    """A write-only file wrapper that hashes exactly the bytes it writes (and reports them as progress).
+
+    Every file Rewind writes goes through one, so the job's write limit (``infra.throttle``) paces it here.
+    """
 
     def __init__(self, raw: BinaryIO) -> None:
         self._raw = raw
         self.hasher = Hasher()
+        self._throttle = throttle.for_writes()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._throttle is not None:
+            self._throttle.take(memoryview(data).nbytes)
         self.hasher.update(data)
         n = self._raw.write(data)
         progress.advance(n)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -30,6 +31,7 @@ from infra.format.digest import Hasher, HashingReader
 from infra.format.store import FileWriter, Link
 from infra.format.verify import Finding, Problem, open_for_read, read_verified
 
+READ_STREAMS = 4  # packs read at once by a restore: hashing and reads release the GIL
 PACK_DIR = "packs"
 PACK_BYTES = 32 << 20
 KEEP_LIVE = 0.5  # a parent pack is linked while at least this share of its bytes is still used
@@ -268,3 +270,19 @@ def read_pack(directory: Path, entry: mf.FileEntry, wants: list[Want]) -> None:
     except FileNotFoundError as exc:
         finding = Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")
         raise CorruptCheckpoint(str(directory), [finding]) from exc
+
+
+def read_packs(directory: Path, wants: list[tuple[mf.FileEntry, list[Want]]]) -> None:
+    """Read several packs at once; the first failure (in pack order) is raised once all reads stopped."""
+    if len(wants) < 2:
+        for entry, ws in wants:
+            read_pack(directory, entry, ws)
+        return
+    with ThreadPoolExecutor(min(READ_STREAMS, len(wants)), thread_name_prefix="rewind-read") as pool:
+        futures = [pool.submit(read_pack, directory, entry, ws) for entry, ws in wants]
+        try:
+            for f in futures:
+                f.result()
+        finally:
+            for f in futures:
+                f.cancel()
