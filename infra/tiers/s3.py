@@ -36,6 +36,7 @@ from infra.tiers.base import (
     TierConfigError,
     TierUnavailable,
 )
+from infra.tiers.s3_ranged import RangedBody
 
 MiB = 1 << 20
 _DENIED = {
@@ -183,8 +184,44 @@ class S3Tier:
             token = {"ContinuationToken": page["NextContinuationToken"]}
 
     def open(self, key: str) -> BinaryIO:
+        """A stream of the object; one larger than a part is fetched as ``concurrency`` ranges in flight."""
         k = self._key(key)
-        return _Body(self._call("get_object", k, Key=k)["Body"], self, k)  # type: ignore[return-value]
+        try:
+            r = self._client.get_object(Bucket=self.bucket, Key=k, Range=f"bytes=0-{self.part_size - 1}")
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "InvalidRange":
+                raise self._error(exc, k) from exc
+            r = self._call("get_object", k, Key=k)  # an empty object has no byte 0
+        except BotoCoreError as exc:
+            raise self._error(exc, k) from exc
+        total = _total_size(r)
+        if total is None or total <= int(r["ContentLength"]):
+            return _Body(r["Body"], self, k)  # type: ignore[return-value]
+        with _Body(r["Body"], self, k) as head:
+            first = head.read()
+        fetch = lambda a, b: self._range(k, a, b, r["ETag"])  # noqa: E731
+        return RangedBody(fetch, first, total, part=self.part_size, window=self.concurrency)  # type: ignore[return-value]
+
+    def _range(self, k: str, start: int, end: int, etag: str) -> bytes:
+        """Bytes [start, end) of the object ``etag`` names; another object under ``k`` is an error."""
+        try:
+            r = self._client.get_object(
+                Bucket=self.bucket, Key=k, Range=f"bytes={start}-{end - 1}", IfMatch=etag
+            )
+            with _Body(r["Body"], self, k) as body:
+                data = body.read()
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if status == 412:
+                raise TierUnavailable(f"s3://{self.bucket}/{k} changed while it was being read") from exc
+            raise self._error(exc, k) from exc
+        except BotoCoreError as exc:
+            raise self._error(exc, k) from exc
+        if len(data) != end - start:
+            raise TierUnavailable(
+                f"s3://{self.bucket}/{k}: asked for {end - start} bytes at {start}, got {len(data)}"
+            )
+        return data
 
     def delete(self, key: str) -> None:
         k = self._key(key)
@@ -286,6 +323,12 @@ class S3Tier:
             IfNoneMatch="*",
         )
         return sum(n for _, n in done)
+
+
+def _total_size(response: dict[str, Any]) -> int | None:
+    """The object's size from a ranged GET's ``Content-Range: bytes a-b/total`` (None if it sent no range)."""
+    m = re.fullmatch(r"bytes \d+-\d+/(\d+)", str(response.get("ContentRange", "")))
+    return int(m.group(1)) if m else None
 
 
 class _Body:
