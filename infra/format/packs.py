@@ -159,9 +159,9 @@ def layout(
             covered.update(d for d, _o, _n in used)
         else:
             passed.extend(d for d, _o, _n in used)
-    carried = [chunks[d] for d in dict.fromkeys(passed) if d not in covered]
-    covered.update(c.digest for c in carried)
-    changed = [c for c in chunks.values() if c.digest not in covered]
+    was = set(passed) - covered
+    carried = [c for c in chunks.values() if c.digest in was]  # in tensor order, like every pack
+    changed = [c for c in chunks.values() if c.digest not in covered and c.digest not in was]
     out.new = [*_group(carried), *_group(changed)]
     return out
 
