@@ -143,14 +143,16 @@ def _copy_from(tier: Tier, sources: Sequence[str], target: str, entry: mf.FileEn
     for src in sources:
         try:
             tier.copy(src, target, crc32c=entry.crc32c)
-        except (ObjectNotFound, NotCopied) as exc:
-            log.warning("%s: %s not copied from %s (%s); sending it", tier.uri, target, src, exc)
+        except ObjectNotFound:  # the earlier copy went meanwhile (retention): nothing wrong
+            continue
+        except NotCopied as exc:
+            log.warning("%s: %s not copied from %s (%s)", tier.uri, target, src, exc)
             continue
         finding = _stat_matches(tier, target, entry, need_checksum=tier.checksums)
         if finding is None:
             progress.advance(entry.size)
             return True
-        log.warning("%s: copy of %s refused (%s); sending it", tier.uri, src, finding)
+        log.warning("%s: copy of %s refused (%s)", tier.uri, src, finding)
         tier.delete(target)
     return False
 
