@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from flows.cli import main as rewind
+from infra import progress
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
 from infra.checkpoint.engine import Checkpointer
@@ -105,6 +106,25 @@ def _open(kind: str, tmp_path: Path, request: pytest.FixtureRequest) -> Tier:
 def _deep_clean(tier: Tier, ck: object, key: str) -> bool:
     report = check_remote(tier, key, str(ck.manifest_digest), deep=True, keyring=kr.from_env())  # type: ignore[attr-defined]
     return report.verdict is Verdict.VERIFIED
+
+
+class Recorder:
+    """A progress meter that keeps, per phase, the total announced and the bytes reported."""
+
+    def __init__(self) -> None:
+        self.phases: list[list] = []  # type: ignore[type-arg]
+        self.open = False
+
+    def begin(self, what: str, total: int) -> None:
+        self.phases.append([what, total, 0])
+        self.open = True
+
+    def advance(self, nbytes: int) -> None:
+        if self.open:  # bytes outside a phase (the manifest, written after it) belong to none
+            self.phases[-1][2] += nbytes
+
+    def end(self) -> None:
+        self.open = False
 
 
 def _crc(data: bytes) -> str:
@@ -207,8 +227,12 @@ def test_a_tampered_earlier_copy_is_sent_again_not_copied(kind, rewind_env, run_
         f"{run_name}/step-1/{victim.path}",
         request.getfixturevalue("s3") if "s3" in kind else None,
     )
-    done = replicate(cat, second, tier)
+    meter = Recorder()
+    with progress.watching(meter):
+        done = replicate(cat, second, tier)
     assert done.bytes_sent == _changed_bytes(root, run_name, 2) + victim.size  # the victim went up
+    (send,) = [p for p in meter.phases if p[0].startswith("send ")]
+    assert send[2] == send[1] > 0  # copied files are progress too, every file counted once
     assert done.bytes_reused == second.total_bytes - done.bytes_sent
     assert _deep_clean(tier, second, done.key)
     assert not _deep_clean(tier, first, f"{run_name}/step-1")  # the damage stays where it was
