@@ -54,13 +54,18 @@ def cmd_replicate(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) ->
             {
                 "step": ck.step,
                 "bytes_sent": done.bytes_sent,
+                "bytes_reused": done.bytes_reused,
                 "tier": tier.name,
                 "uri": tier.uri,
                 "key": done.key,
             }
         )
         if not args.json:
-            how = "already there, verified" if done.already_there else f"{done.bytes_sent} bytes sent"
+            how = (
+                "already there, verified"
+                if done.already_there
+                else f"{done.bytes_sent} bytes sent, {done.bytes_reused} reused from earlier copies there"
+            )
             print(f"step {ck.step}: replicated to {tier.uri}/{done.key} ({how})", flush=True)
     if args.json:
         emit(args, rows, lambda: "")

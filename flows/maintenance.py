@@ -120,7 +120,12 @@ def replicate_offsite(
     )
     keep_every = keep_every or int(os.environ.get("REWIND_KEEP_EVERY", "0"))
     removed = apply_retention(run, keep_last, keep_every) if keep_last else {}
-    return {"replicated": len(done), "bytes_sent": sum(d["bytes_sent"] for d in done), "removed": removed}
+    return {
+        "replicated": len(done),
+        "bytes_sent": sum(d["bytes_sent"] for d in done),
+        "bytes_reused": sum(d["bytes_reused"] for d in done),
+        "removed": removed,
+    }
 
 
 @flow(name="adopt-checkpoints")

@@ -7,6 +7,10 @@ whose manifest is the catalog's is complete and costs 0 bytes; a different
 checkpoint under the same step (another timeline) is left alone and this one goes
 under a name that cannot collide. Only a copy the target proves equal to the
 manifest (sizes and server-side CRC32C) is registered, as verified.
+
+Files an earlier verified copy of the run on the same tier already holds (the parent's
+first, then the newest few) are copied there by the tier instead of sent
+(:func:`transfer.push`), and held to the manifest exactly as an upload is.
 """
 
 from __future__ import annotations
@@ -31,14 +35,16 @@ from infra.tiers import transfer
 from infra.tiers.base import AlreadyExists, Tier
 
 log = logging.getLogger("rewind.replicate")
+REUSE_SOURCES = 3  # earlier copies whose manifests are read for files to copy instead of send
 
 
 @dataclass(frozen=True, slots=True)
 class Replicated:
     step: int
     key: str
-    bytes_sent: int
+    bytes_sent: int  # through this process, to the tier
     already_there: bool
+    bytes_reused: int = 0  # copied on the tier from earlier copies of the run, nothing sent
 
 
 def _register(cat: Catalog, ck: Checkpoint, tier: Tier, key: str) -> None:
@@ -54,8 +60,11 @@ def _send(
     key: str,
     root: Path,
     on_file: Callable[[str, int], None] | None,
-) -> int:
+) -> transfer.Pushed:
     digest = str(ck.manifest_digest)
+    reuse = [
+        transfer.Reuse(k, d) for k, d in copies.reuse_sources(cat, ck, tier.name, tier.uri, REUSE_SOURCES)
+    ]
     p = plan.plan(cat, run, root=root, checkpoint_id=ck.id)
     with execute.restoring(cat, p, verify_files) as src:
         raw = (src.directory / mf.MANIFEST_NAME).read_bytes()
@@ -63,10 +72,10 @@ def _send(
             finding = Finding(Problem.MANIFEST, mf.MANIFEST_NAME, "changed while being replicated")
             raise CorruptCheckpoint(str(src.directory), [finding])
         try:
-            return transfer.push(src.directory, raw, tier, key, on_file=on_file)
+            return transfer.push(src.directory, raw, tier, key, reuse=reuse, on_file=on_file)
         except AlreadyExists:  # a manifest landed meanwhile (a concurrent run): fine only if it is ours
             if transfer.holds(tier, key, digest):
-                return 0
+                return transfer.Pushed()
             raise
 
 
@@ -102,8 +111,16 @@ def replicate(
             continue
         for why in passed:
             log.warning("%s: %s; this copy goes to %s", tier.uri, why, key)
-        sent = _send(cat, ck, run, tier, key, root or config.checkpoint_root(), on_file)
+        pushed = _send(cat, ck, run, tier, key, root or config.checkpoint_root(), on_file)
         _register(cat, ck, tier, key)
-        log.info("replicated %s step %d to %s/%s (%d bytes sent)", run, ck.step, tier.uri, key, sent)
-        return Replicated(ck.step, key, sent, False)
+        log.info(
+            "replicated %s step %d to %s/%s (%d bytes sent, %d reused from earlier copies on the tier)",
+            run,
+            ck.step,
+            tier.uri,
+            key,
+            pushed.sent,
+            pushed.reused,
+        )
+        return Replicated(ck.step, key, pushed.sent, False, pushed.reused)
     raise RewindError(f"cannot replicate {run} step {ck.step} to {tier.uri}: " + "; ".join(passed))

@@ -40,12 +40,13 @@ def replicate_checkpoint(
         done = replicate(cat, ck, tier)
     took = time.monotonic() - started
     get_run_logger().info(
-        "%s step %d replicated to %s/%s: %d bytes sent in %.1fs%s",
+        "%s step %d replicated to %s/%s: %d bytes sent, %d reused from earlier copies there, in %.1fs%s",
         run,
         ck.step,
         target,
         done.key,
         done.bytes_sent,
+        done.bytes_reused,
         took,
         " (already there, verified)" if done.already_there else "",
     )
@@ -57,6 +58,7 @@ def replicate_checkpoint(
         "uri": target,
         "key": done.key,
         "bytes_sent": done.bytes_sent,
+        "bytes_reused": done.bytes_reused,
     }
     emit("rewind.checkpoint.replicated", run, result, step=ck.step, checkpoint_id=ck.id)
     return result

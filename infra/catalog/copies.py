@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sqlalchemy import select, update
+from sqlalchemy import case, select, update
 
 from infra.catalog import lineage
 from infra.catalog.db import Catalog, changed
@@ -156,6 +156,30 @@ def without_copy(cat: Catalog, tier: str, uri: str, run: str | None = None) -> l
         if run is not None:
             q = q.join(Run, Run.id == Checkpoint.run_id).where(Run.name == run)
         return list(s.scalars(q.order_by(Checkpoint.id)))
+
+
+def reuse_sources(cat: Catalog, ck: Checkpoint, tier: str, uri: str, limit: int = 3) -> list[tuple[str, str]]:
+    """Verified copies of the run's other checkpoints on one tier, as (key, manifest digest), to copy
+    unchanged files from: the parent's first (it shares the most), then the newest, at most ``limit``."""
+    parent_first = case((Checkpoint.id == ck.parent_id, 0), else_=1)
+    with cat.session() as s:
+        rows = s.execute(
+            select(Replica.key, Checkpoint.step, Checkpoint.manifest_digest, Run.name)
+            .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(
+                Checkpoint.run_id == ck.run_id,
+                Checkpoint.id != ck.id,
+                Checkpoint.status != S.DELETED.value,
+                Checkpoint.manifest_digest.is_not(None),
+                Replica.tier == tier,
+                Replica.uri == uri,
+                Replica.status == R.VERIFIED.value,
+            )
+            .order_by(parent_first, Checkpoint.id.desc())
+            .limit(limit)
+        ).all()
+    return [(_effective_key(key, run, step), str(digest)) for key, step, digest, run in rows]
 
 
 def mark_deleted(cat: Catalog, replica_id: int) -> None:

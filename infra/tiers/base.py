@@ -35,6 +35,11 @@ class TierConfigError(ConfigError):
     """A target that cannot work: malformed URI, missing bucket."""
 
 
+class NotCopied(RewindError):
+    """A server-side ``copy`` the tier did not make: the source's bytes are not the ones asked for, or the
+    object is too large to copy in one request. Nothing is left at the destination; send the bytes instead."""
+
+
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
     key: str
@@ -57,6 +62,14 @@ class Tier(Protocol):
 
     def put_bytes(self, key: str, data: bytes, *, crc32c: str) -> None:
         """Store a small object (the manifest) under ``key``; raises AlreadyExists."""
+        ...
+
+    def copy(self, src_key: str, dst_key: str, *, crc32c: str) -> None:
+        """Copy ``src_key`` to ``dst_key`` on the tier itself, no bytes through this process.
+
+        Raises ObjectNotFound (source gone), AlreadyExists (destination taken), NotCopied. Trusted
+        exactly as much as a ``put``: the caller still holds the result to its size and CRC32C.
+        """
         ...
 
     def open(self, key: str) -> BinaryIO:

@@ -2,7 +2,9 @@
 
 Objects are written to a temporary name, fsynced and linked into place with
 ``os.link``, which fails if the name exists: nothing is ever overwritten, and a
-crash leaves only a temporary file.
+crash leaves only a temporary file. A ``copy`` on the tier is a hard link (one inode
+shared by both names, like the chunked format's local dedup), its bytes read back
+and checked before the name appears.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ from pathlib import Path
 from typing import BinaryIO
 
 from infra.format import manifest as mf
-from infra.format.digest import CHUNK, HashingWriter
-from infra.tiers.base import AlreadyExists, ObjectInfo, ObjectNotFound, TierConfigError, TierUnavailable
+from infra.format.digest import CHUNK, HashingWriter, hash_file
+from infra.tiers.base import (
+    AlreadyExists,
+    NotCopied,
+    ObjectInfo,
+    ObjectNotFound,
+    TierConfigError,
+    TierUnavailable,
+)
 
 
 def root_path(uri: str) -> Path:
@@ -82,6 +91,48 @@ class FileTier:
 
     def put_bytes(self, key: str, data: bytes, *, crc32c: str) -> None:
         self._write(key, data)
+
+    def copy(self, src_key: str, dst_key: str, *, crc32c: str) -> None:
+        """A hard link, no bytes written; held to ``crc32c`` as ``put`` holds what it writes.
+
+        The link is made under a temporary name and its bytes (the inode the new name will
+        share) are read back and checked before the name appears. Where no link can be made
+        (another filesystem, too many links, links not supported) the bytes are copied, checked
+        the same way. A source whose bytes differ is refused (``NotCopied``), nothing left behind.
+        """
+        src, dest = self._path(src_key), self._path(dst_key)
+        if dest.exists():
+            raise AlreadyExists(f"{dest} already exists; replicas are never overwritten")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            try:
+                os.link(src, tmp)
+            except FileNotFoundError as exc:
+                raise self._missing(src_key, exc) from exc
+            except OSError:  # EXDEV, EMLINK, EPERM: this filesystem will not link these two names
+                self._copy_bytes(src, dst_key, crc32c)
+                return
+            got = hash_file(tmp).crc32c
+            if got != crc32c:
+                raise NotCopied(f"{src} is not the file asked for (crc32c {got} != {crc32c}); not linked")
+            try:
+                os.link(tmp, dest)
+            except FileExistsError as exc:
+                raise AlreadyExists(f"{dest} already exists; replicas are never overwritten") from exc
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def _copy_bytes(self, src: Path, dst_key: str, crc32c: str) -> None:
+        try:
+            with open(src, "rb") as f:
+                _, got = self._write(dst_key, f)
+        except FileNotFoundError as exc:
+            raise self._missing(str(src.relative_to(self.root)), exc) from exc
+        if got != crc32c:
+            self._path(dst_key).unlink(missing_ok=True)
+            raise NotCopied(f"{src} is not the file asked for (crc32c {got} != {crc32c}); not copied")
 
     def _missing(self, key: str, exc: OSError) -> Exception:
         """A missing object, or a missing tier: an unmounted share must not read as 'every copy is gone'."""

@@ -30,6 +30,7 @@ from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionEr
 from infra import progress
 from infra.tiers.base import (
     AlreadyExists,
+    NotCopied,
     ObjectInfo,
     ObjectNotFound,
     TierAccessDenied,
@@ -39,6 +40,7 @@ from infra.tiers.base import (
 from infra.tiers.s3_ranged import RangedBody
 
 MiB = 1 << 20
+MAX_COPY = 5 << 30  # the largest object one CopyObject request may copy
 _DENIED = {
     "AccessDenied",
     "InvalidAccessKeyId",
@@ -239,6 +241,40 @@ class S3Tier:
             IfNoneMatch="*",
             **self._lock(),
         )
+
+    def copy(self, src_key: str, dst_key: str, *, crc32c: str) -> None:
+        """CopyObject, CRC32C asked for and ``IfNoneMatch='*'`` as every upload has (nothing overwritten).
+
+        What the copy's checksum proves depends on the server: SeaweedFS (and AWS S3, as documented)
+        carries the source's stored CRC32C over, the one it checked when the source was uploaded;
+        the caller's check after the copy holds that to the manifest. A source whose stored checksum
+        is already another (or none) is not copied at all. Over 5 GiB a copy would take a multipart
+        copy; such an object is sent again instead. Both: ``NotCopied``.
+        """
+        info = self.stat(src_key)
+        if info.crc32c != crc32c:
+            raise NotCopied(f"s3://{self.bucket}/{self._key(src_key)} has crc32c {info.crc32c}, not {crc32c}")
+        if info.size > MAX_COPY:
+            raise NotCopied(f"s3://{self.bucket}/{self._key(src_key)} is over 5 GiB: sent, not copied")
+        src, k = self._key(src_key), self._key(dst_key)
+        try:
+            self._client.copy_object(
+                Bucket=self.bucket,
+                Key=k,
+                CopySource={"Bucket": self.bucket, "Key": src},
+                ChecksumAlgorithm="CRC32C",
+                IfNoneMatch="*",
+                **self._lock(),
+            )
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code == "NotImplemented":  # a server without CopyObject: the bytes go up instead
+                raise NotCopied(f"{self.endpoint} does not copy objects ({code})") from exc
+            if code in ("NoSuchKey", "404", "NotFound"):  # the source went away after the stat (retention)
+                raise ObjectNotFound(f"s3://{self.bucket}/{src} does not exist (copy source)") from exc
+            raise self._error(exc, k) from exc
+        except BotoCoreError as exc:
+            raise self._error(exc, k) from exc
 
     def put(self, key: str, src: Path, *, crc32c: str) -> int:
         size = src.stat().st_size

@@ -10,12 +10,20 @@ A copy lives at ``<run>/step-<N>`` on its tier, unless that name already holds a
 different checkpoint of the same step (another timeline, after a roll-back and a
 re-save): then it goes to ``<run>/step-<N>.<digest prefix>``, a name no other
 manifest can claim.
+
+Deduplication works at the manifest's file level, whatever the files are named
+(plain parts, chunks, packs): a file of the new copy whose (size, xxh3, crc32c) an
+earlier copy of the run on the same tier lists (its manifest held to the catalog's
+digest) is copied there by the tier itself instead of sent, then held to its entry
+exactly as an upload is. A copy that fails or does not match is sent instead.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -26,7 +34,28 @@ from infra.format import manifest as mf
 from infra.format import store
 from infra.format.digest import CHUNK, Hasher, hash_bytes, manifest_matches
 from infra.format.verify import Finding, Problem, Report, check_manifest
-from infra.tiers.base import ObjectNotFound, Tier, TierUnavailable
+from infra.tiers.base import NotCopied, ObjectNotFound, Tier, TierUnavailable
+
+log = logging.getLogger("rewind.transfer")
+FileId = tuple[int, str, str]  # (size, xxh3, crc32c): what makes two manifest entries the same bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """An earlier copy on the target tier to copy unchanged files from: its key and its catalog manifest digest."""
+
+    key: str
+    digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class Pushed:
+    """What a push cost: bytes sent through this process, and bytes the tier copied from earlier copies."""
+
+    sent: int = 0
+    reused: int = 0
+    files_sent: int = 0
+    files_reused: int = 0
 
 
 def copy_key(run: str, step: int) -> str:
@@ -80,39 +109,93 @@ def _stat_matches(
     return None
 
 
+def reuse_index(tier: Tier, sources: Sequence[Reuse]) -> dict[FileId, list[str]]:
+    """Keys of the files earlier copies on ``tier`` hold, by content. Only a manifest that is the
+    catalog's is read (bounded, like every manifest); one that is gone, unreadable or another is passed over."""
+    index: dict[FileId, list[str]] = {}
+    for src in sources:
+        try:
+            raw = _read(tier, f"{src.key}/{mf.MANIFEST_NAME}")
+            if not manifest_matches(raw, src.digest):
+                log.warning("%s/%s: manifest is not the catalog's; not reused", tier.uri, src.key)
+                continue
+            files = mf.parse(raw).files
+        except (ObjectNotFound, mf.ManifestError) as exc:
+            log.warning("%s/%s: not reused (%s)", tier.uri, src.key, exc)
+            continue
+        for e in files:
+            index.setdefault((e.size, e.xxh3, e.crc32c), []).append(f"{src.key}/{e.path}")
+    return index
+
+
+def _held(tier: Tier, target: str, entry: mf.FileEntry) -> Finding | None:
+    """Is ``target`` already this file? The server's CRC32C vouches on S3; a filesystem's is read back."""
+    finding = _stat_matches(tier, target, entry, need_checksum=tier.checksums)
+    if finding is None and not tier.checksums:
+        finding = _hash_remote(tier, target, entry)  # a read, not a write: cheaper than sending it again
+    elif finding is None:
+        progress.advance(entry.size)
+    return finding
+
+
+def _copy_from(tier: Tier, sources: Sequence[str], target: str, entry: mf.FileEntry) -> bool:
+    """Copy ``entry`` to ``target`` from the first source that yields it, held to its entry like an upload."""
+    for src in sources:
+        try:
+            tier.copy(src, target, crc32c=entry.crc32c)
+        except ObjectNotFound:  # the earlier copy went meanwhile (retention): nothing wrong
+            continue
+        except NotCopied as exc:
+            log.warning("%s: %s not copied from %s (%s)", tier.uri, target, src, exc)
+            continue
+        finding = _stat_matches(tier, target, entry, need_checksum=tier.checksums)
+        if finding is None:
+            progress.advance(entry.size)
+            return True
+        log.warning("%s: copy of %s refused (%s)", tier.uri, src, finding)
+        tier.delete(target)
+    return False
+
+
 def push(
     source: Path,
     raw: bytes,
     tier: Tier,
     key: str,
     *,
+    reuse: Sequence[Reuse] = (),
     on_file: Callable[[str, int], None] | None = None,
-) -> int:
-    """Copy a verified local copy (its manifest bytes ``raw``) to ``key`` on ``tier``; returns bytes sent.
+) -> Pushed:
+    """Copy a verified local copy (its manifest bytes ``raw``) to ``key`` on ``tier``; says what it cost.
 
-    What each ``put`` writes is checked as it goes (the server's CRC32C on S3, the copy's
-    own on a filesystem), so afterwards sizes are what is left to compare.
+    A file the target already holds (a resumed push) costs nothing; one an earlier copy in
+    ``reuse`` holds is copied by the tier; the rest are sent. What each ``put`` or ``copy`` placed
+    is checked as it goes (the server's CRC32C on S3, the bytes read back on a filesystem), so
+    afterwards sizes are what is left to compare. The manifest goes last.
     """
     manifest = mf.parse(raw)
-    sent = 0
+    index = reuse_index(tier, reuse)
+    sent = reused = files_sent = files_reused = 0
     with progress.phase(f"send {key} to {tier.uri}", manifest.total_bytes):
         for e in manifest.files:
             target = f"{key}/{e.path}"
-            # A leftover is kept only if the server vouches for its checksum; otherwise it is sent again.
-            finding = _stat_matches(tier, target, e, need_checksum=True)
+            # A leftover is kept only if it proves to be this file; otherwise it is placed again.
+            finding = _held(tier, target, e)
             if finding is None:
-                progress.advance(e.size)  # already there: done, at no cost
                 continue
             if finding.problem is not Problem.MISSING:
                 tier.delete(target)  # a leftover from an older, different attempt
-            sent += tier.put(target, source / e.path, crc32c=e.crc32c)
+            if _copy_from(tier, index.get((e.size, e.xxh3, e.crc32c), ()), target, e):
+                reused, files_reused = reused + e.size, files_reused + 1
+            else:
+                sent, files_sent = sent + tier.put(target, source / e.path, crc32c=e.crc32c), files_sent + 1
             if on_file is not None:
                 on_file(e.path, sent)
     bad = [f for e in manifest.files if (f := _stat_matches(tier, f"{key}/{e.path}", e))]
     if bad:
         raise CorruptCheckpoint(f"{tier.uri}/{key}", bad)
     tier.put_bytes(f"{key}/{mf.MANIFEST_NAME}", raw, crc32c=hash_bytes(raw).crc32c)
-    return sent
+    return Pushed(sent, reused, files_sent, files_reused)
 
 
 def _hash_remote(tier: Tier, key: str, entry: mf.FileEntry) -> Finding | None:
