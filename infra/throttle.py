@@ -16,8 +16,10 @@ import time
 from collections.abc import Callable
 
 from infra import sizes
+from infra.errors import ConfigError
 
 ENV = "REWIND_WRITE_LIMIT"
+MIN_RATE = 1 << 20  # below 1 MiB/s a checkpoint would take days: surely a typo (e.g. "200" for 200MiB)
 
 
 class Throttle:
@@ -37,6 +39,7 @@ class Throttle:
         if rate <= 0:
             raise ValueError("a write limit must be a positive number of bytes per second")
         self.rate = rate
+        self.slice = max(4096, min(1 << 20, int(rate) // 8))  # the most one write charges at once
         self._clock, self._sleep = clock, sleep
         self._lock = threading.Lock()
         self._tokens = rate
@@ -63,5 +66,7 @@ def for_writes() -> Throttle | None:
     with _lock:
         if _current[0] != text:
             rate = sizes.parse(text, what=ENV) if text else 0
+            if text and rate < MIN_RATE:
+                raise ConfigError(f"{ENV}: {text!r} is under the least limit, 1MiB (bytes per second)")
             _current = (text, Throttle(rate) if rate else None)
         return _current[1]

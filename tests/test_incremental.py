@@ -253,7 +253,9 @@ def test_odd_tensors_round_trip_and_equal_chunks_are_stored_once(tmp_path):
     state["big"] = big.clone()
     state["big"][0, 0] = -1.0  # one row changed: one chunk rewritten
     trees, tensors = payload.split_states({"s": state})
-    files = payload.file_writers(trees, tensors, fmt=payload.CHUNKED, link_from=done.path)
+    files = payload.file_writers(
+        trees, tensors, fmt=payload.CHUNKED, link_from=chunked.Parent(done.path, done.digest)
+    )
     done2 = store.write_checkpoint(tmp_path, mf.Manifest(run="r", step=2, files=()), files)
     first_chunk = rows_per_chunk * 300 * 4
     assert done2.written_bytes - done2.manifest_size <= first_chunk + 8192
@@ -318,9 +320,10 @@ def _capture(fill: object) -> bytes:
     return buf.getvalue()
 
 
-def _save(tmp_path: Path, step: int, state: dict, parent: Path | None = None) -> store.Committed:  # type: ignore[type-arg]
+def _save(tmp_path: Path, step: int, state: dict, parent: store.Committed | None = None) -> store.Committed:  # type: ignore[type-arg]
     trees, tensors = payload.split_states({"s": state})
-    files = payload.file_writers(trees, tensors, fmt=payload.CHUNKED, link_from=parent)
+    link = chunked.Parent(parent.path, parent.digest) if parent is not None else None
+    files = payload.file_writers(trees, tensors, fmt=payload.CHUNKED, link_from=link)
     return store.write_checkpoint(tmp_path, mf.Manifest(run="r", step=step, files=()), files)
 
 
@@ -337,10 +340,10 @@ def test_a_mostly_dead_pack_is_not_linked_its_live_chunks_move_to_a_stable_pack(
     one = _save(tmp_path, 1, state)
     assert len([e for e in one.manifest.files if e.path.startswith("packs/")]) == 1  # 8 MiB: one pack
     state["b"] = torch.randn(5 << 10, 256)
-    two = _save(tmp_path, 2, state, one.path)
+    two = _save(tmp_path, 2, state, one)
     assert two.linked_bytes == 0  # 3 of 8 MiB live: carried, not linked
     state["b"] = torch.randn(5 << 10, 256)
-    three = _save(tmp_path, 3, state, two.path)
+    three = _save(tmp_path, 3, state, two)
     assert three.linked_bytes == stable.numel() * 4  # the carried pack holds exactly "a"
     assert three.written_bytes - three.manifest_size <= (5 << 20) + 8192
     _loads(three, state)
@@ -354,7 +357,7 @@ def test_a_parent_pack_that_cannot_be_linked_is_written_from_memory(tmp_path):
     with open(one.path / pack.path, "ab") as f:
         f.write(b"junk")
     state["h"] = torch.randn(8, 256)
-    two = _save(tmp_path, 2, state, one.path)
+    two = _save(tmp_path, 2, state, one)
     assert two.linked_bytes == 0
     assert (two.path / pack.path).stat().st_ino != (one.path / pack.path).stat().st_ino
     verify_report = mf.read(two.path)
@@ -364,11 +367,29 @@ def test_a_parent_pack_that_cannot_be_linked_is_written_from_memory(tmp_path):
     _loads(two, state)
 
 
+def test_a_parent_the_catalog_did_not_record_or_cannot_read_is_not_linked_and_the_save_goes_on(tmp_path):
+    state = {"w": torch.randn(4 << 10, 256), "h": torch.randn(8, 256)}
+    one = _save(tmp_path, 1, state)
+    forged = store.Committed(one.path, one.manifest, "0" * 64)  # not the digest of its manifest
+    assert _save(tmp_path, 2, state, forged).linked_bytes == 0
+    # A parent whose (recorded) index cannot even be parsed: nothing linked, nothing raised.
+    bad = b"[" * 100_000 + b"]" * 100_000
+    trees, tensors = payload.split_states({"s": state})
+    files = [
+        (n, _writer(bad) if n == chunked.INDEX_FILE else f)
+        for n, f in payload.file_writers(trees, tensors, fmt=payload.CHUNKED)
+    ]
+    hostile = store.write_checkpoint(tmp_path, mf.Manifest(run="r", step=3, files=()), files)
+    four = _save(tmp_path, 4, state, hostile)
+    assert four.linked_bytes == 0
+    _loads(four, state)
+
+
 def test_a_full_training_save_writes_few_large_packs(tmp_path):
     state = {f"layer{i}": torch.randn(1 << 10, 1 << 10) for i in range(20)}  # 80 MiB, all changing
     one = _save(tmp_path, 1, state)
     state = {k: v + 1 for k, v in state.items()}
-    two = _save(tmp_path, 2, state, one.path)
+    two = _save(tmp_path, 2, state, one)
     pack_files = [e for e in two.manifest.files if e.path.startswith("packs/")]
     assert two.linked_bytes == 0 and 3 <= len(pack_files) <= 4  # 80 MiB in packs of at most 32 MiB
     assert max(e.size for e in pack_files) <= packs.PACK_BYTES

@@ -50,11 +50,33 @@ def test_sizes_read_as_people_write_them(text, want):
     assert sizes.parse(text) == want
 
 
-def test_a_bad_limit_is_refused_when_the_checkpointer_is_made(rewind_env, run_name, tmp_path, monkeypatch):
-    monkeypatch.setenv(throttle.ENV, "fast")
-    with pytest.raises(ConfigError, match="REWIND_WRITE_LIMIT: 'fast' is not a size") as err:
+@pytest.mark.parametrize(
+    "value,why", [("fast", "is not a size"), ("0", "is under the least"), ("200", "is under the least")]
+)
+def test_a_bad_limit_is_refused_when_the_checkpointer_is_made(
+    rewind_env, run_name, tmp_path, monkeypatch, value, why
+):
+    monkeypatch.setenv(throttle.ENV, value)
+    with pytest.raises(ConfigError, match=f"REWIND_WRITE_LIMIT: '{value}' {why}") as err:
         Checkpointer(run_name, states={"m": torch.nn.Linear(2, 2)}, root=tmp_path, catalog=Catalog())
     assert "\n" not in str(err.value)
+
+
+def test_one_large_write_is_paced_in_slices_not_sent_as_one_burst(monkeypatch):
+    """A whole tensor handed to the writer at once still goes out at the limit, a slice at a time."""
+    import io
+
+    from infra.format.digest import HashingWriter
+
+    monkeypatch.setenv(throttle.ENV, "8MiB")
+    limit = throttle.for_writes()
+    assert limit is not None
+    charged: list[int] = []
+    monkeypatch.setattr(limit, "take", charged.append)
+    out = io.BytesIO()
+    data = bytes(range(256)) * (96 << 12)  # 96 MiB in one call
+    assert HashingWriter(out).write(data) == len(data) and out.getvalue() == data
+    assert max(charged) == 1 << 20 and sum(charged) == len(data)
 
 
 def test_a_save_under_a_limit_takes_at_least_what_the_limit_allows(

@@ -40,8 +40,8 @@ from infra.checkpoint.staging import Staged, StagingBuffer
 from infra.checkpoint.state import Stateful, as_stateful, environment, writer
 from infra.errors import ConfigError, NoRestorableCheckpoint, StateMismatch
 from infra.faults import fault_point
+from infra.format import chunked, payload, store
 from infra.format import manifest as mf
-from infra.format import payload, store
 from infra.format.verify import Finding, Problem
 from infra.restore import execute as restore_exec
 from infra.restore import plan as restore_plan
@@ -209,15 +209,23 @@ class Checkpointer:
         )
         return result
 
-    def _link_source(self) -> Path | None:
-        """Where a chunked save links unchanged chunks from: this process's last checkpoint, else the newest on disk."""
+    def _link_source(self) -> chunked.Parent | None:
+        """What a chunked save links packs from: this process's last checkpoint, else the newest on disk.
+
+        Either way only one whose manifest is the catalog's record of it (the format checks).
+        """
         if self.format != payload.CHUNKED:
             return None
-        if self._parent_step is not None:
+        if self._parent_step is not None and self._parent_digest:
             parent = store.step_dir(self.run_dir, self._parent_step)
             if (parent / mf.MANIFEST_NAME).is_file():
-                return parent
-        return store.newest_committed(self.run_dir)
+                return chunked.Parent(parent, self._parent_digest)
+        newest = store.newest_committed(self.run_dir)
+        if newest is None:
+            return None
+        step = int(newest.name.removeprefix("step-"))
+        recorded = [c.manifest_digest for c in lineage.restorable(self._cat, self.run_id) if c.step == step]
+        return chunked.Parent(newest, recorded[0]) if recorded and recorded[0] else None
 
     # -- restore --------------------------------------------------------------
 

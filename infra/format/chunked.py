@@ -31,7 +31,7 @@ from infra.errors import CorruptCheckpoint, MalformedFile
 from infra.format import manifest as mf
 from infra.format import packs, tensorfile
 from infra.format.digest import Hasher
-from infra.format.packs import Chunk
+from infra.format.packs import Chunk, Parent
 from infra.format.store import FileWriter, Link
 from infra.format.verify import Finding, verified_read
 
@@ -88,7 +88,7 @@ def build_index(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[dict
 
 
 def file_writers(
-    tensors: Mapping[str, Mapping[str, torch.Tensor]], parent: Path | None
+    tensors: Mapping[str, Mapping[str, torch.Tensor]], parent: Parent | None
 ) -> list[tuple[str, FileWriter | Link]]:
     """Packs (those of ``parent`` still mostly used are linked, the rest written), then the index."""
     index, chunks = build_index(tensors)

@@ -70,6 +70,13 @@ class HashingWriter:
         self._throttle = throttle.for_writes()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        if self._throttle is not None:  # paced in slices, so a whole tensor is not one burst
+            view = memoryview(data).cast("B")
+            step = self._throttle.slice
+            return sum(self._write(view[i : i + step]) for i in range(0, len(view), step))
+        return self._write(data)
+
+    def _write(self, data: bytes | bytearray | memoryview) -> int:
         if self._throttle is not None:
             self._throttle.take(memoryview(data).nbytes)
         self.hasher.update(data)

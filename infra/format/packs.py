@@ -27,7 +27,7 @@ from typing import Any, BinaryIO
 
 from infra.errors import CorruptCheckpoint, MalformedFile
 from infra.format import manifest as mf
-from infra.format.digest import Hasher, HashingReader
+from infra.format.digest import Hasher, HashingReader, manifest_matches
 from infra.format.store import FileWriter, Link
 from infra.format.verify import Finding, Problem, open_for_read, read_verified
 
@@ -79,20 +79,44 @@ def _refs(raw: Any, size: int) -> list[tuple[str, int, int]] | None:
     return refs
 
 
-def parent_packs(
-    parent: Path | None, index_file: str, index_format: str
-) -> dict[str, tuple[mf.FileEntry, Pack]]:
-    """The packs an earlier checkpoint directory lists, by name (none when it is gone or unreadable).
+@dataclass(frozen=True, slots=True)
+class Parent:
+    """The checkpoint a save may link packs from, and the manifest digest the catalog recorded for it."""
 
-    Only a link decision rests on this: every chunk taken from it is proven by digest
-    when it is read back, so a damaged parent costs a failed restore, never a wrong one.
+    path: Path
+    digest: str
+
+
+MAX_INDEX_BYTES = 1 << 30  # a parent index larger than this is not read (1M chunks take ~100 MB)
+
+
+def _parent_index(parent: Parent, index_file: str) -> tuple[dict[str, mf.FileEntry], Any]:
+    """The parent's manifest entries and index, both proven: the manifest against the catalog's digest."""
+    with open(parent.path / mf.MANIFEST_NAME, "rb") as f:
+        raw = mf.read_bounded(f)
+    if not manifest_matches(raw, parent.digest):
+        raise ValueError("the parent's manifest is not the one the catalog recorded")
+    entries = {e.path: e for e in mf.parse(raw).files}
+    entry = entries[index_file]
+    if entry.size > MAX_INDEX_BYTES:
+        raise ValueError("the parent's index is too large to read")
+    return entries, json.loads(read_verified(parent.path, entry))
+
+
+def parent_packs(
+    parent: Parent | None, index_file: str, index_format: str
+) -> dict[str, tuple[mf.FileEntry, Pack]]:
+    """The packs an earlier checkpoint lists, by name; none when it is gone, unreadable or not the catalog's.
+
+    Only link decisions rest on this, so anything wrong with the parent means "link
+    nothing" (the save writes every pack), never a failed save: a broken parent must not
+    stop a job from checkpointing.
     """
     if parent is None:
         return {}
     try:
-        entries = {e.path: e for e in mf.read(parent).files}
-        table = json.loads(read_verified(parent, entries[index_file]))
-    except (OSError, KeyError, ValueError, mf.ManifestError, CorruptCheckpoint):
+        entries, table = _parent_index(parent, index_file)
+    except Exception:
         return {}
     if not isinstance(table, dict) or table.get("format") != index_format:
         return {}
@@ -142,7 +166,7 @@ def _group(chunks: list[Chunk]) -> Iterator[tuple[Pack, list[Chunk]]]:
 
 
 def layout(
-    chunks: Mapping[str, Chunk], parent: Path | None, prior: Mapping[str, tuple[mf.FileEntry, Pack]]
+    chunks: Mapping[str, Chunk], parent: Parent | None, prior: Mapping[str, tuple[mf.FileEntry, Pack]]
 ) -> Layout:
     """Link the parent's packs that are mostly still used; write the rest, carried chunks apart."""
     out = Layout()
@@ -155,7 +179,7 @@ def layout(
             if d in chunks and d not in covered and len(chunks[d].data) == n
         ]
         if parent is not None and used and sum(n for _d, _o, n in used) >= KEEP_LIVE * pack.size:
-            out.linked.append((entry, Pack(pack.name, pack.size, used), parent / pack.path))
+            out.linked.append((entry, Pack(pack.name, pack.size, used), parent.path / pack.path))
             covered.update(d for d, _o, _n in used)
         else:
             passed.extend(d for d, _o, _n in used)

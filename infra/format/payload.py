@@ -46,12 +46,12 @@ def file_writers(
     tensors: Mapping[str, Mapping[str, torch.Tensor]],
     *,
     fmt: str = PLAIN,
-    link_from: Path | None = None,
+    link_from: chunked.Parent | None = None,
 ) -> list[tuple[str, FileWriter | Link]]:
     """The files of a checkpoint, as (name, function that streams its bytes, or a link).
 
     ``fmt="chunked"`` selects the chunked format (:mod:`infra.format.chunked`), hard-linking
-    the chunks that the checkpoint directory ``link_from`` already holds.
+    the packs that the checkpoint ``link_from`` (held to its catalog digest) already holds.
     """
 
     def tensors_writer(part_tensors: Mapping[str, torch.Tensor]) -> FileWriter:

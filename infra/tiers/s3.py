@@ -188,21 +188,30 @@ class S3Tier:
     def open(self, key: str) -> BinaryIO:
         """A stream of the object; one larger than a part is fetched as ``concurrency`` ranges in flight."""
         k = self._key(key)
-        try:
-            r = self._client.get_object(Bucket=self.bucket, Key=k, Range=f"bytes=0-{self.part_size - 1}")
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") != "InvalidRange":
-                raise self._error(exc, k) from exc
-            r = self._call("get_object", k, Key=k)  # an empty object has no byte 0
-        except BotoCoreError as exc:
-            raise self._error(exc, k) from exc
-        total = _total_size(r)
-        if total is None or total <= int(r["ContentLength"]):
+        r = self._first_range(k)
+        total, etag = _total_size(r), r.get("ETag")
+        partial = r.get("ResponseMetadata", {}).get("HTTPStatusCode") == 206
+        if partial and (total is None or not etag):  # a range we cannot place or pin: one plain GET instead
+            r["Body"].close()
+            r = self._call("get_object", k, Key=k)
+        if not partial or total is None or not etag or total <= int(r["ContentLength"]):
             return _Body(r["Body"], self, k)  # type: ignore[return-value]
         with _Body(r["Body"], self, k) as head:
             first = head.read()
-        fetch = lambda a, b: self._range(k, a, b, r["ETag"])  # noqa: E731
+        fetch = lambda a, b: self._range(k, a, b, str(etag))  # noqa: E731
         return RangedBody(fetch, first, total, part=self.part_size, window=self.concurrency)  # type: ignore[return-value]
+
+    def _first_range(self, k: str) -> Any:
+        """The object's first part (a server that ignores ``Range`` answers 200 with all of it)."""
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=k, Range=f"bytes=0-{self.part_size - 1}")
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if exc.response.get("Error", {}).get("Code") != "InvalidRange" and status != 416:
+                raise self._error(exc, k) from exc
+        except BotoCoreError as exc:
+            raise self._error(exc, k) from exc
+        return self._call("get_object", k, Key=k)  # an empty object has no byte 0
 
     def _range(self, k: str, start: int, end: int, etag: str) -> bytes:
         """Bytes [start, end) of the object ``etag`` names; another object under ``k`` is an error."""
@@ -211,6 +220,11 @@ class S3Tier:
                 Bucket=self.bucket, Key=k, Range=f"bytes={start}-{end - 1}", IfMatch=etag
             )
             with _Body(r["Body"], self, k) as body:
+                if int(r.get("ContentLength", -1)) != end - start:  # checked before the body is held
+                    raise TierUnavailable(
+                        f"s3://{self.bucket}/{k}: asked for {end - start} bytes at {start},"
+                        f" the server sends {r.get('ContentLength')}"
+                    )
                 data = body.read()
         except ClientError as exc:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)

@@ -27,6 +27,7 @@ class RangedBody:
         self._ahead: deque[Future[bytes]] = deque()
         self._next = len(first)  # the first byte no request covers yet
         self._buf = memoryview(first)
+        self._failed: BaseException | None = None
         for _ in range(max(1, window)):
             self._request()
 
@@ -37,24 +38,29 @@ class RangedBody:
             self._next = end
 
     def _refill(self) -> bool:
+        if self._failed is not None:
+            raise self._failed  # a stream with a hole in it never reads on
         if not self._ahead:
             return False
-        data = self._ahead.popleft().result()
+        try:
+            data = self._ahead.popleft().result()
+        except BaseException as exc:
+            self._failed = exc
+            self.close()
+            raise
         self._request()
         self._buf = memoryview(data)
         return True
 
     def read(self, n: int = -1) -> bytes:
-        if n < 0:
-            parts = [bytes(self._buf)]
-            while self._refill():
-                parts.append(bytes(self._buf))
-            self._buf = memoryview(b"")
-            return b"".join(parts)
-        if not self._buf and not self._refill():
-            return b""
-        out, self._buf = self._buf[:n], self._buf[n:]
-        return bytes(out)
+        """Up to ``n`` bytes (all that is left when ``n`` < 0); fewer only at the end, as a file does."""
+        out: list[bytes] = []
+        want = n if n >= 0 else self._total
+        while want > 0 and (self._buf or self._refill()):
+            piece, self._buf = self._buf[:want], self._buf[want:]
+            out.append(bytes(piece))
+            want -= len(piece)
+        return b"".join(out)
 
     def close(self) -> None:
         for f in self._ahead:
