@@ -13,7 +13,8 @@ tiers, incidents, pins and leases. Then it measures the real code paths, median 
   (each call opens the catalog as a fresh command does; interpreter start and imports excluded), and
   ``rewind ckpt list RUN`` once as a subprocess (everything included);
 - a restore plan (``infra.restore.plan.plan``) for a 990-checkpoint run and for the 10,900 one;
-- a retention plan (``infra.retention.plan``) for a run that was rolled back once.
+- a retention plan (``infra.retention.plan``) for a run that was rolled back once, and the check
+  retention makes before deleting each copy (``copies.location_in_use``, a shared copy).
 
 Each figure comes with the number of SQL statements it issued. Writes ``catalog_list_s_100k``
 (``ckpt list RUN``, text), ``restore_plan_s_100k`` (990-checkpoint run), ``gc_plan_s_100k`` and
@@ -43,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
-from sqlalchemy import Engine, event
+from sqlalchemy import Engine, event, text
 
 from bench.run import machine
 from bench.synthetic_catalog import Shape, build, fork_run, run_name
@@ -120,8 +121,22 @@ def subprocess_s(argv: list[str], repeat: int) -> float:
     return statistics.median(times)
 
 
+def _dead_shared_copy(cat: Catalog) -> int:
+    """A shared copy of an abandoned branch: retention asks whether its key is someone else's before deleting it."""
+    with cat.engine.connect() as conn:
+        return int(
+            conn.execute(
+                text(
+                    "SELECT replica.id FROM replica JOIN checkpoint ON checkpoint.id = replica.checkpoint_id"
+                    " WHERE checkpoint.status = 'superseded' AND replica.tier = 'shared' LIMIT 1"
+                )
+            ).scalar_one()
+        )
+
+
 def measure(url: str, shape: Shape, repeat: int, work: Path) -> dict[str, Any]:
     from infra import retention
+    from infra.catalog import copies
     from infra.restore import plan
 
     cat = Catalog(url)  # applies the migrations, as `rewind db upgrade` would
@@ -132,6 +147,7 @@ def measure(url: str, shape: Shape, repeat: int, work: Path) -> dict[str, Any]:
     print(f"built in {built_s:.1f} s: " + ", ".join(f"{n:,} {t}" for t, n in counts.items()), flush=True)
     os.environ |= {"REWIND_CATALOG_URL": url, "REWIND_HOME": str(work), "REWIND_CHECKPOINT_ROOT": str(work)}
     big, small, forked = run_name(1), run_name(2), run_name(fork_run(shape))
+    dead_copy = _dead_shared_copy(cat)
     figures: dict[str, tuple[float, int]] = {
         "ckpt_list": timed(cli(["ckpt", "list", small]), repeat),
         "ckpt_list_json": timed(cli(["ckpt", "list", small, "--json"]), repeat),
@@ -140,6 +156,7 @@ def measure(url: str, shape: Shape, repeat: int, work: Path) -> dict[str, Any]:
         "status_all": timed(cli(["status", "--json"]), repeat),
         "restore_plan": timed(lambda: plan.plan(cat, small, root=work), repeat),
         "restore_plan_big": timed(lambda: plan.plan(cat, big, root=work), repeat),
+        "gc_copy_in_use_check": timed(lambda: copies.location_in_use(cat, dead_copy), repeat),
         "gc_plan": timed(
             lambda: retention.plan(cat, forked, retention.Policy(keep_every=50), root=work), repeat
         ),

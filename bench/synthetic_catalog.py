@@ -63,7 +63,7 @@ INSERT INTO checkpoint (id, run_id, step, parent_id, status, status_reason, path
 SELECT z.base + i, z.run_id, i * :every, CASE WHEN i > 1 THEN z.base + i - 1 END,
     CASE WHEN i <= z.n / 5 AND i % 50 <> 0 THEN 'deleted'
          WHEN i % 97 = 0 THEN 'corrupt'
-         WHEN z.run_id % 7 = 3 AND i > z.n - 2 THEN 'committed'
+         WHEN z.run_id % 7 = 4 AND i > z.n - 2 THEN 'committed'
          ELSE 'verified' END,
     CASE WHEN i <= z.n / 5 AND i % 50 <> 0 THEN 'retention policy'
          WHEN i % 194 = 0 THEN 'content: state does not load: shape mismatch in layer.3'
