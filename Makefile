@@ -42,6 +42,7 @@ bench: install
 	$(BIN)/python -m bench.s3
 	$(BIN)/python -m bench.session
 	$(BIN)/python -m bench.incremental --params-m 50 --checkpoints 20
+	$(BIN)/python -m bench.catalog_scale
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -45,6 +45,17 @@ def count(text: str) -> int:
     return n
 
 
+def at_least_one(text: str) -> int:
+    """A count from 1 up (how many rows to show)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if not 1 <= n <= MAX_STEP:
+        raise argparse.ArgumentTypeError(f"expected a whole number from 1 to {MAX_STEP}, not {text}")
+    return n
+
+
 def amount(text: str) -> float:
     """A finite, non-negative number (seconds, gigabytes, dollars, a share)."""
     try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from flows.cli_args import EXIT_FINDINGS, Add, Emit, OpenCatalog, Wrap, step
+from flows.cli_args import EXIT_FINDINGS, Add, Emit, OpenCatalog, Wrap, at_least_one, step
 from flows.cli_output import table
 from infra.errors import RewindError
 
@@ -35,12 +35,24 @@ def _ckpt_row(ck: Any) -> dict[str, Any]:
     }
 
 
+LIST_LIMIT = 50  # the text listing's default page: a terminal is no place for a run's every checkpoint
+
+
 def cmd_ckpt_list(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from infra.catalog import lineage
 
-    rows = [_ckpt_row(ck) for ck in lineage.checkpoints(catalog(), args.run)]
+    limit = None if args.all or (args.json and args.limit is None) else (args.limit or LIST_LIMIT)
+    total, found = lineage.listing(catalog(), args.run, limit)
+    rows = [_ckpt_row(ck) for ck in found]
     cols = ["id", "step", "status", "parent_id", "bytes", "loss", "stall_s", "reason"]
-    emit(args, rows, lambda: table(rows, cols))
+
+    def text() -> str:
+        more = len(rows) < total
+        return table(rows, cols) + (
+            f"\n(the newest {len(rows)} of {total} checkpoints; --limit N or --all for more)" if more else ""
+        )
+
+    emit(args, rows, text)
     return 0
 
 
@@ -170,6 +182,14 @@ def register(
         ck, "list", wrap(cmd_ckpt_list), "list a run's checkpoints with status and lineage", json_flag=True
     )
     ls.add_argument("run")
+    page = ls.add_mutually_exclusive_group()
+    page.add_argument(
+        "--limit",
+        type=at_least_one,
+        default=None,
+        help=f"only the newest N (default: {LIST_LIMIT} in the text output, every one with --json)",
+    )
+    page.add_argument("--all", action="store_true", help="every checkpoint of the run")
     show = add(
         ck,
         "show",

@@ -26,11 +26,14 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
+
+from sqlalchemy import exists, select
 
 from infra import config, progress
 from infra.catalog import copies, leases, lineage, serving
 from infra.catalog.db import Catalog
-from infra.catalog.models import Checkpoint, CheckpointStatus, utcnow
+from infra.catalog.models import Checkpoint, CheckpointStatus, Replica, utcnow
 from infra.catalog.models import ReplicaStatus as R
 from infra.errors import ConfigError
 from infra.format import manifest as mf
@@ -41,6 +44,7 @@ from infra.tiers import open_tier, transfer
 log = logging.getLogger("rewind.gc")
 S = CheckpointStatus
 DEAD = (S.SUPERSEDED, S.ABORTED, S.DELETED, S.CORRUPT)
+LIVE = (S.COMMITTED.value, S.VERIFIED.value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,35 +96,58 @@ class GcPlan:
         return sum(r.bytes * len(r.copies) for r in (*self.remove, *self.reclaim))
 
 
-def prove_newest(cat: Catalog, run: str, keep_last: int) -> list[int]:
+class Live(NamedTuple):
+    """A restorable checkpoint as retention weighs it (columns, not an ORM row: a run has thousands)."""
+
+    id: int
+    step: int
+    status: str
+    pinned: bool
+    total_bytes: int | None
+
+
+def _live(cat: Catalog, run_id: int) -> list[Live]:
+    """Committed or verified checkpoints of the run, newest step first (as ``lineage.restorable``)."""
+    with cat.session() as s:
+        rows = s.execute(
+            select(
+                Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.pinned, Checkpoint.total_bytes
+            )
+            .where(Checkpoint.run_id == run_id, Checkpoint.status.in_(LIVE))
+            .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+        )
+        return [Live(*r) for r in rows]
+
+
+def prove_newest(cat: Catalog, live: list[Live], keep_last: int) -> list[int]:
     """Deep-verify the newest unproven checkpoints until ``keep_last`` verified ones lead the run."""
     proven, checked = 0, []
-    for ck in lineage.restorable(cat, lineage.get_run(cat, run).id):
+    for ck in live:
         if proven >= keep_last:
             break
         if ck.status == S.COMMITTED:
             checked.append(ck.step)
-            if scrub(cat, ck, deep=True).status != S.VERIFIED:
+            if scrub(cat, lineage.get_checkpoint(cat, ck.id), deep=True).status != S.VERIFIED:
                 continue
         proven += 1
     return checked
 
 
-def _refs(cat: Catalog, ids: list[int]) -> dict[int, list[CopyRef]]:
-    return {
-        i: [CopyRef(r.id, r.tier, r.uri, r.key, str(r.status)) for r in reps if r.status != R.DELETED.value]
-        for i, reps in copies.copies_of(cat, ids).items()
-    }
+def _refs(rows: list[copies.CopyRow]) -> list[CopyRef]:
+    return [
+        CopyRef(r.replica_id, r.tier, r.uri, r.key, r.status) for r in rows if r.status != R.DELETED.value
+    ]
 
 
-def _kept(cat: Catalog, live: list[Checkpoint], policy: Policy) -> set[int]:
+def _kept(cat: Catalog, run_id: int, live: list[Live], policy: Policy) -> set[int]:
     verified = [c for c in live if c.status == S.VERIFIED]
     keep = {c.id for c in verified[: policy.keep_last]}
     if verified:
         keep |= {c.id for c in live if c.step > verified[0].step}  # progress not yet proven
     else:
         keep |= {c.id for c in live}  # nothing proven: nothing can be let go
-    keep |= {c.id for c in live if c.pinned or leases.leased(cat, c.id)}
+    leased = leases.leased_in_run(cat, run_id)
+    keep |= {c.id for c in live if c.pinned or c.id in leased}
     keep |= {c.id for c in live} & serving.protected_checkpoints(cat)
     by_every = [c for c in live if policy.keep_every and c.step % policy.keep_every == 0 and c.id not in keep]
     if policy.byte_budget is None:
@@ -133,21 +160,39 @@ def _kept(cat: Catalog, live: list[Checkpoint], policy: Policy) -> set[int]:
     return keep
 
 
-def _dead(cat: Catalog, run: str, policy: Policy) -> list[Removal]:
+def _dead(cat: Catalog, run_id: int, policy: Policy) -> list[Removal]:
     """Copies of checkpoints that can never be restored, past the grace period."""
     cutoff = utcnow().timestamp() - policy.grace_s
-    rows = [
-        c
-        for c in lineage.checkpoints(cat, run)
-        if c.status in DEAD and not c.pinned and (c.updated_at or c.created_at).timestamp() <= cutoff
-    ]
-    refs = _refs(cat, [c.id for c in rows])
-    by_id = copies.copies_of(cat, [c.id for c in rows])
+    has_copy = exists().where(Replica.checkpoint_id == Checkpoint.id, Replica.status != R.DELETED.value)
+    dead = select(Checkpoint.id).where(
+        Checkpoint.run_id == run_id,
+        Checkpoint.status.in_([d.value for d in DEAD]),
+        Checkpoint.pinned.is_(False),
+        has_copy,  # the history retention already emptied stays in the database
+    )
+    with cat.session() as s:
+        rows = s.execute(
+            dead.add_columns(
+                Checkpoint.step,
+                Checkpoint.status,
+                Checkpoint.status_reason,
+                Checkpoint.total_bytes,
+                Checkpoint.updated_at,
+                Checkpoint.created_at,
+            ).order_by(Checkpoint.step, Checkpoint.id)
+        ).all()
+    by_id = copies.copy_rows(cat, dead)
     out = []
     for c in rows:
-        usable = any(r.status in {u.value for u in copies.USABLE} for r in by_id[c.id])
-        if refs[c.id] and not (c.status == S.CORRUPT and usable and not copies.condemned(c)):
-            out.append(Removal(c.id, c.step, c.total_bytes or 0, refs[c.id]))
+        if (c.updated_at or c.created_at).timestamp() > cutoff:
+            continue
+        reps = by_id.get(c.id, [])
+        usable = any(r.status in copies.USABLE_VALUES for r in reps)
+        refs = _refs(reps)
+        if refs and not (
+            c.status == S.CORRUPT and usable and not copies.is_condemned(c.status, c.status_reason)
+        ):
+            out.append(Removal(c.id, c.step, c.total_bytes or 0, refs))
     return out
 
 
@@ -160,16 +205,23 @@ def _quarantined(root: Path, run: str, grace_s: float) -> list[Path]:
 
 
 def plan(cat: Catalog, run: str, policy: Policy, *, root: Path | None = None) -> GcPlan:
-    """What stays, what goes, and how many bytes that frees (after proving the newest checkpoints)."""
+    """What stays, what goes, and how many bytes that frees (after proving the newest checkpoints).
 
-    checked = prove_newest(cat, run, policy.keep_last)
-    live = lineage.restorable(cat, lineage.get_run(cat, run).id)  # newest first
-    keep = _kept(cat, live, policy)
+    A bounded number of statements whatever the run's length (plus one scrub per checkpoint it proves).
+    """
+    run_id = lineage.get_run(cat, run).id
+    live = _live(cat, run_id)  # newest first
+    checked = prove_newest(cat, live, policy.keep_last)
+    if checked:  # the verdicts changed statuses
+        live = _live(cat, run_id)
+    keep = _kept(cat, run_id, live, policy)
     gone = [c for c in live if c.id not in keep]
-    refs = _refs(cat, [c.id for c in gone])
+    refs = copies.copy_rows(
+        cat, select(Checkpoint.id).where(Checkpoint.run_id == run_id, Checkpoint.status.in_(LIVE))
+    )
     out = GcPlan(run, sorted(c.step for c in live if c.id in keep), verified_first=checked)
-    out.remove = [Removal(c.id, c.step, c.total_bytes or 0, refs[c.id]) for c in gone]
-    out.reclaim = _dead(cat, run, policy)
+    out.remove = [Removal(c.id, c.step, c.total_bytes or 0, _refs(refs.get(c.id, []))) for c in gone]
+    out.reclaim = _dead(cat, run_id, policy)
     out.quarantine = _quarantined(Path(root or config.checkpoint_root()), run, policy.grace_s)
     return out
 

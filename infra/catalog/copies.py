@@ -8,9 +8,10 @@ and corrupt only when no copy is left that could verify. An unverifiable copy
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from typing import Any, NamedTuple
 
-from sqlalchemy import case, select, update
+from sqlalchemy import Select, case, or_, select, update
 
 from infra.catalog import lineage
 from infra.catalog.db import Catalog, changed
@@ -23,6 +24,19 @@ TIER_ORDER = {LOCAL: 0, "shared": 1, "offsite": 2}  # nearest first
 USABLE = (R.PENDING, R.VERIFIED, R.UNVERIFIABLE)  # a copy worth trying
 GONE = (R.CORRUPT, R.MISSING, R.DELETED)
 CONTENT_REASON = "content: "  # a checkpoint condemned for its content: no copy can save it
+USABLE_VALUES = frozenset(u.value for u in USABLE)
+
+
+class CopyRow(NamedTuple):
+    """One copy as planners read it: plain columns, no ORM object."""
+
+    replica_id: int
+    checkpoint_id: int
+    tier: str
+    uri: str
+    key: str | None
+    status: str
+    bytes: int | None
 
 
 def copies_of(cat: Catalog, checkpoint_ids: Iterable[int]) -> dict[int, list[Replica]]:
@@ -34,6 +48,36 @@ def copies_of(cat: Catalog, checkpoint_ids: Iterable[int]) -> dict[int, list[Rep
     with cat.session() as s:
         for r in s.scalars(select(Replica).where(Replica.checkpoint_id.in_(ids)).order_by(Replica.id)):
             out[r.checkpoint_id].append(r)
+    for reps in out.values():
+        reps.sort(key=lambda r: TIER_ORDER.get(r.tier, 9))
+    return out
+
+
+def copy_rows(
+    cat: Catalog, checkpoint_ids: Select[Any], statuses: Collection[str] | None = None
+) -> dict[int, list[CopyRow]]:
+    """The copies (in ``statuses``, default all) of the checkpoints ``checkpoint_ids`` selects, nearest tier
+    first, keyed by checkpoint (absent: no such copy).
+
+    One statement whatever the number of checkpoints: the ids stay in the database as a subquery (a bound
+    parameter per id would meet Postgres's limit of 65,535 on a large run), and rows are tuples, not
+    ORM objects, because a planner reads thousands of them.
+    """
+    q = select(
+        Replica.id,
+        Replica.checkpoint_id,
+        Replica.tier,
+        Replica.uri,
+        Replica.key,
+        Replica.status,
+        Replica.bytes,
+    ).where(Replica.checkpoint_id.in_(checkpoint_ids.scalar_subquery()))
+    if statuses is not None:
+        q = q.where(Replica.status.in_(list(statuses)))
+    out: dict[int, list[CopyRow]] = {}
+    with cat.session() as s:
+        for row in s.execute(q.order_by(Replica.id)):
+            out.setdefault(row.checkpoint_id, []).append(CopyRow(*row))
     for reps in out.values():
         reps.sort(key=lambda r: TIER_ORDER.get(r.tier, 9))
     return out
@@ -101,7 +145,12 @@ def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str) -> None:
 
 def condemned(ck: Checkpoint) -> bool:
     """Corrupt for its content (not for its copies): nothing a copy shows can make it restorable."""
-    return ck.status == S.CORRUPT.value and (ck.status_reason or "").startswith(CONTENT_REASON)
+    return is_condemned(ck.status, ck.status_reason)
+
+
+def is_condemned(status: str, reason: str | None) -> bool:
+    """:func:`condemned` from the two columns, for planners that read columns, not rows."""
+    return status == S.CORRUPT.value and (reason or "").startswith(CONTENT_REASON)
 
 
 def settle(cat: Catalog, checkpoint_id: int) -> str:
@@ -207,7 +256,8 @@ def location_in_use(cat: Catalog, replica_id: int) -> bool:
         if me is None:
             return False
         rep, step, run = me
-        others = s.execute(
+        mine = _effective_key(rep.key, run, step)
+        q = (
             select(Replica.key, Checkpoint.step, Run.name)
             .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
             .join(Run, Run.id == Checkpoint.run_id)
@@ -218,10 +268,14 @@ def location_in_use(cat: Catalog, replica_id: int) -> bool:
                 Replica.status != R.DELETED.value,
                 Checkpoint.status.in_(wanted),
             )
-        ).all()
+        )
+        if (
+            rep.tier != LOCAL
+        ):  # a tier root holds every copy on it: only the same key (or none recorded) can clash
+            q = q.where(or_(Replica.key == mine, Replica.key.is_(None)))
+        others = s.execute(q).all()
     if rep.tier == LOCAL:
         return bool(others)
-    mine = _effective_key(rep.key, run, step)
     return any(_effective_key(k, r, st) == mine for k, st, r in others)
 
 

@@ -12,7 +12,7 @@ from datetime import datetime
 
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, defer
 
 from infra.catalog.db import Catalog, changed
 from infra.catalog.models import (
@@ -220,6 +220,24 @@ def checkpoints(cat: Catalog, run_name: str, step: int | None = None) -> Sequenc
         if step is not None:
             q = q.where(Checkpoint.step == step)
         return list(s.scalars(q.order_by(Checkpoint.step, Checkpoint.id)))
+
+
+def listing(cat: Catalog, run_name: str, limit: int | None = None) -> tuple[int, list[Checkpoint]]:
+    """A run's checkpoints for a listing, oldest first: every one, or the newest ``limit``; and how many
+    there are. Two statements whatever the run's length; the columns no listing shows stay unread."""
+    run = get_run(cat, run_name)
+    with cat.session() as s:
+        q = (
+            select(Checkpoint)
+            .where(Checkpoint.run_id == run.id)
+            .options(defer(Checkpoint.layout), defer(Checkpoint.environment))
+        )
+        if limit is None:
+            rows = list(s.scalars(q.order_by(Checkpoint.step, Checkpoint.id)))
+            return len(rows), rows
+        newest = list(s.scalars(q.order_by(Checkpoint.step.desc(), Checkpoint.id.desc()).limit(limit)))
+        total = s.scalar(select(func.count()).select_from(Checkpoint).where(Checkpoint.run_id == run.id))
+    return int(total or 0), newest[::-1]
 
 
 def files_of(cat: Catalog, checkpoint_id: int) -> list[CheckpointFile]:

@@ -124,6 +124,7 @@ class Checkpoint(Base):
             postgresql_where=text(_LIVE_SQL),
             sqlite_where=text(_LIVE_SQL),
         ),
+        Index("ix_checkpoint_run_id_step", "run_id", "step"),  # a run's checkpoints in step order
     )
 
     id: Mapped[int] = mapped_column(primary_key=True)
@@ -168,6 +169,8 @@ class CheckpointFile(Base):
 
 class Replica(Base):
     __tablename__ = "replica"
+    # Copies by where they lie: is a place still another copy's, which rows follow a moved directory.
+    __table_args__ = (Index("ix_replica_tier_uri_key", "tier", "uri", "key"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoint.id", ondelete="CASCADE"), index=True)

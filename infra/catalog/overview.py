@@ -11,21 +11,20 @@ Plain data (JSON-ready): the CLI prints it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 
 from infra.catalog import lineage
-from infra.catalog.copies import TIER_ORDER
+from infra.catalog.copies import TIER_ORDER, CopyRow, copy_rows
 from infra.catalog.db import Catalog
 from infra.catalog.models import (
     Checkpoint,
     Incident,
     Launch,
     RankProgress,
-    Replica,
     Run,
     ServingVersion,
     aware,
@@ -60,7 +59,7 @@ def status(cat: Catalog, run: str | None = None, *, now: datetime | None = None)
         lineage.get_run(cat, run)  # raises NotFoundError with the catalog's name in it
     ids = [r.id for r in runs]
     ckpts = _checkpoints(cat, ids)
-    copies = _copies(cat, [c.id for cs in ckpts.values() for c in cs])
+    copies = _copies(cat, ids)
     launches = _newest_launches(cat, ids)
     progress = _progress(cat, [launch.id for launch in launches.values()])
     open_incidents = _open_incidents(cat, ids)
@@ -71,32 +70,47 @@ def status(cat: Catalog, run: str | None = None, *, now: datetime | None = None)
     return {"at": now.isoformat(), "runs": out_runs, "models": _models(cat, run)}
 
 
-def _checkpoints(cat: Catalog, run_ids: Sequence[int]) -> dict[int, list[Checkpoint]]:
-    out: dict[int, list[Checkpoint]] = {}
+class Ckpt(NamedTuple):
+    """A restorable checkpoint as the overview reads it: columns only (every run's, thousands each)."""
+
+    id: int
+    run_id: int
+    step: int
+    status: str
+    created_at: datetime
+    total_bytes: int | None
+
+
+def _restorable(run_ids: Sequence[int]) -> Select[Any]:
+    return select(Checkpoint.id).where(Checkpoint.run_id.in_(run_ids), Checkpoint.status.in_(RESTORABLE))
+
+
+def _checkpoints(cat: Catalog, run_ids: Sequence[int]) -> dict[int, list[Ckpt]]:
+    out: dict[int, list[Ckpt]] = {}
     if not run_ids:
         return out
+    columns = (
+        Checkpoint.run_id,
+        Checkpoint.step,
+        Checkpoint.status,
+        Checkpoint.created_at,
+        Checkpoint.total_bytes,
+    )
     with cat.session() as s:
-        rows = s.scalars(
-            select(Checkpoint)
-            .where(Checkpoint.run_id.in_(run_ids), Checkpoint.status.in_(RESTORABLE))
-            .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+        rows = s.execute(
+            _restorable(run_ids).add_columns(*columns).order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
         )
         for c in rows:
-            out.setdefault(c.run_id, []).append(c)
+            out.setdefault(c.run_id, []).append(Ckpt(*c))
     return out
 
 
-def _copies(cat: Catalog, checkpoint_ids: Iterable[int]) -> dict[int, list[Replica]]:
-    ids = list(checkpoint_ids)
-    out: dict[int, list[Replica]] = {}
-    if not ids:
-        return out
-    with cat.session() as s:
-        for r in s.scalars(
-            select(Replica).where(Replica.checkpoint_id.in_(ids), Replica.status.in_(LIVE_COPY))
-        ):
-            out.setdefault(r.checkpoint_id, []).append(r)
-    return out
+def _copies(cat: Catalog, run_ids: Sequence[int]) -> dict[int, list[CopyRow]]:
+    """Live copies of the runs' verified checkpoints (the only ones the overview counts), in one statement."""
+    if not run_ids:
+        return {}
+    verified = _restorable(run_ids).where(Checkpoint.status == S.VERIFIED.value)
+    return copy_rows(cat, verified, statuses=LIVE_COPY)
 
 
 def _newest_launches(cat: Catalog, run_ids: Sequence[int]) -> dict[int, Launch]:
@@ -139,8 +153,8 @@ def _open_incidents(cat: Catalog, run_ids: Sequence[int]) -> dict[int, list[Inci
 
 def _run(
     run: Run,
-    ckpts: list[Checkpoint],
-    copies: dict[int, list[Replica]],
+    ckpts: list[Ckpt],
+    copies: dict[int, list[CopyRow]],
     launch: Launch | None,
     progress: dict[int, list[RankProgress]],
     incidents: list[Incident],
@@ -186,7 +200,7 @@ def _run(
     }
 
 
-def _ckpt(c: Checkpoint, now: datetime) -> dict[str, Any]:
+def _ckpt(c: Ckpt, now: datetime) -> dict[str, Any]:
     return {
         "step": c.step,
         "checkpoint_id": c.id,
@@ -212,9 +226,7 @@ def _job(launch: Launch | None, ranks: list[RankProgress], now: datetime) -> dic
     }
 
 
-def _tiers(
-    verified: list[Checkpoint], copies: dict[int, list[Replica]], newest: Checkpoint | None
-) -> dict[str, Any]:
+def _tiers(verified: list[Ckpt], copies: dict[int, list[CopyRow]], newest: Ckpt | None) -> dict[str, Any]:
     """Per tier: copies of verified checkpoints (by status), bytes, and how far the tier lags behind."""
     tiers: dict[str, dict[str, Any]] = {}
     for c in verified:  # newest first

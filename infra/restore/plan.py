@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Select, select
 
 from infra.catalog import copies, lineage
 from infra.catalog.db import Catalog
@@ -65,27 +66,32 @@ class RestorePlan:
         ]
 
 
-def _copies(rows: list, tiers: Collection[str] | None) -> tuple[Copy, ...]:
+def _copies(rows: list[copies.CopyRow], tiers: Collection[str] | None) -> tuple[Copy, ...]:
     usable = [
-        Copy(r.id, r.tier, r.uri, r.key, str(r.status))
+        Copy(r.replica_id, r.tier, r.uri, r.key, r.status)
         for r in rows
-        if r.status in {u.value for u in copies.USABLE} and (tiers is None or r.tier in tiers)
+        if r.status in copies.USABLE_VALUES and (tiers is None or r.tier in tiers)
     ]
     usable.sort(key=lambda c: (copies.TIER_ORDER.get(c.tier, 9), _STATUS_RANK.get(c.status, 9)))
     return tuple(usable)
 
 
-def _rows(cat: Catalog, run_id: int, checkpoint_id: int | None) -> list[Checkpoint]:
-    statuses = [S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]
-    with cat.session() as s:
-        q = select(Checkpoint).where(
-            Checkpoint.run_id == run_id,
-            Checkpoint.status.in_(statuses),
-            Checkpoint.manifest_digest.is_not(None),
-        )
-        if checkpoint_id is not None:
-            q = q.where(Checkpoint.id == checkpoint_id)
-        return list(s.scalars(q.order_by(Checkpoint.step.desc(), Checkpoint.id.desc())))
+def _candidates(
+    run_id: int, step: int | None, before_step: int | None, checkpoint_id: int | None
+) -> Select[Any]:
+    """The run's checkpoints worth a look, as a query: read once for the rows, once as a subquery for copies."""
+    q = select(Checkpoint.id).where(
+        Checkpoint.run_id == run_id,
+        Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]),
+        Checkpoint.manifest_digest.is_not(None),
+    )
+    if checkpoint_id is not None:
+        q = q.where(Checkpoint.id == checkpoint_id)
+    if step is not None:
+        q = q.where(Checkpoint.step == step)
+    if before_step is not None:
+        q = q.where(Checkpoint.step < before_step)
+    return q
 
 
 def plan(
@@ -100,17 +106,28 @@ def plan(
 ) -> RestorePlan:
     """Candidates newest first: exactly ``step`` (or one checkpoint), or any step below ``before_step``, or all.
 
-    ``tiers`` limits the copies to those tiers (``rewind ckpt restore --from shared``).
+    ``tiers`` limits the copies to those tiers (``rewind ckpt restore --from shared``). Three statements
+    whatever the run's length: the run, its candidates (columns only), and all their usable copies.
     """
     run_id = lineage.get_run(cat, run).id
-    rows = [r for r in _rows(cat, run_id, checkpoint_id) if before_step is None or r.step < before_step]
-    if step is not None:
-        rows = [r for r in rows if r.step == step]
-    by_id = copies.copies_of(cat, [r.id for r in rows])
+    ids = _candidates(run_id, step, before_step, checkpoint_id)
+    columns = (
+        Checkpoint.id,
+        Checkpoint.step,
+        Checkpoint.status,
+        Checkpoint.status_reason,
+        Checkpoint.manifest_digest,
+        Checkpoint.total_bytes,
+    )
+    with cat.session() as s:
+        rows = s.execute(
+            ids.with_only_columns(*columns).order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+        ).all()
+    by_id = copies.copy_rows(cat, ids, statuses=copies.USABLE_VALUES)
     candidates = []
     for r in rows:
-        found = _copies(by_id[r.id], tiers)
-        if r.status == S.CORRUPT.value and (not found or copies.condemned(r)):
+        found = _copies(by_id.get(r.id, []), tiers)
+        if r.status == S.CORRUPT.value and (not found or copies.is_condemned(r.status, r.status_reason)):
             continue  # condemned for good, or nothing left that could verify
         candidates.append(
             Candidate(r.id, run, r.step, str(r.status), str(r.manifest_digest), r.total_bytes or 0, found)
