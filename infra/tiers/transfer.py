@@ -21,8 +21,10 @@ exactly as an upload is. A copy that fails or does not match is sent instead.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -56,6 +58,14 @@ class Pushed:
     reused: int = 0
     files_sent: int = 0
     files_reused: int = 0
+
+    def __add__(self, other: Pushed) -> Pushed:
+        return Pushed(
+            self.sent + other.sent,
+            self.reused + other.reused,
+            self.files_sent + other.files_sent,
+            self.files_reused + other.files_reused,
+        )
 
 
 def copy_key(run: str, step: int) -> str:
@@ -157,6 +167,55 @@ def _copy_from(tier: Tier, sources: Sequence[str], target: str, entry: mf.FileEn
     return False
 
 
+FILE_STREAMS = 4  # files placed at once; a file over BIG_FILE goes alone (its parts are in flight together)
+BIG_FILE = 64 << 20
+
+
+def _place(tier: Tier, source: Path, key: str, e: mf.FileEntry, index: dict[FileId, list[str]]) -> Pushed:
+    """Put one file of the manifest on the target; what that cost."""
+    target = f"{key}/{e.path}"
+    # A leftover is kept only if it proves to be this file; otherwise it is placed again.
+    finding = _held(tier, target, e)
+    if finding is None:
+        return Pushed()
+    if finding.problem is not Problem.MISSING:
+        tier.delete(target)  # a leftover from an older, different attempt
+    if _copy_from(tier, index.get((e.size, e.xxh3, e.crc32c), ()), target, e):
+        return Pushed(reused=e.size, files_reused=1)
+    return Pushed(sent=tier.put(target, source / e.path, crc32c=e.crc32c), files_sent=1)
+
+
+def _place_all(
+    tier: Tier,
+    source: Path,
+    key: str,
+    files: Sequence[mf.FileEntry],
+    index: dict[FileId, list[str]],
+    on_file: Callable[[str, int], None] | None,
+) -> Pushed:
+    """Every file, small ones ``FILE_STREAMS`` at a time; ``on_file`` is called here, as each one lands."""
+    done = Pushed()
+    small = [e for e in files if e.size <= BIG_FILE]
+    with ThreadPoolExecutor(FILE_STREAMS, thread_name_prefix="rewind-push") as pool:
+        futures = {
+            pool.submit(contextvars.copy_context().run, _place, tier, source, key, e, index): e for e in small
+        }
+        try:
+            for f in as_completed(futures):
+                done += f.result()
+                if on_file is not None:
+                    on_file(futures[f].path, done.sent)
+        finally:
+            for f in futures:
+                f.cancel()
+    for e in files:
+        if e.size > BIG_FILE:
+            done += _place(tier, source, key, e, index)
+            if on_file is not None:
+                on_file(e.path, done.sent)
+    return done
+
+
 def push(
     source: Path,
     raw: bytes,
@@ -169,33 +228,20 @@ def push(
     """Copy a verified local copy (its manifest bytes ``raw``) to ``key`` on ``tier``; says what it cost.
 
     A file the target already holds (a resumed push) costs nothing; one an earlier copy in
-    ``reuse`` holds is copied by the tier; the rest are sent. What each ``put`` or ``copy`` placed
-    is checked as it goes (the server's CRC32C on S3, the bytes read back on a filesystem), so
-    afterwards sizes are what is left to compare. The manifest goes last.
+    ``reuse`` holds is copied by the tier; the rest are sent, several at once. What each
+    ``put`` or ``copy`` placed is checked as it goes (the server's CRC32C on S3, the bytes
+    read back on a filesystem), so afterwards sizes are what is left to compare. The
+    manifest goes last.
     """
     manifest = mf.parse(raw)
     index = reuse_index(tier, reuse)
-    sent = reused = files_sent = files_reused = 0
     with progress.phase(f"send {key} to {tier.uri}", manifest.total_bytes):
-        for e in manifest.files:
-            target = f"{key}/{e.path}"
-            # A leftover is kept only if it proves to be this file; otherwise it is placed again.
-            finding = _held(tier, target, e)
-            if finding is None:
-                continue
-            if finding.problem is not Problem.MISSING:
-                tier.delete(target)  # a leftover from an older, different attempt
-            if _copy_from(tier, index.get((e.size, e.xxh3, e.crc32c), ()), target, e):
-                reused, files_reused = reused + e.size, files_reused + 1
-            else:
-                sent, files_sent = sent + tier.put(target, source / e.path, crc32c=e.crc32c), files_sent + 1
-            if on_file is not None:
-                on_file(e.path, sent)
+        done = _place_all(tier, source, key, manifest.files, index, on_file)
     bad = [f for e in manifest.files if (f := _stat_matches(tier, f"{key}/{e.path}", e))]
     if bad:
         raise CorruptCheckpoint(f"{tier.uri}/{key}", bad)
     tier.put_bytes(f"{key}/{mf.MANIFEST_NAME}", raw, crc32c=hash_bytes(raw).crc32c)
-    return Pushed(sent, reused, files_sent, files_reused)
+    return done
 
 
 def _hash_remote(tier: Tier, key: str, entry: mf.FileEntry) -> Finding | None:
