@@ -39,6 +39,7 @@ from infra.catalog import lineage
 from infra.catalog.db import Catalog
 from infra.checkpoint.engine import Checkpointer, SaveMode
 from infra.drills.servers import SeaweedS3
+from infra.format import manifest as mf
 from infra.format import payload
 from infra.replication import replicate
 from infra.tiers.base import Tier
@@ -97,7 +98,10 @@ def _checkpoint(ck: Checkpointer, cat: Catalog, step: int, tier: Tier | None, go
     whole = time.perf_counter() - started
     saved = ck.last_saved
     assert saved is not None and saved.step == step
-    sent = replicate(cat, lineage.get_checkpoint(cat, saved.checkpoint_id), tier).bytes_sent if tier else 0
+    sent = 0
+    if tier is not None:  # data bytes sent, plus the manifest (always sent)
+        sent = replicate(cat, lineage.get_checkpoint(cat, saved.checkpoint_id), tier).bytes_sent
+        sent += (Path(saved.path) / mf.MANIFEST_NAME).stat().st_size
     if step > 1:
         got.stall.append(stall)
         got.save.append(whole)
