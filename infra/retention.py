@@ -319,11 +319,13 @@ def reclaimable(cat: Catalog, gc: GcPlan) -> dict[str, Reclaim]:
                 _count_objects(ref, gc.run, r, tally)
                 continue
             where = _directory(ref, gc.run, r.step)
-            if where is not None and where not in seen:
-                seen.add(where)
+            if where is not None and where.resolve() not in seen:
+                seen.add(where.resolve())
                 _count_files(where, ref.tier, tally, inodes)
-    for p in gc.quarantine:
-        _count_files(p, copies.LOCAL, out.setdefault(copies.LOCAL, Reclaim()), inodes)
+    for p in gc.quarantine:  # a dead copy's row may name one of these: counted once
+        if p.resolve() not in seen:
+            seen.add(p.resolve())
+            _count_files(p, copies.LOCAL, out.setdefault(copies.LOCAL, Reclaim()), inodes)
     for i in inodes.values():
         if i.going >= i.links:
             out[i.tier].bytes += i.size

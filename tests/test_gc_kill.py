@@ -181,17 +181,19 @@ def test_gc_sigkilled_at_random_moments_never_breaks_a_restorable_checkpoint(
 def test_a_save_and_gc_never_block_each_other(rewind_env, run_name, tmp_path):
     s = Setup(run_name, tmp_path, replicas=False)
     s.save_and_replicate(SAVES)
-    # gc held mid-deletion (one step let go by the catalog, its manifest and one file gone): a save goes on.
+    # gc held mid-deletion (one step let go by the catalog, its manifest and one file gone) ...
     gc = s.gc("stop:gc.delete@3")
     wait_stopped(gc)
     half = [d for d in (s.root / run_name).glob("step-*") if not (d / "manifest.json").exists()]
     assert len(half) == 1 and any(half[0].rglob("*")), half
-    assert s.train(2).wait(TIMEOUT) == 0  # restores step 6, saves 7 and 8, linking from step 6
+    # ... a job restores step 6 and saves 7 and 8 (linking from 6), then holds itself inside the save of 9.
+    w = s.train(3, "stop:save.file_written@9#1")
+    wait_stopped(w)
+    committed = [c.step for c in s.restorable()]
+    assert committed[:3] == [8, 7, 6], committed
+    # With that save held mid-write, the held gc finishes, and a new one plans and deletes around it.
     os.kill(gc.pid, signal.SIGCONT)
     assert gc.wait(TIMEOUT) == 0
-    # A save held mid-write (step 9: some files written or linked, nothing committed): a whole gc goes on.
-    w = s.train(1, "stop:save.file_written@9#1")  # the first file of step 9 only
-    wait_stopped(w)
     assert s.gc().wait(TIMEOUT) == 0
     os.kill(w.pid, signal.SIGCONT)
     assert w.wait(TIMEOUT) == 0
