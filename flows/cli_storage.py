@@ -173,10 +173,12 @@ def _gc_text(
         f"{verb} dead copies of step {r.step} ({', '.join(c.tier for c in r.copies)})" for r in gc.reclaim
     ]
     lines += [f"{verb} {p}" for p in gc.quarantine]
-    lines.append(f"{'would free' if args.dry_run else 'freed'} {gc.freed_bytes} bytes")
-    if reclaim:
-        lines.append("space the plan frees per tier (a file a kept checkpoint still links frees nothing):")
+    free = "would free" if args.dry_run else "freed"
+    if reclaim:  # a file a kept checkpoint still hard-links frees nothing: less than the copies' sizes
+        lines.append(f"{free} per tier, of {gc.freed_bytes} bytes of copies listed:")
         lines += [f"  {t:8} {r.bytes} bytes, {r.files} files" for t, r in sorted(reclaim.items())]
+    else:
+        lines.append(f"{free} {gc.freed_bytes} bytes")
     lines += [f"{u['tier']:8} {u['gb']:10.3f} GB  ${u['usd_per_month']:.2f}/month" for u in usage]
     return "\n".join(lines)
 
