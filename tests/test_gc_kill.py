@@ -52,8 +52,9 @@ class Setup:
     def __init__(self, run: str, tmp: Path, *, replicas: bool) -> None:
         self.run, self.tmp, self.cat = run, tmp, Catalog()
         self.root, self.expected = tmp / "ckpt", tmp / "expected"
-        s3 = f"s3://{BUCKET}/gc-{uuid.uuid4().hex[:8]}"
-        self.tiers = [open_tier(str(tmp / "shared")), open_tier(s3)] if replicas else []
+        self.shared = tmp / "shared"  # a filesystem tier; and an S3 prefix of its own
+        self.s3 = open_tier(f"s3://{BUCKET}/gc-{uuid.uuid4().hex[:8]}") if replicas else None
+        self.tiers = [open_tier(str(self.shared)), self.s3] if self.s3 else []
 
     def train(self, saves: int, fault: str | None = None) -> subprocess.Popen[bytes]:
         """The worker: resumes, then saves ``saves`` more checkpoints (``fault``: where it stops or dies)."""
@@ -69,9 +70,10 @@ class Setup:
             for ck in copies.without_copy(self.cat, tier.name, tier.uri, self.run):
                 replicate(self.cat, ck, tier)
 
-    def gc(self, fault: str | None = None, *extra: str) -> subprocess.Popen[bytes]:
+    def gc(self, fault: str | None = None) -> subprocess.Popen[bytes]:
+        """The real `rewind gc` (``fault``: where it dies or stops)."""
         env = {**os.environ, "REWIND_FAULT": fault or ""}
-        cmd = [REWIND, "gc", self.run, "--keep-last", str(KEEP), *extra]
+        cmd = [REWIND, "gc", self.run, "--keep-last", str(KEEP)]
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
 
     def restorable(self) -> list[Checkpoint]:
@@ -115,21 +117,21 @@ class Setup:
         this many deletion steps is sure to fire."""
         keep = {c.step for c in self.restorable()[:KEEP]}
         n = 0
-        for base in (self.root / self.run, self.tmp / "shared" / self.run):
+        for base in (self.root / self.run, self.shared / self.run):
             for d in base.glob("step-*"):
                 if d.is_dir() and _step_of(d.name) not in keep:
                     n += sum(1 for p in d.rglob("*") if not p.is_dir())
-        for tier in self.tiers[1:]:
-            n += sum(1 for o in tier.list(f"{self.run}/") if _step_of(o.key) not in keep)
+        if self.s3:
+            n += sum(1 for o in self.s3.list(f"{self.run}/") if _step_of(o.key) not in keep)
         return n
 
     def leftovers(self) -> list[str]:
         """Bytes or rows left of checkpoints gc deleted (none once a gc run completed)."""
         gone = {c.step for c in lineage.checkpoints(self.cat, self.run) if c.status == "deleted"}
         out = [str(d) for d in (self.root / self.run).glob("step-*") if _step_of(d.name) in gone]
-        out += [str(d) for d in (self.tmp / "shared" / self.run).glob("step-*") if _step_of(d.name) in gone]
-        for tier in self.tiers[1:]:
-            out += [o.key for o in tier.list(f"{self.run}/") if _step_of(o.key) in gone]
+        out += [str(d) for d in (self.shared / self.run).glob("step-*") if _step_of(d.name) in gone]
+        if self.s3:
+            out += [o.key for o in self.s3.list(f"{self.run}/") if _step_of(o.key) in gone]
         for c in lineage.checkpoints(self.cat, self.run):
             if c.status == "deleted":
                 out += [f"row {r.id}" for r in lineage.replicas_of(self.cat, c.id) if r.status != "deleted"]
@@ -214,8 +216,9 @@ def _inodes(where: Path) -> dict[tuple[int, int], int]:
 def test_dry_run_reports_what_gc_frees_per_tier(s3_env, rewind_env, run_name, tmp_path, capsys):
     s = Setup(run_name, tmp_path, replicas=True)
     s.save_and_replicate(SAVES)
-    offsite = s.tiers[1]
-    dirs = {"local": s.root / run_name, "shared": tmp_path / "shared" / run_name}
+    offsite = s.s3
+    assert offsite is not None
+    dirs = {"local": s.root / run_name, "shared": s.shared / run_name}
     before = {t: _inodes(d) for t, d in dirs.items()}
     objects = {o.key: o.size for o in offsite.list(f"{run_name}/")}
     files = {c.step: sum(1 for p in Path(c.path).rglob("*") if p.is_file()) for c in s.restorable()}
@@ -225,7 +228,8 @@ def test_dry_run_reports_what_gc_frees_per_tier(s3_env, rewind_env, run_name, tm
     assert rewind(["gc", run_name, "--keep-last", str(KEEP), "--json"]) == 0
     done = json.loads(capsys.readouterr().out)
     assert sorted(done["removed"]) == list(range(1, SAVES - KEEP + 1))
-    freed = {t: sum(size for i, size in before[t].items() if i not in _inodes(d)) for t, d in dirs.items()}
+    after = {t: _inodes(d) for t, d in dirs.items()}
+    freed = {t: sum(size for i, size in before[t].items() if i not in after[t]) for t in dirs}
     left = {o.key for o in offsite.list(f"{run_name}/")}
     freed["offsite"] = sum(size for k, size in objects.items() if k not in left)
     assert {t: r["bytes"] for t, r in dry["reclaimable"].items()} == freed
