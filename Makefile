@@ -22,11 +22,13 @@ test: install
 	$(BIN)/python -m pytest -q
 
 # The long series of the kill tests (40 SIGKILLs at random moments, five rounds of kills inside
-# background saves) that `make test` runs short (8 kills, one round), and the progress test on a
-# 2.2 GB checkpoint (300 MB in `make test`); not run by CI.
+# background saves, gc SIGKILLed at 20 random deletion steps) that `make test` runs short (8 kills,
+# one round, 8 gc kills), and the progress test on a 2.2 GB checkpoint (300 MB in `make test`);
+# not run by CI.
 test-heavy: install
-	REWIND_TEST_KILLS=40 REWIND_TEST_PROGRESS_MB=2200 $(BIN)/python -m pytest -q -n 2 --timeout 1500 \
-		tests/test_resume.py tests/test_async_save.py tests/test_progress.py
+	REWIND_TEST_KILLS=40 REWIND_TEST_GC_KILLS=20 REWIND_TEST_PROGRESS_MB=2200 \
+		$(BIN)/python -m pytest -q -n 2 --timeout 1500 \
+		tests/test_resume.py tests/test_async_save.py tests/test_progress.py tests/test_gc_kill.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flows.cli_args import Add, Emit, OpenCatalog, Wrap, amount, count, step
 from infra.errors import RewindError
+
+if TYPE_CHECKING:  # imported where used: `rewind --help` stays fast
+    from infra.retention import GcPlan, Reclaim
 
 MiB = 1 << 20
 
@@ -126,6 +129,7 @@ def cmd_gc(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     )
     with progress_view.shown():
         gc = retention.plan(cat, args.run, policy)
+        reclaim = retention.reclaimable(cat, gc)  # counted before anything goes
         removed = [] if args.dry_run else retention.execute(cat, gc, policy)
     usage = retention.usage(cat, args.run, args.price_per_gb_month)
     out = {
@@ -141,34 +145,47 @@ def cmd_gc(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
         ],
         "quarantine": [str(p) for p in gc.quarantine],
         "freed_bytes": gc.freed_bytes,
+        "reclaimable": {t: {"bytes": r.bytes, "files": r.files} for t, r in sorted(reclaim.items())},
         "removed": removed,
         "usage": usage,
     }
 
-    def text() -> str:
-        verb = "would remove" if args.dry_run else "removed"
-        lines = [f"verified steps {gc.verified_first} first"] if gc.verified_first else []
-        lines.append(f"keep steps {gc.keep}")
-        lines += [
-            f"{verb} step {r.step} ({r.bytes} bytes x {len(r.copies)} copies: {', '.join(c.tier for c in r.copies)})"
-            for r in gc.remove
-            if args.dry_run or r.step in removed
-        ]
-        lines += [
-            f"kept step {r.step}: needed again since the plan"
-            for r in gc.remove
-            if not args.dry_run and r.step not in removed
-        ]
-        lines += [
-            f"{verb} dead copies of step {r.step} ({', '.join(c.tier for c in r.copies)})" for r in gc.reclaim
-        ]
-        lines += [f"{verb} {p}" for p in gc.quarantine]
-        lines.append(f"{'would free' if args.dry_run else 'freed'} {gc.freed_bytes} bytes")
-        lines += [f"{u['tier']:8} {u['gb']:10.3f} GB  ${u['usd_per_month']:.2f}/month" for u in usage]
-        return "\n".join(lines)
-
-    emit(args, out, text)
+    emit(args, out, lambda: _gc_text(args, gc, removed, reclaim, usage))
     return 0
+
+
+def _gc_text(
+    args: argparse.Namespace,
+    gc: GcPlan,
+    removed: list[int],
+    reclaim: dict[str, Reclaim],
+    usage: list[dict[str, object]],
+) -> str:
+    verb = "would remove" if args.dry_run else "removed"
+    lines = [f"verified steps {gc.verified_first} first"] if gc.verified_first else []
+    lines.append(f"keep steps {gc.keep}")
+    lines += [
+        f"{verb} step {r.step} ({r.bytes} bytes x {len(r.copies)} copies: {', '.join(c.tier for c in r.copies)})"
+        for r in gc.remove
+        if args.dry_run or r.step in removed
+    ]
+    lines += [
+        f"kept step {r.step}: needed again since the plan"
+        for r in gc.remove
+        if not args.dry_run and r.step not in removed
+    ]
+    lines += [
+        f"{verb} dead copies of step {r.step} ({', '.join(c.tier for c in r.copies)})" for r in gc.reclaim
+    ]
+    lines += [f"{verb} {p}" for p in gc.quarantine]
+    free = "would free" if args.dry_run else "freed"
+    if reclaim:  # a file a kept checkpoint still hard-links frees nothing: less than the copies' sizes
+        lines.append(f"{free} per tier, of {gc.freed_bytes} bytes of copies listed:")
+        lines += [f"  {t:8} {r.bytes} bytes, {r.files} files" for t, r in sorted(reclaim.items())]
+    else:
+        lines.append(f"{free} {gc.freed_bytes} bytes")
+    lines += [f"{u['tier']:8} {u['gb']:10.3f} GB  ${u['usd_per_month']:.2f}/month" for u in usage]
+    return "\n".join(lines)
 
 
 def register(

@@ -13,16 +13,20 @@ check does). Each deletion is re-checked in one guarded statement
 not serving, enough newer verified checkpoints), so a plan made before a
 roll-back cannot delete the step the roll-back chose. The catalog reference goes
 first, then the bytes, manifest first on every tier; a copy whose bytes could not
-be removed stays listed and is reclaimed by the next run.
+be removed (an error, a SIGKILL) stays listed, its checkpoint already ``deleted``
+(so nothing restores from it), and the next run finishes it.
 
-Dead copies (of superseded, aborted, deleted or corrupt checkpoints) and
-``.quarantine/`` directories are reclaimed once older than ``grace_s``.
+Dead copies (of superseded, aborted or corrupt checkpoints) and ``.quarantine/``
+directories are reclaimed once older than ``grace_s``; what is left of checkpoints
+retention itself deleted goes at the next run.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-import shutil
+import os
+import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +39,13 @@ from infra.catalog import copies, leases, lineage, serving
 from infra.catalog.db import Catalog
 from infra.catalog.models import Checkpoint, CheckpointStatus, Replica, utcnow
 from infra.catalog.models import ReplicaStatus as R
-from infra.errors import ConfigError
+from infra.errors import ConfigError, RewindError
+from infra.faults import fault_point
 from infra.format import manifest as mf
 from infra.format import store
 from infra.restore.scrub import QUARANTINE, scrub
 from infra.tiers import open_tier, transfer
+from infra.tiers.filesystem import root_path
 
 log = logging.getLogger("rewind.gc")
 S = CheckpointStatus
@@ -161,7 +167,11 @@ def _kept(cat: Catalog, run_id: int, live: list[Live], policy: Policy) -> set[in
 
 
 def _dead(cat: Catalog, run_id: int, policy: Policy) -> list[Removal]:
-    """Copies of checkpoints that can never be restored, past the grace period."""
+    """Copies of checkpoints that can never be restored: past the grace period, or deleted already.
+
+    A ``deleted`` checkpoint's copies are still listed only when the run that deleted it
+    died or failed before its bytes were gone: the decision was made, no grace is owed.
+    """
     cutoff = utcnow().timestamp() - policy.grace_s
     has_copy = exists().where(Replica.checkpoint_id == Checkpoint.id, Replica.status != R.DELETED.value)
     dead = select(Checkpoint.id).where(
@@ -184,7 +194,7 @@ def _dead(cat: Catalog, run_id: int, policy: Policy) -> list[Removal]:
     by_id = copies.copy_rows(cat, dead)
     out = []
     for c in rows:
-        if (c.updated_at or c.created_at).timestamp() > cutoff:
+        if c.status != S.DELETED and (c.updated_at or c.created_at).timestamp() > cutoff:
             continue
         reps = by_id.get(c.id, [])
         usable = any(r.status in copies.USABLE_VALUES for r in reps)
@@ -226,26 +236,43 @@ def plan(cat: Catalog, run: str, policy: Policy, *, root: Path | None = None) ->
     return out
 
 
+_moments = itertools.count(1)
+
+
+def _moment() -> None:
+    """One deletion step done: ``REWIND_FAULT=kill:gc.delete@N`` dies after this process's N-th."""
+    fault_point("gc.delete", next(_moments))
+
+
 def _delete_copies(cat: Catalog, run: str, r: Removal) -> None:
     for ref in r.copies:
         _delete_one(cat, run, r.step, ref)
         progress.advance(r.bytes)  # dealt with, whether freed now or left for the next run
 
 
+def _doomed(cat: Catalog, ref: CopyRef) -> bool:
+    """Does this copy hold bytes of its own to delete (not missing, not where a wanted copy lies)?"""
+    return ref.status != R.MISSING.value and not copies.location_in_use(cat, ref.replica_id)
+
+
 def _delete_one(cat: Catalog, run: str, step: int, ref: CopyRef) -> None:
-    if ref.status == R.MISSING.value or copies.location_in_use(cat, ref.replica_id):
-        copies.mark_deleted(cat, ref.replica_id)  # nothing of its own there to delete
-        return
-    try:
-        _delete_copy(ref, run, step)
-    except Exception as exc:  # still listed: the next run tries again
-        log.warning("could not delete %s copy of %s step %d at %s: %s", ref.tier, run, step, ref.uri, exc)
-        return
+    if _doomed(cat, ref):
+        try:
+            _delete_copy(ref, run, step)
+        except Exception as exc:  # still listed: the next run tries again
+            log.warning("could not delete %s copy of %s step %d at %s: %s", ref.tier, run, step, ref.uri, exc)
+            return
     copies.mark_deleted(cat, ref.replica_id)
+    _moment()
 
 
 def execute(cat: Catalog, gc: GcPlan, policy: Policy) -> list[int]:
-    """Remove what the plan says, each deletion re-checked; returns the steps actually removed."""
+    """Remove what the plan says, each deletion re-checked; returns the steps actually removed.
+
+    Order, so that a SIGKILL anywhere leaves nothing restorable pointing at missing bytes:
+    the checkpoint leaves the catalog's restorable set (one guarded statement), then each
+    copy's bytes go (manifest first), then the copy's row is let go.
+    """
     removed = []
     with progress.phase(f"gc {gc.run}", gc.freed_bytes):
         for r in gc.remove:
@@ -259,27 +286,131 @@ def execute(cat: Catalog, gc: GcPlan, policy: Policy) -> list[int]:
                 )
                 progress.advance(r.bytes * len(r.copies))  # dealt with: kept
                 continue
+            _moment()
             _delete_copies(cat, gc.run, r)
             removed.append(r.step)
         for r in gc.reclaim:
             _delete_copies(cat, gc.run, r)
         for p in gc.quarantine:
-            shutil.rmtree(p, ignore_errors=True)
+            try:
+                _remove_tree(p)
+            except OSError as exc:
+                log.warning("could not remove %s: %s", p, exc)
     return removed
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a local directory file by file, its manifest first: from then on no one takes it for a
+    committed checkpoint (nor a chunked save for a link source). ``OSError`` leaves the rest for next time."""
+    (path / mf.MANIFEST_NAME).unlink(missing_ok=True)
+    _moment()
+    if not path.exists():
+        return
+    for top, dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            os.unlink(os.path.join(top, name))
+            _moment()
+        for name in dirs:
+            sub = os.path.join(top, name)
+            if os.path.islink(sub):
+                os.unlink(sub)
+            else:
+                os.rmdir(sub)
+    os.rmdir(path)
 
 
 def _delete_copy(ref: CopyRef, run: str, step: int) -> None:
     if ref.tier == copies.LOCAL:
         path = Path(ref.uri)
         if store.owned(path, config.checkpoint_root()):  # never a directory Rewind did not write
-            (path / mf.MANIFEST_NAME).unlink(missing_ok=True)
-            shutil.rmtree(path, ignore_errors=True)
+            _remove_tree(path)
         return  # the row goes either way: the catalog stops counting on it
     t = open_tier(ref.uri)
     base = ref.key or transfer.copy_key(run, step)
     t.delete(f"{base}/{mf.MANIFEST_NAME}")
+    _moment()
     for obj in list(t.list(f"{base}/")):
         t.delete(obj.key)
+        _moment()
+
+
+@dataclass
+class Reclaim:
+    """What a plan frees on one tier: bytes whose last link (or object) goes, and files removed."""
+
+    bytes: int = 0
+    files: int = 0
+
+
+@dataclass
+class _Inode:
+    tier: str
+    size: int
+    links: int  # st_nlink: every name the file has, anywhere on its filesystem
+    going: int = 0  # names among the paths the plan deletes
+
+
+def reclaimable(cat: Catalog, gc: GcPlan) -> dict[str, Reclaim]:
+    """Per tier, the bytes deleting what the plan lists frees (a read: nothing is deleted).
+
+    On a filesystem tier checkpoints share unchanged chunks by hard link, so a file's bytes
+    are freed only when every link to its inode is among the paths that go; each inode
+    counts once. S3 objects are not shared between copies: their sizes add up.
+    """
+    out: dict[str, Reclaim] = {}
+    inodes: dict[tuple[int, int], _Inode] = {}
+    seen: set[Path] = set()
+    for r in (*gc.remove, *gc.reclaim):
+        for ref in r.copies:
+            if not _doomed(cat, ref):
+                continue
+            tally = out.setdefault(ref.tier, Reclaim())
+            if ref.uri.startswith("s3://"):
+                _count_objects(ref, gc.run, r, tally)
+                continue
+            where = _directory(ref, gc.run, r.step)
+            if where is not None and where.resolve() not in seen:
+                seen.add(where.resolve())
+                _count_files(where, ref.tier, tally, inodes)
+    for p in gc.quarantine:  # a dead copy's row may name one of these: counted once
+        if p.resolve() not in seen:
+            seen.add(p.resolve())
+            _count_files(p, copies.LOCAL, out.setdefault(copies.LOCAL, Reclaim()), inodes)
+    for i in inodes.values():
+        if i.going >= i.links:
+            out[i.tier].bytes += i.size
+    return out
+
+
+def _directory(ref: CopyRef, run: str, step: int) -> Path | None:
+    """Where a filesystem copy lies (None: a local directory Rewind did not write, and never deletes)."""
+    if ref.tier == copies.LOCAL:
+        path = Path(ref.uri)
+        return path if store.owned(path, config.checkpoint_root()) else None
+    return root_path(ref.uri) / mf.contained(ref.key or transfer.copy_key(run, step))
+
+
+def _count_files(where: Path, tier: str, tally: Reclaim, inodes: dict[tuple[int, int], _Inode]) -> None:
+    for top, _dirs, files in os.walk(where):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except FileNotFoundError:
+                continue  # deleted meanwhile (another gc): not ours to count
+            tally.files += 1
+            if stat.S_ISREG(st.st_mode):
+                inodes.setdefault((st.st_dev, st.st_ino), _Inode(tier, st.st_size, st.st_nlink)).going += 1
+
+
+def _count_objects(ref: CopyRef, run: str, r: Removal, tally: Reclaim) -> None:
+    base = ref.key or transfer.copy_key(run, r.step)
+    try:
+        for obj in open_tier(ref.uri).list(f"{base}/"):
+            tally.bytes += obj.size
+            tally.files += 1
+    except RewindError as exc:  # the figure falls back to what the catalog recorded
+        log.warning("could not list %s/%s: %s; counting the catalog's %d bytes", ref.uri, base, exc, r.bytes)
+        tally.bytes += r.bytes
 
 
 def usage(cat: Catalog, run: str | None, price_per_gb_month: float) -> list[dict[str, object]]:

@@ -149,6 +149,7 @@ SLOW_FILES_FIRST = [
     "test_integrity.py",  # ~100
     "test_adopt.py",  # ~90
     "test_async_save.py",  # ~80
+    "test_gc_kill.py",  # ~75 (8 gc kills ~45)
     "test_progress.py",  # ~40
     "test_incremental.py",  # ~20 alone, ~35 loaded
     "test_conversation.py",  # ~25

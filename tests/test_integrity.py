@@ -372,8 +372,11 @@ def test_resaved_step_is_not_judged_by_dead_rows_and_dead_copies_are_reclaimed(r
     dead = [c for c in lineage.checkpoints(Catalog(), run_name, 30) if c.status == "superseded"]
     assert len(dead) == 1 and ".quarantine" in lineage.replicas_of(Catalog(), dead[0].id)[0].uri
 
+    held = [p.stat().st_size for p in (root / run_name / ".quarantine").rglob("*") if p.is_file()]
     code, out = _json(capsys, ["gc", run_name, "--keep-last", "3", "--grace-days", "0"])
     assert code == 0 and [r["step"] for r in out["reclaim"]] == [30] and out["quarantine"]
+    # The dead copy's row names the quarantined directory: its files are counted once.
+    assert out["reclaimable"]["local"] == {"files": len(held), "bytes": sum(held)}
     assert not list((root / run_name / ".quarantine").iterdir())
     assert {r.status for r in lineage.replicas_of(Catalog(), dead[0].id)} == {"deleted"}
     assert sorted(p.name for p in (root / run_name).glob("step-*")) == ["step-10", "step-20", "step-30"]
