@@ -38,31 +38,7 @@ from infra.tiers.s3 import S3Tier
 from infra.tiers.transfer import check_remote
 from tests.integrity_support import flip
 from tests.s3_support import BUCKET
-
-VOCAB, DIM = 4096, 256  # a 4 MiB frozen embedding
-
-
-class Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.backbone = torch.nn.Embedding(VOCAB, DIM)
-        self.head = torch.nn.Linear(DIM, 8)
-
-
-def _build(seed: int = 0) -> tuple[Net, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    net = Net()
-    net.backbone.weight.requires_grad_(False)
-    return net, torch.optim.AdamW(net.head.parameters(), lr=1e-2)
-
-
-def _train(net: Net, opt: torch.optim.Optimizer, step: int) -> None:
-    g = torch.Generator().manual_seed(step)
-    ids = torch.randint(0, VOCAB, (16, 12), generator=g)
-    loss = net.head(net.backbone(ids).mean(dim=1)).pow(2).mean()
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
+from tests.test_incremental import DIM, VOCAB, Net, build, train
 
 
 def _checkpointer(run: str, root: Path, net: Net, opt: torch.optim.Optimizer) -> Checkpointer:
@@ -72,11 +48,11 @@ def _checkpointer(run: str, root: Path, net: Net, opt: torch.optim.Optimizer) ->
 
 def _saved(run: str, root: Path, steps: int = 2) -> tuple[Net, list]:  # type: ignore[type-arg]
     """``steps`` chunked checkpoints of the fine-tune; the net as trained, and each checkpoint's catalog row."""
-    net, opt = _build()
+    net, opt = build()
     ck = _checkpointer(run, root, net, opt)
     rows = []
     for step in range(1, steps + 1):
-        _train(net, opt, step)
+        train(net, opt, step)
         ck.save(step)
         rows.append(lineage.get_checkpoint(Catalog(), ck.last_saved.checkpoint_id))
     ck.close()
@@ -195,7 +171,7 @@ def test_the_second_checkpoint_sends_only_what_changed(kind, rewind_env, run_nam
         assert got.step == step and got.fetched
         for e in mf.read(got.directory).files:
             assert filecmp.cmp(got.directory / e.path, original / f"step-{step}" / e.path, shallow=False)
-    net2, opt2 = _build(seed=99)
+    net2, opt2 = build(seed=99)
     ck = _checkpointer(run_name, root, net2, opt2)
     try:
         restored = ck.restore_latest()

@@ -37,6 +37,14 @@ def root_path(uri: str) -> Path:
     return Path(path)
 
 
+def _publish(tmp: Path, dest: Path) -> None:
+    """Give a finished temporary file its name; ``os.link`` refuses a name that exists."""
+    try:
+        os.link(tmp, dest)
+    except FileExistsError as exc:
+        raise AlreadyExists(f"{dest} already exists; replicas are never overwritten") from exc
+
+
 class FileTier:
     name = "shared"
     checksums = False
@@ -69,10 +77,7 @@ class FileTier:
                     shutil.copyfileobj(source, out, CHUNK)
                 raw.flush()
                 os.fsync(raw.fileno())
-            try:
-                os.link(tmp, dest)
-            except FileExistsError as exc:
-                raise AlreadyExists(f"{dest} already exists; replicas are never overwritten") from exc
+            _publish(tmp, dest)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
@@ -116,10 +121,7 @@ class FileTier:
             got = hash_file(tmp).crc32c
             if got != crc32c:
                 raise NotCopied(f"{src} is not the file asked for (crc32c {got} != {crc32c}); not linked")
-            try:
-                os.link(tmp, dest)
-            except FileExistsError as exc:
-                raise AlreadyExists(f"{dest} already exists; replicas are never overwritten") from exc
+            _publish(tmp, dest)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
