@@ -100,7 +100,7 @@ class TierRow(NamedTuple):
     copies: int
     verified_copies: int
     bytes: int
-    newest_step: int  # the newest checkpoint with a copy here (orders tiers the table does not know)
+    newest_step: int  # the newest checkpoint with a copy here: orders tiers TIER_ORDER lacks
     verified_step: int | None  # the newest checkpoint with a verified copy here
     verified_at: datetime | None  # ... and when it was made
 
@@ -144,7 +144,7 @@ def _newest(cat: Catalog, wanted: Select[Any]) -> dict[int, Newest]:
     for run_id, found in tops.items():
         verified = next(((c, n) for c, n in found if c.status == S.VERIFIED.value), None)
         top = max((c for c, _ in found), key=lambda c: (c.step, c.id))
-        out[run_id] = Newest(verified and verified[0], top, verified[1] if verified else 0)
+        out[run_id] = Newest(verified[0] if verified else None, top, verified[1] if verified else 0)
     return out
 
 
@@ -201,6 +201,7 @@ def _newest_launches(cat: Catalog, wanted: Select[Any]) -> dict[int, Launch]:
 
 
 def _newest_launch(wanted: Select[Any]) -> Any:
+    """The id of each wanted run's newest launch, as a subquery (no id list bound)."""
     return (
         select(func.max(Launch.id))
         .where(Launch.run_id.in_(wanted.scalar_subquery()))
