@@ -14,11 +14,12 @@ tiers, incidents, pins and leases. Then it measures the real code paths, median 
   ``rewind ckpt list RUN`` once as a subprocess (everything included);
 - a restore plan (``infra.restore.plan.plan``) for a 990-checkpoint run and for the 10,900 one;
 - a retention plan (``infra.retention.plan``) for a run that was rolled back once, and the check
-  retention makes before deleting each copy (``copies.location_in_use``, a shared copy).
+  retention makes before deleting each copy (``copies.location_in_use``, a shared copy);
+- the scrub's list of what to check in the 10,900-checkpoint run (``tasks.verify.list_checkpoints``).
 
 Each figure comes with the number of SQL statements it issued. Writes ``catalog_list_s_100k``
-(``ckpt list RUN``, text), ``restore_plan_s_100k`` (990-checkpoint run), ``gc_plan_s_100k`` and
-the rest under ``catalog_scale`` to bench/results.json. The database is dropped at the end, also
+(``ckpt list RUN``, text), ``restore_plan_s_100k`` (990-checkpoint run), ``gc_plan_s_100k``,
+``status_s_100k`` (``rewind status --json``, every run) and the rest under ``catalog_scale`` to bench/results.json. The database is dropped at the end, also
 on failure.
 
 "10 million chunk references": the catalog holds no per-chunk rows. A chunked checkpoint's chunk
@@ -138,6 +139,7 @@ def measure(url: str, shape: Shape, repeat: int, work: Path) -> dict[str, Any]:
     from infra import retention
     from infra.catalog import copies
     from infra.restore import plan
+    from tasks.verify import list_checkpoints
 
     cat = Catalog(url)  # applies the migrations, as `rewind db upgrade` would
     t0 = time.perf_counter()
@@ -154,6 +156,8 @@ def measure(url: str, shape: Shape, repeat: int, work: Path) -> dict[str, Any]:
         "ckpt_list_big": timed(cli(["ckpt", "list", big]), repeat),
         "runs_list": timed(cli(["runs", "list"]), repeat),
         "status_all": timed(cli(["status", "--json"]), repeat),
+        "status_text": timed(cli(["status"]), repeat),
+        "scrub_list_big": timed(lambda: list_checkpoints.fn(big), repeat),
         "restore_plan": timed(lambda: plan.plan(cat, small, root=work), repeat),
         "restore_plan_big": timed(lambda: plan.plan(cat, big, root=work), repeat),
         "gc_copy_in_use_check": timed(lambda: copies.location_in_use(cat, dead_copy), repeat),
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "catalog_list_s_100k": res["ckpt_list_s"],
         "restore_plan_s_100k": res["restore_plan_s"],
         "gc_plan_s_100k": res["gc_plan_s"],
+        "status_s_100k": res["status_all_s"],
         "catalog_scale": res,
     }
     results.setdefault("machine", machine())

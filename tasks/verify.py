@@ -87,15 +87,11 @@ def list_checkpoints(run: str | None = None) -> list[dict[str, Any]]:
     """Checkpoints worth checking (committed, verified, or corrupt with a copy left) of one run, or all."""
     cat = catalog()
     runs = [run] if run else [r["run"] for r in lineage.list_runs(cat)]
-    out = []
-    for name in runs:
-        rows = [c for c in lineage.checkpoints(cat, name) if c.status in ("committed", "verified", "corrupt")]
-        found = copies.copies_of(cat, [c.id for c in rows])
-        for ck in rows:
-            usable = any(r.status in {u.value for u in copies.USABLE} for r in found[ck.id])
-            if ck.status != "corrupt" or (usable and not copies.condemned(ck)):
-                out.append({"run": name, "step": ck.step, "checkpoint_id": ck.id})
-    return out
+    return [
+        {"run": name, "step": step, "checkpoint_id": ck_id}
+        for name in runs
+        for ck_id, step in copies.worth_checking(cat, lineage.get_run(cat, name).id)
+    ]
 
 
 @task(name="checkpoint-table", **RETRY)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from typing import Any, NamedTuple
 
-from sqlalchemy import Select, case, or_, select, update
+from sqlalchemy import Select, and_, case, or_, select, update
 
 from infra.catalog import lineage
-from infra.catalog.db import Catalog, changed
+from infra.catalog.db import Catalog, changed, chunks
 from infra.catalog.models import Checkpoint, Replica, Run, utcnow
 from infra.catalog.models import CheckpointStatus as S
 from infra.catalog.models import ReplicaStatus as R
@@ -40,14 +40,14 @@ class CopyRow(NamedTuple):
 
 
 def copies_of(cat: Catalog, checkpoint_ids: Iterable[int]) -> dict[int, list[Replica]]:
-    """Every copy of each checkpoint, nearest tier first."""
+    """Every copy of each checkpoint, nearest tier first (ids bound in chunks: Postgres takes at most
+    65,535 parameters a statement; a caller with a whole run to read should select by subquery instead)."""
     ids = list(checkpoint_ids)
     out: dict[int, list[Replica]] = {i: [] for i in ids}
-    if not ids:
-        return out
     with cat.session() as s:
-        for r in s.scalars(select(Replica).where(Replica.checkpoint_id.in_(ids)).order_by(Replica.id)):
-            out[r.checkpoint_id].append(r)
+        for batch in chunks(ids):
+            for r in s.scalars(select(Replica).where(Replica.checkpoint_id.in_(batch)).order_by(Replica.id)):
+                out[r.checkpoint_id].append(r)
     for reps in out.values():
         reps.sort(key=lambda r: TIER_ORDER.get(r.tier, 9))
     return out
@@ -81,6 +81,33 @@ def copy_rows(
     for reps in out.values():
         reps.sort(key=lambda r: TIER_ORDER.get(r.tier, 9))
     return out
+
+
+def worth_checking(cat: Catalog, run_id: int) -> list[tuple[int, int]]:
+    """(id, step) of the run's checkpoints a scrub checks, oldest first: committed, verified, and corrupt
+    ones with a usable copy left that are not condemned for their content (a copy may still prove them).
+
+    One statement for any length of run: the usable copy is an EXISTS, not a parameter per checkpoint.
+    """
+    usable = (
+        select(Replica.id)
+        .where(Replica.checkpoint_id == Checkpoint.id, Replica.status.in_(sorted(USABLE_VALUES)))
+        .exists()
+    )
+    q = (
+        select(Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.status_reason)
+        .where(
+            Checkpoint.run_id == run_id,
+            or_(
+                Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value]),
+                and_(Checkpoint.status == S.CORRUPT.value, usable),
+            ),
+        )
+        .order_by(Checkpoint.step, Checkpoint.id)
+    )
+    with cat.session() as s:
+        rows = s.execute(q).all()
+    return [(i, step) for i, step, status, reason in rows if not is_condemned(status, reason)]
 
 
 def add(

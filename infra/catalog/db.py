@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -28,6 +28,21 @@ _MIGRATION_LOCK = 0x52455749  # "REWI": serialises concurrent `db upgrade` on Po
 def changed(result: Result[Any]) -> int:
     """Rows an UPDATE or DELETE changed: how a guarded statement tells who won."""
     return cast(CursorResult[Any], result).rowcount
+
+
+MAX_IDS = 10_000  # ids bound in one IN list: Postgres refuses a statement with more than 65,535 parameters
+
+
+def chunks(ids: Iterable[T], size: int = MAX_IDS) -> Iterator[list[T]]:
+    """``ids`` in lists of at most ``size``, for statements that bind one parameter per id."""
+    batch: list[T] = []
+    for i in ids:
+        batch.append(i)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
 
 
 def parse_url(raw: str) -> URL:

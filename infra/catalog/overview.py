@@ -11,20 +11,20 @@ Plain data (JSON-ready): the CLI prints it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, and_, case, func, select
 
 from infra.catalog import lineage
-from infra.catalog.copies import TIER_ORDER, CopyRow, copy_rows
+from infra.catalog.copies import TIER_ORDER
 from infra.catalog.db import Catalog
 from infra.catalog.models import (
     Checkpoint,
     Incident,
     Launch,
     RankProgress,
+    Replica,
     Run,
     ServingVersion,
     aware,
@@ -50,28 +50,32 @@ def _iso(ts: datetime | None) -> str | None:
 
 
 def status(cat: Catalog, run: str | None = None, *, now: datetime | None = None) -> dict[str, Any]:
-    """Every run (or ``run`` alone: NotFoundError if unknown) and every model (or those serving ``run``)."""
+    """Every run (or ``run`` alone: NotFoundError if unknown) and every model (or those serving ``run``).
+
+    A fixed number of statements whatever the catalog holds: totals, newest checkpoints and tier lags
+    are computed in SQL (a catalog of 100,000 checkpoints has ~300,000 copy rows, too many to read).
+    """
     now = now or datetime.now(UTC)
+    wanted = select(Run.id) if run is None else select(Run.id).where(Run.name == run)
     with cat.session() as s:
         q = select(Run).order_by(Run.created_at, Run.id)
         runs = list(s.scalars(q.where(Run.name == run) if run is not None else q))
     if run is not None and not runs:
         lineage.get_run(cat, run)  # raises NotFoundError with the catalog's name in it
-    ids = [r.id for r in runs]
-    ckpts = _checkpoints(cat, ids)
-    copies = _copies(cat, ids)
-    launches = _newest_launches(cat, ids)
-    progress = _progress(cat, [launch.id for launch in launches.values()])
-    open_incidents = _open_incidents(cat, ids)
+    newest = _newest(cat, wanted)
+    tiers = _tier_rows(cat, wanted)
+    launches = _newest_launches(cat, wanted)
+    progress = _progress(cat, wanted)
+    open_incidents = _open_incidents(cat, wanted)
     out_runs = [
-        _run(r, ckpts.get(r.id, []), copies, launches.get(r.id), progress, open_incidents.get(r.id, []), now)
+        _run(r, newest.get(r.id), tiers.get(r.id, []), launches.get(r.id), progress, open_incidents, now)
         for r in runs
     ]
     return {"at": now.isoformat(), "runs": out_runs, "models": _models(cat, run)}
 
 
 class Ckpt(NamedTuple):
-    """A restorable checkpoint as the overview reads it: columns only (every run's, thousands each)."""
+    """A restorable checkpoint as the overview reads it: columns only."""
 
     id: int
     run_id: int
@@ -81,69 +85,146 @@ class Ckpt(NamedTuple):
     total_bytes: int | None
 
 
-def _restorable(run_ids: Sequence[int]) -> Select[Any]:
-    return select(Checkpoint.id).where(Checkpoint.run_id.in_(run_ids), Checkpoint.status.in_(RESTORABLE))
+class Newest(NamedTuple):
+    """A run's newest verified checkpoint, its newest restorable one (either status), how many are verified."""
+
+    verified: Ckpt | None
+    top: Ckpt
+    verified_count: int
 
 
-def _checkpoints(cat: Catalog, run_ids: Sequence[int]) -> dict[int, list[Ckpt]]:
-    out: dict[int, list[Ckpt]] = {}
-    if not run_ids:
-        return out
-    columns = (
+class TierRow(NamedTuple):
+    """Copies of a run's verified checkpoints on one tier, totalled in SQL."""
+
+    tier: str
+    copies: int
+    verified_copies: int
+    bytes: int
+    newest_step: int  # the newest checkpoint with a copy here: orders tiers TIER_ORDER lacks
+    verified_step: int | None  # the newest checkpoint with a verified copy here
+    verified_at: datetime | None  # ... and when it was made
+
+
+def _newest(cat: Catalog, wanted: Select[Any]) -> dict[int, Newest]:
+    """Per run, the newest committed and the newest verified checkpoint and how many there are: one
+    statement, at most two rows per run, not every checkpoint. Grouped (a hash, no sort of 100,000 rows),
+    then joined back by step: a run has one live checkpoint per step, so the newest step names one row."""
+    totals = (
+        select(
+            Checkpoint.run_id,
+            Checkpoint.status,
+            func.max(Checkpoint.step).label("step"),
+            func.count().label("n"),
+        )
+        .where(Checkpoint.run_id.in_(wanted.scalar_subquery()), Checkpoint.status.in_(RESTORABLE))
+        .group_by(Checkpoint.run_id, Checkpoint.status)
+        .subquery()
+    )
+    q = select(
+        Checkpoint.id,
         Checkpoint.run_id,
         Checkpoint.step,
         Checkpoint.status,
         Checkpoint.created_at,
         Checkpoint.total_bytes,
+        totals.c.n,
+    ).join(
+        totals,
+        and_(
+            Checkpoint.run_id == totals.c.run_id,
+            Checkpoint.step == totals.c.step,
+            Checkpoint.status == totals.c.status,
+        ),
     )
+    tops: dict[int, list[tuple[Ckpt, int]]] = {}
     with cat.session() as s:
-        rows = s.execute(
-            _restorable(run_ids).add_columns(*columns).order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
-        )
-        for c in rows:
-            out.setdefault(c.run_id, []).append(Ckpt(*c))
+        for row in s.execute(q):
+            tops.setdefault(row.run_id, []).append((Ckpt(*row[:6]), int(row.n)))
+    out = {}
+    for run_id, found in tops.items():
+        verified = next(((c, n) for c, n in found if c.status == S.VERIFIED.value), None)
+        top = max((c for c, _ in found), key=lambda c: (c.step, c.id))
+        out[run_id] = Newest(verified[0] if verified else None, top, verified[1] if verified else 0)
     return out
 
 
-def _copies(cat: Catalog, run_ids: Sequence[int]) -> dict[int, list[CopyRow]]:
-    """Live copies of the runs' verified checkpoints (the only ones the overview counts), in one statement."""
-    if not run_ids:
-        return {}
-    verified = _restorable(run_ids).where(Checkpoint.status == S.VERIFIED.value)
-    return copy_rows(cat, verified, statuses=LIVE_COPY)
-
-
-def _newest_launches(cat: Catalog, run_ids: Sequence[int]) -> dict[int, Launch]:
-    if not run_ids:
-        return {}
-    with cat.session() as s:
-        newest = (
-            select(func.max(Launch.id))
-            .where(Launch.run_id.in_(run_ids))
-            .group_by(Launch.run_id)
-            .scalar_subquery()
+def _tier_rows(cat: Catalog, wanted: Select[Any]) -> dict[int, list[TierRow]]:
+    """Per run and tier, the live copies of verified checkpoints (the only ones the overview counts):
+    counts, bytes and the newest verified copy's checkpoint, one row each, totalled in the database
+    (grouped, then the newest verified copy's checkpoint joined back by its step, as in :func:`_newest`)."""
+    verified_copy = Replica.status == R.VERIFIED.value
+    totals = (
+        select(
+            Checkpoint.run_id,
+            Replica.tier,
+            func.count().label("copies"),
+            func.sum(case((verified_copy, 1), else_=0)).label("verified_copies"),
+            func.sum(func.coalesce(Replica.bytes, 0)).label("bytes"),
+            func.max(Checkpoint.step).label("newest_step"),
+            func.max(case((verified_copy, Checkpoint.step))).label("verified_step"),
         )
-        return {launch.run_id: launch for launch in s.scalars(select(Launch).where(Launch.id.in_(newest)))}
-
-
-def _progress(cat: Catalog, launch_ids: Sequence[int]) -> dict[int, list[RankProgress]]:
-    out: dict[int, list[RankProgress]] = {}
-    if not launch_ids:
-        return out
+        .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
+        .where(
+            Checkpoint.run_id.in_(wanted.scalar_subquery()),
+            Checkpoint.status == S.VERIFIED.value,
+            Replica.status.in_(LIVE_COPY),
+        )
+        .group_by(Checkpoint.run_id, Replica.tier)
+        .subquery()
+    )
+    made = (
+        select(Checkpoint.created_at)
+        .where(
+            Checkpoint.run_id == totals.c.run_id,
+            Checkpoint.step == totals.c.verified_step,
+            Checkpoint.status == S.VERIFIED.value,
+        )
+        .scalar_subquery()
+    )
+    out: dict[int, list[TierRow]] = {}
     with cat.session() as s:
-        for p in s.scalars(select(RankProgress).where(RankProgress.launch_id.in_(launch_ids))):
+        for r in s.execute(select(totals, made.label("verified_at"))):
+            row = TierRow(
+                r.tier, int(r.copies), int(r.verified_copies), int(r.bytes), int(r.newest_step),
+                r.verified_step, r.verified_at,
+            )  # fmt: skip
+            out.setdefault(r.run_id, []).append(row)
+    return out
+
+
+def _newest_launches(cat: Catalog, wanted: Select[Any]) -> dict[int, Launch]:
+    with cat.session() as s:
+        return {
+            launch.run_id: launch
+            for launch in s.scalars(select(Launch).where(Launch.id.in_(_newest_launch(wanted))))
+        }
+
+
+def _newest_launch(wanted: Select[Any]) -> Any:
+    """The id of each wanted run's newest launch, as a subquery (no id list bound)."""
+    return (
+        select(func.max(Launch.id))
+        .where(Launch.run_id.in_(wanted.scalar_subquery()))
+        .group_by(Launch.run_id)
+        .scalar_subquery()
+    )
+
+
+def _progress(cat: Catalog, wanted: Select[Any]) -> dict[int, list[RankProgress]]:
+    """What the ranks of each run's newest launch reported, keyed by launch."""
+    out: dict[int, list[RankProgress]] = {}
+    with cat.session() as s:
+        for p in s.scalars(select(RankProgress).where(RankProgress.launch_id.in_(_newest_launch(wanted)))):
             out.setdefault(p.launch_id, []).append(p)
     return out
 
 
-def _open_incidents(cat: Catalog, run_ids: Sequence[int]) -> dict[int, list[Incident]]:
+def _open_incidents(cat: Catalog, wanted: Select[Any]) -> dict[int, list[Incident]]:
     out: dict[int, list[Incident]] = {}
-    if not run_ids:
-        return out
     with cat.session() as s:
         rows = s.scalars(
             select(Incident)
-            .where(Incident.run_id.in_(run_ids), Incident.resolved_at.is_(None))
+            .where(Incident.run_id.in_(wanted.scalar_subquery()), Incident.resolved_at.is_(None))
             .order_by(Incident.id)
         )
         for i in rows:
@@ -153,18 +234,43 @@ def _open_incidents(cat: Catalog, run_ids: Sequence[int]) -> dict[int, list[Inci
 
 def _run(
     run: Run,
-    ckpts: list[Ckpt],
-    copies: dict[int, list[CopyRow]],
+    newest: Newest | None,
+    tiers: list[TierRow],
     launch: Launch | None,
     progress: dict[int, list[RankProgress]],
-    incidents: list[Incident],
+    incidents: dict[int, list[Incident]],
     now: datetime,
 ) -> dict[str, Any]:
-    verified = [c for c in ckpts if c.status == S.VERIFIED.value]
-    newest = verified[0] if verified else None
+    verified = newest.verified if newest is not None else None
     # committed after the newest verified one, not yet proven
-    unproven = next((c for c in ckpts if newest is None or c.step > newest.step), None)
+    unproven = (
+        newest.top if newest is not None and (verified is None or newest.top.step > verified.step) else None
+    )
     ranks = progress.get(launch.id, []) if launch is not None else []
+    return {
+        "run": run.name,
+        "created_at": _iso(run.created_at),
+        "newest_verified": None if verified is None else _ckpt(verified, now),
+        "newest_unverified": None if unproven is None else _ckpt(unproven, now),
+        "verified_checkpoints": newest.verified_count if newest is not None else 0,
+        "rpo": _rpo(verified, ranks),
+        "job": _job(launch, ranks, now),
+        "tiers": _tiers(tiers, verified),
+        "open_incidents": [
+            {
+                "id": i.id,
+                "kind": i.kind,
+                "detected_at": _iso(i.detected_at),
+                "age_s": _age(i.detected_at, now),
+                "reason": i.reason,
+            }
+            for i in incidents.get(run.id, [])
+        ],
+    }
+
+
+def _rpo(newest: Ckpt | None, ranks: list[RankProgress]) -> dict[str, Any]:
+    """Steps and seconds of training since ``newest``, up to the newest step a rank reported."""
     stepped = [p for p in ranks if p.step is not None]
     last = max(stepped, key=lambda p: (p.step or 0, p.step_at or 0.0), default=None)
     rpo: dict[str, Any] = {"steps": None, "seconds": None, "to_step": None}
@@ -178,26 +284,7 @@ def _run(
             and (made := _aware(newest.created_at)) is not None
         ):
             rpo["seconds"] = round(max(0.0, last.step_at - made.timestamp()), 3)
-    return {
-        "run": run.name,
-        "created_at": _iso(run.created_at),
-        "newest_verified": None if newest is None else _ckpt(newest, now),
-        "newest_unverified": None if unproven is None else _ckpt(unproven, now),
-        "verified_checkpoints": len(verified),
-        "rpo": rpo,
-        "job": _job(launch, ranks, now),
-        "tiers": _tiers(verified, copies, newest),
-        "open_incidents": [
-            {
-                "id": i.id,
-                "kind": i.kind,
-                "detected_at": _iso(i.detected_at),
-                "age_s": _age(i.detected_at, now),
-                "reason": i.reason,
-            }
-            for i in incidents
-        ],
-    }
+    return rpo
 
 
 def _ckpt(c: Ckpt, now: datetime) -> dict[str, Any]:
@@ -226,44 +313,35 @@ def _job(launch: Launch | None, ranks: list[RankProgress], now: datetime) -> dic
     }
 
 
-def _tiers(verified: list[Ckpt], copies: dict[int, list[CopyRow]], newest: Ckpt | None) -> dict[str, Any]:
+def _tiers(rows: list[TierRow], newest: Ckpt | None) -> dict[str, Any]:
     """Per tier: copies of verified checkpoints (by status), bytes, and how far the tier lags behind."""
     tiers: dict[str, dict[str, Any]] = {}
-    for c in verified:  # newest first
-        for r in copies.get(c.id, []):
-            t = tiers.setdefault(
-                r.tier, {"copies": 0, "verified_copies": 0, "bytes": 0, "newest_verified_step": None}
-            )
-            t["copies"] += 1
-            t["bytes"] += r.bytes or 0
-            if r.status == R.VERIFIED.value:
-                t["verified_copies"] += 1
-                if t["newest_verified_step"] is None:
-                    t["newest_verified_step"] = c.step
-                    t["_at"] = _aware(c.created_at)
-    for t in tiers.values():
-        at = t.pop("_at", None)
-        if newest is None or t["newest_verified_step"] is None:
+    for r in sorted(rows, key=lambda r: (TIER_ORDER.get(r.tier, 9), -r.newest_step, r.tier)):
+        t = tiers[r.tier] = {
+            "copies": r.copies,
+            "verified_copies": r.verified_copies,
+            "bytes": r.bytes,
+            "newest_verified_step": r.verified_step,
+        }
+        if newest is None or r.verified_step is None:
             t["lag_steps"] = t["lag_s"] = None
             continue
-        t["lag_steps"] = newest.step - t["newest_verified_step"]
-        made = _aware(newest.created_at)
+        t["lag_steps"] = newest.step - r.verified_step
+        made, at = _aware(newest.created_at), _aware(r.verified_at)
         t["lag_s"] = round((made - at).total_seconds(), 3) if made is not None and at is not None else None
-    return dict(sorted(tiers.items(), key=lambda kv: TIER_ORDER.get(kv[0], 9)))
+    return tiers
 
 
 def _models(cat: Catalog, run: str | None) -> list[dict[str, Any]]:
-    with cat.session() as s:
-        q = select(ServingVersion).order_by(ServingVersion.model, ServingVersion.id)
-        versions = list(s.scalars(q.where(ServingVersion.run == run) if run is not None else q))
-        ids = [v.checkpoint_id for v in versions if v.checkpoint_id is not None]
-        source = (
-            {c.id: c.status for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_(ids)))}
-            if ids
-            else {}
+    with cat.session() as s:  # each version with its checkpoint's status now (None: the row is gone)
+        q = (
+            select(ServingVersion, Checkpoint.status)
+            .outerjoin(Checkpoint, Checkpoint.id == ServingVersion.checkpoint_id)
+            .order_by(ServingVersion.model, ServingVersion.id)
         )
+        rows = list(s.execute(q.where(ServingVersion.run == run) if run is not None else q).all())
     models: dict[str, list[dict[str, Any]]] = {}
-    for v in versions:
+    for v, checkpoint_status in rows:
         models.setdefault(v.model, []).append(
             {
                 "version": v.version,
@@ -272,7 +350,7 @@ def _models(cat: Catalog, run: str | None) -> list[dict[str, Any]]:
                 "run": v.run,
                 "step": v.step,
                 "checkpoint_id": v.checkpoint_id,
-                "checkpoint_status": source.get(v.checkpoint_id) if v.checkpoint_id is not None else None,
+                "checkpoint_status": checkpoint_status,
                 "manifest_digest": v.manifest_digest,
                 "created_at": _iso(v.created_at),
             }
