@@ -2,8 +2,9 @@
 
     .venv/bin/python -m bench.incremental [--params-m 8] [--checkpoints 5] [--no-s3]
 
-Two regimes, each trained and checkpointed (asynchronously, as a job would) once per
-format: a frozen backbone with a ~5% trainable head (AdamW on the head only), and full
+Two regimes, each trained and checkpointed (asynchronously, as a job would) by one job
+per format, the two jobs side by side on the same batches, taking turns to save first so
+that both meet the same disk and page cache: a frozen backbone with a ~5% trainable head (AdamW on the head only), and full
 training (everything changes). Per checkpoint after the first: bytes written (data
 files not hard-linked, plus the manifest), the stall (what ``save()`` blocked the
 loop), the whole save (stall + background persist, fsyncs included), and, in the
@@ -77,8 +78,9 @@ def build(params: int, frozen: bool) -> tuple[Net, torch.optim.Optimizer]:
     return net, opt
 
 
-def train(net: Net, opt: torch.optim.Optimizer) -> None:
-    ids = torch.randint(0, net.backbone.num_embeddings, (32, 16))
+def train(net: Net, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)  # the same batch for both formats' jobs
+    ids = torch.randint(0, net.backbone.num_embeddings, (32, 16), generator=g)
     loss = net.head(net.backbone(ids).mean(dim=1)).pow(2).mean()
     opt.zero_grad()
     loss.backward()
@@ -109,32 +111,55 @@ def _checkpoint(ck: Checkpointer, cat: Catalog, step: int, tier: Tier | None, go
         got.sent.append(sent)
 
 
-def run_regime(
-    work: Path, cat: Catalog, fmt: str, frozen: bool, params: int, n: int, tier: Tier | None
-) -> Regime:
-    net, opt = build(params, frozen)
-    run = f"{'frozen' if frozen else 'full'}-{fmt}"
-    root = work / "ckpt"
-    ck = Checkpointer(
-        run, states={"model": net, "optimizer": opt}, root=root, catalog=cat, format=fmt, mode=SaveMode.ASYNC
-    )
-    got = Regime()
-    for step in range(1, n + 1):
-        train(net, opt)
-        _checkpoint(ck, cat, step, tier, got)
-        shutil.rmtree(root / run / f"step-{step - 2}", ignore_errors=True)  # keep the disk bounded
-    ck.close()
-    got.trainable = trainable_bytes(net, opt)
+@dataclass
+class Job:
+    """One format's job in a regime: its model, optimizer, checkpointer and what it measured."""
+
+    fmt: str
+    run: str
+    net: Net
+    opt: torch.optim.Optimizer
+    ck: Checkpointer
+    got: Regime = field(default_factory=Regime)
+
+
+def _restores(job: Job, root: Path, cat: Catalog, params: int, frozen: bool, n: int) -> None:
+    """The newest checkpoint restored into a fresh job, three times; every one bit-exact."""
     for _ in range(3):
         fresh, fresh_opt = build(params, frozen)
-        train(fresh, fresh_opt)  # the optimizer's state exists, as in a job about to resume
-        job = Checkpointer(run, states={"model": fresh, "optimizer": fresh_opt}, root=root, catalog=cat)
+        train(fresh, fresh_opt, 0)  # the optimizer's state exists, as in a job about to resume
+        other = Checkpointer(job.run, states={"model": fresh, "optimizer": fresh_opt}, root=root, catalog=cat)
         started = time.perf_counter()
-        done = job.restore_latest()
-        got.restore.append(time.perf_counter() - started)
-        job.close()
-        assert done is not None and done.step == n and torch.equal(fresh.head.weight, net.head.weight)
-    return got
+        done = other.restore_latest()
+        job.got.restore.append(time.perf_counter() - started)
+        other.close()
+        assert done is not None and done.step == n and torch.equal(fresh.head.weight, job.net.head.weight)
+
+
+def run_regime(
+    work: Path, cat: Catalog, frozen: bool, params: int, n: int, tier: Tier | None
+) -> dict[str, Regime]:
+    """Both formats' jobs side by side, step by step, taking turns to save first (same disk, same cache)."""
+    root = work / "ckpt"
+    jobs = []
+    for fmt in payload.FORMATS:
+        net, opt = build(params, frozen)
+        run = f"{'frozen' if frozen else 'full'}-{fmt}"
+        states = {"model": net, "optimizer": opt}
+        ck = Checkpointer(run, states=states, root=root, catalog=cat, format=fmt, mode=SaveMode.ASYNC)
+        jobs.append(Job(fmt, run, net, opt, ck))
+    for step in range(1, n + 1):
+        for job in jobs if step % 2 else reversed(jobs):
+            train(job.net, job.opt, step)
+            _checkpoint(job.ck, cat, step, tier, job.got)
+            shutil.rmtree(root / job.run / f"step-{step - 2}", ignore_errors=True)  # keep the disk bounded
+    for job in jobs:
+        job.ck.close()
+        job.got.trainable = trainable_bytes(job.net, job.opt)
+    for i in range(2):  # restores alternate too
+        for job in jobs if i % 2 == 0 else reversed(jobs):
+            _restores(job, root, cat, params, frozen, n)
+    return {job.fmt: job.got for job in jobs}
 
 
 def _ratios(regime: str, chunked: Regime, plain: Regime) -> dict[str, float]:
@@ -160,11 +185,9 @@ def _ratios(regime: str, chunked: Regime, plain: Regime) -> dict[str, float]:
 def measure(work: Path, params: int, n: int, tier: Tier | None) -> dict[str, float]:
     cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
     out: dict[str, float] = {}
-    for regime, frozen in (("frozen", True), ("full", False)):
-        got = {
-            fmt: run_regime(work, cat, fmt, frozen, params, n, tier if frozen else None)
-            for fmt in payload.FORMATS
-        }
+    # Full training first: the S3 server's own work after the frozen regime's uploads would land on it.
+    for regime, frozen in (("full", False), ("frozen", True)):
+        got = run_regime(work, cat, frozen, params, n, tier if frozen else None)
         out |= _ratios(regime, got[payload.CHUNKED], got[payload.PLAIN])
     out["incremental_restore_ratio"] = out["incremental_restore_ratio_full"]
     return out

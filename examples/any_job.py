@@ -11,8 +11,9 @@ job is started from its spec; by hand it works the same, unsupervised.
 
 Config keys: run, steps, checkpoint_every, batch (per rank), lr, seed, out (a
 directory for final.safetensors), fsdp, step_time_s (extra seconds per step: the
-work of a bigger model), and two test seams: poison (a sample index whose loss
-becomes NaN) and sample_log (a directory: the samples each rank took, per step).
+work of a bigger model), checkpoint_format ("plain", the default, or "chunked"), and
+two test seams: poison (a sample index whose loss becomes NaN) and sample_log (a
+directory: the samples each rank took, per step).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def main(path: str) -> int:
     opt = torch.optim.Adam(model.parameters(), lr=cfg["lr"])
     loader = ResumableLoader(Regression(), cfg["batch"], seed=cfg["seed"], rank=rank, world=world)
     with TrainingSession(cfg["run"], model=model, optimizer=opt, loader=loader,
-                         checkpoint_every=cfg["checkpoint_every"]) as s:  # fmt: skip
+                         checkpoint_every=cfg["checkpoint_every"],
+                         format=cfg.get("checkpoint_format", "plain")) as s:  # fmt: skip
         for g in opt.param_groups:  # the rate for this many ranks (1.0 unless the job was rebuilt smaller)
             g["lr"] = cfg["lr"] * s.handoff.lr_scale
         s.note(lr=opt.param_groups[0]["lr"], world_size=world, global_batch=cfg["batch"] * world)

@@ -415,3 +415,23 @@ def test_checkpoints_of_the_first_chunked_format_still_restore(tmp_path):
 
 def _writer(data: bytes):  # type: ignore[no-untyped-def]
     return lambda out: out.write(data)
+
+
+def test_the_training_session_saves_in_the_chunked_format_when_asked(rewind_env, run_name, tmp_path):
+    from infra.training.session import TrainingSession
+
+    net, opt = build()
+    with TrainingSession(
+        run_name, model=net, optimizer=opt, checkpoint_every=2, format="chunked", root=tmp_path
+    ) as s:
+        for step in s.steps(4):
+            train(net, opt, step)
+            s.report(step)
+    assert (tmp_path / run_name / "step-4" / packs.PACK_DIR).is_dir()
+    net2, opt2 = build(seed=99)
+    with TrainingSession(run_name, model=net2, optimizer=opt2, format="chunked", root=tmp_path) as s2:
+        assert s2.start_step == 4
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, net2.state_dict()[k]), k
+    with pytest.raises(ConfigError, match="'zip' is not one of plain, chunked"):
+        TrainingSession(run_name, model=net, format="zip", root=tmp_path)

@@ -95,8 +95,7 @@ class Checkpointer:
     def __post_init__(self) -> None:
         if not self.states:
             raise ConfigError("Checkpointer needs at least one state to capture")
-        if self.format not in payload.FORMATS:
-            raise ConfigError(f"checkpoint format {self.format!r} is not one of {', '.join(payload.FORMATS)}")
+        payload.check_format(self.format)
         throttle.for_writes()  # a bad REWIND_WRITE_LIMIT fails here, not in the first background save
         for name in self.states:
             mf.safe_relative(f"{name}.safetensors")

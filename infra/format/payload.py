@@ -28,6 +28,15 @@ STATE_FILE = "state.json"
 PLAIN = "plain"  # one safetensors file per state
 CHUNKED = "chunked"  # content-addressed chunks, linked from the previous checkpoint where unchanged
 FORMATS = (PLAIN, CHUNKED)
+
+
+def check_format(fmt: str) -> str:
+    """``fmt`` if it names a checkpoint format; a one-line ``ConfigError`` otherwise."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"checkpoint format {fmt!r} is not one of {', '.join(FORMATS)}")
+    return fmt
+
+
 DCP_METADATA = ".metadata"  # present only in sharded (DCP) checkpoints
 _DECODE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, binascii.Error, RecursionError)
 

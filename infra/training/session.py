@@ -35,6 +35,7 @@ from infra.checkpoint.engine import Checkpointer, SaveMode
 from infra.checkpoint.sharded import ShardedCheckpointer
 from infra.checkpoint.state import RNGState
 from infra.errors import ConfigError, RewindError
+from infra.format import payload
 from infra.health.signals import LossWatch
 from infra.training.parts import ModelPart, OptimizerPart, RankRNG
 from infra.training.progress import LAUNCH_ENV, ProgressWriter
@@ -99,6 +100,7 @@ class TrainingSession:
         loader: SkippableLoader | None = None,
         checkpoint_every: int = 0,
         mode: SaveMode = SaveMode.SYNC,
+        format: str = payload.PLAIN,
         spike_factor: float | None = None,
         heartbeat_s: float = 1.0,
         root: Path | None = None,
@@ -114,6 +116,11 @@ class TrainingSession:
         )
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
+        if payload.check_format(format) != payload.PLAIN and self.distributed:
+            raise ConfigError(
+                f"format={format!r} is for single-process jobs; distributed ones save DCP shards"
+            )
+        self.format = format
         self.root = Path(root or config.checkpoint_root())
         self.catalog: Catalog | None = catalog or self._open_catalog()
         self.parts = self._parts(model, optimizer, dict(states or {}))
@@ -193,6 +200,7 @@ class TrainingSession:
                 root=self.root,
                 catalog=self.catalog,
                 mode=self.mode,
+                format=self.format,
             )
             self._ckpt = ck
             got = ck.restore_latest()
