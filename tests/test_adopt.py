@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,10 +19,10 @@ from flows.cli import main as rewind
 from infra.catalog import lineage
 from infra.catalog.db import Catalog
 from infra.errors import NoRestorableCheckpoint
-from infra.net import free_port
 from infra.restore.foreign import load_dcp, verified_directory
 from tests.integrity_support import flip
 from tests.s3_support import BUCKET
+from tests.torchrun_support import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -92,8 +91,7 @@ def test_dcp_and_torchtitan_checkpoints_adopted_replicated_restored(
 
 def test_dcp_checkpoint_of_two_ranks_adopted_and_loaded_on_two_ranks(rewind_env, run_name, tmp_path):
     directory = tmp_path / "ckpt" / "step-5"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "-m", "tests.adopt_worker", str(directory), run_name]  # fmt: skip
+    cmd = [*torchrun(2), "-m", "tests.adopt_worker", str(directory), run_name]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

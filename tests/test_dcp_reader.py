@@ -28,7 +28,7 @@ from infra.format import dcp as vdcp
 from infra.format.digest import hash_file
 from infra.format.manifest import FileEntry
 from infra.format.verify import Problem
-from infra.net import free_port
+from tests.torchrun_support import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 SHARD = "__0_0.distcp"
@@ -362,12 +362,7 @@ def test_load_metadata_refuses_what_is_not_metadata(raw):
 
 def _torchrun(n: int, *args: str) -> subprocess.CompletedProcess[str]:
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={n}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
+        *torchrun(n),
         "-m",
         "tests.test_dcp_reader",
         *args,

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,9 @@ import pytest
 
 from infra.catalog import incidents, jobs
 from infra.catalog.db import Catalog
-from infra.net import free_port
 from infra.training.data import epoch_order
 from tests.prefect_support import wait_until
+from tests.torchrun_support import torchrun
 from tests.trainproc import REPO, assert_same_weights
 
 STEPS, EVERY, BATCH = 40, 10, 16
@@ -45,8 +44,7 @@ def reference(tmp_path_factory):  # type: ignore[no-untyped-def]
     cfg = config(home, "reference")
     env = {**os.environ, "REWIND_HOME": str(home), "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
            "OMP_NUM_THREADS": "1"}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
-           f"--master-port={free_port()}", "examples/any_job.py", str(cfg)]  # fmt: skip
+    cmd = [*torchrun(2), "examples/any_job.py", str(cfg)]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return home / "out" / "final.safetensors"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,19 +10,14 @@ import torch
 from safetensors.torch import load_file
 
 from infra.format.verify import check_copy
-from infra.net import free_port
+from tests.torchrun_support import torchrun as torchrun_cmd
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def torchrun(n: int, mode: str, kind: str, work: Path) -> None:
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={n}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
+        *torchrun_cmd(n),
         "-m",
         "tests.dist_worker",
         mode,
