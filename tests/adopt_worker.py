@@ -3,6 +3,7 @@ adopts it through Rewind, then every rank restores it into a fresh model; rank 0
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ def main(directory: str, run: str) -> None:
     from infra.inventory.adopt import adopt
     from infra.restore.foreign import load_dcp
 
+    faulthandler.dump_traceback_later(120, exit=True)  # a hung rank says where, well within the test's 180 s
     dist.init_process_group("gloo")
     saved = _model(0)
     dcp.save({"model": saved.state_dict()}, checkpoint_id=directory)
