@@ -70,15 +70,17 @@ class HashingWriter:
         self._throttle = throttle.for_writes()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        if self._throttle is not None:  # paced in slices, so a whole tensor is not one burst
-            view = memoryview(data).cast("B")
-            step = self._throttle.slice
-            return sum(self._write(view[i : i + step]) for i in range(0, len(view), step))
-        return self._write(data)
+        if self._throttle is None:
+            return self._write(data)
+        view = memoryview(data).cast("B")  # paced in slices, so a whole tensor is not one burst
+        written = 0
+        for i in range(0, len(view), self._throttle.slice):
+            piece = view[i : i + self._throttle.slice]
+            self._throttle.take(len(piece))
+            written += self._write(piece)
+        return written
 
     def _write(self, data: bytes | bytearray | memoryview) -> int:
-        if self._throttle is not None:
-            self._throttle.take(memoryview(data).nbytes)
         self.hasher.update(data)
         n = self._raw.write(data)
         progress.advance(n)
