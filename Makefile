@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/python -m examples.demo
+	$(BIN)/python -m rewind.examples.demo
 
 test: install
 	$(BIN)/python -m pytest -q
@@ -45,6 +45,7 @@ bench: install
 	$(BIN)/python -m bench.session
 	$(BIN)/python -m bench.incremental --params-m 50 --checkpoints 20
 	$(BIN)/python -m bench.catalog_scale
+	$(BIN)/python -m bench.multirank
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -36,15 +36,15 @@ from pathlib import Path
 import torch
 
 from bench.run import machine
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer, SaveMode
-from infra.drills.servers import SeaweedS3
-from infra.format import manifest as mf
-from infra.format import payload
-from infra.replication import replicate
-from infra.tiers.base import Tier
-from infra.tiers.s3 import S3Tier
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
+from rewind.infra.drills.servers import SeaweedS3
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import payload
+from rewind.infra.replication import replicate
+from rewind.infra.tiers.base import Tier
+from rewind.infra.tiers.s3 import S3Tier
 
 HERE = Path(__file__).resolve().parent
 DIM = 256

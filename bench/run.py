@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer, SaveMode
-from infra.format import manifest as mf
-from infra.format import payload
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import payload
 
 HERE = Path(__file__).resolve().parent
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -193,7 +193,7 @@ def bench_restore(work: Path, gib: float, repeat: int) -> dict[str, float]:
 
 
 def bench_training(work: Path, steps: int, threads: int, runs: int) -> dict[str, float]:
-    from examples.tiny_lm_model import TinyLM
+    from rewind.examples.tiny_lm_model import TinyLM
 
     torch.manual_seed(0)
     torch.set_num_threads(threads)

@@ -21,14 +21,14 @@ import torch
 from boto3.s3.transfer import TransferConfig
 
 from bench.run import HERE, Blob, machine
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer
-from infra.drills.servers import SeaweedS3
-from infra.format import keyring
-from infra.replication import replicate
-from infra.tiers.s3 import S3Tier
-from infra.tiers.transfer import check_remote
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.drills.servers import SeaweedS3
+from rewind.infra.format import keyring
+from rewind.infra.replication import replicate
+from rewind.infra.tiers.s3 import S3Tier
+from rewind.infra.tiers.transfer import check_remote
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from examples.chat_lm import build_model
-from infra.catalog.db import Catalog
-from infra.serving.conversation import Conversations
-from infra.serving.kv_blocks import DiskBlocks, MemoryBlocks, TieredBlocks
+from rewind.examples.chat_lm import build_model
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.serving.conversation import Conversations
+from rewind.infra.serving.kv_blocks import DiskBlocks, MemoryBlocks, TieredBlocks
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20

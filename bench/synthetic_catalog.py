@@ -134,7 +134,7 @@ WHERE c.manifest_digest IS NOT NULL AND (t.tier <> 'offsite' OR c.step % (3 * :e
 _INCIDENTS = """
 INSERT INTO incident (run_id, kind, detected_at, reason, decision, restored_checkpoint_id, details, resolved_at,
     detection_s, rto_s, origin)
-SELECT z.run_id, (ARRAY['crash', 'hang', 'anomaly'])[k], r.created_at + k * interval '1 day',
+SELECT z.run_id, (ARRAY['crash', 'hang', 'nan'])[k], r.created_at + k * interval '1 day',
     'synthetic incident ' || k, 'restore', z.base + z.n / 2, '{}',
     CASE WHEN k < 3 THEN r.created_at + k * interval '1 day' + interval '90 s' END, 2.5, 61.0,
     'synthetic:' || z.run_id || ':' || k

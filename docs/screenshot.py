@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 def main(out: Path) -> int:
     import httpx
 
-    from infra.net import free_port
+    from rewind.infra.net import free_port
     from tests.prefect_support import rewind_serve, wait_until
     from tests.ui_support import browser, chromium, log_in, rewind_server
 

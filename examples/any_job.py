@@ -31,8 +31,8 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import Dataset
 
-from infra.training.data import ResumableLoader
-from infra.training.session import TrainingSession
+from rewind.infra.training.data import ResumableLoader
+from rewind.infra.training.session import TrainingSession
 
 
 class Regression(Dataset):

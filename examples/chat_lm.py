@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     """Save the model (random weights from ``--seed``) as step 1 of ``--run``, ready to verify and deploy."""
     import argparse
 
-    from infra.checkpoint.engine import Checkpointer
+    from rewind.infra.checkpoint.engine import Checkpointer
 
     p = argparse.ArgumentParser(description=main.__doc__)
     p.add_argument("--run", default="chat")

@@ -56,7 +56,7 @@ class ExpectedRefusal(logging.Filter):
 
 
 def tiny_lm(run: str, out: Path) -> list[str]:
-    from examples.tiny_lm import command
+    from rewind.examples.tiny_lm import command
 
     return command(run, out, steps=STEPS, every=EVERY, seed=0)
 
@@ -76,12 +76,12 @@ def main(argv: list[str] | None = None) -> int:
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
     from safetensors.torch import load_file
 
-    from examples.runner import TrainingProcess
-    from flows.maintenance import verify_checkpoints
-    from flows.training import protect_training, recover_training
-    from infra import config
-    from infra.catalog import incidents, lineage
-    from infra.catalog.db import Catalog
+    from rewind.examples.runner import TrainingProcess
+    from rewind.flows.maintenance import verify_checkpoints
+    from rewind.flows.training import protect_training, recover_training, summary
+    from rewind.infra import config
+    from rewind.infra.catalog import incidents, lineage
+    from rewind.infra.catalog.db import Catalog
 
     cat = Catalog()
     work = config.home() / "demo" / args.name
@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {}
     os.environ["REWIND_FAULT"] = f"kill:save.file_written@{KILL_AT}"  # inherited by the training process only
     flow_thread = threading.Thread(
-        target=lambda: result.update(protect_training(run, tiny_lm(run, work / "run"), str(REPO))),
+        target=lambda: result.update(
+            summary(protect_training(run, tiny_lm(run, work / "run"), str(REPO), return_state=True))
+        ),
         daemon=True,
     )
     flow_thread.start()
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     refusal = ExpectedRefusal(target)
     logging.getLogger("rewind.restore").addFilter(refusal)
     try:
-        recovered = recover_training(incident_id)
+        recovered = summary(recover_training(incident_id, return_state=True))
     finally:
         logging.getLogger("rewind.restore").removeFilter(refusal)
     for msg in refusal.taken:

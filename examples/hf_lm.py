@@ -1,10 +1,10 @@
 """A Hugging Face ``transformers`` causal LM trained under Rewind's session API.
 
-    python -m examples.hf_lm --run NAME --steps 60 --checkpoint-every 10 --seed 0 --out DIR
+    python -m rewind.examples.hf_lm --run NAME --steps 60 --checkpoint-every 10 --seed 0 --out DIR
 
 A small Llama built from a config (random initialisation: nothing is downloaded),
 trained on the tiny_lm corpus one character per token, with AdamW and the
-library's own linear warm-up schedule. Same contract as ``examples.tiny_lm``: it
+library's own linear warm-up schedule. Same contract as ``rewind.examples.tiny_lm``: it
 resumes by itself, bit-exact, prints ``step=<i> loss=<repr>`` and writes
 ``DIR/final.safetensors``. Needs the ``hf`` extra (``pip install -e '.[hf]'``).
 """
@@ -21,11 +21,11 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from examples.tiny_lm import parser
-from examples.tiny_lm_model import CharDataset, corpus
-from infra.errors import RewindError
-from infra.training.data import ResumableLoader
-from infra.training.session import TrainingSession
+from rewind.examples.tiny_lm import parser
+from rewind.examples.tiny_lm_model import CharDataset, corpus
+from rewind.infra.errors import RewindError
+from rewind.infra.training.data import ResumableLoader
+from rewind.infra.training.session import TrainingSession
 
 
 def build(vocab: int, args: Any) -> torch.nn.Module:
@@ -83,7 +83,7 @@ def train(args: Any) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("REWIND_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
     p = parser()
-    p.prog = "python -m examples.hf_lm"
+    p.prog = "python -m rewind.examples.hf_lm"
     try:
         return train(p.parse_args(argv))
     except RewindError as exc:

@@ -3,7 +3,7 @@
 The examples print ``step=<i> loss=<x>`` and ``resumed run NAME at step N``: this
 parses those lines, so a test can compare losses with an uninterrupted run. Rewind
 itself never reads a job's output: the supervisor learns progress from the ranks'
-reports (``infra.training.progress``).
+reports (``rewind.infra.training.progress``).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A small decoder-only transformer language model, trained on CPU under Rewind.
 
-    python -m examples.tiny_lm --run NAME --steps N --checkpoint-every K --seed S --out DIR
+    python -m rewind.examples.tiny_lm --run NAME --steps N --checkpoint-every K --seed S --out DIR
 
 Resumes by itself from the newest verified checkpoint of run NAME, prints
 ``step=<i> loss=<repr>`` per step and writes ``DIR/final.safetensors`` at the end.
@@ -26,11 +26,11 @@ import torch
 from safetensors.torch import save_file
 from torch.nn import functional as F
 
-from examples.tiny_lm_model import CharDataset, TinyLM, corpus
-from infra.checkpoint.engine import SaveMode
-from infra.errors import RewindError
-from infra.training.data import ResumableLoader
-from infra.training.session import TrainingSession
+from rewind.examples.tiny_lm_model import CharDataset, TinyLM, corpus
+from rewind.infra.checkpoint.engine import SaveMode
+from rewind.infra.errors import RewindError
+from rewind.infra.training.data import ResumableLoader
+from rewind.infra.training.session import TrainingSession
 
 
 def warmup_cosine(total: int, warmup: int):  # type: ignore[no-untyped-def]
@@ -51,9 +51,9 @@ def command(
     every: int = 10,
     seed: int = 0,
     extra: list[str] | None = None,
-    module: str = "examples.tiny_lm",
+    module: str = "rewind.examples.tiny_lm",
 ) -> list[str]:
-    """The command line that runs this example, or ``examples.tiny_lm_ddp`` (same contract)."""
+    """The command line that runs this example, or ``rewind.examples.tiny_lm_ddp`` (same contract)."""
     return [
         sys.executable,
         "-m",
@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m examples.tiny_lm", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m rewind.examples.tiny_lm", description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True, help="run name in the catalog; resumes if it has checkpoints")
     p.add_argument("--steps", type=int, required=True, help="total optimizer steps")
     p.add_argument("--checkpoint-every", type=int, required=True, help="save every K steps (0: never)")

@@ -1,8 +1,8 @@
 """tiny_lm on several ranks (DDP; gloo on CPU, NCCL on GPU), under Rewind's training session.
 
-    python -m examples.tiny_lm_ddp --run NAME --steps N --checkpoint-every K --seed S --out DIR --nproc N
+    python -m rewind.examples.tiny_lm_ddp --run NAME --steps N --checkpoint-every K --seed S --out DIR --nproc N
 
-Same contract as ``examples.tiny_lm`` plus ``--nproc``: started by hand, the command
+Same contract as ``rewind.examples.tiny_lm`` plus ``--nproc``: started by hand, the command
 starts ``torchrun`` with N local ranks; started by Rewind's supervisor (from a job
 spec), it already runs under torchrun. Everything Rewind does happens through
 ``TrainingSession``: it resumes from the newest verified checkpoint whatever N it
@@ -18,6 +18,7 @@ full model and optimizer state after every save and restore.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import socket
@@ -31,10 +32,11 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.nn import functional as F
 
-from examples.tiny_lm import parser, warmup_cosine
-from examples.tiny_lm_model import CharDataset, TinyLM, corpus
-from infra.training.data import ResumableLoader
-from infra.training.session import TrainingSession
+from rewind.examples.tiny_lm import parser, warmup_cosine
+from rewind.examples.tiny_lm_model import CharDataset, TinyLM, corpus
+from rewind.infra.checkpoint.engine import SaveMode
+from rewind.infra.training.data import ResumableLoader
+from rewind.infra.training.session import TrainingSession
 
 
 def _free_port() -> int:
@@ -73,6 +75,14 @@ def _dump(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str) -> None
 def train(args: Any) -> int:
     device = _device()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    _train(args, device)
+    gc.collect()  # the DDP model and its reducer freed while the group still exists
+    dist.barrier()  # every rank done before any tears the group down (gloo aborts on a vanished peer)
+    dist.destroy_process_group()
+    return 0
+
+
+def _train(args: Any, device: torch.device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -86,7 +96,7 @@ def train(args: Any) -> int:
     loader = ResumableLoader(data, args.batch_size, seed=args.seed, rank=rank, world=world)
     session = TrainingSession(
         args.run, model=model, optimizer=opt, states={"sched": sched}, loader=loader,
-        checkpoint_every=args.checkpoint_every,
+        checkpoint_every=args.checkpoint_every, mode=SaveMode.ASYNC if args.async_save else SaveMode.SYNC,
     )  # fmt: skip
     with session as s:
         # The full-size rate, scaled for the ranks this launch has (1.0 at full size): set every time,
@@ -116,9 +126,6 @@ def train(args: Any) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         weights = {k: v.detach().to("cpu").clone().contiguous() for k, v in model.module.state_dict().items()}
         save_file(weights, str(args.out / "final.safetensors"))
-    dist.barrier()  # every rank done before any tears the group down (gloo aborts on a vanished peer)
-    dist.destroy_process_group()
-    return 0
 
 
 def _loop(args: Any, s: TrainingSession, model: Any, opt: Any, sched: Any, loader: Any, device: torch.device,
@@ -145,7 +152,7 @@ def _loop(args: Any, s: TrainingSession, model: Any, opt: Any, sched: Any, loade
 
 def main(argv: list[str] | None = None) -> int:
     p = parser()
-    p.prog = "python -m examples.tiny_lm_ddp"
+    p.prog = "python -m rewind.examples.tiny_lm_ddp"
     p.add_argument("--nproc", type=int, default=2, help="ranks to start (through torchrun)")
     p.add_argument(
         "--sample-log", type=Path, default=None, help="test seam: log each rank's sample indices per step"
@@ -165,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         f"--master-port={_free_port()}",
         "--max-restarts=0",
         "-m",
-        "examples.tiny_lm_ddp",
+        "rewind.examples.tiny_lm_ddp",
         "--",
         *argv,
     ]

@@ -19,9 +19,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flows.cli_args import EXIT_FINDINGS, EXIT_INTERNAL, EXIT_UNAVAILABLE, EXIT_USAGE, OneLineParser, amount
-from flows.cli_output import table
-from infra.errors import RewindError, Stopped, TransientError
+from rewind.flows.cli_args import (
+    EXIT_FINDINGS,
+    EXIT_INTERNAL,
+    EXIT_UNAVAILABLE,
+    EXIT_USAGE,
+    OneLineParser,
+    amount,
+)
+from rewind.flows.cli_output import table
+from rewind.infra import config
+from rewind.infra.errors import ConfigError, RewindError, Stopped, is_transient
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
 STOP_S = 5.0  # after SIGTERM the process is gone within this, cleaned up or not
@@ -37,7 +45,7 @@ class Terminated(BaseException):
 def _on_sigterm(signum: int, frame: Any) -> None:
     """Commands that wait cooperatively (the serving flows) are asked to stop at their next wait, where
     they can clean up; any other is interrupted where it is. Either way the deadline stands."""
-    from infra import stopping
+    from rewind.infra import stopping
 
     if stopping.requested():
         return  # a second SIGTERM does not interrupt the clean-up
@@ -78,7 +86,7 @@ def _hard_stop() -> None:
 
 
 def _catalog() -> Any:
-    from infra.catalog.db import Catalog
+    from rewind.infra.catalog.db import Catalog
 
     return Catalog()
 
@@ -91,16 +99,22 @@ def _emit(args: argparse.Namespace, rows: Any, text: Callable[[], str]) -> None:
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from infra.catalog.db import Catalog
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.errors import MissingDatabase
 
     cat = Catalog(auto_upgrade=False)
-    cat.migrate(args.revision)
+    try:
+        cat.migrate(args.revision)
+    except MissingDatabase:  # a first upgrade against a server without the database: make it, then go on
+        if cat.create_database():
+            print(f"created the database {cat.url.database!r} for catalog {cat.safe_url}")
+        cat.migrate(args.revision)
     print(f"catalog {cat.safe_url} at revision {cat.current()}")
     return 0
 
 
 def cmd_db_downgrade(args: argparse.Namespace) -> int:
-    from infra.catalog.db import Catalog
+    from rewind.infra.catalog.db import Catalog
 
     cat = Catalog(auto_upgrade=False)
     cat.migrate(args.revision, down=True)
@@ -109,7 +123,7 @@ def cmd_db_downgrade(args: argparse.Namespace) -> int:
 
 
 def cmd_db_current(args: argparse.Namespace) -> int:
-    from infra.catalog.db import Catalog
+    from rewind.infra.catalog.db import Catalog
 
     cat = Catalog(auto_upgrade=False)
     row = {"url": cat.safe_url, "current": cat.current(), "head": cat.head()}
@@ -120,7 +134,7 @@ def cmd_db_current(args: argparse.Namespace) -> int:
 def cmd_gpu(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from infra.health import nvml
+    from rewind.infra.health import nvml
 
     gpus = nvml.probe()
     rows = [asdict(g) | {"healthy": g.healthy} for g in gpus]
@@ -135,10 +149,25 @@ def cmd_gpu(args: argparse.Namespace) -> int:
 # -- prefect ---------------------------------------------------------------------
 
 
+def _require_api() -> None:
+    """`rewind serve` runs whatever flow runs its API is asked for: never from an API nobody authenticates.
+    Without PREFECT_API_URL Prefect would start a temporary server with no authentication at all."""
+    from prefect.settings import get_current_settings
+
+    if not get_current_settings().api.url:
+        raise ConfigError(
+            "rewind serve needs a Prefect server that authenticates its clients, and PREFECT_API_URL is not "
+            "set (Prefect would start a temporary one that lets any local user start flow runs): start "
+            "`rewind server`, then set PREFECT_API_URL=http://127.0.0.1:4200/api"
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from datetime import timedelta
 
-    from flows.deployments import serve_all
+    from rewind.flows.deployments import serve_all
+
+    _require_api()
 
     serve_all(
         scrub_every=timedelta(seconds=args.scrub_every),
@@ -149,10 +178,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from flows import server_auth
+    from rewind.flows import server_auth
 
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", args.host, "--port", str(args.port)]
     env = dict(os.environ)
+    # Prefect's home (its database, profiles) under REWIND_HOME unless the user chose one: two setups
+    # on one account never show each other's runs.
+    env.setdefault("PREFECT_HOME", str(config.home() / "prefect"))
     if args.no_auth:
         env.pop(server_auth.SERVER_ENV, None)
         how = "no authentication (--no-auth): anyone who reaches the port can run flows"
@@ -163,7 +195,10 @@ def cmd_server(args: argparse.Namespace) -> int:
     if ui_how != "given":
         env[UI_API_ENV] = ui_api
     print(f"starting the Prefect server and UI on {args.host}:{args.port}, {how}", flush=True)
-    print(f"the UI calls the API at {ui_api} ({UI_HOW[ui_how]})", flush=True)
+    print(
+        f"the UI calls the API at {ui_api} ({UI_HOW[ui_how]}); Prefect's home is {env['PREFECT_HOME']}",
+        flush=True,
+    )
     os.execve(cmd[0], cmd, env)
     return 0
 
@@ -225,24 +260,33 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("revision")
     add(db, "current", cmd_db_current, "show the catalog's revision", json_flag=True)
 
-    from flows import cli_ckpt
+    from rewind.flows import cli_ckpt
 
     ck = cli_ckpt.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
-    from flows import cli_storage
+    from rewind.flows import cli_storage
 
     cli_storage.register(sub, ck, add, lambda fn: lambda args: fn(args, _emit, _catalog))
-    from flows import cli_catalog
+    from rewind.flows import cli_catalog
 
     cli_catalog.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
-    from flows import cli_drill
+    from rewind.flows import cli_drill
 
     cli_drill.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
-    from flows import cli_serving
+    from rewind.flows import cli_run
+
+    cli_run.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
+    from rewind.flows import cli_kubernetes
+
+    cli_kubernetes.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
+    from rewind.flows import cli_serving
 
     cli_serving.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
-    from flows import cli_status
+    from rewind.flows import cli_status
 
     cli_status.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
+    from rewind.flows import cli_metrics
+
+    cli_metrics.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
     _add_machine_commands(sub, add)
     return p
 
@@ -277,6 +321,10 @@ def _add_machine_commands(sub: Any, add: Callable[..., argparse.ArgumentParser])
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("REWIND_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if bad := _not_utf8(argv):
+        print(f"rewind: error: argument {bad} is not valid UTF-8 (names must be text)", file=sys.stderr)
+        return EXIT_USAGE
     args = build_parser().parse_args(argv)
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -290,9 +338,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, previous)
 
 
+def _not_utf8(argv: Sequence[str]) -> int | None:
+    """The 1-based position of the first argument the OS gave as bytes that are not UTF-8, if any."""
+    for i, arg in enumerate(argv, 1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            return i
+    return None
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     try:
-        from flows import server_auth
+        from rewind.flows import server_auth
 
         server_auth.use_in_clients()  # before anything talks to a Prefect server
         if getattr(args, "cooperative", False):
@@ -301,16 +359,16 @@ def _dispatch(args: argparse.Namespace) -> int:
     except (Terminated, Stopped):
         print("rewind: stopped by SIGTERM", file=sys.stderr, flush=True)
         return EXIT_TERMINATED
-    except TransientError as exc:  # the catalog, a tier, the model server: unreachable right now
-        print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    except RewindError as exc:
-        print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:  # what was sent is kept: a re-run resumes it, nothing half-done is registered
         print("rewind: interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
+        if is_transient(exc):  # the catalog, a tier, the model server: unreachable right now
+            print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)
+            return EXIT_UNAVAILABLE
+        if isinstance(exc, RewindError):
+            print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)
+            return EXIT_USAGE
         if os.environ.get("REWIND_DEBUG"):
             raise
         print(

@@ -6,14 +6,14 @@ import argparse
 import dataclasses
 from typing import Any
 
-from flows.cli_args import Add, Emit, OpenCatalog, Wrap, step
+from rewind.flows.cli_args import Add, Emit, OpenCatalog, Wrap, step
 
 TIERS = ["local", "shared", "offsite"]
 FORMATS = ["dcp", "torchtitan", "hf-trainer", "safetensors"]
 
 
 def cmd_rebuild(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from infra.inventory.rebuild import rebuild
+    from rewind.infra.inventory.rebuild import rebuild
 
     got = rebuild(catalog(), args.source, tier=args.tier, run=args.run, deep=not args.quick)
 
@@ -35,8 +35,8 @@ def cmd_rebuild(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> i
 
 
 def cmd_check(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from infra.errors import ConfigError
-    from infra.inventory.drift import check
+    from rewind.infra.errors import ConfigError
+    from rewind.infra.inventory.drift import check
 
     if args.tier and not args.source:
         raise ConfigError("--tier says what the --from URI is: give --from too")
@@ -53,7 +53,7 @@ def cmd_check(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int
 def cmd_adopt(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from pathlib import Path
 
-    from infra.inventory.adopt import adopt
+    from rewind.infra.inventory.adopt import adopt
 
     got = adopt(catalog(), Path(args.path), run=args.run, step=args.step, fmt=args.format)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from flows.cli_args import EXIT_FINDINGS, Add, Emit, OpenCatalog, Wrap, at_least_one, step
-from flows.cli_output import table
-from infra.errors import RewindError
+from rewind.flows.cli_args import EXIT_FINDINGS, Add, Emit, OpenCatalog, Wrap, at_least_one, step
+from rewind.flows.cli_output import table
+from rewind.infra.errors import RewindError
 
 
 def cmd_runs_list(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from infra.catalog import lineage
+    from rewind.infra.catalog import lineage
 
     rows = lineage.list_runs(catalog())
     emit(args, rows, lambda: table(rows, ["run", "latest_step", "verified_checkpoints", "created_at"]))
@@ -39,7 +39,7 @@ LIST_LIMIT = 50  # the text listing's default page: a terminal is no place for a
 
 
 def cmd_ckpt_list(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from infra.catalog import lineage
+    from rewind.infra.catalog import lineage
 
     limit = None if args.all or (args.json and args.limit is None) else (args.limit or LIST_LIMIT)
     total, found = lineage.listing(catalog(), args.run, limit)
@@ -57,7 +57,7 @@ def cmd_ckpt_list(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) ->
 
 
 def cmd_ckpt_show(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from infra.catalog import lineage
+    from rewind.infra.catalog import lineage
 
     cat = catalog()
     found = lineage.checkpoints(cat, args.run, args.step)
@@ -97,54 +97,22 @@ def cmd_ckpt_show(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) ->
 
 
 def cmd_ckpt_verify(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from flows import progress_view
-    from infra.catalog import lineage
-    from infra.restore.scrub import scrub
+    from rewind.flows import progress_view
+    from rewind.flows.cli_notify import cli_notifier
+    from rewind.infra.phases.verify import verify_run
 
-    cat = catalog()
-    targets = [
-        ck
-        for ck in lineage.checkpoints(cat, args.run, args.step)
-        if ck.status in ("committed", "verified", "corrupt")
-    ]
-    if not targets:
-        raise RewindError(
-            f"run {args.run!r} has no committed checkpoint"
-            + (f" at step {args.step}" if args.step is not None else "")
+    with progress_view.shown():
+        found = verify_run(
+            catalog(),
+            run=args.run,
+            notify=cli_notifier(),
+            step=args.step,
+            deep=args.deep,
+            tiers=None if args.tier is None else (args.tier,),
         )
-    tiers = None if args.tier is None else (args.tier,)
-    results = []
-    for ck in targets:
-        with progress_view.shown():
-            check = scrub(cat, ck, deep=args.deep, tiers=tiers)
-        if not check.copies and ck.status == "corrupt":
-            continue  # condemned earlier and nothing left to look at: history, not news
-        results.append(
-            {
-                "step": ck.step,
-                "id": ck.id,
-                "ok": check.ok,
-                "status": check.status,
-                "deep": args.deep,
-                "path": ck.path,
-                "copies": [
-                    {
-                        "tier": c.tier,
-                        "where": c.where,
-                        "verdict": c.verdict.value,
-                        "findings": [f.as_dict() for f in c.findings],
-                    }
-                    for c in check.copies
-                ],
-                "findings": [f.as_dict() for f in check.findings],
-            }
-        )
-    if not results:
-        raise RewindError(
-            f"run {args.run!r} has no copy" + (f" on the {args.tier} tier" if args.tier else "") + " to check"
-        )
+    results = [{"id": r.checkpoint_id, **r.as_dict()} for r in found]  # "id": as before the phase layer
     emit(args, results, lambda: _verify_text(results))
-    return EXIT_FINDINGS if any(not r["ok"] for r in results) else 0
+    return EXIT_FINDINGS if any(not r.ok for r in found) else 0
 
 
 def _verify_text(results: list[dict[str, Any]]) -> str:

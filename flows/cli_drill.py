@@ -6,11 +6,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from flows.cli_args import Add, Emit, OpenCatalog, Wrap
+from rewind.flows.cli_args import Add, Emit, OpenCatalog, Wrap
 
 
 def cmd_list(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from infra.drills import experiments
+    from rewind.infra.drills import experiments
 
     rows = []
     for name, exp in experiments.load_all().items():
@@ -36,10 +36,11 @@ def cmd_run(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     os.environ.setdefault("PREFECT_TASKS_DEFAULT_NO_CACHE", "true")  # as `make demo`: every task runs
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.drills import check_job_spec, run_many
-    from infra.drills import experiments, slo
-    from infra.errors import ConfigError
-    from infra.launch.spec import load_file
+    from rewind.flows.drills import run_many
+    from rewind.infra.drills import experiments, slo
+    from rewind.infra.drills.job import check_job_spec
+    from rewind.infra.errors import ConfigError
+    from rewind.infra.launch.spec import load_file
 
     if args.all == bool(args.scenarios):
         raise ConfigError("name scenarios or give --all (not both)")
@@ -70,9 +71,9 @@ def cmd_run(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
 def _write_report(cat: Any, out: Path) -> int:
     from sqlalchemy import select
 
-    from infra.catalog import drills
-    from infra.catalog.models import Incident, Run
-    from infra.drills.report import render
+    from rewind.infra.catalog import drills
+    from rewind.infra.catalog.models import Incident, Run
+    from rewind.infra.drills.report import render
 
     rows = drills.all_drills(cat)
     drill_incidents = {d.incident_id for d in rows if d.incident_id is not None}
@@ -98,14 +99,14 @@ def cmd_report(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> in
 def cmd_goodput(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     import sys
 
-    from infra.drills.goodput import goodput
-    from infra.errors import ConfigError
+    from rewind.infra.drills.goodput import goodput
+    from rewind.infra.errors import ConfigError
 
     if args.steps < 10 or args.failures < 0:
         raise ConfigError("--steps must be at least 10 and --failures not negative")
 
     def command(run: str, out: Path, log: Path) -> list[str]:
-        return [sys.executable, "-m", "examples.tiny_lm", "--run", run, "--steps", str(args.steps),
+        return [sys.executable, "-m", "rewind.examples.tiny_lm", "--run", run, "--steps", str(args.steps),
                 "--checkpoint-every", str(args.every), "--seed", "0", "--out", str(out),
                 "--step-time-s", str(args.step_time_s), "--loss-log", str(log)]  # fmt: skip
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from flows.cli_args import Add, Emit, OpenCatalog, Wrap, amount, count, step
-from flows.cli_output import table
+from rewind.flows.cli_args import Add, Emit, OpenCatalog, Wrap, amount, count, step
+from rewind.flows.cli_output import table
 
 
 def cmd_start(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from infra.serving import stack
-    from infra.serving.backend import TorchServeBackend
-    from infra.serving.restart import reload_stable
+    from rewind.infra.serving import stack
+    from rewind.infra.serving.backend import TorchServeBackend
+    from rewind.infra.serving.restart import reload_stable
 
     st = stack.start(inference_port=args.port, instances=args.instances)
     b = TorchServeBackend(st)
@@ -35,7 +35,7 @@ def cmd_start(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int
 
 
 def cmd_stop(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from infra.serving import stack
+    from rewind.infra.serving import stack
 
     stack.stop()
     print("serving stack stopped")
@@ -52,8 +52,8 @@ def _rollout_text(out: dict[str, Any]) -> str:
 
 
 def cmd_deploy(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from flows.serving import deploy_model
-    from infra.serving.export import verified_checkpoint
+    from rewind.flows.serving import deploy_model
+    from rewind.infra.serving.export import verified_checkpoint
 
     verified_checkpoint(catalog(), args.run, args.step)  # refused in one line before any flow starts
 
@@ -65,9 +65,9 @@ def cmd_deploy(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> in
 
 
 def cmd_rollout(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from flows.serving import rollout_model
-    from infra.errors import ConfigError
-    from infra.serving.export import verified_checkpoint
+    from rewind.flows.serving import rollout_model
+    from rewind.infra.errors import ConfigError
+    from rewind.infra.serving.export import verified_checkpoint
 
     verified_checkpoint(catalog(), args.run, args.step)  # refused in one line before any flow starts
     try:
@@ -85,8 +85,8 @@ def cmd_rollout(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> i
 
 
 def cmd_rollback(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from flows.serving import rollback_model
-    from infra.catalog import serving
+    from rewind.flows.serving import rollback_model
+    from rewind.infra.catalog import serving
 
     serving.versions(catalog(), args.model)  # an unknown model: one line, before any flow starts
     if args.to is not None:
@@ -98,9 +98,9 @@ def cmd_rollback(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> 
 
 
 def cmd_status(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from infra.catalog import serving as sv
-    from infra.serving import stack
-    from infra.serving.backend import TorchServeBackend
+    from rewind.infra.catalog import serving as sv
+    from rewind.infra.serving import stack
+    from rewind.infra.serving.backend import TorchServeBackend
 
     rows = sv.versions(catalog(), args.model, sv.LOADED)
     b = TorchServeBackend(stack.load())
@@ -134,7 +134,7 @@ def cmd_status(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> in
 
 
 def cmd_history(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from infra.catalog import serving as sv
+    from rewind.infra.catalog import serving as sv
 
     cat = catalog()
     versions = [

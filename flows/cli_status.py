@@ -1,18 +1,19 @@
-"""`rewind status [RUN] [--json]`: the catalog's overview (infra.catalog.overview), printed for people."""
+"""`rewind status [RUN] [--json]`: the catalog's overview (rewind.infra.catalog.overview), printed for people."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from flows.cli_args import Add, Emit, OpenCatalog, Wrap
+from rewind.flows.cli_args import Add, Emit, OpenCatalog, Wrap
 
 
 def cmd_status(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from infra.catalog import overview, overview_text
+    from rewind.infra.catalog import overview, overview_text
 
-    got = overview.status(catalog(), args.run)
-    emit(args, got, lambda: overview_text.text(got))
+    cat = catalog()
+    got = overview.status(cat, args.run)
+    emit(args, got, lambda: overview_text.text(got, catalog=cat.safe_url))
     return 0
 
 

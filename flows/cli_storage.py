@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING, Any
 
-from flows.cli_args import Add, Emit, OpenCatalog, Wrap, amount, count, step
-from infra.errors import RewindError
+from rewind.flows.cli_args import Add, Emit, OpenCatalog, Wrap, amount, at_least_one, count, step
 
 if TYPE_CHECKING:  # imported where used: `rewind --help` stays fast
-    from infra.retention import GcPlan, Reclaim
+    from rewind.infra.reclaim import Reclaim
+    from rewind.infra.retention import GcPlan
 
 MiB = 1 << 20
 
@@ -22,84 +23,103 @@ def _tier_options(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _open(uri: str, args: argparse.Namespace) -> Any:
-    from infra.tiers import open_tier
+def _options(args: argparse.Namespace) -> Any:
+    from rewind.infra.phases.replicate import TierOptions
 
-    if uri.startswith("s3://"):
-        return open_tier(
-            uri,
-            part_size=args.part_size_mib * MiB,
-            concurrency=args.concurrency,
-            immutable_days=args.immutable_days,
-        )
-    return open_tier(uri)
+    return TierOptions(
+        part_size_mib=args.part_size_mib, concurrency=args.concurrency, immutable_days=args.immutable_days
+    )
 
 
 def cmd_replicate(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    import os
+    """The replicate-offsite flow's sequence, for one run: what the target lacks, copied and proven, then
+    the same retention (``--keep-last``/``--keep-every``, else REWIND_KEEP_LAST/REWIND_KEEP_EVERY)."""
+    from rewind.flows import progress_view
+    from rewind.flows.cli_notify import cli_notifier
+    from rewind.infra.phases import replicate as phase
 
-    from flows import progress_view
-    from infra.catalog import copies, lineage
-    from infra.replication import replicate
+    target = phase.target_uri(args.to)
+    policy = None if args.no_retention else phase.retention_policy(args.keep_last, args.keep_every)
+    cat, notify = catalog(), cli_notifier()
+    from rewind.infra.tiers import open_tier
 
-    target = args.to or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
-    if not target:
-        raise RewindError("no target: pass --to s3://bucket/prefix (or a path), or set REWIND_OFFSITE_URI")
-    cat = catalog()
-    lineage.get_run(cat, args.run)  # an unknown run: nothing to do, and nothing created at the target
-    tier = _open(target, args)
-    tier.check()
+    ids = phase.pending(
+        cat, tier=open_tier(target), run=args.run
+    )  # an unknown run: nothing touched at the target
+    tier = phase.open_target(target, _options(args))
     rows = []
-    for ck in copies.without_copy(cat, tier.name, tier.uri, args.run):
+    for ck_id in ids:
         with progress_view.shown():
-            done = replicate(cat, ck, tier)
-        rows.append(
-            {
-                "step": ck.step,
-                "bytes_sent": done.bytes_sent,
-                "bytes_reused": done.bytes_reused,
-                "tier": tier.name,
-                "uri": tier.uri,
-                "key": done.key,
-            }
-        )
+            made = phase.replicate_checkpoint(cat, checkpoint_id=ck_id, tier=tier, notify=notify)
+        rows.append(made.as_dict())
         if not args.json:
             how = (
                 "already there, verified"
-                if done.already_there
-                else f"{done.bytes_sent} bytes sent, {done.bytes_reused} reused from earlier copies there"
+                if made.already_there
+                else f"{made.bytes_sent} bytes sent, {made.bytes_reused} reused from earlier copies there"
             )
-            print(f"step {ck.step}: replicated to {tier.uri}/{done.key} ({how})", flush=True)
-    if args.json:
-        emit(args, rows, lambda: "")
-    elif not rows:
+            print(f"step {made.step}: replicated to {made.uri}/{made.key} ({how})", flush=True)
+    if not args.json and not rows:
         print(
             f"nothing to replicate: every committed checkpoint of {args.run} has a verified copy on {target}"
         )
+    removed = phase.apply_retention(cat, policy=policy, notify=notify, run=args.run) if policy else {}
+    if removed.get(args.run):  # on stderr beside --json, whose rows are what was replicated
+        kept = policy.keep_last if policy else 0
+        out = sys.stderr if args.json else sys.stdout
+        print(f"retention (keep the newest {kept}): removed steps {removed[args.run]}", file=out)
+    if args.json:
+        emit(args, rows, lambda: "")
     return 0
 
 
 def cmd_restore(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from flows import progress_view
-    from infra.restore.foreign import verified_directory
+    from rewind.flows import progress_view
+    from rewind.flows.cli_notify import cli_notifier
+    from rewind.infra.phases.restore import restore_point
 
-    tiers = None if args.source is None else (args.source,)
+    rolling = getattr(args, "roll_back", False)
+    if rolling and args.relaunch:  # the same flow the UI's restore-checkpoint form runs
+        from rewind.flows.maintenance import restore_checkpoint_flow
+        from rewind.flows.training import summary
+
+        emit(
+            args,
+            summary(restore_checkpoint_flow(args.run, args.step, relaunch=True, return_state=True)),
+            lambda: "",
+        )
+        return 0
+    tiers = None if getattr(args, "source", None) is None else (args.source,)
+    why = f"rolled back to step {args.step} by rewind rollback" if rolling else ""
     with progress_view.shown():
-        done = verified_directory(catalog(), args.run, step=args.step, tiers=tiers)
+        done = restore_point(
+            catalog(), run=args.run, notify=cli_notifier(), step=args.step, tiers=tiers, roll_back=rolling,
+            reason=why,
+        )  # fmt: skip
     row = {
         "step": done.step,
+        "checkpoint_id": done.checkpoint_id,
+        "manifest_digest": done.manifest_digest,
         "from": done.source,
         "fetched": done.fetched,
-        "path": str(done.directory),
+        "path": str(done.path),
         "seconds": round(done.seconds, 3),
         "skipped": [str(s) for s in done.skipped],
+        "retired_checkpoint_ids": list(done.retired_checkpoint_ids),
     }
 
     def text() -> str:
         how = f"downloaded from {done.source}" if done.fetched else "the local copy, verified in place"
-        lines = [
-            f"restored step {done.step}: {how}, every byte checked ({done.seconds:.2f}s) into {done.directory}"
-        ]
+        what = f"{how}, every byte checked ({done.seconds:.2f}s) into {done.path}"
+        if rolling:
+            lines = [
+                f"rolled {args.run} back to step {done.step} ({what}); "
+                f"{len(done.retired_checkpoint_ids)} later checkpoint(s) retired; its next start resumes from here"
+            ]
+        else:
+            lines = [
+                f"staged step {done.step}: {what} (the run is not rolled back: rewind rollback does that)"
+            ]
         return "\n".join(lines + [f"  skipped {s}" for s in done.skipped])
 
     emit(args, row, text)
@@ -107,7 +127,7 @@ def cmd_restore(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> i
 
 
 def cmd_pin(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from infra.catalog import lineage
+    from rewind.infra.catalog import lineage
 
     lineage.set_pinned(catalog(), args.run, args.step, not args.unpin)
     print(
@@ -117,8 +137,9 @@ def cmd_pin(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
 
 
 def cmd_gc(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
-    from flows import progress_view
-    from infra import retention
+    from rewind.flows import progress_view
+    from rewind.infra import reclaim as space
+    from rewind.infra import retention
 
     cat = catalog()
     policy = retention.Policy(
@@ -129,9 +150,9 @@ def cmd_gc(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     )
     with progress_view.shown():
         gc = retention.plan(cat, args.run, policy)
-        reclaim = retention.reclaimable(cat, gc)  # counted before anything goes
+        reclaim = space.reclaimable(cat, gc)  # counted before anything goes
         removed = [] if args.dry_run else retention.execute(cat, gc, policy)
-    usage = retention.usage(cat, args.run, args.price_per_gb_month)
+    usage = space.usage(cat, args.run, args.price_per_gb_month)
     out = {
         "run": args.run,
         "dry_run": args.dry_run,
@@ -198,17 +219,39 @@ def register(
         sub,
         "replicate",
         wrap(cmd_replicate),
-        "copy a run's committed checkpoints to S3 or a shared path, verified",
+        "copy a run's committed checkpoints to S3 or a shared path, verified, then apply retention",
         json_flag=True,
     )
     rep.add_argument("run")
     rep.add_argument("--to", help="s3://bucket/prefix or an absolute path (default REWIND_OFFSITE_URI)")
+    rep.add_argument(
+        "--keep-last",
+        type=at_least_one,
+        default=None,
+        help="afterwards keep the newest N checkpoints, deleting older ones on every tier "
+        "(default REWIND_KEEP_LAST; neither set: delete nothing)",
+    )
+    rep.add_argument(
+        "--no-retention", action="store_true", help="delete nothing, whatever REWIND_KEEP_LAST says"
+    )
+    rep.add_argument(
+        "--keep-every",
+        type=count,
+        default=None,
+        help="and every step divisible by K (default REWIND_KEEP_EVERY)",
+    )
     _tier_options(rep)
+    _register_checkpoint_commands(sub, ck, add, wrap)
+
+
+def _register_checkpoint_commands(sub: Any, ck: Any, add: Add, wrap: Wrap) -> None:
+    """`rewind ckpt restore`, `rewind ckpt pin`, `rewind gc`."""
     res = add(
         ck,
         "restore",
         wrap(cmd_restore),
-        "put a verified copy of a checkpoint in the local tier, from the nearest copy that proves itself",
+        "stage a verified copy of a checkpoint in the local tier, from the nearest copy that proves itself "
+        "(does not roll the run back: rewind rollback)",
         json_flag=True,
     )
     res.add_argument("run")
@@ -219,6 +262,19 @@ def register(
         choices=["shared", "offsite"],
         help="only copies on this tier (default: nearest first)",
     )
+    back = add(
+        sub,
+        "rollback",
+        wrap(cmd_restore),
+        "roll a run back to a verified checkpoint: later ones retired, its next start resumes from it",
+        json_flag=True,
+    )
+    back.add_argument("run")
+    back.add_argument("--step", type=step, help="default: the newest checkpoint with a copy that verifies")
+    back.add_argument(
+        "--relaunch", action="store_true", help="then start the job again from its spec and watch it"
+    )
+    back.set_defaults(roll_back=True)
     pin = add(ck, "pin", wrap(cmd_pin), "keep a checkpoint whatever the retention policy says")
     pin.add_argument("run")
     pin.add_argument("step", type=step)
@@ -231,8 +287,10 @@ def register(
         json_flag=True,
     )
     gc.add_argument("run")
-    gc.add_argument("--keep-last", type=count, default=3)
-    gc.add_argument("--keep-every", type=count, default=0)
+    gc.add_argument("--keep-last", type=count, default=3, help="keep the newest N verified (default: 3)")
+    gc.add_argument(
+        "--keep-every", type=count, default=0, help="also keep every step divisible by K (default: off)"
+    )
     gc.add_argument("--budget-gb", type=amount, default=None)
     gc.add_argument(
         "--grace-days", type=amount, default=7.0, help="reclaim dead copies and quarantine after this"

@@ -10,24 +10,24 @@ from prefect import serve
 from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 
-from flows.drills import run_drills
-from flows.maintenance import (
+from rewind.flows.drills import run_drills
+from rewind.flows.maintenance import (
     adopt_checkpoints,
     expire_conversations_flow,
     replicate_offsite,
     restore_checkpoint_flow,
     verify_checkpoints,
 )
-from flows.serving import deploy_model, rollback_model, rollout_model
-from flows.training import protect_training, recover_training
-from tasks.common import INCIDENT_KIND_LABEL
-from tasks.detect import FAILED_TO_START
+from rewind.flows.serving import deploy_model, rollback_model, rollout_model
+from rewind.flows.training import protect_training, recover_training
+from rewind.infra.catalog.models import IncidentKind
+from rewind.tasks.common import INCIDENT_KIND_LABEL
 
 FAILURE_EVENT = "rewind.failure.detected"
 # A job that failed to start would fail the same way again: the trigger leaves those incidents alone.
 RECOVERABLE: dict[str, str | list[str]] = {
     "prefect.resource.id": "rewind.run.*",
-    INCIDENT_KIND_LABEL: f"!{FAILED_TO_START}",
+    INCIDENT_KIND_LABEL: f"!{IncidentKind.FAILED_TO_START.value}",
 }
 
 

@@ -1,6 +1,6 @@
 """Recovery drills: Chaos Toolkit experiments run by chaostoolkit-lib against a real job under Rewind's flows.
 
-The experiment's actions that hurt the job live in ``infra.drills.chaos`` (no Prefect); the ones here
+The experiment's actions that hurt the job live in ``rewind.infra.drills.chaos`` (no Prefect); the ones here
 start the job under ``protect-training``, wait for the failure and run ``recover-training``, exactly as
 the automation would. Each drill is recorded in the catalog (``drill`` table) with its phases, RTO, RPO,
 post-recovery loss curve against an uninterrupted reference run, and the phase that broke its SLO.
@@ -9,12 +9,8 @@ post-recovery loss curve against an uninterrupted reference run, and the phase t
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -26,58 +22,15 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra.catalog import drills as drill_rows
-from infra.catalog import incidents
-from infra.catalog.db import Catalog
-from infra.drills import chaos, experiments, measure, slo
-from infra.errors import ConfigError, NotFoundError, RewindError
-from infra.launch.spec import JobSpec
+from rewind.infra.catalog import drills as drill_rows
+from rewind.infra.catalog import incidents
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.drills import chaos, experiments, measure, slo
+from rewind.infra.drills import job as drill_job
+from rewind.infra.errors import ConfigError, NotFoundError, RewindError
+from rewind.infra.launch.spec import JobSpec
 
-REPO = Path(__file__).resolve().parents[1]
-JOB_DEFAULTS: dict[str, Any] = {"steps": 40, "every": 10, "seed": 0, "step_time_s": 0.15}
-SPEC_UNSUPPORTED = ("rdzv_endpoint", "torchrun", "model")
 _ACTIVE: dict[str, dict[str, Any]] = {}  # run -> the protect thread, its result, recovery's result
-
-
-def _home() -> Path:
-    return Path(os.environ.get("REWIND_HOME") or Path.home() / ".rewind").expanduser()
-
-
-def _job(configuration: dict[str, Any]) -> dict[str, Any]:
-    return {**JOB_DEFAULTS, **(configuration.get("job") or {})}
-
-
-def _fill(value: str, run: str, out: Path, log: Path) -> str:
-    """A user's job spec's placeholders (in its command and env values): ``{run}``, the drill's own run name
-    (required: a drill never hurts the user's run), ``{out}``, a private output directory, and
-    ``{loss_log}``, the loss log that gives the curve and the late phases."""
-    return value.replace("{run}", run).replace("{out}", str(out)).replace("{loss_log}", str(log))
-
-
-def check_job_spec(spec: JobSpec) -> dict[str, Any]:
-    """A user's job spec as a drill runs it: it must take the drill's run name as ``{run}``."""
-    d = spec.as_dict()
-    if not any("{run}" in a for a in [*d["command"], *d["env"].values()]):
-        raise ConfigError(
-            "the job spec must take the run name as {run} in its command or env (a drill runs the job "
-            "under a run of its own and never hurts yours); {out} and {loss_log} are filled in too"
-        )
-    odd = [k for k in SPEC_UNSUPPORTED if d.get(k) is not None]
-    if odd:
-        raise ConfigError(f"a drill cannot run a job spec that sets {', '.join(odd)} yet")
-    return d
-
-
-def _command(configuration: dict[str, Any], run: str, out: Path, log: Path) -> list[str]:
-    spec = configuration.get("job_spec")
-    if spec:
-        return [_fill(a, run, out, log) for a in spec["command"]]
-    j = _job(configuration)
-    return [
-        "python", "-m", "examples.tiny_lm", "--run", run, "--steps", str(j["steps"]),
-        "--checkpoint-every", str(j["every"]), "--seed", str(j["seed"]), "--out", str(out),
-        "--step-time-s", str(j["step_time_s"]), "--loss-log", str(log), *j.get("extra", []),
-    ]  # fmt: skip
 
 
 # -- actions named by the experiments --------------------------------------------------------------
@@ -93,29 +46,30 @@ def _prefect_of(configuration: dict[str, Any]) -> contextlib.AbstractContextMana
 
 def start_protected(configuration: dict[str, Any]) -> str:
     """Start the drill's job under protect-training (in a thread: the next actions hurt it meanwhile)."""
-    from flows.training import protect_training
+    from rewind.flows.training import protect_training, summary
 
     run, state = configuration["run"], Path(configuration["state_dir"])
-    j = _job(configuration)
+    j = drill_job.job_of(configuration)
     out, log = state / "out", state / "loss.jsonl"
-    cmd = _command(configuration, run, out, log)
+    cmd = drill_job.command(configuration, run, out, log)
     slot: dict[str, Any] = {"result": None, "error": None}
     hang_s = float(j["heartbeat_timeout_s"]) if j.get("heartbeat_timeout_s") else None
     spec = configuration.get("job_spec")
     if spec:  # the user's job, as the spec says; a scenario's hang timeout where the spec sets none
         kw: dict[str, Any] = {
-            "cwd": spec["cwd"], "env": {k: _fill(v, run, out, log) for k, v in spec["env"].items()},
+            "cwd": spec["cwd"], "env": {k: drill_job.fill(v, run, out, log) for k, v in spec["env"].items()},
             "nproc_per_node": spec["nproc_per_node"], "nnodes": spec["nnodes"],
             "min_world_size": spec["min_world_size"], "heartbeat_timeout_s": spec["heartbeat_timeout_s"] or hang_s,
             "loss_spike_factor": spec["loss_spike_factor"], "global_batch": spec["global_batch"], "lr": spec["lr"],
         }  # fmt: skip
     else:
-        kw = {"cwd": str(REPO), "env": {"OMP_NUM_THREADS": "1"}, "heartbeat_timeout_s": hang_s}
+        # the drill's own directory: never one whose folders a job's imports could pick up by accident
+        kw = {"cwd": str(state), "env": {"OMP_NUM_THREADS": "1"}, "heartbeat_timeout_s": hang_s}
 
     def go() -> None:
         try:
             with _prefect_of(configuration):
-                slot["result"] = protect_training(run, cmd, **kw)
+                slot["result"] = summary(protect_training(run, cmd, **kw, return_state=True))
         except BaseException as exc:
             slot["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -155,7 +109,7 @@ def await_end(configuration: dict[str, Any], timeout_s: float = 300.0) -> dict[s
 
 def recover(configuration: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
     """Run recover-training on the drill's incident, as the failure event's automation would."""
-    from flows.training import recover_training
+    from rewind.flows.training import recover_training, summary
 
     slot = _ACTIVE.get(configuration["run"]) or {}
     incident_id = (slot.get("result") or {}).get("incident_id")
@@ -166,7 +120,7 @@ def recover(configuration: dict[str, Any], timeout_s: float = 600.0) -> dict[str
     def go() -> None:
         try:
             with _prefect_of(configuration):
-                done["result"] = recover_training(incident_id)
+                done["result"] = summary(recover_training(incident_id, return_state=True))
         except BaseException as exc:
             done["error"] = f"{type(exc).__name__}: {exc}"
 
@@ -196,9 +150,9 @@ def flow_runs_completed_on_own_server(configuration: dict[str, Any]) -> bool:
 
 def replicate_to_shared(configuration: dict[str, Any]) -> list[int]:
     """Copy every restorable checkpoint of the run to the drill's shared tier (a directory)."""
-    from infra.catalog import lineage
-    from infra.replication import replicate
-    from infra.tiers import open_tier
+    from rewind.infra.catalog import lineage
+    from rewind.infra.replication import replicate
+    from rewind.infra.tiers import open_tier
 
     cat, run = Catalog(), configuration["run"]
     shared = Path(configuration["state_dir"]) / "shared"  # stands in for an NFS/Lustre mount
@@ -212,67 +166,6 @@ def replicate_to_shared(configuration: dict[str, Any]) -> list[int]:
 
 
 # -- one drill ------------------------------------------------------------------------------------
-
-
-def reference_curve(
-    job: dict[str, Any], environ: dict[str, str] | None = None, spec: dict[str, Any] | None = None
-) -> dict[int, float]:
-    """The loss per step of the same job uninterrupted and unsupervised (own SQLite catalog), cached.
-
-    With a user's job spec: its command as given (one process), when it writes a ``{loss_log}``;
-    without one (or for a distributed job) there is no reference and no curve to compare."""
-    if spec is not None and (
-        spec["nnodes"] * spec["nproc_per_node"] > 1
-        or not any("{loss_log}" in a for a in [*spec["command"], *spec["env"].values()])
-    ):
-        return {}
-    h = hashlib.sha256(json.dumps(spec if spec is not None else job, sort_keys=True).encode())
-    for src in ("examples/tiny_lm.py", "examples/tiny_lm_model.py"):  # a changed example: a new reference
-        h.update((REPO / src).read_bytes())
-    key = h.hexdigest()[:12]
-    cached = _home() / "drills" / f"reference-{key}.jsonl"
-    if not cached.exists():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="rewind-ref-") as tmp:
-            log, out = Path(tmp) / "loss.jsonl", Path(tmp) / "out"
-            if spec is not None:
-                cmd = _command({"job_spec": spec}, "reference", out, log)
-                cwd, extra = (
-                    spec["cwd"] or os.getcwd(),
-                    {k: _fill(v, "reference", out, log) for k, v in spec["env"].items()},
-                )
-            else:
-                cmd = _without_poison(_command({"job": {**job, "step_time_s": 0.0}}, "reference", out, log))
-                cwd, extra = str(REPO), {}
-            if cmd[0] in ("python", "python3"):
-                cmd[0] = sys.executable
-            own = {
-                "REWIND_HOME": tmp,
-                "REWIND_CATALOG_URL": "",
-                "REWIND_CHECKPOINT_ROOT": "",
-                "OMP_NUM_THREADS": "1",
-            }
-            env = {**(environ if environ is not None else os.environ), **extra, **own}
-            for k in ("REWIND_FAULT", "REWIND_FAULT_ONCE"):
-                env.pop(k, None)
-            done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-            if done.returncode != 0:
-                raise RewindError(f"the reference run failed: {done.stdout[-500:]}{done.stderr[-500:]}")
-            os.replace(log, cached)
-    return measure.reference_losses(measure.read_log(cached))
-
-
-def _without_poison(cmd: list[str]) -> list[str]:
-    out, skip = [], False
-    for c in cmd:
-        if skip:
-            skip = False
-            continue
-        if c == "--poison-position":
-            skip = True
-            continue
-        out.append(c)
-    return out
 
 
 def run_one(
@@ -293,7 +186,7 @@ def run_one(
     kind = str(ext.get("failure_kind", "crash"))
     slos = slo.load(slo_file)
     budget = slos.for_kind(kind)
-    spec = check_job_spec(job_spec) if job_spec is not None else None
+    spec = drill_job.check_job_spec(job_spec) if job_spec is not None else None
     cat = Catalog()
     started = datetime.now(UTC)
     skip = experiments.skip_reason(ext, spec)
@@ -309,14 +202,15 @@ def run_one(
             "reason": skip,
             "as_expected": True,
         }
-    expected = ext.get("expect_failure_at")  # a scenario that breaks a phase on purpose
-    job_cfg = {**JOB_DEFAULTS, **(ext.get("job") or {}), **(job or {})}
+    job_cfg = {**drill_job.JOB_DEFAULTS, **(ext.get("job") or {}), **(job or {})}
     run = f"drill-{scenario}-{uuid.uuid4().hex[:6]}"
-    state = _home() / "drills" / run
+    state = drill_job.home() / "drills" / run
     state.mkdir(parents=True, exist_ok=True)
     pool = ThreadPoolExecutor(1, thread_name_prefix="drill-reference")  # its own process, beside the drill
     ref_job = {k: v for k, v in job_cfg.items() if k in ("steps", "every", "seed")}
-    pending = pool.submit(reference_curve, ref_job, dict(os.environ), spec)  # copied before a fault is armed
+    pending = pool.submit(
+        drill_job.reference_curve, ref_job, dict(os.environ), spec
+    )  # copied before a fault is armed
     configuration = {
         "run": run, "state_dir": str(state), "job": job_cfg, "slo_file": slo_file, "job_spec": spec,
         "servers_stopped_by": "rewind",  # after measuring: the job's incident may be in the drill's own catalog
@@ -338,6 +232,30 @@ def run_one(
         reference = pending.result(timeout=600)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+    return _record(cat, scenario, kind, run, started, t0, journal, found, own, reference, state, budget,
+                   slos.source, job_cfg, spec, ext)  # fmt: skip
+
+
+def _record(
+    cat: Catalog,
+    scenario: str,
+    kind: str,
+    run: str,
+    started: datetime,
+    t0: float,
+    journal: dict[str, Any],
+    found: list[Any],
+    own: str | None,
+    reference: dict[int, float],
+    state: Path,
+    budget: slo.Budget,
+    source: str,
+    job_cfg: dict[str, Any],
+    spec: dict[str, Any] | None,
+    ext: dict[str, Any],
+) -> dict[str, Any]:
+    """The drill's measurements and verdict, recorded; what `rewind drill run` prints of it."""
+    expected = ext.get("expect_failure_at")  # a scenario that breaks a phase on purpose
     error = _journal_error(journal)
     inc = found[0] if found else None
     m = measure.measure(inc, measure.read_log(state / "loss.jsonl"), reference, error)
@@ -347,7 +265,7 @@ def run_one(
         started_at=started, outcome="passed" if verdict.passed else "failed", phases=m["phases"],
         rto_s=m["rto_s"], rpo_steps=m["rpo_steps"], rpo_s=m["rpo_s"], loss_max_deviation=m["loss_max_deviation"],
         loss_curve=m["loss_curve"], failed_phase=verdict.failed_phase, reason=verdict.reason,
-        seed=int(job_cfg["seed"]), slo={**budget.as_dict(), "source": slos.source},
+        seed=int(job_cfg["seed"]), slo={**budget.as_dict(), "source": source},
         details={"journal_status": journal.get("status"), "deviated": journal.get("deviated"),
                  "wall_s": round(time.monotonic() - t0, 2), "job": None if spec else job_cfg,
                  "job_spec": spec, "error": error, "expected_failure_at": expected,
@@ -422,7 +340,7 @@ def run_drills(
         job_spec_file: A job spec (JSON or YAML) to drill instead of the example job; its command takes
             the drill's run name as {run} (and may take {out} and {loss_log}).
     """
-    from infra.launch.spec import load_file
+    from rewind.infra.launch.spec import load_file
 
     names = scenarios or list(experiments.load_all())
     spec = load_file(job_spec_file) if job_spec_file else None

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
+from prefect.states import Failed, State
 
-from infra.errors import ConfigError, RewindError
-from tasks.adopt import adopt_checkpoint, find_unadopted
-from tasks.common import artifact_key
-from tasks.detect import load_spec, record_failure, record_spec, supervise_training
-from tasks.replicate import apply_retention, pending_replication, replicate_checkpoint
-from tasks.restore import restore_checkpoint
-from tasks.sessions import expire_conversations
-from tasks.verify import check_catalog, list_checkpoints, status_overview, verify_checkpoint
+from rewind.infra.errors import ConfigError, RewindError
+from rewind.infra.phases import replicate
+from rewind.tasks.adopt import adopt_checkpoint, find_unadopted
+from rewind.tasks.common import artifact_key
+from rewind.tasks.detect import load_spec, record_failure, record_spec, supervise_training
+from rewind.tasks.replicate import apply_retention, pending_replication, replicate_checkpoint
+from rewind.tasks.restore import restore_checkpoint
+from rewind.tasks.sessions import expire_conversations
+from rewind.tasks.verify import check_catalog, list_checkpoints, status_overview, verify_checkpoint
 
 
 @flow(name="verify-checkpoints")
@@ -62,7 +63,7 @@ def restore_checkpoint_flow(
     relaunch: bool = False,
     relaunch_command: list[str] | None = None,
     cwd: str | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Any] | State:
     """Roll a run back to a verified checkpoint; its next launch resumes from there.
 
     Args:
@@ -77,15 +78,18 @@ def restore_checkpoint_flow(
         spec = record_spec(run, {"command": relaunch_command, "cwd": cwd})
     elif relaunch:
         spec = load_spec(run)  # before the roll-back: a run without a spec fails here, unchanged
-    chosen = restore_checkpoint(
+    point = restore_checkpoint(
         run, step, roll_back=True, reason=f"rolled back to step {step} from the restore-checkpoint flow"
     )
+    chosen = point.as_dict()
     if spec is None:
         return chosen
-    outcome = supervise_training(run, spec)
-    if outcome["exit_code"] != 0 or outcome["kind"] != "crash":
+    outcome = supervise_training(run, spec, {"restore": point.target.as_dict()})
+    chosen["relaunch"] = outcome.how
+    if not outcome.finished:
         chosen["incident_id"] = record_failure(outcome)
-    chosen["relaunch"] = outcome["how"]
+        why = f"rolled back to step {point.step}; the relaunch failed ({outcome.kind}, incident {chosen['incident_id']})"
+        return Failed(message=why, data=chosen)
     return chosen
 
 
@@ -108,18 +112,13 @@ def replicate_offsite(
         part_size_mib: S3 multipart part size.
         concurrency: S3 parts in flight.
     """
-    target = target or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
-    if not target:
-        raise ConfigError("no replication target: pass `target` or set REWIND_OFFSITE_URI")
+    target = replicate.target_uri(target)
+    policy = replicate.retention_policy(keep_last, keep_every)
     done = [
         replicate_checkpoint(ck_id, target, part_size_mib, concurrency)
         for ck_id in pending_replication(target, run)
     ]
-    keep_last = keep_last or (
-        int(os.environ["REWIND_KEEP_LAST"]) if os.environ.get("REWIND_KEEP_LAST") else None
-    )
-    keep_every = keep_every or int(os.environ.get("REWIND_KEEP_EVERY", "0"))
-    removed = apply_retention(run, keep_last, keep_every) if keep_last else {}
+    removed = apply_retention(run, policy.keep_last, policy.keep_every) if policy else {}
     return {
         "replicated": len(done),
         "bytes_sent": sum(d["bytes_sent"] for d in done),

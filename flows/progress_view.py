@@ -27,7 +27,7 @@ from rich.progress import (
 )
 from rich.table import Column
 
-from infra import progress, sizes
+from rewind.infra import progress, sizes
 
 LINE_EVERY_S = 10.0
 

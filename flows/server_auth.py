@@ -14,8 +14,8 @@ import secrets
 import stat
 from pathlib import Path
 
-from infra import config
-from infra.errors import ConfigError
+from rewind.infra import config
+from rewind.infra.errors import ConfigError
 
 CLIENT_ENV = "PREFECT_API_AUTH_STRING"
 SERVER_ENV = "PREFECT_SERVER_API_AUTH_STRING"

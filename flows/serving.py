@@ -19,9 +19,9 @@ from typing import Any
 from prefect import flow
 from prefect.runtime import deployment, flow_run
 
-from infra.errors import ConfigError, Stopped
-from infra.serving.gates import Gates
-from tasks.serving import (
+from rewind.infra.errors import ConfigError, Stopped
+from rewind.infra.serving.gates import Gates
+from rewind.tasks.serving import (
     deploy_version,
     finish_rollout,
     open_rollout,
@@ -52,6 +52,20 @@ def _check_steps(steps: list[int]) -> list[int]:
     return steps
 
 
+def _gate_values(
+    max_error_rate: float, max_p95_latency_ms: float, min_quality: float | None, probe_set: str | None
+) -> dict[str, Any]:
+    """The gates' thresholds, checked before anything is loaded."""
+    Gates(max_error_rate=max_error_rate, max_p95_latency_ms=max_p95_latency_ms, min_quality=min_quality)
+    if min_quality is not None and not probe_set:
+        raise ConfigError("min_quality needs a probe_set (JSON lines of input and expected output)")
+    return {
+        "max_error_rate": max_error_rate,
+        "max_p95_latency_ms": max_p95_latency_ms,
+        "min_quality": min_quality,
+    }
+
+
 @flow(name="deploy-model")
 def deploy_model(
     model: str,
@@ -66,8 +80,8 @@ def deploy_model(
     a later one waits, loaded at weight 0, for `rollout-model`."""
     actor = _actor(triggered_by)
     loaded = deploy_version(model, run, step, version=version, handler=handler, extra_files=extra_files)
-    stable = serving_state(model)["stable"]  # the model exists now: deploy_version recorded it
-    v = loaded["version"]
+    stable = serving_state(model).stable  # the model exists now: deploy_version recorded it
+    v = loaded.version
     rid = open_rollout(
         model,
         "deploy",
@@ -80,7 +94,7 @@ def deploy_model(
     if stable is None:
         promote_version(model, v, rid, actor)
     finish_rollout(rid, "promoted" if stable is None else "done")
-    return {**loaded, "stable": v if stable is None else stable, "rollout_id": rid}
+    return {**loaded.as_dict(), "stable": v if stable is None else stable, "rollout_id": rid}
 
 
 @flow(name="rollout-model")
@@ -114,23 +128,15 @@ def rollout_model(
     back (reason `post-promotion: ...`). Only then is the old version unloaded.
     """
     _check_steps(traffic_steps)
-    gate_values: dict[str, Any] = {
-        "max_error_rate": max_error_rate,
-        "max_p95_latency_ms": max_p95_latency_ms,
-        "min_quality": min_quality,
-    }
-    # bad thresholds fail here, before anything is loaded
-    Gates(max_error_rate=max_error_rate, max_p95_latency_ms=max_p95_latency_ms, min_quality=min_quality)
-    if min_quality is not None and not probe_set:
-        raise ConfigError("min_quality needs a probe_set (JSON lines of input and expected output)")
+    gate_values = _gate_values(max_error_rate, max_p95_latency_ms, min_quality, probe_set)
     if checks_per_step < 1 or failure_limit < 0 or bake_s <= 0 or warm_s < 0:
         raise ConfigError("checks_per_step >= 1, failure_limit >= 0, bake_s > 0 and warm_s >= 0 are required")
     actor = _actor(triggered_by)
-    stable = serving_state(model)["stable"]
+    stable = serving_state(model).stable
     if stable is None:
         raise ConfigError(f"{model} has no stable version to canary against; deploy its first version")
     loaded = deploy_version(model, run, step, version=version, handler=handler, extra_files=extra_files)
-    new = loaded["version"]
+    new = loaded.version
     if new == stable:
         raise ConfigError(f"{model} {new} ({run}@{step}) is already the stable version")
     params = {
@@ -149,6 +155,15 @@ def rollout_model(
     )
 
     judge = _Judge(model, new, stable, rid, gate_values, probe_set, checks_per_step, failure_limit)
+    return _roll_out(judge, actor, traffic_steps, bake_s, warm_s)
+
+
+def _roll_out(
+    judge: _Judge, actor: str, traffic_steps: list[int], bake_s: float, warm_s: float
+) -> dict[str, Any]:
+    """The canary's walk, promotion and warm window; whatever breaks or stops it, nothing is left
+    half-rolled-out."""
+    model, new, stable, rid, checks_per_step = judge.model, judge.new, judge.stable, judge.rid, judge.checks
     try:
         ended = _walk(judge, actor, traffic_steps, bake_s)
         if ended is None:
@@ -198,10 +213,10 @@ class _Judge:
                                    self.probe_set)  # fmt: skip
             if not still_running(self.rid):  # a manual rollback took over meanwhile
                 return {"rollout_id": self.rid, "state": "interrupted", "version": self.new}
-            if not verdict["passed"]:
+            if not verdict.passed:
                 self.failures += 1
                 if self.failures > self.failure_limit:
-                    return self.roll_back(f"{where}: " + "; ".join(verdict["reasons"]))
+                    return self.roll_back(f"{where}: " + "; ".join(verdict.reasons))
         return None
 
     def roll_back(self, reason: str) -> dict[str, Any]:
@@ -210,14 +225,14 @@ class _Judge:
             self.model, self.stable, self.rid, actor="gates", reason=reason, decided_at=decided
         )
         unload_version(self.model, self.new, self.rid, "rolled_back", "gates")
-        finish_rollout(self.rid, "rolled_back", reason, decided, switched["switch_s"])
+        finish_rollout(self.rid, "rolled_back", reason, decided, switched.switch_s)
         return {
             "rollout_id": self.rid,
             "state": "rolled_back",
             "version": self.new,
             "stable": self.stable,
             "reason": reason,
-            "switch_s": switched["switch_s"],
+            "switch_s": switched.switch_s,
             "failures": self.failures,
         }
 
@@ -247,24 +262,24 @@ def rollback_model(
     """
     actor = _actor(triggered_by)
     target = rollback_target(model, to_version)
-    v = target["version"]
+    v = target.version
     rid = open_rollout(
-        model, "rollback", v, from_version=target["current"], triggered_by=actor, params={"reason": reason}
+        model, "rollback", v, from_version=target.current, triggered_by=actor, params={"reason": reason}
     )
-    if not target["loaded"]:
-        deploy_version(model, target["run"], target["step"], version=v)
-    serving = serving_state(model)["loaded"]  # taking traffic now: what is rolled back
+    if not target.loaded:
+        deploy_version(model, target.run, target.step, version=v)
+    serving = serving_state(model).loaded  # taking traffic now: what is rolled back
     decided = time.time()
     switched = switch_back(model, v, rid, actor=actor, reason=reason, decided_at=decided)
     for other, state in serving.items():
         if other != v and state in ("canary", "stable"):
             unload_version(model, other, rid, "rolled_back", actor)
-    finish_rollout(rid, "rolled_back", reason, decided, switched["switch_s"])
+    finish_rollout(rid, "rolled_back", reason, decided, switched.switch_s)
     return {
         "rollout_id": rid,
         "state": "rolled_back",
         "version": v,
-        "from": target["current"],
-        "switch_s": switched["switch_s"],
+        "from": target.current,
+        "switch_s": switched.switch_s,
         "decided_at": decided,
     }

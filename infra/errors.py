@@ -4,13 +4,16 @@ Errors are classified once, here: a ``TransientError`` may succeed when retried
 (network blip, database restart, lock timeout); everything else is permanent and
 retrying it only hides the problem (corruption, bad credentials, bad input).
 Every module raises one of these, never a bare ``ValueError``/``RuntimeError``/``TypeError``:
-the CLI maps ``TransientError`` to exit 3, any other ``RewindError`` to exit 2, and
-anything else to 70 (a bug), and task retries look at ``TransientError`` only.
+``is_transient`` is the one decision of what may succeed when retried: task retries
+and the CLI's exit codes both ask it (transient: exit 3; any other ``RewindError``:
+exit 2; anything else: 70, a bug).
 ``ConfigError`` and ``MalformedFile`` are also ``ValueError``s, so code written against
 the usual Python contract keeps working.
 """
 
 from __future__ import annotations
+
+import errno
 
 
 class RewindError(Exception):
@@ -43,6 +46,14 @@ class RankFailed(RewindError):
 
 class RunBusy(ConfigError):
     """Another live process is writing this run's checkpoints: two writers would fork its timeline."""
+
+
+class Fenced(RewindError):
+    """This process is no longer the run's writer (its launch ended, or another took over): it must not commit."""
+
+
+class MissingDatabase(ConfigError):
+    """The database server answered, but the catalog's database is not on it (``rewind db upgrade`` creates it)."""
 
 
 class NotFoundError(RewindError):
@@ -115,3 +126,20 @@ class CheckpointUnverifiable(TransientError):
 
 class ServingUnavailable(TransientError):
     """The model server or the proxy in front of it cannot be reached right now."""
+
+
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.EBUSY}
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether retrying may help: network blips, an unreachable catalog, flaky I/O; never corruption,
+    bad input or credentials. Task retries and the CLI's exit codes both decide by this."""
+    if isinstance(exc, TransientError):
+        return True
+    if isinstance(exc, RewindError):
+        return False
+    if isinstance(exc, ConnectionError | TimeoutError):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS

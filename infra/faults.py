@@ -2,14 +2,16 @@
 
 ``REWIND_FAULT=<action>:<point>[@<step>][%<rank>][#<times>]`` where action is ``kill``
 (SIGKILL this process), ``stop`` (SIGSTOP it: a test holds it at the point, does something
-meanwhile and lets it go with SIGCONT), ``enospc`` (a disk-full OSError), ``eio`` (an I/O
+meanwhile and lets it go with SIGCONT), ``hold`` (the calling thread alone waits at the point, the
+process goes on: it creates ``$REWIND_FAULT_RELEASE.held`` and waits, at most 10 minutes, until
+``$REWIND_FAULT_RELEASE`` exists), ``enospc`` (a disk-full OSError), ``eio`` (an I/O
 error, which tasks treat as transient) or ``eacces`` (permission denied, which a
 root test process cannot get from chmod). ``#<times>`` fires only on the first N
 hits in this process, so a retried task can succeed; ``%<rank>`` fires only in the
 process whose ``RANK`` is that (one rank of a job lost). Points are named where they
 are called: ``save.file_written``, ``save.before_manifest``, ``save.before_rename``,
-``save.before_catalog``, ``save.shard_written`` (a rank's share of a sharded save),
-``verify.read``, and ``gc.delete``, whose ``@<N>`` counts deletion steps of this process
+``save.before_catalog`` (in a sharded save: rank 0's catalog row, before any rank writes), ``save.shard_written`` (a rank's share of a sharded save),
+``verify.read``, ``group.smoke`` (a launch's process-group smoke test), and ``gc.delete``, whose ``@<N>`` counts deletion steps of this process
 (a guarded catalog statement, a file or object removed, a copy's row let go) instead of
 steps. With ``REWIND_FAULT_ONCE=<path>`` the fault fires at most once across processes (the
 first hit creates that file): a drill's relaunch, which inherits the job's environment, is
@@ -22,10 +24,13 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 from collections import Counter
 
 ENV = "REWIND_FAULT"
 ONCE_ENV = "REWIND_FAULT_ONCE"
+RELEASE_ENV = "REWIND_FAULT_RELEASE"
+HOLD_MAX_S = 600.0
 _hits: Counter[str] = Counter()
 
 
@@ -54,9 +59,24 @@ def fault_point(point: str, step: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif action == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    elif action == "hold":
+        _hold(point)
     elif action == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected at {point})")
     elif action == "eio":
         raise OSError(errno.EIO, f"Input/output error (injected at {point})")
     elif action == "eacces":
         raise PermissionError(errno.EACCES, f"Permission denied (injected at {point})")
+
+
+def _hold(point: str) -> None:
+    release = os.environ.get(RELEASE_ENV)
+    if not release:
+        raise RuntimeError(
+            f"REWIND_FAULT=hold:{point} needs {RELEASE_ENV}=<path> (the file that ends the hold)"
+        )
+    with open(f"{release}.held", "a"):
+        pass
+    deadline = time.monotonic() + HOLD_MAX_S
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.05)

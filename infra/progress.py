@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -106,3 +107,35 @@ class _Guarded:
 
     def end(self) -> None:
         _report(self._meter, self._meter.end)
+
+
+class Tally:
+    """Counts the bytes advanced in a block (hashed, fetched: for a restore, every byte read of the
+    restore point), passing every report on to whoever watched the block's context before."""
+
+    def __init__(self, inner: Meter | None) -> None:
+        self._inner = inner
+        self._lock = threading.Lock()
+        self.bytes = 0
+
+    def begin(self, what: str, total: int) -> None:
+        if self._inner is not None:
+            self._inner.begin(what, total)
+
+    def advance(self, nbytes: int) -> None:
+        with self._lock:
+            self.bytes += nbytes
+        if self._inner is not None:
+            self._inner.advance(nbytes)
+
+    def end(self) -> None:
+        if self._inner is not None:
+            self._inner.end()
+
+
+@contextlib.contextmanager
+def tallied() -> Iterator[Tally]:
+    """Count the bytes of the work run inside the block; what was shown before is still shown."""
+    tally = Tally(current())
+    with watching(tally):
+        yield tally

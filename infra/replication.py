@@ -11,6 +11,11 @@ manifest (sizes and server-side CRC32C) is registered, as verified.
 Files an earlier verified copy of the run on the same tier already holds (the parent's
 first, then the newest few) are copied there by the tier instead of sent
 (:func:`transfer.push`), and held to the manifest exactly as an upload is.
+
+A target whose disk refuses the write (full, read-only) stops the copy with one
+``DiskWriteError`` naming it: nothing is registered, the source copy's status is left
+as it was, and what was placed stays without a manifest (no checkpoint), for the
+next run to keep what proves to be the manifest's and send the rest.
 """
 
 from __future__ import annotations
@@ -20,19 +25,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra import config
-from infra.catalog import copies, lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import Checkpoint
-from infra.catalog.models import ReplicaStatus as R
-from infra.errors import CorruptCheckpoint, RewindError
-from infra.format import keyring as kr
-from infra.format import manifest as mf
-from infra.format.digest import manifest_matches
-from infra.format.verify import Finding, Problem, Verdict, verify_files
-from infra.restore import execute, plan
-from infra.tiers import transfer
-from infra.tiers.base import AlreadyExists, Tier
+from rewind.infra import config
+from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import Checkpoint
+from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.errors import CorruptCheckpoint, RewindError
+from rewind.infra.format import keyring as kr
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import manifest_matches
+from rewind.infra.format.verify import Finding, Problem, Verdict, verify_files
+from rewind.infra.restore import execute, plan
+from rewind.infra.tiers import transfer
+from rewind.infra.tiers.base import AlreadyExists, DiskWriteError, Tier
 
 log = logging.getLogger("rewind.replicate")
 REUSE_SOURCES = 3  # earlier copies whose manifests are read for files to copy instead of send
@@ -60,6 +65,7 @@ def _send(
     key: str,
     root: Path,
     on_file: Callable[[str, int], None] | None,
+    streams: int,
 ) -> transfer.Pushed:
     digest = str(ck.manifest_digest)
     reuse = [
@@ -72,11 +78,16 @@ def _send(
             finding = Finding(Problem.MANIFEST, mf.MANIFEST_NAME, "changed while being replicated")
             raise CorruptCheckpoint(str(src.directory), [finding])
         try:
-            return transfer.push(src.directory, raw, tier, key, reuse=reuse, on_file=on_file)
+            return transfer.push(src.directory, raw, tier, key, reuse=reuse, on_file=on_file, streams=streams)
         except AlreadyExists:  # a manifest landed meanwhile (a concurrent run): fine only if it is ours
             if transfer.holds(tier, key, digest):
                 return transfer.Pushed()
             raise
+        except DiskWriteError as exc:  # the target's disk, not the copy being sent: nothing registered
+            raise type(exc)(
+                f"cannot replicate {run} step {ck.step}: {exc}; nothing is registered there, and the copy"
+                f" at {src.directory} stays as it was"
+            ) from exc
 
 
 def replicate(
@@ -86,8 +97,9 @@ def replicate(
     *,
     root: Path | None = None,
     on_file: Callable[[str, int], None] | None = None,
+    streams: int = transfer.FILE_STREAMS,
 ) -> Replicated:
-    """Copy one checkpoint to ``tier`` and register the verified copy.
+    """Copy one checkpoint to ``tier`` and register the verified copy (``streams`` files placed at once).
 
     Each candidate name is taken if it is free or holds this very checkpoint intact;
     one holding another timeline's checkpoint, or a damaged copy, is passed over.
@@ -111,7 +123,7 @@ def replicate(
             continue
         for why in passed:
             log.warning("%s: %s; this copy goes to %s", tier.uri, why, key)
-        pushed = _send(cat, ck, run, tier, key, root or config.checkpoint_root(), on_file)
+        pushed = _send(cat, ck, run, tier, key, root or config.checkpoint_root(), on_file, streams)
         _register(cat, ck, tier, key)
         log.info(
             "replicated %s step %d to %s/%s (%d bytes sent, %d reused from earlier copies on the tier)",

@@ -26,7 +26,6 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,18 +33,18 @@ from typing import NamedTuple
 
 from sqlalchemy import exists, select
 
-from infra import config, progress
-from infra.catalog import copies, leases, lineage, serving
-from infra.catalog.db import Catalog
-from infra.catalog.models import Checkpoint, CheckpointStatus, Replica, utcnow
-from infra.catalog.models import ReplicaStatus as R
-from infra.errors import ConfigError, RewindError
-from infra.faults import fault_point
-from infra.format import manifest as mf
-from infra.format import store
-from infra.restore.scrub import QUARANTINE, scrub
-from infra.tiers import open_tier, transfer
-from infra.tiers.filesystem import root_path
+from rewind.infra import config, progress
+from rewind.infra.catalog import copies, leases, lineage, serving
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import Checkpoint, CheckpointStatus, Replica, utcnow
+from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.errors import ConfigError
+from rewind.infra.faults import fault_point
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import store
+from rewind.infra.format.verify import Budget, Verdict
+from rewind.infra.restore.scrub import QUARANTINE, scrub
+from rewind.infra.tiers import open_tier, transfer
 
 log = logging.getLogger("rewind.gc")
 S = CheckpointStatus
@@ -125,18 +124,39 @@ def _live(cat: Catalog, run_id: int) -> list[Live]:
         return [Live(*r) for r in rows]
 
 
-def prove_newest(cat: Catalog, live: list[Live], keep_last: int) -> list[int]:
-    """Deep-verify the newest unproven checkpoints until ``keep_last`` verified ones lead the run."""
+class Proof(NamedTuple):
+    checked: list[int]  # the steps checked now, newest first
+    sure: bool  # False: a check could not be made (an I/O error), so nothing older may go
+
+
+def _proves_now(cat: Catalog, checkpoint_id: int) -> bool | None:
+    """Whether the checkpoint restores *now*: its filesystem copies re-read byte for byte, else an off-site
+    copy whose server checksums were just compared. None: a copy could not be read, or the scrub's budget
+    (one for both looks) ran out before it was (say nothing yet: nothing older goes)."""
+    ck = lineage.get_checkpoint(cat, checkpoint_id)
+    budget = Budget()
+    near = scrub(cat, ck, deep=True, tiers=(copies.LOCAL, "shared"), budget=budget)
+    if any(c.verdict is Verdict.VERIFIED for c in near.copies):
+        return True
+    far = scrub(cat, ck, deep=False, tiers=("offsite",), budget=budget)
+    if any(c.verdict is Verdict.VERIFIED for c in far.copies):
+        return True
+    return None if any(c.verdict is Verdict.UNVERIFIABLE for c in (*near.copies, *far.copies)) else False
+
+
+def prove_newest(cat: Catalog, live: list[Live], keep_last: int) -> Proof:
+    """Prove, now, the newest checkpoints until ``keep_last`` of them restore: a proof recorded earlier
+    (a copy may have rotted since) is never what retention deletes older checkpoints on."""
     proven, checked = 0, []
     for ck in live:
         if proven >= keep_last:
             break
-        if ck.status == S.COMMITTED:
-            checked.append(ck.step)
-            if scrub(cat, lineage.get_checkpoint(cat, ck.id), deep=True).status != S.VERIFIED:
-                continue
-        proven += 1
-    return checked
+        checked.append(ck.step)
+        ok = _proves_now(cat, ck.id)
+        if ok is None:
+            return Proof(checked, False)
+        proven += ok
+    return Proof(checked, True)
 
 
 def _refs(rows: list[copies.CopyRow]) -> list[CopyRef]:
@@ -221,15 +241,14 @@ def plan(cat: Catalog, run: str, policy: Policy, *, root: Path | None = None) ->
     """
     run_id = lineage.get_run(cat, run).id
     live = _live(cat, run_id)  # newest first
-    checked = prove_newest(cat, live, policy.keep_last)
-    if checked:  # the verdicts changed statuses
-        live = _live(cat, run_id)
-    keep = _kept(cat, run_id, live, policy)
+    proof = prove_newest(cat, live, policy.keep_last)
+    live = _live(cat, run_id)  # the verdicts may have changed statuses
+    keep = _kept(cat, run_id, live, policy) if proof.sure else {c.id for c in live}
     gone = [c for c in live if c.id not in keep]
     refs = copies.copy_rows(
         cat, select(Checkpoint.id).where(Checkpoint.run_id == run_id, Checkpoint.status.in_(LIVE))
     )
-    out = GcPlan(run, sorted(c.step for c in live if c.id in keep), verified_first=checked)
+    out = GcPlan(run, sorted(c.step for c in live if c.id in keep), verified_first=proof.checked)
     out.remove = [Removal(c.id, c.step, c.total_bytes or 0, _refs(refs.get(c.id, []))) for c in gone]
     out.reclaim = _dead(cat, run_id, policy)
     out.quarantine = _quarantined(Path(root or config.checkpoint_root()), run, policy.grace_s)
@@ -250,13 +269,13 @@ def _delete_copies(cat: Catalog, run: str, r: Removal) -> None:
         progress.advance(r.bytes)  # dealt with, whether freed now or left for the next run
 
 
-def _doomed(cat: Catalog, ref: CopyRef) -> bool:
+def doomed(cat: Catalog, ref: CopyRef) -> bool:
     """Does this copy hold bytes of its own to delete (not missing, not where a wanted copy lies)?"""
     return ref.status != R.MISSING.value and not copies.location_in_use(cat, ref.replica_id)
 
 
 def _delete_one(cat: Catalog, run: str, step: int, ref: CopyRef) -> None:
-    if _doomed(cat, ref):
+    if doomed(cat, ref):
         try:
             _delete_copy(ref, run, step)
         except Exception as exc:  # still listed: the next run tries again
@@ -332,98 +351,3 @@ def _delete_copy(ref: CopyRef, run: str, step: int) -> None:
     for obj in list(t.list(f"{base}/")):
         t.delete(obj.key)
         _moment()
-
-
-@dataclass
-class Reclaim:
-    """What a plan frees on one tier: bytes whose last link (or object) goes, and files removed."""
-
-    bytes: int = 0
-    files: int = 0
-
-
-@dataclass
-class _Inode:
-    tier: str
-    size: int
-    links: int  # st_nlink: every name the file has, anywhere on its filesystem
-    going: int = 0  # names among the paths the plan deletes
-
-
-def reclaimable(cat: Catalog, gc: GcPlan) -> dict[str, Reclaim]:
-    """Per tier, the bytes deleting what the plan lists frees (a read: nothing is deleted).
-
-    On a filesystem tier checkpoints share unchanged chunks by hard link, so a file's bytes
-    are freed only when every link to its inode is among the paths that go; each inode
-    counts once. S3 objects are not shared between copies: their sizes add up.
-    """
-    out: dict[str, Reclaim] = {}
-    inodes: dict[tuple[int, int], _Inode] = {}
-    seen: set[Path] = set()
-    for r in (*gc.remove, *gc.reclaim):
-        for ref in r.copies:
-            if not _doomed(cat, ref):
-                continue
-            tally = out.setdefault(ref.tier, Reclaim())
-            if ref.uri.startswith("s3://"):
-                _count_objects(ref, gc.run, r, tally)
-                continue
-            where = _directory(ref, gc.run, r.step)
-            if where is not None and where.resolve() not in seen:
-                seen.add(where.resolve())
-                _count_files(where, ref.tier, tally, inodes)
-    for p in gc.quarantine:  # a dead copy's row may name one of these: counted once
-        if p.resolve() not in seen:
-            seen.add(p.resolve())
-            _count_files(p, copies.LOCAL, out.setdefault(copies.LOCAL, Reclaim()), inodes)
-    for i in inodes.values():
-        if i.going >= i.links:
-            out[i.tier].bytes += i.size
-    return out
-
-
-def _directory(ref: CopyRef, run: str, step: int) -> Path | None:
-    """Where a filesystem copy lies (None: a local directory Rewind did not write, and never deletes)."""
-    if ref.tier == copies.LOCAL:
-        path = Path(ref.uri)
-        return path if store.owned(path, config.checkpoint_root()) else None
-    return root_path(ref.uri) / mf.contained(ref.key or transfer.copy_key(run, step))
-
-
-def _count_files(where: Path, tier: str, tally: Reclaim, inodes: dict[tuple[int, int], _Inode]) -> None:
-    for top, _dirs, files in os.walk(where):
-        for name in files:
-            try:
-                st = os.lstat(os.path.join(top, name))
-            except FileNotFoundError:
-                continue  # deleted meanwhile (another gc): not ours to count
-            tally.files += 1
-            if stat.S_ISREG(st.st_mode):
-                inodes.setdefault((st.st_dev, st.st_ino), _Inode(tier, st.st_size, st.st_nlink)).going += 1
-
-
-def _count_objects(ref: CopyRef, run: str, r: Removal, tally: Reclaim) -> None:
-    base = ref.key or transfer.copy_key(run, r.step)
-    try:
-        for obj in open_tier(ref.uri).list(f"{base}/"):
-            tally.bytes += obj.size
-            tally.files += 1
-    except RewindError as exc:  # the figure falls back to what the catalog recorded
-        log.warning("could not list %s/%s: %s; counting the catalog's %d bytes", ref.uri, base, exc, r.bytes)
-        tally.bytes += r.bytes
-
-
-def usage(cat: Catalog, run: str | None, price_per_gb_month: float) -> list[dict[str, object]]:
-    """Bytes held per tier and what they cost a month."""
-    totals: dict[str, int] = {}
-    for row in lineage.replica_bytes(cat, run):
-        totals[row[0]] = totals.get(row[0], 0) + int(row[1] or 0)
-    return [
-        {
-            "tier": t,
-            "bytes": b,
-            "gb": round(b / 1e9, 3),
-            "usd_per_month": round(b / 1e9 * price_per_gb_month, 2),
-        }
-        for t, b in sorted(totals.items())
-    ]

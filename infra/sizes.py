@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from infra.errors import ConfigError
+from rewind.infra.errors import ConfigError
 
 
 def human(n: float) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-from infra.errors import Stopped
+from rewind.infra.errors import Stopped
 
 _asked = threading.Event()
 

@@ -15,8 +15,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from infra import sizes
-from infra.errors import ConfigError
+from rewind.infra import sizes
+from rewind.infra.errors import ConfigError
 
 ENV = "REWIND_WRITE_LIMIT"
 MIN_RATE = 1 << 20  # below 1 MiB/s a checkpoint would take days: surely a typo (e.g. "200" for 200MiB)

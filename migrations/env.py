@@ -6,9 +6,9 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from infra import config as rewind_config
-from infra.catalog.db import parse_url
-from infra.catalog.models import Base
+from rewind.infra import config as rewind_config
+from rewind.infra.catalog.db import parse_url
+from rewind.infra.catalog.models import Base
 
 target_metadata = Base.metadata
 

@@ -8,8 +8,9 @@ from typing import Any
 
 from prefect import task
 
-from infra.inventory.adopt import adopt, pending
-from tasks.common import RETRY, catalog, emit
+from rewind.infra.inventory.adopt import adopt, pending
+from rewind.infra.phases.notify import run_event
+from rewind.tasks.common import RETRY, catalog, notifier
 
 
 @task(name="find-unadopted", **RETRY)
@@ -28,5 +29,8 @@ def adopt_checkpoint(path: str, run: str, step: int | None = None, fmt: str | No
     got = adopt(catalog(), Path(path), run=run, step=step, fmt=fmt)
     result = asdict(got)
     if got.action == "adopted":
-        emit("rewind.checkpoint.adopted", run, result, step=got.step, checkpoint_id=got.checkpoint_id)
+        event = run_event(
+            "rewind.checkpoint.adopted", run, result, step=got.step, checkpoint_id=got.checkpoint_id
+        )
+        notifier().event(event)
     return result

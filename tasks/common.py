@@ -1,44 +1,40 @@
-"""What every Rewind task shares: the retry policy, events, and catalog access."""
+"""What every Rewind task shares: the retry policy, Prefect's notifier, and catalog access."""
 
 from __future__ import annotations
 
-import errno
 import functools
-import re
+import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from prefect import Task
+from prefect import Task, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
 from prefect.client.schemas.objects import TaskRun
 from prefect.events import emit_event
+from prefect.exceptions import MissingContextError
 from prefect.states import State
 from prefect.tasks import exponential_backoff
 
-from infra import config
-from infra.catalog.db import Catalog
-from infra.errors import TransientError
-from tasks.log_view import keep_task_state_lines_out
+from rewind.infra import config
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.errors import is_transient
+from rewind.infra.phases.notify import INCIDENT_KIND_LABEL, Event, artifact_key
+from rewind.tasks.log_view import keep_task_state_lines_out
 
-_TRANSIENT_ERRNOS = {
-    errno.EIO,
-    errno.EAGAIN,
-    errno.ETIMEDOUT,
-    errno.ECONNRESET,
-    errno.ECONNREFUSED,
-    errno.EBUSY,
-}
-
-
-def is_transient(exc: BaseException) -> bool:
-    """Retry network blips, an unreachable catalog, flaky I/O; never corruption, bad input or credentials."""
-    if isinstance(exc, TransientError):
-        return True
-    if isinstance(exc, ConnectionError | TimeoutError):
-        return True
-    return isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS
+__all__ = [
+    "INCIDENT_KIND_LABEL",
+    "NO_CACHE",
+    "RETRY",
+    "PrefectNotifier",
+    "artifact_key",
+    "catalog",
+    "notifier",
+]
 
 
 def retry_transient(task: Task, task_run: TaskRun, state: State) -> bool:
-    """``retry_condition_fn`` for every Rewind task."""
+    """``retry_condition_fn`` for every Rewind task: retry what ``is_transient`` says may succeed."""
     try:
         state.result(raise_on_failure=True)
     except BaseException as exc:
@@ -48,8 +44,10 @@ def retry_transient(task: Task, task_run: TaskRun, state: State) -> bool:
 
 keep_task_state_lines_out()  # flow logs say what Rewind decided, not that each task finished
 
-# Explicit, jittered backoff for transient faults only.
+# Explicit, jittered backoff for transient faults only; no result caching: a phase reads the catalog
+# and the tiers as they are now, so an earlier run's result is never a stand-in for running it again.
 RETRY: dict[str, Any] = {
+    "cache_policy": NO_CACHE,
     "retries": 3,
     "retry_delay_seconds": exponential_backoff(backoff_factor=1),
     "retry_jitter_factor": 0.5,
@@ -67,55 +65,30 @@ def _catalog_at(url: str) -> Catalog:
     return Catalog(url)
 
 
-def run_resource(run: str) -> dict[str, str]:
-    return {
-        "prefect.resource.id": f"rewind.run.{run}",
-        "prefect.resource.name": run,
-        "prefect.resource.role": "run",
-    }
+class PrefectNotifier:
+    """A phase's events as Prefect events, its tables and markdown as artifacts, its lines in the run's log."""
+
+    def event(self, event: Event) -> None:
+        emit_event(
+            event=event.name,
+            resource=dict(event.resource),
+            related=[dict(r) for r in event.related],
+            payload=dict(event.payload),
+        )
+
+    def table(self, *, key: str, rows: Sequence[Mapping[str, Any]], description: str) -> None:
+        create_table_artifact(key=key, table=[dict(r) for r in rows], description=description)
+
+    def markdown(self, *, key: str, text: str, description: str | None = None) -> None:
+        create_markdown_artifact(key=key, markdown=text, description=description)
+
+    def log(self, level: int, msg: str, *args: object) -> None:
+        try:
+            logger: logging.Logger | logging.LoggerAdapter[logging.Logger] = get_run_logger()
+        except MissingContextError:  # a task function called outside a run (tests, scripts)
+            logger = logging.getLogger("rewind")
+        logger.log(level, msg, *args)
 
 
-def checkpoint_resource(run: str, step: int, checkpoint_id: int) -> dict[str, str]:
-    return {
-        "prefect.resource.id": f"rewind.checkpoint.{checkpoint_id}",
-        "prefect.resource.name": f"{run}@{step}",
-        "prefect.resource.role": "checkpoint",
-    }
-
-
-INCIDENT_KIND_LABEL = "rewind.incident.kind"  # on the run resource of rewind.failure.detected
-
-
-def emit(
-    event: str,
-    run: str,
-    payload: dict[str, Any],
-    *,
-    step: int | None = None,
-    checkpoint_id: int | None = None,
-    labels: dict[str, str] | None = None,
-) -> None:
-    """Emit a Rewind event about a run (primary resource, with ``labels`` added: what triggers can match)
-    and, if given, one of its checkpoints."""
-    related = (
-        [checkpoint_resource(run, step, checkpoint_id)]
-        if checkpoint_id is not None and step is not None
-        else []
-    )
-    resource = {**run_resource(run), **(labels or {})}
-    emit_event(event=event, resource=resource, related=related, payload={"run": run, **payload})
-
-
-def emit_for_model(event: str, model: str, payload: dict[str, Any]) -> None:
-    """Emit a Rewind serving event about a model (primary resource ``rewind.model.<name>``)."""
-    resource = {
-        "prefect.resource.id": f"rewind.model.{model}",
-        "prefect.resource.name": model,
-        "prefect.resource.role": "model",
-    }
-    emit_event(event=event, resource=resource, payload={"model": model, **payload})
-
-
-def artifact_key(*parts: object) -> str:
-    """Artifact keys allow lowercase letters, digits and dashes only."""
-    return re.sub(r"[^a-z0-9-]+", "-", "-".join(str(p) for p in parts).lower()).strip("-")[:200]
+def notifier() -> PrefectNotifier:
+    return PrefectNotifier()

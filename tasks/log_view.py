@@ -4,7 +4,7 @@ Prefect logs one ``Finished in state Completed()`` line per task run on the same
 logger (``prefect.task_runs``) that tasks use for their own lines, so a level cannot
 tell them apart; a filter on that logger drops the completed-task lines (failures are
 logged at ERROR and kept, and so is every domain line). ``REWIND_TASK_STATE_LOGS=1``
-keeps them all. Installed when ``tasks.common`` is imported, which every flow module does, in the
+keeps them all. Installed when ``rewind.tasks.common`` is imported, which every flow module does, in the
 flow-run process, after Prefect has set its logging up.
 """
 

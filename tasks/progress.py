@@ -1,4 +1,4 @@
-"""Byte progress inside flows: each phase of long work (``infra.progress``) as a Prefect progress artifact.
+"""Byte progress inside flows: each phase of long work (``rewind.infra.progress``) as a Prefect progress artifact.
 
 The artifact is created when a phase starts and updated at each whole percent, so a
 100 GB replication shows in the UI as it goes, not only when it ends. Showing progress
@@ -17,8 +17,8 @@ from uuid import UUID
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-from infra import progress
-from infra.training.progress import RankState
+from rewind.infra import progress
+from rewind.infra.training.progress import RankState
 
 log = logging.getLogger("rewind.progress")
 

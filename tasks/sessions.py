@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 
-from infra.catalog import sessions
-from tasks.common import RETRY, catalog
+from rewind.infra.catalog import sessions
+from rewind.tasks.common import RETRY, catalog
 
 
 @task(name="expire-conversations", **RETRY)

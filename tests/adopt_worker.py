@@ -21,9 +21,9 @@ def _model(seed: int) -> torch.nn.Module:
 
 
 def main(directory: str, run: str) -> None:
-    from infra.catalog.db import Catalog
-    from infra.inventory.adopt import adopt
-    from infra.restore.foreign import load_dcp
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.inventory.adopt import adopt
+    from rewind.infra.restore.foreign import load_dcp
 
     faulthandler.dump_traceback_later(120, exit=True)  # a hung rank says where, well within the test's 180 s
     dist.init_process_group("gloo")
@@ -44,8 +44,11 @@ def main(directory: str, run: str) -> None:
             )
     dist.barrier()
     dist.destroy_process_group()
+    # Exit while the models are still referenced: freeing a DDP model's reducer after the group is gone
+    # has hung a rank in C code (seen in CI: rank 1 stuck at the return from main for 120 s).
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:3])
-    os._exit(0)

@@ -136,6 +136,7 @@ SLOW_FILES_FIRST = [
     "test_flows.py",  # ~370
     "test_serving.py",  # ~300
     "test_protect_any_job.py",  # ~215
+    "test_slurm.py",  # ~205 (three host faults on the session's one Slurm cluster)
     "test_sharded.py",  # ~205
     "test_resume.py",  # ~200
     "test_tiers.py",  # ~185
@@ -150,6 +151,9 @@ SLOW_FILES_FIRST = [
     "test_adopt.py",  # ~90
     "test_async_save.py",  # ~80
     "test_gc_kill.py",  # ~75 (8 gc kills ~45)
+    "test_catalog_races.py",  # ~55
+    "test_watch_beside.py",  # ~45
+    "test_group_smoke.py",  # ~40
     "test_progress.py",  # ~40
     "test_incremental.py",  # ~20 alone, ~35 loaded
     "test_conversation.py",  # ~25

@@ -44,8 +44,8 @@ def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch
 
 
 def main(mode: str, kind: str, workdir: str) -> None:
-    from infra.checkpoint import sharded
-    from infra.format import manifest as mf
+    from rewind.infra.checkpoint import sharded
+    from rewind.infra.format import manifest as mf
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -63,8 +63,7 @@ def main(mode: str, kind: str, workdir: str) -> None:
             root / "ckpt",
             "dist",
             3,
-            {"model": msd, "optim": osd},
-            {"rank": rank, "consumed": 3 * 4 * world},
+            sharded.share_of({"model": msd, "optim": osd}, {"rank": rank, "consumed": 3 * 4 * world}, rank),
             layout=sharded.layout_of(world),
         )
         full = _full(model, opt)
@@ -88,8 +87,9 @@ def main(mode: str, kind: str, workdir: str) -> None:
             (root / f"rank-state-{world}.txt").write_text(repr(mine))
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # before the DDP model is freed after its group is gone (that has hung a rank)
 
 
 if __name__ == "__main__":
     main(*sys.argv[1:4])
-    os._exit(0)

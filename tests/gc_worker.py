@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer
 
 VOCAB, DIM = 2048, 256  # a 2 MiB frozen embedding: every checkpoint after the first links it
 

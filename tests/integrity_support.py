@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
 
 
 def flip(path: Path) -> None:

@@ -11,8 +11,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from infra.launch.process import find_pids
-from infra.launch.process import stop_group as stop_process_group
+from rewind.infra.launch.process import find_pids
+from rewind.infra.launch.process import stop_group as stop_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 T = TypeVar("T")
@@ -35,7 +35,7 @@ def rewind_serve(api_url: str, env: dict[str, str], *extra: str) -> Iterator[sub
     """Run `rewind serve` as its own process, as a user would; stop it (bounded) afterwards."""
     log = open(Path(env.get("REWIND_HOME", "/tmp")) / "serve.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "serve", *extra],
+        [sys.executable, "-m", "rewind.flows.cli", "serve", *extra],
         cwd=REPO,
         env={
             **os.environ,

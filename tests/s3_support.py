@@ -1,11 +1,11 @@
-"""A real S3 server on loopback for the tests: SeaweedFS (`weed mini`), started by ``infra.drills.servers``
+"""A real S3 server on loopback for the tests: SeaweedFS (`weed mini`), started by ``rewind.infra.drills.servers``
 (the drills start the same one)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from infra.drills.servers import ACCESS_KEY, SECRET_KEY, SeaweedS3, weed_binary
+from rewind.infra.drills.servers import ACCESS_KEY, SECRET_KEY, SeaweedS3, weed_binary
 
 BUCKET = "rewind"  # created by the ``s3`` fixture
 
@@ -16,9 +16,9 @@ def big_checkpoint(run: str, root: Path, mb: int = 260):  # type: ignore[no-unty
     """A real multi-file checkpoint of ``mb`` MB (model + optimizer + rng + state.json)."""
     import torch
 
-    from infra.catalog.db import Catalog
-    from infra.checkpoint.engine import Checkpointer
-    from infra.checkpoint.state import RNGState
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.checkpoint.engine import Checkpointer
+    from rewind.infra.checkpoint.state import RNGState
 
     torch.manual_seed(0)
     n = mb * (1 << 20) // 4 // 3  # params + two Adam moments

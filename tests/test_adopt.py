@@ -15,11 +15,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 
-from flows.cli import main as rewind
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.errors import NoRestorableCheckpoint
-from infra.restore.foreign import load_dcp, verified_directory
+from rewind.flows.cli import main as rewind
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.errors import NoRestorableCheckpoint
+from rewind.infra.restore.foreign import load_dcp, verified_directory
 from tests.integrity_support import flip
 from tests.s3_support import BUCKET
 from tests.torchrun_support import torchrun
@@ -163,8 +163,8 @@ def test_retention_never_deletes_an_adopted_directory(rewind_env, run_name, tmp_
     with no grace period leave every byte where it was."""
     from safetensors.torch import save_file
 
-    from infra import retention
-    from infra.inventory.adopt import adopt
+    from rewind.infra import retention
+    from rewind.infra.inventory.adopt import adopt
 
     cat = Catalog()
     dirs = []

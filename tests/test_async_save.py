@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.checkpoint.background import BackgroundSaveError
-from infra.checkpoint.engine import Checkpointer, SaveMode
-from infra.checkpoint.state import RNGState
-from infra.format import manifest as mf
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.background import BackgroundSaveError
+from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
+from rewind.infra.checkpoint.state import RNGState
+from rewind.infra.format import manifest as mf
 from tests.test_resume import FAULT_POINTS, KILLS
 from tests.trainproc import TrainProc, assert_same_weights
 

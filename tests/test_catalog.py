@@ -11,10 +11,10 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError
 
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import LIVE_STATUSES, Base, CheckpointStatus
-from infra.errors import CatalogUnavailable, ConfigError
+from rewind.infra.catalog import drills, incidents, jobs, lineage, serving
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import LIVE_STATUSES, Base, CheckpointStatus, IncidentKind
+from rewind.infra.errors import CatalogUnavailable, ConfigError
 
 S = CheckpointStatus
 TABLES = {"run", "checkpoint", "checkpoint_file", "replica", "incident"}
@@ -94,6 +94,45 @@ def test_migration_0003_maps_old_statuses_and_enforces_enums(empty_url):
     with cat.engine.begin() as conn:
         conn.execute(bogus)  # the constraint is gone with the revision
         assert conn.execute(text("SELECT status FROM replica WHERE id = 2")).scalar_one() == "bogus"
+    cat.close()
+
+
+def test_migration_0011_enforces_kinds_states_outcomes_and_keeps_rows(empty_url):
+    cat = Catalog(empty_url, auto_upgrade=False)
+    cat.migrate("0010")
+    lineage.ensure_run(cat, "old")
+    incident = incidents.open_incident(cat, "old", "hang", "no progress")
+    with pytest.raises(ConfigError, match="incident kind 'finished' is not one of"):
+        incidents.open_incident(cat, "old", IncidentKind.FINISHED, "a launch that ended well")
+    launch = jobs.begin_launch(cat, "old", {}, {}, incident_id=incident)
+    jobs.report(cat, launch, 0, node="n0", pid=1, beat_at=1.0, state="anomaly")
+    drill = drills.record(cat, scenario="s", failure_kind="hang", outcome="passed", incident_id=incident)
+    rollout = serving.begin_rollout(cat, "m", "deploy", "v1", from_version=None, triggered_by="test")
+    serving.record_step(cat, rollout, "load", actor="test")
+
+    cat.migrate("head")
+    with cat.engine.connect() as conn:  # rewriting parent tables on SQLite must not fire their foreign keys
+        assert conn.execute(text("SELECT incident_id FROM launch")).scalar_one() == incident
+        assert conn.execute(text("SELECT incident_id FROM drill")).scalar_one() == incident
+        assert conn.execute(text("SELECT count(*) FROM rollout_step")).scalar_one() == 1
+        assert conn.execute(text("SELECT state FROM rank_progress")).scalar_one() == "anomaly"
+    bogus = {
+        "ck_incident_kind": f"UPDATE incident SET kind = 'anomaly' WHERE id = {incident}",
+        "ck_rank_progress_state": "UPDATE rank_progress SET state = 'hung'",
+        "ck_drill_outcome": f"UPDATE drill SET outcome = 'ok' WHERE id = {drill}",
+        "ck_rollout_kind": f"UPDATE rollout SET kind = 'canary' WHERE id = {rollout}",
+    }
+    for name, sql in bogus.items():
+        with pytest.raises(IntegrityError, match=name), cat.engine.begin() as conn:
+            conn.execute(text(sql))
+
+    cat.migrate("0010", down=True)
+    with cat.engine.begin() as conn:  # the constraints are gone with the revision
+        for sql in bogus.values():
+            conn.execute(text(sql))
+    with pytest.raises(RuntimeError, match=r"incident.kind holds \['anomaly'\]"):
+        cat.migrate("head")  # refused, on SQLite too, instead of leaving rows no code understands
+    assert cat.current() == "0010"
     cat.close()
 
 

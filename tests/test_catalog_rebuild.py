@@ -10,15 +10,15 @@ from pathlib import Path
 
 import torch
 
-from flows.cli import main as rewind
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer
-from infra.checkpoint.state import RNGState
-from infra.format import manifest as mf
-from infra.inventory.rebuild import rebuild
-from infra.replication import replicate
-from infra.tiers import open_tier
+from rewind.flows.cli import main as rewind
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.checkpoint.state import RNGState
+from rewind.infra.format import manifest as mf
+from rewind.infra.inventory.rebuild import rebuild
+from rewind.infra.replication import replicate
+from rewind.infra.tiers import open_tier
 from tests.conftest import ADMIN_URL
 from tests.integrity_support import flip
 from tests.s3_support import BUCKET

@@ -6,15 +6,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 import torch
 
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer
-from infra.errors import ConfigError
-from infra.net import free_port
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.errors import ConfigError
+from rewind.infra.net import free_port
 
 REWIND = str(Path(sys.executable).parent / "rewind")
 
@@ -55,6 +56,32 @@ CASES = {
         3,
         "unreachable",
         "topsecret",
+    ),
+    "run_name_not_utf8": (["ckpt", "list", "r\udcff"], {}, 2, "not valid UTF-8", None),
+    "catalog_port_not_a_number": (
+        ["ckpt", "list", "{run}"],
+        {"REWIND_CATALOG_URL": "postgresql+psycopg://rewind:hunter2@127.0.0.1:notaport/db"},
+        2,
+        "not a database URL",
+        "hunter2",
+    ),
+    "s3_endpoint_not_a_url": (
+        ["replicate", "{run}", "--to", "s3://bucket/x"],
+        {"AWS_ENDPOINT_URL": "notaurl", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "sk"},
+        2,
+        "not a URL",
+        None,
+    ),
+    "s3_endpoint_port_not_a_number": (
+        ["replicate", "{run}", "--to", "s3://bucket/x"],
+        {
+            "AWS_ENDPOINT_URL": "http://key:hunter2@127.0.0.1:notaport",
+            "AWS_ACCESS_KEY_ID": "k",
+            "AWS_SECRET_ACCESS_KEY": "sk",
+        },
+        2,
+        "not a valid URL",
+        "hunter2",
     ),
 }
 
@@ -126,9 +153,8 @@ def test_serving_stop_never_kills_an_unrelated_process_a_stale_file_names(tmp_pa
 
 def test_a_command_haproxy_refuses_is_not_retried_as_an_outage(tmp_path):
     """HAProxy answered "no": asking again gets the same answer, so it must not look transient."""
-    from infra.errors import Refused
-    from infra.serving.haproxy import Keys, Proxy
-    from tasks.common import is_transient
+    from rewind.infra.errors import Refused, is_transient
+    from rewind.infra.serving.haproxy import Keys, Proxy
 
     proxy = Proxy(tmp_path / "proxy")
     proxy.start(["127.0.0.1:9"], Keys(frozenset(), ("",)))
@@ -143,3 +169,131 @@ def test_a_command_haproxy_refuses_is_not_retried_as_an_outage(tmp_path):
         assert proxy.stats()["v1"].weight == 100
     finally:
         proxy.stop()
+
+
+def test_rewind_serve_refuses_to_serve_deployments_from_an_unauthenticated_temporary_server(tmp_path):
+    """Without PREFECT_API_URL Prefect would start a temporary server that anyone local could ask to run
+    a protect-training flow with any command: `rewind serve` says how to start one that authenticates."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update({"PREFECT_HOME": str(tmp_path / "prefect"), "REWIND_HOME": str(tmp_path / "home")})
+    done = subprocess.run(
+        [sys.executable, "-m", "rewind.flows.cli", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "rewind server" in line and "PREFECT_API_URL" in line, line
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://rewind@127.0.0.1:1/rewind?password=S3cretPW&sslpassword=S3cretPW",
+        "postgresql://rewind:S3cretPW@127.0.0.1:1/rewind",
+        "nonsense://rewind:S3cretPW@127.0.0.1:1/rewind?password=S3cretPW",
+    ],
+)
+def test_a_catalog_password_is_never_printed_wherever_the_url_carries_it(url, tmp_path):
+    env = {**os.environ, "REWIND_CATALOG_URL": url, "REWIND_HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "rewind.flows.cli", "runs", "list"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode in (2, 3), done.stderr  # bad URL / unreachable (nothing listens on port 1)
+    assert "S3cretPW" not in done.stdout + done.stderr and "rewind: error:" in done.stderr, done.stderr
+
+
+def test_a_job_whose_working_directory_is_missing_is_refused_at_once(tmp_path, capsys):
+    from rewind.flows.cli import main
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text('command: [python, -c, "pass", "{run}"]\ncwd: no-such-dir\n')
+    assert main(["drill", "run", "kill-rank", "--job-spec", str(spec)]) == 2  # not a 180 s wait, then 1
+    assert "not a directory" in capsys.readouterr().err
+
+
+def test_protect_training_with_a_missing_working_directory_fails_in_one_line(
+    prefect_api, rewind_env, run_name
+):
+    from rewind.flows.training import protect_training
+
+    state = protect_training(
+        run_name, ["python", "-c", "pass"], cwd="/nonexistent/rewind-job", return_state=True
+    )
+    assert state.is_failed()
+    assert "working directory /nonexistent/rewind-job does not exist" in str(state.message), state.message
+
+
+_NESTED = "a: " + "[" * 5000 + "]" * 5000 + "\ncommand: [python]\n"
+_ALIASES = "command: [python]\nenv:\n" + "".join(  # a billion laughs: 9**12 strings if expanded
+    f"  K{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9 if i else ["x"] * 9) + "]\n" for i in range(12)
+)
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ('command: [python, -c, "pass"]\nenv: {A: 1}\n', "env must map names to strings"),
+        ('command: [python, -c, "pass"]\nnnodes: "2"\n', "nnodes must be a whole number"),
+        ('command: [python, -c, "pass"]\nnproc_per_node: true\n', "nproc_per_node must be a whole number"),
+        (
+            'command: [python, -c, "pass"]\nrdzv_endpoint: "host:notaport"\n',
+            "rdzv_endpoint must be host:port",
+        ),
+        ("command: python train.py\n", "a list of strings"),
+        (_NESTED, "nested too deeply"),
+        (_ALIASES, "env must map names to strings"),
+        ("command: [python]\n# " + "x" * (1 << 20), "larger than"),
+    ],
+    ids=["env_int", "nnodes_str", "nproc_bool", "endpoint_port", "command_str", "nested", "aliases", "huge"],
+)
+def test_a_job_spec_of_the_wrong_shape_is_refused_in_one_line(text, says, tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(text)
+    env = {**os.environ, "REWIND_HOME": str(tmp_path / "home")}
+    done = subprocess.run(
+        [REWIND, "drill", "run", "kill-rank", "--job-spec", str(spec)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    err = done.stderr.strip()
+    assert done.returncode == 2, (done.returncode, err)
+    assert len(err.splitlines()) == 1 and err.startswith("rewind: error:") and says in err, err
+
+
+def test_db_upgrade_creates_a_missing_postgres_database_or_says_who_must(tmp_path):
+    from tests.conftest import ADMIN_URL, _admin
+
+    name, role = f"rewind_walk_{uuid.uuid4().hex[:8]}", f"rw_nocreate_{uuid.uuid4().hex[:8]}"
+    base = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+    env = {**os.environ, "REWIND_HOME": str(tmp_path)}
+    _admin(f'CREATE ROLE "{role}" LOGIN')  # may log in, may not create databases
+    try:
+        limited = base.replace("postgres@", f"{role}@") + f"/{name}"
+        said = subprocess.run([REWIND, "ckpt", "list", "x"], env={**env, "REWIND_CATALOG_URL": limited},
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert said.returncode == 2 and "does not exist on that server" in said.stderr, (
+            said.stderr
+        )  # not "unreachable"
+        said = subprocess.run([REWIND, "db", "upgrade"], env={**env, "REWIND_CATALOG_URL": limited},
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert said.returncode == 2 and f"createdb -h 127.0.0.1 -O {role} {name}" in said.stderr, said.stderr
+        for _ in range(2):  # the second run finds it there
+            done = subprocess.run([REWIND, "db", "upgrade"], env={**env, "REWIND_CATALOG_URL": f"{base}/{name}"},
+                                  capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert done.returncode == 0 and "at revision" in done.stdout, done.stderr
+        assert "created the database" not in done.stdout
+    finally:
+        _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        _admin(f'DROP ROLE IF EXISTS "{role}"')
+
+
+def test_status_of_an_empty_catalog_names_the_catalog_it_read(tmp_path):
+    env = {**os.environ, "REWIND_HOME": str(tmp_path), "REWIND_CATALOG_URL": f"sqlite:///{tmp_path / 'c.db'}"}
+    done = subprocess.run([REWIND, "status"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and f"no runs in catalog sqlite:///{tmp_path / 'c.db'}" in done.stdout, done

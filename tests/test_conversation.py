@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from examples.chat_lm import build_model
-from infra.catalog import sessions
-from infra.catalog.db import Catalog
-from infra.catalog.models import utcnow
-from infra.serving import kv_blocks
-from infra.serving.conversation import Conversations
-from infra.serving.kv_blocks import DiskBlocks, MemoryBlocks, TieredBlocks
+from rewind.examples.chat_lm import build_model
+from rewind.infra.catalog import sessions
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import utcnow
+from rewind.infra.serving import kv_blocks
+from rewind.infra.serving.conversation import Conversations
+from rewind.infra.serving.kv_blocks import DiskBlocks, MemoryBlocks, TieredBlocks
 
 SEED = 20261130
 MiB = 1 << 20
@@ -109,7 +109,7 @@ def test_history_expires_after_its_ttl(pg_url, key):
 
 
 def test_a_retried_turn_gets_its_recorded_reply_not_a_second_turn(model, pg_url, tmp_path, key):
-    from infra.errors import Refused
+    from rewind.infra.errors import Refused
 
     cat = Catalog(pg_url)
     a = instance(model, cat, tmp_path / "node", "a")
@@ -123,7 +123,7 @@ def test_a_retried_turn_gets_its_recorded_reply_not_a_second_turn(model, pg_url,
 
 
 def test_blocks_of_other_weights_or_a_stale_history_are_never_used(model, pg_url, tmp_path, key):
-    from infra.errors import Refused
+    from rewind.infra.errors import Refused
 
     cat = Catalog(pg_url)
     a = instance(model, cat, tmp_path / "node", "a", model_id="chat@1")

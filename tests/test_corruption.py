@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.cli import main as rewind
-from infra.format.manifest import MANIFEST_NAME
+from rewind.flows.cli import main as rewind
+from rewind.infra.format.manifest import MANIFEST_NAME
 from tests.conftest import ADMIN_URL, _admin
 from tests.trainproc import TrainProc, assert_same_weights
 

@@ -23,11 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from infra.errors import CorruptCheckpoint, Refused, StateMismatch
-from infra.format import dcp as vdcp
-from infra.format.digest import hash_file
-from infra.format.manifest import FileEntry
-from infra.format.verify import Problem
+from rewind.infra.errors import CorruptCheckpoint, Refused, StateMismatch
+from rewind.infra.format import dcp as vdcp
+from rewind.infra.format.digest import hash_file
+from rewind.infra.format.manifest import FileEntry
+from rewind.infra.format.verify import Problem
 from tests.torchrun_support import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
@@ -233,7 +233,7 @@ def test_file_growing_while_read_is_refused(saved, monkeypatch):
     directory, _, entries = saved
     shard = directory / SHARD
 
-    from infra.format import verify
+    from rewind.infra.format import verify
 
     class AppendingHasher(verify.Hasher):
         """Simulates a writer appending to the shard while it is being read."""

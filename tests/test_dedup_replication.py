@@ -20,22 +20,22 @@ import crc32c
 import pytest
 import torch
 
-from flows.cli import main as rewind
-from infra import progress
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer
-from infra.checkpoint.state import RNGState
-from infra.format import keyring as kr
-from infra.format import manifest as mf
-from infra.format.digest import hash_bytes
-from infra.format.verify import Verdict
-from infra.replication import Replicated, replicate
-from infra.restore.foreign import verified_directory
-from infra.tiers.base import AlreadyExists, NotCopied, ObjectNotFound, Tier
-from infra.tiers.filesystem import FileTier
-from infra.tiers.s3 import S3Tier
-from infra.tiers.transfer import check_remote
+from rewind.flows.cli import main as rewind
+from rewind.infra import progress
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.checkpoint.state import RNGState
+from rewind.infra.format import keyring as kr
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import hash_bytes
+from rewind.infra.format.verify import Verdict
+from rewind.infra.replication import Replicated, replicate
+from rewind.infra.restore.foreign import verified_directory
+from rewind.infra.tiers.base import AlreadyExists, NotCopied, ObjectNotFound, Tier
+from rewind.infra.tiers.filesystem import FileTier
+from rewind.infra.tiers.s3 import S3Tier
+from rewind.infra.tiers.transfer import check_remote
 from tests.integrity_support import flip
 from tests.s3_support import BUCKET
 from tests.test_incremental import DIM, VOCAB, Net, build, train

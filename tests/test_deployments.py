@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from flows.deployments import FAILURE_EVENT, RECOVERABLE, build
+from rewind.flows.deployments import FAILURE_EVENT, RECOVERABLE, build
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.catalog import drills
-from infra.catalog.db import Catalog
-from infra.drills import experiments, servers, slo
+from rewind.infra.catalog import drills
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.drills import experiments, servers, slo
 from tests.ui_support import chromium
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ def test_scenarios_are_chaos_toolkit_experiments():
 
 
 def test_crash_at_save_drill_is_recorded_and_judged(prefect_api, sqlite_env):
-    from flows.drills import run_one
+    from rewind.flows.drills import run_one
 
     tight = sqlite_env / "slo.yaml"  # the crash budget passes, but restore may take 1 ms: broken on purpose
     tight.write_text("kinds:\n  crash: {rto_s: 120, max_replay_steps: 20, phases: {restore: 0.001}}\n")
@@ -69,7 +69,7 @@ def test_crash_at_save_drill_is_recorded_and_judged(prefect_api, sqlite_env):
 
 
 def test_drill_cli_lists_reports_and_refuses_bad_input(sqlite_env, capsys):
-    from flows.cli import main
+    from rewind.flows.cli import main
 
     assert main(["drill", "list"]) == 0
     listed = capsys.readouterr().out
@@ -91,7 +91,7 @@ def test_drill_cli_lists_reports_and_refuses_bad_input(sqlite_env, capsys):
 
 
 def test_run_drills_flow_records_a_skipped_scenario_with_its_reason(prefect_api, sqlite_env, monkeypatch):
-    from flows.drills import run_drills
+    from rewind.flows.drills import run_drills
 
     # catalog-restart needs PostgreSQL's server binaries: where they are not found, it is skipped, saying so.
     monkeypatch.setattr(servers, "POSTGRES_BIN_DIRS", (str(sqlite_env / "no-postgres"),))
@@ -106,7 +106,7 @@ def test_run_drills_flow_records_a_skipped_scenario_with_its_reason(prefect_api,
 
 
 JOB_SPEC = """# a user's job: the drill fills in {run} (its own run), {out} and {loss_log}
-command: [python, -m, examples.tiny_lm, --run, "{run}", --steps, "50", --checkpoint-every, "10",
+command: [python, -m, rewind.examples.tiny_lm, --run, "{run}", --steps, "50", --checkpoint-every, "10",
           --seed, "3", --out, "{out}", --step-time-s, "0.15", --loss-log, "{loss_log}"]
 cwd: REPO
 env: {OMP_NUM_THREADS: "1"}
@@ -119,7 +119,7 @@ def test_s3_outage_drill_against_a_job_spec(prefect_api, sqlite_env, capsys):
     newest checkpoint's replication is cut by stopping the drill's own S3 server after the first file,
     nothing is registered for the cut copy, replication resumes after the restart sending only what is
     missing, and with the local tier deleted recovery restores from that verified off-site copy."""
-    from flows.cli import main
+    from rewind.flows.cli import main
 
     spec = sqlite_env / "job.yaml"
     spec.write_text(JOB_SPEC.replace("REPO", str(REPO)))
@@ -140,10 +140,10 @@ def test_s3_outage_drill_against_a_job_spec(prefect_api, sqlite_env, capsys):
 
 
 def test_a_job_spec_the_drill_cannot_run_is_refused(sqlite_env, capsys):
-    from flows.cli import main
+    from rewind.flows.cli import main
 
     spec = sqlite_env / "job.json"
-    spec.write_text(json.dumps({"command": ["python", "-m", "examples.tiny_lm", "--run", "mine"]}))
+    spec.write_text(json.dumps({"command": ["python", "-m", "rewind.examples.tiny_lm", "--run", "mine"]}))
     assert main(["drill", "run", "kill-rank", "--job-spec", str(spec)]) == 2
     assert "{run}" in capsys.readouterr().err
     spec.write_text(json.dumps({"command": "python train.py {run}"}))
@@ -177,7 +177,7 @@ def test_the_report_renders_its_three_plots_in_a_real_browser(sqlite_env):
 
     from matplotlib import image
 
-    from flows.cli import main
+    from rewind.flows.cli import main
     from tests.ui_support import browser
 
     _recorded(6)

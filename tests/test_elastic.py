@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from examples.runner import TrainingProcess
-from examples.tiny_lm import command
-from examples.tiny_lm_model import CharDataset, corpus
-from infra.training.data import epoch_order
+from rewind.examples.runner import TrainingProcess
+from rewind.examples.tiny_lm import command
+from rewind.examples.tiny_lm_model import CharDataset, corpus
+from rewind.infra.training.data import epoch_order
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ def ddp_cmd(run: str, out: Path, nproc: int, log: Path) -> list[str]:
         steps=30,
         every=5,
         extra=["--nproc", str(nproc), "--sample-log", str(log)],
-        module="examples.tiny_lm_ddp",
+        module="rewind.examples.tiny_lm_ddp",
     )
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer
-from infra.checkpoint.state import RNGState
-from infra.errors import ConfigError
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.checkpoint.state import RNGState
+from rewind.infra.errors import ConfigError
 
 
 def _job(run: str, cat: Catalog, root, seed: int = 0):  # type: ignore[no-untyped-def]

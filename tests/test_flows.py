@@ -20,10 +20,10 @@ from prefect.client.schemas.filters import (
 from prefect.deployments import run_deployment
 from prefect.events.filters import EventFilter, EventNameFilter
 
-from examples.tiny_lm import command as tiny_lm_cmd
-from infra.catalog import incidents, lineage
-from infra.catalog.db import Catalog
-from infra.launch.process import find_pids
+from rewind.examples.tiny_lm import command as tiny_lm_cmd
+from rewind.infra.catalog import incidents, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.launch.process import find_pids
 from tests.prefect_support import deployment_ids, find_pid, rewind_serve, wait_until
 from tests.trainproc import REPO, TrainProc, assert_same_weights
 from tests.ui_support import chromium
@@ -100,7 +100,7 @@ def test_crash_is_recovered_by_the_event_driven_deployment(reference, served, fl
     )
     run_id = wait_until(lambda: _run_id(cat, run_name), 60, "the run to appear")
     wait_until(lambda: len(lineage.restorable(cat, run_id)) >= 2, 120, "two committed checkpoints")
-    pid = find_pid("examples.tiny_lm", f"--run {run_name} ")
+    pid = find_pid("rewind.examples.tiny_lm", f"--run {run_name} ")
     assert pid is not None
     os.kill(pid, signal.SIGKILL)  # from here on the test does nothing but wait
 
@@ -114,6 +114,11 @@ def test_crash_is_recovered_by_the_event_driven_deployment(reference, served, fl
     assert_same_weights(out / "final.safetensors", reference[1])
     (inc,) = incidents.incidents_of(cat, run_name)
     assert inc.kind == "crash" and inc.resolved_at is not None
+    # The protected run whose job was killed reads as failed in the UI, its incident named; the trigger
+    # that recovered it keys on Rewind's event, not on that state.
+    (protected,) = [r for r in _flow_runs(client, "protect-training") if r.parameters.get("run") == run_name]
+    assert protected.state.is_failed(), protected.state
+    assert f"crash, incident {inc.id}:" in protected.state.message, protected.state.message
     # The timeline must add up: noticed within a poll, restored and relaunched after the flow started,
     # the first step after all of it; no more steps replayed than lie between two checkpoints.
     assert 0 <= inc.detection_s < 5, inc.detection_s
@@ -151,7 +156,7 @@ def test_crash_is_recovered_by_the_event_driven_deployment(reference, served, fl
 @LONG
 def test_lost_rank_is_relaunched_on_fewer_ranks_automatically(served, flow_env, run_name, tmp_path):
     cat = Catalog()
-    command = tiny_lm_cmd(run_name, tmp_path / "out", steps=30, every=5, module="examples.tiny_lm_ddp")
+    command = tiny_lm_cmd(run_name, tmp_path / "out", steps=30, every=5, module="rewind.examples.tiny_lm_ddp")
     params = {"run": run_name, "command": command, "cwd": str(REPO), "nproc_per_node": 4,
               "env": {"OMP_NUM_THREADS": "1"}}  # fmt: skip
     run_deployment("protect-training/protect-training", parameters=params, timeout=0)
@@ -161,7 +166,7 @@ def test_lost_rank_is_relaunched_on_fewer_ranks_automatically(served, flow_env, 
     )
     workers = [
         p
-        for p in find_pids("examples.tiny_lm_ddp", f"--run {run_name} ")
+        for p in find_pids("rewind.examples.tiny_lm_ddp", f"--run {run_name} ")
         if "torch.distributed.run" not in _cmdline(p)
     ]
     assert len(workers) == 4, workers
@@ -192,7 +197,7 @@ def test_a_job_that_fails_to_start_is_an_incident_with_its_last_lines_and_not_re
     from prefect.server.events.schemas.automations import EventTrigger
     from prefect.server.events.schemas.events import ReceivedEvent
 
-    from flows.training import recover_training
+    from rewind.flows.training import recover_training
 
     client = served
     job = "print('reading the config', flush=True); import rewind_no_such_module  # a broken job"
@@ -201,7 +206,12 @@ def test_a_job_that_fails_to_start_is_an_incident_with_its_last_lines_and_not_re
         parameters={"run": run_name, "command": ["python", "-c", job], "cwd": str(REPO)},
         timeout=120,
     )
-    assert fr.state.is_completed(), fr.state.message
+    assert fr.state.is_failed(), (
+        fr.state.message
+    )  # a job that cannot start is a failed run, with its last line
+    assert "failed_to_start" in fr.state.message and "rewind_no_such_module" in fr.state.message, (
+        fr.state.message
+    )
     cat = Catalog()
     (inc,) = incidents.incidents_of(cat, run_name)
     assert inc.kind == "failed_to_start", (inc.kind, inc.reason)
@@ -279,7 +289,7 @@ def test_restore_of_a_chosen_step_through_the_api(reference, served, flow_env, r
 
 
 def test_transient_fault_is_retried_and_corruption_is_not(served, flow_env, run_name, tmp_path, monkeypatch):
-    from flows.maintenance import restore_checkpoint_flow, verify_checkpoints
+    from rewind.flows.maintenance import restore_checkpoint_flow, verify_checkpoints
 
     client = served
     _train(run_name, tmp_path / "out", "--steps", "20", "--stop-after", "20")
@@ -327,7 +337,7 @@ def real_server(flow_env, tmp_path_factory):
     """
     import httpx
 
-    from infra.net import free_port
+    from rewind.infra.net import free_port
     from tests.ui_support import rewind_server
 
     home = tmp_path_factory.mktemp("real-server")
@@ -358,6 +368,7 @@ def test_schedules_have_upcoming_runs_on_a_real_server(real_server):
     api, auth = server.api, server.auth
     cred_file = Path(server.log).parent / "prefect-auth"
     assert cred_file.stat().st_mode & 0o077 == 0  # only its owner can read the credential
+    assert (cred_file.parent / "prefect" / "prefect.db").exists()  # Prefect's home under REWIND_HOME
     assert httpx.post(f"{api}/flow_runs/filter", json={}, timeout=5).status_code == 401  # no credential
 
     def upcoming():
@@ -380,7 +391,7 @@ def test_the_ui_on_a_non_default_port_lists_rewinds_deployments_in_a_browser(rea
     (the credential pasted once, kept by the page) and waits, bounded, for the deployments page to fill."""
     import httpx
 
-    from flows.deployments import build
+    from rewind.flows.deployments import build
     from tests.ui_support import browser, log_in
 
     server, _ = real_server
@@ -398,3 +409,30 @@ def test_the_ui_on_a_non_default_port_lists_rewinds_deployments_in_a_browser(rea
             "the deployments page to list Rewind's deployments",
         )
     assert "connect to Server API" not in text, text[:2000]
+
+
+def test_rewind_run_starts_a_deployment_with_the_servers_credential(real_server, run_name):
+    """`rewind run` is a client of `rewind server`: it finds the credential by itself (no
+    PREFECT_API_AUTH_STRING set), and a parameter that parses as JSON goes in as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+
+    server, _ = real_server
+    home = Path(server.log).parent
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_AUTH_STRING"}
+    env.update({"REWIND_HOME": str(home), "PREFECT_API_URL": server.api})
+    rewind = str(Path(sys.executable).parent / "rewind")
+    argv = [rewind, "run", "protect-training", "-p", f"run={run_name}", "-p", 'command=["python", "-c", "pass"]',
+            "-p", f"cwd={REPO}", "--json"]  # fmt: skip
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    row = json.loads(done.stdout)
+    r = httpx.get(f"{server.api}/flow_runs/{row['flow_run_id']}", timeout=5, auth=server.auth)
+    assert r.status_code == 200 and r.json()["parameters"]["command"] == ["python", "-c", "pass"], r.text
+    assert row["ui"].endswith(f"/runs/flow-run/{row['flow_run_id']}")
+    missing = subprocess.run([rewind, "run", "no-such-deployment"], env=env, capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+    assert missing.returncode == 2 and "no deployment no-such-deployment/no-such-deployment" in missing.stderr

@@ -10,13 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infra.checkpoint.state import RNGState
-from infra.errors import ConfigError, MalformedFile
-from infra.format import keyring as kr
-from infra.format import manifest as mf
-from infra.format import tensorfile, tree
-from infra.format.digest import Hasher, HashingReader, HashingWriter
-from infra.training.data import ResumableLoader
+from rewind.infra.checkpoint.state import RNGState
+from rewind.infra.errors import ConfigError, MalformedFile
+from rewind.infra.format import keyring as kr
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import tensorfile, tree
+from rewind.infra.format.digest import Hasher, HashingReader, HashingWriter
+from rewind.infra.training.data import ResumableLoader
 
 
 def test_tree_round_trip_keeps_types_and_bits():

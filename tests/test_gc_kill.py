@@ -24,16 +24,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from flows.cli import main as rewind
-from infra.catalog import copies, lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import Checkpoint, Replica
-from infra.catalog.models import ReplicaStatus as R
-from infra.format import keyring as kr
-from infra.format import payload
-from infra.format.verify import check_copy, require
-from infra.replication import replicate
-from infra.tiers import open_tier, transfer
+from rewind.flows.cli import main as rewind
+from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import Checkpoint, Replica
+from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.format import keyring as kr
+from rewind.infra.format import payload
+from rewind.infra.format.verify import check_copy, require
+from rewind.infra.replication import replicate
+from rewind.infra.tiers import open_tier, transfer
 from tests.gc_worker import flat
 from tests.s3_support import BUCKET
 

@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from infra.errors import ConfigError
-from infra.health import layout, nvml
-from infra.health.signals import LossWatch, describe_exit
-from infra.launch import observe
-from infra.training.progress import RankState
+from rewind.infra.errors import ConfigError
+from rewind.infra.health import layout, nvml
+from rewind.infra.health.signals import LossWatch, describe_exit
+from rewind.infra.launch import observe
+from rewind.infra.training.progress import RankState
 
 
 def test_a_rank_is_silent_from_its_last_step_not_its_last_beat():

@@ -12,7 +12,9 @@ pytest.importorskip("transformers")
 
 def test_hf_causal_lm_resumes_bit_exact(rewind_env, run_name, tmp_path):
     def run(name: str, out: str, *extra: str) -> TrainProc:
-        p = TrainProc(name, tmp_path / out, steps=30, every=10, module="examples.hf_lm", extra=list(extra))
+        p = TrainProc(
+            name, tmp_path / out, steps=30, every=10, module="rewind.examples.hf_lm", extra=list(extra)
+        )
         p.finish()
         assert p.proc.returncode == 0, p.output.text[-2000:]
         return p

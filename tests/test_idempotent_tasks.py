@@ -10,18 +10,19 @@ from prefect import flow
 from prefect.events import emit_event
 from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-from infra.catalog import incidents, lineage
-from infra.catalog import serving as sv
-from infra.catalog.db import Catalog
+from rewind.infra.catalog import incidents, lineage
+from rewind.infra.catalog import serving as sv
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.phases.detect import Outcome
 from tests.prefect_support import wait_until
 
 
-def _outcome(run: str) -> dict:
-    return {
-        "run": run, "how": "was killed by SIGKILL", "kind": "crash", "exit_code": -9, "last_step": 20,
-        "died_at": time.time(), "launch_id": uuid.uuid4().int % 10**12, "spec": {"command": ["true"]},
-        "tail": ["step 20 loss 1.0"], "hang": None,
-    }  # fmt: skip
+def _outcome(run: str) -> Outcome:
+    return Outcome(
+        run=run, how="was killed by SIGKILL", kind="crash", exit_code=-9, last_step=20, first_step_at=None,
+        died_at=time.time(), launch_id=uuid.uuid4().int % 10**12, spec={"command": ["true"]},
+        tail=("step 20 loss 1.0",),
+    )  # fmt: skip
 
 
 def _events(client, name: str, run: str) -> list:  # type: ignore[no-untyped-def]
@@ -35,8 +36,8 @@ def test_record_failure_retried_after_commit_is_one_incident_one_event_one_recov
 ):
     from prefect.client.orchestration import get_client
 
-    from flows.training import recover_training
-    from tasks.detect import record_failure
+    from rewind.flows.training import recover_training, summary
+    from rewind.tasks.detect import record_failure
 
     lineage.ensure_run(Catalog(), run_name)
     outcome = _outcome(run_name)
@@ -55,12 +56,14 @@ def test_record_failure_retried_after_commit_is_one_incident_one_event_one_recov
         assert len(_events(client, "rewind.failure.detected", run_name)) == 1
 
     incidents.claim_recovery(Catalog(), first, "flow-run:the-automatic-one")
-    second = recover_training(first)  # a duplicate delivery, or a recovery started by hand beside it
+    second = summary(
+        recover_training(first, return_state=True)
+    )  # a duplicate delivery, or a recovery started by hand beside it
     assert second["status"] == "already-recovering" and second["by"] == "flow-run:the-automatic-one"
 
 
 def test_open_rollout_retried_is_one_rollout_and_a_late_finish_keeps_a_rollback(prefect_api, rewind_env):
-    from tasks.serving import finish_rollout, open_rollout
+    from rewind.tasks.serving import finish_rollout, open_rollout
 
     model = f"m{uuid.uuid4().hex[:8]}"
 
@@ -77,5 +80,5 @@ def test_open_rollout_retried_is_one_rollout_and_a_late_finish_keeps_a_rollback(
         return open_rollout(model, "rollback", "v1", from_version="v2", triggered_by="operator", params={})
 
     manual_rollback()
-    assert finish_rollout(rid, "promoted")["state"] == "rolled_back"  # the rollout loop, finishing late
+    assert finish_rollout(rid, "promoted") == "rolled_back"  # the rollout loop, finishing late
     assert sv.get_rollout(Catalog(), rid).state == "rolled_back"

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.cli import main as rewind
-from infra import retention
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer, SaveMode
-from infra.checkpoint.state import RNGState
-from infra.errors import ConfigError, CorruptCheckpoint
-from infra.format import chunked, packs, payload, store
-from infra.format import manifest as mf
+from rewind.flows.cli import main as rewind
+from rewind.infra import retention
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
+from rewind.infra.checkpoint.state import RNGState
+from rewind.infra.errors import ConfigError, CorruptCheckpoint
+from rewind.infra.format import chunked, packs, payload, store
+from rewind.infra.format import manifest as mf
 from tests.integrity_support import flip
 
 REPO = Path(__file__).resolve().parent.parent
@@ -173,6 +173,32 @@ def test_a_flipped_byte_in_a_pack_is_named_and_the_restore_falls_back(rewind_env
     assert_restores(run_name, root, net1, opt1, 1)
 
 
+def test_a_damaged_pack_is_never_linked_into_a_later_save(rewind_env, run_name, tmp_path):
+    """Bit rot in the frozen backbone's pack (mtime kept): the next save hashes the pack before linking
+    it, finds it is not what the parent's manifest says, and writes the bytes it holds instead."""
+    root = tmp_path / "ckpt"
+    net, opt = build()
+    ck = checkpointer(run_name, root, net, opt)
+    try:
+        train(net, opt, 1)
+        ck.save(1)
+        step1 = root / run_name / "step-1"
+        backbone = max((e for e in mf.read(step1).files if e.path.startswith("packs/")), key=lambda e: e.size)
+        st = (step1 / backbone.path).stat()
+        flip(step1 / backbone.path)
+        os.utime(step1 / backbone.path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        for step in (2, 3):
+            train(net, opt, step)
+            ck.save(step)
+    finally:
+        ck.close()
+    for step in (2, 3):
+        assert not (root / run_name / f"step-{step}" / backbone.path).samefile(step1 / backbone.path)
+        assert rewind(["ckpt", "verify", run_name, "--step", str(step), "--deep"]) == 0, step
+    assert rewind(["ckpt", "verify", run_name, "--step", "1", "--deep"]) == 1
+    assert_restores(run_name, root, net, opt, 3)
+
+
 _KILLED_JOB = """
 import sys
 from pathlib import Path
@@ -285,7 +311,7 @@ def test_the_plain_format_stays_the_default_and_links_nothing(rewind_env, run_na
 def test_the_flip_byte_drill_damages_a_chunk_only_the_newest_checkpoint_holds(rewind_env, run_name, tmp_path):
     from types import SimpleNamespace
 
-    from infra.drills.chaos import _damage
+    from rewind.infra.drills.chaos import _damage
 
     root = tmp_path / "ckpt"
     _net, _opt, results = save_steps(run_name, root, [1, 2])
@@ -299,7 +325,7 @@ def test_the_flip_byte_drill_damages_a_chunk_only_the_newest_checkpoint_holds(re
 
 
 def test_an_index_that_does_not_tile_its_tensor_is_unloadable_not_corrupt(tmp_path):
-    from infra.errors import UnloadableCheckpoint
+    from rewind.infra.errors import UnloadableCheckpoint
 
     trees, tensors = payload.split_states({"s": {"w": torch.arange(6.0).reshape(3, 2)}})
     files = payload.file_writers(trees, tensors, fmt=payload.CHUNKED)
@@ -361,7 +387,7 @@ def test_a_parent_pack_that_cannot_be_linked_is_written_from_memory(tmp_path):
     assert two.linked_bytes == 0
     assert (two.path / pack.path).stat().st_ino != (one.path / pack.path).stat().st_ino
     verify_report = mf.read(two.path)
-    from infra.format.verify import verify_files
+    from rewind.infra.format.verify import verify_files
 
     verify_files(two.path, verify_report)  # every file of the new checkpoint hashes to its entry
     _loads(two, state)
@@ -418,7 +444,7 @@ def _writer(data: bytes):  # type: ignore[no-untyped-def]
 
 
 def test_the_training_session_saves_in_the_chunked_format_when_asked(rewind_env, run_name, tmp_path):
-    from infra.training.session import TrainingSession
+    from rewind.infra.training.session import TrainingSession
 
     net, opt = build()
     with TrainingSession(

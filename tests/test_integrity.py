@@ -11,18 +11,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.cli import main as rewind
-from infra import faults, retention
-from infra.catalog import leases, lineage
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer
-from infra.checkpoint.state import RNGState
-from infra.errors import CheckpointUnverifiable, ConfigError, StateMismatch
-from infra.format import manifest as mf
-from infra.format.digest import hash_file, manifest_digest
-from infra.format.verify import verify_files
-from infra.restore import execute, plan
-from infra.serving.export import verified_checkpoint
+from rewind.flows.cli import main as rewind
+from rewind.infra import faults, retention
+from rewind.infra.catalog import leases, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.checkpoint.state import RNGState
+from rewind.infra.errors import CheckpointUnverifiable, ConfigError, StateMismatch
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import hash_file, manifest_digest
+from rewind.infra.format.verify import verify_files
+from rewind.infra.restore import execute, plan
+from rewind.infra.serving.export import verified_checkpoint
 from tests.integrity_support import copy_statuses, flip, statuses
 from tests.trainproc import TrainProc, assert_same_weights
 

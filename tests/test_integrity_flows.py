@@ -8,11 +8,11 @@ import json
 
 import torch
 
-from examples.tiny_lm import command
-from flows.cli import main as rewind
-from infra import retention
-from infra.catalog import jobs, lineage
-from infra.catalog.db import Catalog
+from rewind.examples.tiny_lm import command
+from rewind.flows.cli import main as rewind
+from rewind.infra import retention
+from rewind.infra.catalog import jobs, lineage
+from rewind.infra.catalog.db import Catalog
 from tests.integrity_support import statuses
 from tests.trainproc import REPO, TrainProc, assert_same_weights
 
@@ -22,7 +22,7 @@ from tests.trainproc import REPO, TrainProc, assert_same_weights
 def test_node_loss_is_restored_from_the_shared_tier(reference, prefect_api, rewind_env, run_name, tmp_path):
     import shutil
 
-    from flows.maintenance import restore_checkpoint_flow
+    from rewind.flows.maintenance import restore_checkpoint_flow
 
     first = TrainProc(run_name, tmp_path / "out", extra=["--stop-after", "35"])
     assert first.finish() and first.proc.returncode == 0
@@ -45,7 +45,7 @@ def test_node_loss_is_restored_from_the_shared_tier(reference, prefect_api, rewi
 def test_gc_plan_made_before_a_rollback_keeps_what_it_chose(
     reference, prefect_api, rewind_env, run_name, tmp_path
 ):
-    from flows.maintenance import restore_checkpoint_flow
+    from rewind.flows.maintenance import restore_checkpoint_flow
 
     first = TrainProc(run_name, tmp_path / "out", extra=["--stop-after", "35"])
     assert first.finish() and first.proc.returncode == 0
@@ -72,8 +72,8 @@ def test_adopt_flow_takes_each_new_checkpoint_once(prefect_api, rewind_env, run_
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from safetensors.torch import save_file
 
-    from flows.maintenance import adopt_checkpoints, verify_checkpoints
-    from tasks.common import artifact_key
+    from rewind.flows.maintenance import adopt_checkpoints, verify_checkpoints
+    from rewind.tasks.common import artifact_key
 
     out = tmp_path / "trainer_out"
 
@@ -103,3 +103,21 @@ def test_adopt_flow_takes_each_new_checkpoint_once(prefect_api, rewind_env, run_
             limit=1,
         )
     assert f"run {run_name}" in status.data and "newest verified   step 1500" in status.data, status.data
+
+
+def test_the_adoption_watcher_never_follows_a_link_out_of_the_folder_it_watches(
+    prefect_api, rewind_env, run_name, tmp_path
+):
+    """A `checkpoint-*` link to a directory elsewhere: adopting would write a manifest there."""
+    from safetensors.torch import save_file
+
+    from rewind.flows.maintenance import adopt_checkpoints
+
+    out, elsewhere = tmp_path / "trainer_out", tmp_path / "someone-elses" / "checkpoint-900"
+    for d, step in ((out / "checkpoint-500", 500), (elsewhere, 900)):
+        d.mkdir(parents=True)
+        save_file({"w": torch.full((4,), float(step))}, str(d / "model.safetensors"))
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (out / "checkpoint-900").symlink_to(elsewhere, target_is_directory=True)
+    assert adopt_checkpoints(path=str(out), run=run_name, quiet_s=0) == {"adopted": [500], "checked": 1}
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["model.safetensors", "trainer_state.json"]

@@ -11,13 +11,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from examples.runner import TrainingProcess
-from examples.tiny_lm import command
-from flows.cli import main as rewind
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.format import manifest as mf
-from infra.format.digest import hash_file, manifest_digest
+from rewind.examples.runner import TrainingProcess
+from rewind.examples.tiny_lm import command
+from rewind.flows.cli import main as rewind
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import hash_file, manifest_digest
 from tests.integrity_support import copy_statuses, flip
 from tests.s3_support import BUCKET
 from tests.trainproc import REPO, TrainProc, assert_same_weights
@@ -61,7 +61,7 @@ RANKS = 2
 
 def _ddp(run: str, out: Path, steps: int, dumps: Path) -> TrainingProcess:
     cmd = command(
-        run, out, steps=steps, every=5, extra=["--nproc", str(RANKS)], module="examples.tiny_lm_ddp"
+        run, out, steps=steps, every=5, extra=["--nproc", str(RANKS)], module="rewind.examples.tiny_lm_ddp"
     )
     return TrainingProcess(cmd, cwd=REPO, env={"OMP_NUM_THREADS": "1", "TINY_LM_DUMP_DIR": str(dumps)})
 

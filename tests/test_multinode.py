@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import signal
 
-from infra.catalog import incidents, jobs
-from infra.catalog.db import Catalog
-from infra.launch.process import pids_with_env, signal_all
-from infra.training.data import epoch_order
+from rewind.infra.catalog import incidents, jobs
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.launch.process import pids_with_env, signal_all
+from rewind.infra.training.data import epoch_order
 from tests.test_protect_any_job import BATCH, STEPS, config, protect, ranks_at
 
 
@@ -26,8 +26,8 @@ def _lose_node(run: str, node: int) -> int:
 
 
 def test_a_lost_node_comes_back_on_the_node_left(prefect_api, rewind_env, run_name, tmp_path):
-    from examples.any_job import Regression
-    from flows.training import recover_training
+    from rewind.examples.any_job import Regression
+    from rewind.flows.training import recover_training, summary
 
     log = tmp_path / "samples"
     log.mkdir()
@@ -41,7 +41,7 @@ def test_a_lost_node_comes_back_on_the_node_left(prefect_api, rewind_env, run_na
     first = incidents.get_incident(cat, result["incident_id"])
     assert first.details["lost_node"] == 1
 
-    recovered = recover_training(result["incident_id"])
+    recovered = summary(recover_training(result["incident_id"], return_state=True))
     assert recovered["status"] == "recovered", recovered
     inc = incidents.get_incident(cat, result["incident_id"])
     assert (inc.layout_before["dp"], inc.layout_after["dp"]) == (2, 1)

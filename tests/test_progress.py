@@ -18,8 +18,8 @@ import sys
 import termios
 import time
 
-from flows.progress_view import LineMeter
-from infra import progress
+from rewind.flows.progress_view import LineMeter
+from rewind.infra import progress
 from tests.prefect_support import REPO
 from tests.s3_support import BUCKET, big_checkpoint
 
@@ -76,12 +76,12 @@ def test_replicate_shows_byte_progress_on_a_terminal_and_as_a_prefect_artifact(
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
 
-    from tasks.replicate import replicate_checkpoint
+    from rewind.tasks.replicate import replicate_checkpoint
 
     saved = big_checkpoint(run_name, tmp_path / "ckpt", mb=MB)
     total = saved.total_bytes
     env = {**os.environ, **rewind_env, **s3_env.env, "TERM": "xterm-256color"}
-    argv = [sys.executable, "-m", "flows.cli", "replicate", run_name, "--to", f"s3://{BUCKET}/tty"]
+    argv = [sys.executable, "-m", "rewind.flows.cli", "replicate", run_name, "--to", f"s3://{BUCKET}/tty"]
     argv += ["--part-size-mib", "16", "--concurrency", "4"]
     rc, drawn = on_a_terminal(argv, env, timeout=600)
     assert rc == 0, drawn[-2000:]

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from infra.catalog import incidents, jobs
-from infra.catalog.db import Catalog
-from infra.training.data import epoch_order
+from rewind.infra.catalog import incidents, jobs
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.training.data import epoch_order
 from tests.prefect_support import wait_until
 from tests.torchrun_support import torchrun
 from tests.trainproc import REPO, assert_same_weights
@@ -52,11 +52,15 @@ def reference(tmp_path_factory):  # type: ignore[no-untyped-def]
 
 def protect(run: str, cfg: Path, **spec: Any) -> tuple[threading.Thread, dict[str, Any]]:
     """protect-training in a thread, so the test can hurt the job while it runs."""
-    from flows.training import protect_training
+    from rewind.flows.training import protect_training, summary
 
     result: dict[str, Any] = {}
     kw = {"nproc_per_node": 2, "env": {"OMP_NUM_THREADS": "1"}, **spec}
-    t = threading.Thread(target=lambda: result.update(protect_training(run, command(cfg), str(REPO), **kw)))
+    t = threading.Thread(
+        target=lambda: result.update(
+            summary(protect_training(run, command(cfg), str(REPO), **kw, return_state=True))
+        )
+    )
     t.start()
     return t, result
 
@@ -78,7 +82,7 @@ def ranks_at(run: str, step: int) -> dict[int, int]:
 
 
 def _has_run(cat: Catalog, run: str) -> bool:
-    from infra.catalog import lineage
+    from rewind.infra.catalog import lineage
 
     try:
         lineage.get_run(cat, run)
@@ -88,14 +92,14 @@ def _has_run(cat: Catalog, run: str) -> bool:
 
 
 def test_a_killed_rank_is_recovered_bit_exact(prefect_api, rewind_env, reference, run_name, tmp_path):
-    from flows.training import recover_training
+    from rewind.flows.training import recover_training, summary
 
     t, result = protect(run_name, config(tmp_path, run_name, step_time_s=0.1), min_world_size=2)
     pids = ranks_at(run_name, 12)
     os.kill(pids[1], signal.SIGKILL)  # a rank dies (its device is gone, its peers are left waiting)
     t.join(timeout=300)
     assert result["status"] == "crash", result
-    recovered = recover_training(result["incident_id"])
+    recovered = summary(recover_training(result["incident_id"], return_state=True))
     assert recovered["status"] == "recovered", recovered
     inc = incidents.get_incident(Catalog(), result["incident_id"])
     assert inc.decision.startswith("restart with the same layout")  # min_world_size 2: no rank to lose
@@ -103,7 +107,7 @@ def test_a_killed_rank_is_recovered_bit_exact(prefect_api, rewind_env, reference
 
 
 def test_a_hung_rank_is_detected_and_recovered(prefect_api, rewind_env, reference, run_name, tmp_path):
-    from flows.training import recover_training
+    from rewind.flows.training import recover_training, summary
 
     timeout = 5.0
     t, result = protect(run_name, config(tmp_path, run_name, step_time_s=0.1), heartbeat_timeout_s=timeout)
@@ -114,14 +118,14 @@ def test_a_hung_rank_is_detected_and_recovered(prefect_api, rewind_env, referenc
     inc = incidents.get_incident(Catalog(), result["incident_id"])
     assert timeout <= inc.detection_s <= timeout + 3.0, inc.detection_s  # poll 1 s + heartbeat 1 s
     assert 1 in inc.details["hang"]["ranks"]
-    recovered = recover_training(result["incident_id"])
+    recovered = summary(recover_training(result["incident_id"], return_state=True))
     assert recovered["status"] == "recovered", recovered
     assert_same_weights(tmp_path / "out" / "final.safetensors", reference)
 
 
 def test_nan_rolls_back_and_the_bad_window_is_skipped(prefect_api, rewind_env, run_name, tmp_path):
-    from examples.any_job import Regression
-    from flows.training import recover_training
+    from rewind.examples.any_job import Regression
+    from rewind.flows.training import recover_training, summary
 
     order = epoch_order(len(Regression()), 0, 0).tolist()
     poison = order[12 * 2 * BATCH + 3]  # global position 387: step 13
@@ -133,7 +137,7 @@ def test_nan_rolls_back_and_the_bad_window_is_skipped(prefect_api, rewind_env, r
     assert result["status"] == "nan", result
     for f in log.glob("rank-*.log"):
         f.rename(f.with_suffix(".first"))  # keep the relaunch's log apart
-    recovered = recover_training(result["incident_id"])
+    recovered = summary(recover_training(result["incident_id"], return_state=True))
     assert recovered["status"] == "recovered" and recovered["restored_step"] == 10, recovered
     inc = incidents.get_incident(Catalog(), result["incident_id"])
     assert inc.kind == "nan" and inc.details["bad_step"] == 13

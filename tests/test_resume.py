@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import LIVE_STATUSES
-from infra.format.verify import check_copy
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import LIVE_STATUSES
+from rewind.infra.format.verify import check_copy
 from tests.trainproc import TrainProc, assert_same_weights
 
 

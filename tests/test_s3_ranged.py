@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from infra.format.digest import hash_bytes
-from infra.tiers.base import TierUnavailable
-from infra.tiers.s3 import S3Tier
+from rewind.infra.format.digest import hash_bytes
+from rewind.infra.tiers.base import TierUnavailable
+from rewind.infra.tiers.s3 import S3Tier
 from tests.s3_support import BUCKET
 
 PART = 5 << 20

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from examples.tiny_lm_model import TinyLM, alphabet, probes
-from infra.catalog import lineage
-from infra.catalog import serving as sv
-from infra.catalog.db import Catalog
-from infra.errors import ConfigError, NotFoundError, ServingUnavailable
-from infra.restore.scrub import scrub
+from rewind.examples.tiny_lm_model import TinyLM, alphabet, probes
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog import serving as sv
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.errors import ConfigError, NotFoundError, ServingUnavailable
+from rewind.infra.restore.scrub import scrub
 from tests.serving_support import Load
 from tests.trainproc import REPO, run_to_end
 
@@ -46,10 +46,10 @@ def _accuracy(weights: dict[str, torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def stack_env(pg_url, tmp_path_factory, prefect_api):
     """A trained run (verified at 60, 90, 120; 30 left unverified), a damaged copy, and a running stack."""
-    from infra.checkpoint.engine import Checkpointer
-    from infra.format import manifest as mf
-    from infra.format import payload
-    from infra.serving import stack
+    from rewind.infra.checkpoint.engine import Checkpointer
+    from rewind.infra.format import manifest as mf
+    from rewind.infra.format import payload
+    from rewind.infra.serving import stack
 
     home = tmp_path_factory.mktemp("serving")
     env = {
@@ -107,7 +107,7 @@ def _traffic(st) -> dict[str, int]:  # type: ignore[no-untyped-def]
 
 
 def _loaded(st) -> list[str]:  # type: ignore[no-untyped-def]
-    from infra.serving.torchserve import TorchServe
+    from rewind.infra.serving.torchserve import TorchServe
 
     ts = TorchServe(st.endpoints)
     try:
@@ -124,7 +124,7 @@ def _gates(stack_env, **kw):  # type: ignore[no-untyped-def]
 @pytest.fixture
 def base(stack_env) -> str:  # type: ignore[no-untyped-def]
     """The version serving all traffic as a test starts; the model's first deploy (lm@60) if none."""
-    from flows.serving import deploy_model
+    from rewind.flows.serving import deploy_model
 
     st, cat = stack_env["stack"], stack_env["cat"]
     if MODEL not in sv.models(cat) or sv.stable(cat, MODEL) is None:
@@ -155,8 +155,8 @@ def test_an_instance_killed_under_load_fails_no_request_and_comes_back(stack_env
     import signal
     import time
 
-    from infra.serving import stack
-    from infra.serving.torchserve import TorchServe
+    from rewind.infra.serving import stack
+    from rewind.infra.serving.torchserve import TorchServe
 
     st = stack_env["stack"]
     seed = int(os.environ.get("REWIND_TEST_SEED") or random.SystemRandom().randrange(2**31))
@@ -191,7 +191,7 @@ def test_an_instance_killed_under_load_fails_no_request_and_comes_back(stack_env
         assert sorted(str(v["modelVersion"]) for v in revived.describe(MODEL)) == _loaded(st) == [base]
     finally:
         revived.close()
-    from flows.cli import main
+    from rewind.flows.cli import main
 
     with capsys.disabled():  # the seed and the measured times stay in the test's output
         print(capsys.readouterr().out, end="")
@@ -205,7 +205,7 @@ def test_an_instance_killed_under_load_fails_no_request_and_comes_back(stack_env
 def test_a_version_an_instance_lacks_is_loaded_there_by_the_supervisor(stack_env, base):
     """What a deploy while an instance was down leaves behind (a routed version one instance lacks) is
     repaired by the supervisor within a bounded wait, with no request through the proxy."""
-    from infra.serving.torchserve import TorchServe
+    from rewind.infra.serving.torchserve import TorchServe
 
     st = stack_env["stack"]
     last = TorchServe(st.all[-1])
@@ -222,7 +222,7 @@ def test_rotated_keys_are_picked_up_from_the_key_file(stack_env, base):
     """TorchServe answers InvalidKeyException to an old key; the client re-reads the key file and goes on."""
     import httpx
 
-    from infra.serving.torchserve import TorchServe
+    from rewind.infra.serving.torchserve import TorchServe
 
     st = stack_env["stack"]
     client = TorchServe(st.endpoints)
@@ -242,7 +242,7 @@ def test_rotated_keys_are_picked_up_from_the_key_file(stack_env, base):
 
 
 def test_flaky_version_is_rolled_back_by_the_error_rate_gate(stack_env, base):
-    from flows.serving import rollout_model
+    from rewind.flows.serving import rollout_model
 
     st = stack_env["stack"]
     with Load(st.proxy(MODEL).url + f"/predictions/{MODEL}", _key(st), workers=2):
@@ -256,7 +256,7 @@ def test_flaky_version_is_rolled_back_by_the_error_rate_gate(stack_env, base):
 
 
 def test_damaged_weights_are_rolled_back_by_the_quality_gate(stack_env, base):
-    from flows.serving import rollout_model
+    from rewind.flows.serving import rollout_model
 
     st = stack_env["stack"]
     out = rollout_model(MODEL, "lm-damaged", 90, traffic_steps=[50, 100], bake_s=1.0, triggered_by="test",
@@ -270,7 +270,7 @@ def test_manual_rollback_under_load_fails_no_request(stack_env, base):
     """A rollback in the middle of a canary: one weight change, measured from the flow's decision."""
     import threading
 
-    from flows.serving import rollback_model, rollout_model
+    from rewind.flows.serving import rollback_model, rollout_model
 
     st, cat = stack_env["stack"], stack_env["cat"]
     result: dict = {}
@@ -352,7 +352,7 @@ def test_a_rollout_stopped_by_sigterm_gives_the_traffic_back_within_5_s(stack_en
 
 
 def test_good_version_is_promoted_and_the_old_one_unloaded(stack_env, base):
-    from flows.serving import rollout_model
+    from rewind.flows.serving import rollout_model
 
     st = stack_env["stack"]
     with Load(st.proxy(MODEL).url + f"/predictions/{MODEL}", _key(st), workers=2) as load:
@@ -378,7 +378,7 @@ def test_gate_failure_after_promotion_rolls_back_in_one_weight_change(stack_env,
     import threading
     import uuid
 
-    from flows.serving import rollout_model
+    from rewind.flows.serving import rollout_model
 
     st, cat = stack_env["stack"], stack_env["cat"]
     new = f"late{uuid.uuid4().hex[:6]}"
@@ -413,8 +413,8 @@ def test_gate_failure_after_promotion_rolls_back_in_one_weight_change(stack_env,
 
 
 def test_history_traces_every_version_to_its_checkpoint(stack_env, base, capsys):
-    from flows.cli import main
-    from flows.serving import rollout_model
+    from rewind.flows.cli import main
+    from rewind.flows.serving import rollout_model
 
     cat = stack_env["cat"]
     out = rollout_model(MODEL, "lm-damaged", 90, traffic_steps=[100], bake_s=0.5, triggered_by="test",
@@ -433,7 +433,7 @@ def test_history_traces_every_version_to_its_checkpoint(stack_env, base, capsys)
     assert (first["kind"], first["state"], first["to"]) == ("deploy", "promoted", "1")
     assert (last["kind"], last["state"], last["to"]) == ("rollout", "rolled_back", out["version"])
     # Retention keeps what serving points at (the stable version's checkpoint), whatever the policy says.
-    from infra import retention
+    from rewind.infra import retention
 
     plan = retention.plan(cat, "lm", retention.Policy(keep_last=1))  # the policy alone keeps only 120
     # lm@60 serves (or, once retired, is the rollback target); lm@90 only ever failed its gates.
@@ -441,8 +441,8 @@ def test_history_traces_every_version_to_its_checkpoint(stack_env, base, capsys)
 
 
 def test_bad_input_fails_clearly_and_deploys_nothing(stack_env, base, tmp_path, monkeypatch, capsys):
-    from flows.cli import main
-    from flows.serving import deploy_model, rollout_model
+    from rewind.flows.cli import main
+    from rewind.flows.serving import deploy_model, rollout_model
 
     cat = stack_env["cat"]
     before = len(sv.versions(cat, MODEL))
@@ -504,10 +504,10 @@ def test_a_conversation_survives_the_instance_that_held_it(stack_env):
 
     import httpx
 
-    from examples.chat_lm import build_model
-    from flows.serving import deploy_model
-    from infra.checkpoint.engine import Checkpointer
-    from infra.serving import stack
+    from rewind.examples.chat_lm import build_model
+    from rewind.flows.serving import deploy_model
+    from rewind.infra.checkpoint.engine import Checkpointer
+    from rewind.infra.serving import stack
 
     st, cat = stack_env["stack"], stack_env["cat"]
     if "chat" not in sv.models(cat):

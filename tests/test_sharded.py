@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from infra.format.verify import check_copy
+from rewind.infra.format.verify import check_copy
 from tests.torchrun_support import torchrun as torchrun_cmd
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from infra.catalog import copies, incidents, jobs, lineage, serving
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer
-from infra.replication import replicate
-from infra.restore.scrub import scrub
-from infra.tiers import open_tier
+from rewind.infra.catalog import copies, incidents, jobs, lineage, serving
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.replication import replicate
+from rewind.infra.restore.scrub import scrub
+from rewind.infra.tiers import open_tier
 
 REWIND = str(Path(sys.executable).parent / "rewind")
 

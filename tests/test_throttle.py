@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from infra import sizes, throttle
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer
-from infra.errors import ConfigError
+from rewind.infra import sizes, throttle
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.errors import ConfigError
 
 
 class VirtualClock:
@@ -66,7 +66,7 @@ def test_one_large_write_is_paced_in_slices_not_sent_as_one_burst(monkeypatch):
     """A whole tensor handed to the writer at once still goes out at the limit, a slice at a time."""
     import io
 
-    from infra.format.digest import HashingWriter
+    from rewind.infra.format.digest import HashingWriter
 
     monkeypatch.setenv(throttle.ENV, "8MiB")
     limit = throttle.for_writes()

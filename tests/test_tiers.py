@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.format.digest import hash_file
-from infra.tiers.base import AlreadyExists, ObjectNotFound
-from infra.tiers.filesystem import FileTier
-from infra.tiers.s3 import S3Tier
+from rewind.infra.format.digest import hash_file
+from rewind.infra.tiers.base import AlreadyExists, ObjectNotFound
+from rewind.infra.tiers.filesystem import FileTier
+from rewind.infra.tiers.s3 import S3Tier
 from tests.s3_support import BUCKET, big_checkpoint
 
 
@@ -46,7 +46,7 @@ def test_tier_conformance(tier, tmp_path):
 
 
 def hash_file_bytes(data: bytes) -> str:
-    from infra.format.digest import hash_bytes
+    from rewind.infra.format.digest import hash_bytes
 
     return hash_bytes(data).crc32c
 
@@ -64,12 +64,12 @@ def test_s3_multipart_carries_the_manifest_crc(s3_env, tmp_path):
 
 
 def test_s3_round_trip_checksums_and_deep_verify(s3_env, rewind_env, run_name, tmp_path, capsys):
-    from flows.cli import main as rewind
-    from infra.catalog import lineage
-    from infra.catalog.db import Catalog
-    from infra.format import manifest as mf
-    from infra.restore import plan
-    from infra.tiers.transfer import copy_key
+    from rewind.flows.cli import main as rewind
+    from rewind.infra.catalog import lineage
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.format import manifest as mf
+    from rewind.infra.restore import plan
+    from rewind.infra.tiers.transfer import copy_key
 
     saved = big_checkpoint(run_name, tmp_path / "ckpt")
     assert saved.total_bytes >= 256 << 20
@@ -106,9 +106,9 @@ def test_s3_outage_mid_replication_is_retried_and_resumed(
 ):
     from prefect import flow
 
-    from infra.catalog import lineage
-    from infra.catalog.db import Catalog
-    from infra.tiers.transfer import copy_key
+    from rewind.infra.catalog import lineage
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.tiers.transfer import copy_key
     from tests.prefect_support import wait_until
 
     saved = big_checkpoint(run_name, tmp_path / "ckpt", mb=300)
@@ -142,7 +142,7 @@ def test_s3_outage_mid_replication_is_retried_and_resumed(
 
     @flow(name="replicate-under-outage")
     def under_outage() -> dict:
-        from tasks.replicate import replicate_checkpoint as task
+        from rewind.tasks.replicate import replicate_checkpoint as task
 
         # Retried every second for up to 2 minutes: the outage lasts as long as SeaweedFS takes to stop and
         # start again (seconds, longer on a loaded machine), and the task must outlast it whatever it takes.
@@ -175,9 +175,9 @@ def test_s3_outage_mid_replication_is_retried_and_resumed(
 def test_bad_targets_fail_clearly_and_record_nothing(
     case, s3_env, rewind_env, run_name, tmp_path, monkeypatch, capsys
 ):
-    from flows.cli import main as rewind
-    from infra.catalog import lineage
-    from infra.catalog.db import Catalog
+    from rewind.flows.cli import main as rewind
+    from rewind.infra.catalog import lineage
+    from rewind.infra.catalog.db import Catalog
 
     big_checkpoint(run_name, tmp_path / "ckpt", mb=1)
     uri = f"s3://{BUCKET}/bad"
@@ -186,7 +186,7 @@ def test_bad_targets_fail_clearly_and_record_nothing(
     elif case == "missing_bucket":
         uri = "s3://no-such-bucket/x"
     else:
-        from infra.net import free_port
+        from rewind.infra.net import free_port
 
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     capsys.readouterr()
@@ -210,7 +210,7 @@ def test_local_tier_lost_restore_from_offsite_is_bit_exact(
 ):
     import shutil
 
-    from flows.cli import main as rewind
+    from rewind.flows.cli import main as rewind
     from tests.trainproc import TrainProc, assert_same_weights
 
     first = TrainProc(run_name, tmp_path / "out", extra=["--stop-after", "35"])
@@ -231,10 +231,10 @@ def test_retention_keeps_last_every_and_pinned_on_every_tier(s3_env, rewind_env,
 
     import torch
 
-    from flows.cli import main as rewind
-    from infra.catalog import lineage
-    from infra.catalog.db import Catalog
-    from infra.checkpoint.engine import Checkpointer
+    from rewind.flows.cli import main as rewind
+    from rewind.infra.catalog import lineage
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.checkpoint.engine import Checkpointer
 
     model = torch.nn.Linear(16, 16)
     ck = Checkpointer(run_name, states={"model": model}, root=tmp_path / "ckpt", catalog=Catalog())

@@ -1,4 +1,4 @@
-"""Run ``examples.tiny_lm`` as a real subprocess and compare results."""
+"""Run ``rewind.examples.tiny_lm`` as a real subprocess and compare results."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from examples.runner import Output, TrainingProcess
-from examples.tiny_lm import command
+from rewind.examples.runner import Output, TrainingProcess
+from rewind.examples.tiny_lm import command
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -62,11 +62,10 @@ class Server:
 
 
 def server_env(home: Path) -> dict[str, str]:
-    """A private Prefect home and SQLite database under ``home`` for a server `rewind server` starts."""
+    """For a server `rewind server` starts under ``home``: its Prefect home (and database) is the one
+    `rewind server` chooses by itself, ``$REWIND_HOME/prefect`` (the session's PREFECT_HOME is removed)."""
     return {
         "REWIND_HOME": str(home),
-        "PREFECT_HOME": str(home / "prefect"),
-        "PREFECT_SERVER_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home / 'prefect' / 'server.db'}",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_SERVER_UI_ENABLED": "true",
     }
@@ -77,12 +76,13 @@ def rewind_server(
     home: Path, port: int, *, no_auth: bool = False, env: dict[str, str] | None = None, timeout_s: float = 120
 ) -> Iterator[Server]:
     """`rewind server --port PORT` as a user starts it, until its API answers; stopped (bounded) after."""
-    from flows import server_auth
+    from rewind.flows import server_auth
 
     home.mkdir(parents=True, exist_ok=True)
     environ = {**os.environ, **server_env(home), **(env or {})}
+    environ.pop("PREFECT_HOME", None)
     log = home / "server.log"
-    argv = [sys.executable, "-m", "flows.cli", "server", "--port", str(port)]
+    argv = [sys.executable, "-m", "rewind.flows.cli", "server", "--port", str(port)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             argv + (["--no-auth"] if no_auth else []),

@@ -13,11 +13,11 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Select, and_, case, or_, select, update
 
-from infra.catalog import lineage
-from infra.catalog.db import Catalog, changed, chunks
-from infra.catalog.models import Checkpoint, Replica, Run, utcnow
-from infra.catalog.models import CheckpointStatus as S
-from infra.catalog.models import ReplicaStatus as R
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog, changed, chunks
+from rewind.infra.catalog.models import Checkpoint, Replica, Run, utcnow
+from rewind.infra.catalog.models import CheckpointStatus as S
+from rewind.infra.catalog.models import ReplicaStatus as R
 
 LOCAL = "local"
 TIER_ORDER = {LOCAL: 0, "shared": 1, "offsite": 2}  # nearest first
@@ -124,7 +124,7 @@ def add(
         if row is None:
             row = Replica(checkpoint_id=checkpoint_id, tier=tier, uri=uri, key=key, bytes=nbytes)
             s.add(row)
-        row.key, row.bytes, row.status, row.checked_at, row.detail = key, nbytes, status.value, now, None
+        row.key, row.bytes, row.status, row.checked_at, row.detail = key, nbytes, status, now, None
         if status is R.VERIFIED:
             row.verified_at = now
         s.flush()
@@ -193,10 +193,10 @@ def settle(cat: Catalog, checkpoint_id: int) -> str:
         one_good = any(r.status == R.VERIFIED.value for r in alive)
         none_left = all(r.status in (R.CORRUPT.value, R.MISSING.value) for r in alive)
         if one_good and ck.status in (S.COMMITTED.value, S.CORRUPT.value) and not condemned(ck):
-            ck.status, ck.status_reason, ck.verified_at = S.VERIFIED.value, None, utcnow()
+            ck.status, ck.status_reason, ck.verified_at = S.VERIFIED, None, utcnow()
         elif none_left and ck.status in (S.COMMITTED.value, S.VERIFIED.value):
             why = "; ".join(f"{r.tier}: {r.status} ({r.detail or 'no detail'})" for r in alive)
-            ck.status, ck.status_reason = S.CORRUPT.value, f"no copy verifies: {why or 'no copy left'}"[:2000]
+            ck.status, ck.status_reason = S.CORRUPT, f"no copy verifies: {why or 'no copy left'}"[:2000]
         return str(ck.status)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar, cast
@@ -16,12 +17,14 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import ArgumentError, DBAPIError, OperationalError, ProgrammingError
 from sqlalchemy.orm import Session, sessionmaker
 
-from infra import config
-from infra.errors import CatalogUnavailable, ConfigError, NotFoundError
+from rewind.infra import config
+from rewind.infra.errors import CatalogUnavailable, ConfigError, MissingDatabase, NotFoundError
 
 T = TypeVar("T")
 
-MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
+MIGRATIONS = (
+    "rewind:migrations"  # a package resource: found through the installed package, not the source tree
+)
 _MIGRATION_LOCK = 0x52455749  # "REWI": serialises concurrent `db upgrade` on Postgres
 
 
@@ -54,8 +57,13 @@ def parse_url(raw: str) -> URL:
         )
     try:
         url = make_url(raw)
-    except ArgumentError as exc:
-        raise ConfigError(f"catalog URL is not a database URL: {raw.split('@')[-1]!r}") from exc
+        if url.port is not None and not 0 < url.port < 65536:  # a port that is no number fails here too
+            raise ValueError("port out of range")
+    except (ArgumentError, ValueError) as exc:
+        shown = raw.split("@")[-1].split("?")[
+            0
+        ]  # neither the user part nor the query: either may hold a secret
+        raise ConfigError(f"catalog URL is not a database URL: {shown!r}") from exc
     backend, _, driver = url.drivername.partition("+")
     if backend == "postgresql":
         if driver not in ("", "psycopg"):
@@ -68,12 +76,32 @@ def parse_url(raw: str) -> URL:
     raise ConfigError(f"catalog URL must be postgresql+psycopg:// or sqlite:///, got {url.drivername}://")
 
 
+_SECRET_PARAMS = frozenset({"password", "sslpassword", "sslkey", "passfile", "service"})
+
+
+def shown_url(url: URL) -> str:
+    """The URL as errors and listings may show it: the password, and query parameters that carry or point at
+    one (``?password=``, libpq's ``sslpassword``...), masked."""
+    query = {k: ("***" if k.lower() in _SECRET_PARAMS else v) for k, v in url.query.items()}
+    return url.set(query=query).render_as_string(hide_password=True)
+
+
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur = dbapi_conn.cursor()
     cur.execute("PRAGMA journal_mode=WAL")
     cur.execute("PRAGMA busy_timeout=10000")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.close()
+    # pysqlite opens a transaction only at the first write, so a read-check-write is unguarded and DDL
+    # autocommits statement by statement: Rewind begins every transaction itself (_sqlite_begin).
+    dbapi_conn.isolation_level = None
+
+
+def _sqlite_begin(conn: Any) -> None:
+    """Every SQLite transaction takes the write lock when it begins: a read-check-write (the run's one
+    writer, a lease, a guarded delete) is serialised across processes as ``SELECT ... FOR UPDATE`` does
+    on Postgres, and creating the schema is one transaction (a kill leaves no half-made catalog)."""
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 class Catalog:
@@ -81,12 +109,13 @@ class Catalog:
 
     def __init__(self, url: str | None = None, *, auto_upgrade: bool = True) -> None:
         self.url = parse_url(url or config.catalog_url())
-        self.safe_url = self.url.render_as_string(hide_password=True)
+        self.safe_url = shown_url(self.url)
         if self.url.get_backend_name() == "sqlite":
             if self.url.database and self.url.database != ":memory:":
                 Path(self.url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
             self.engine: Engine = create_engine(self.url)
             event.listen(self.engine, "connect", _sqlite_pragmas)
+            event.listen(self.engine, "begin", _sqlite_begin)
         else:
             self.engine = create_engine(
                 self.url, pool_pre_ping=True, pool_size=2, max_overflow=4, connect_args={"connect_timeout": 5}
@@ -108,6 +137,11 @@ class Catalog:
         msg = str(exc.orig) if exc.orig is not None else str(exc)
         if "no such table" in msg or ("does not exist" in msg and "relation" in msg):
             return ConfigError(f"catalog {self.safe_url} has no schema; run `rewind db upgrade`")
+        if re.search(r'database "[^"]*" does not exist', msg):  # the server answered: not "unreachable"
+            return MissingDatabase(
+                f"catalog {self.safe_url}: the database {self.url.database!r} does not exist on that server; "
+                "`rewind db upgrade` creates it"
+            )
         if isinstance(exc, OperationalError) or exc.connection_invalidated:
             first = msg.strip().splitlines()[0] if msg.strip() else type(exc).__name__
             return CatalogUnavailable(f"catalog {self.safe_url} is unreachable: {first}")
@@ -125,7 +159,7 @@ class Catalog:
 
     def _alembic(self) -> Config:
         cfg = Config()
-        cfg.set_main_option("script_location", str(MIGRATIONS))
+        cfg.set_main_option("script_location", MIGRATIONS)
         cfg.set_main_option(
             "sqlalchemy.url", self.url.render_as_string(hide_password=False).replace("%", "%%")
         )
@@ -140,6 +174,34 @@ class Catalog:
                 return MigrationContext.configure(conn).get_current_revision()
         except DBAPIError as exc:
             raise self._translate(exc) from exc
+
+    def create_database(self) -> bool:
+        """Create this Postgres catalog's database through the server's ``postgres`` database, with the same
+        credentials; False if it exists already. A role that may not create databases is told the command."""
+        name = self.url.database
+        if self.url.get_backend_name() != "postgresql" or not name:
+            return False
+        admin = create_engine(
+            self.url.set(database="postgres"),
+            isolation_level="AUTOCOMMIT",
+            connect_args={"connect_timeout": 5},
+        )
+        try:
+            with admin.connect() as conn:
+                if conn.execute(text("SELECT 1 FROM pg_database WHERE datname = :n"), {"n": name}).first():
+                    return False
+                conn.execute(text(f'CREATE DATABASE "{name.replace(chr(34), chr(34) * 2)}"'))
+                return True
+        except ProgrammingError as exc:  # e.g. permission denied to create database
+            first = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else str(exc)
+            raise ConfigError(
+                f"cannot create the catalog database {name!r} ({first}): have an administrator run "
+                f"`createdb -h {self.url.host or 'localhost'} -O {self.url.username or 'USER'} {name}`"
+            ) from exc
+        except DBAPIError as exc:
+            raise self._translate(exc) from exc
+        finally:
+            admin.dispose()
 
     def migrate(self, revision: str = "head", *, down: bool = False) -> None:
         cfg = self._alembic()

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from datetime import datetime
+from typing import Any, NamedTuple
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
-from infra.catalog.db import Catalog
-from infra.catalog.models import Drill, utcnow
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import Drill, DrillOutcome, utcnow
 
-OUTCOMES = ("passed", "failed", "skipped")
+OUTCOMES = tuple(o.value for o in DrillOutcome)
 
 
 def record(cat: Catalog, **fields: Any) -> int:
-    from infra.errors import ConfigError
+    from rewind.infra.errors import ConfigError
 
     if fields.get("outcome") not in OUTCOMES:
         raise ConfigError(f"drill outcome {fields.get('outcome')!r} is not one of {OUTCOMES}")
@@ -37,3 +38,29 @@ def all_drills(cat: Catalog, scenario: str | None = None) -> list[Drill]:
         if scenario is not None:
             q = q.where(Drill.scenario == scenario)
         return list(s.scalars(q))
+
+
+class ScenarioTotals(NamedTuple):
+    """The drills of one scenario: how many ended each way, and what the newest one found."""
+
+    scenario: str
+    outcomes: dict[str, int]  # every outcome, 0 where none ended so
+    last_outcome: str
+    last_rto_s: float | None
+    last_at: datetime  # when the newest one ended (or started, if it never said)
+
+
+def totals_by_scenario(cat: Catalog) -> list[ScenarioTotals]:
+    """Per scenario, totalled in SQL (two statements whatever the catalog holds): the metrics read this."""
+    counts = select(Drill.scenario, Drill.outcome, func.count()).group_by(Drill.scenario, Drill.outcome)
+    newest = select(func.max(Drill.id)).group_by(Drill.scenario)
+    out: dict[str, dict[str, int]] = {}
+    with cat.session() as s:
+        for scenario, outcome, n in s.execute(counts):
+            out.setdefault(scenario, dict.fromkeys(OUTCOMES, 0))[str(outcome)] = int(n)
+        last = {d.scenario: d for d in s.scalars(select(Drill).where(Drill.id.in_(newest)))}
+    return [
+        ScenarioTotals(name, outcomes, str(d.outcome), d.rto_s, d.ended_at or d.started_at)
+        for name, outcomes in sorted(out.items())
+        if (d := last.get(name)) is not None
+    ]

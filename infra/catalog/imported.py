@@ -15,13 +15,13 @@ from datetime import UTC, datetime
 
 from sqlalchemy import select, update
 
-from infra.catalog import lineage
-from infra.catalog.db import Catalog, chunks
-from infra.catalog.models import LIVE_STATUSES, Checkpoint, CheckpointFile, Replica, aware, utcnow
-from infra.catalog.models import CheckpointStatus as S
-from infra.catalog.models import ReplicaStatus as R
-from infra.errors import RewindError
-from infra.format.manifest import Manifest
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog, chunks
+from rewind.infra.catalog.models import LIVE_STATUSES, Checkpoint, CheckpointFile, Replica, aware, utcnow
+from rewind.infra.catalog.models import CheckpointStatus as S
+from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.errors import RewindError
+from rewind.infra.format.manifest import Manifest
 
 REBUILT = "rebuilt from storage: "
 
@@ -84,7 +84,7 @@ def insert(
         if live is not None and aware(live.created_at) >= written:
             status, reason = S.SUPERSEDED, f"{REBUILT}a later save holds step {m.step}"
         elif live is not None:
-            live.status, live.status_reason = S.SUPERSEDED.value, f"{REBUILT}a later save holds step {m.step}"
+            live.status, live.status_reason = S.SUPERSEDED, f"{REBUILT}a later save holds step {m.step}"
             s.flush()
         ck = Checkpoint(
             run_id=run_id, step=m.step, status=status.value, status_reason=reason, path=path,

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
-from sqlalchemy import func, select, update
+from sqlalchemy import case, func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import Incident, utcnow
-from infra.errors import ConfigError, NotFoundError
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import Incident, IncidentKind, utcnow
+from rewind.infra.errors import ConfigError, NotFoundError
 
-KINDS = ("crash", "failed_to_start", "hang", "nan", "loss_spike", "gpu", "manual")  # at most 16 characters
+# What an incident can be: every kind but FINISHED (a launch that ended well is no incident).
+KINDS = tuple(k.value for k in IncidentKind if k is not IncidentKind.FINISHED)
 
 
 def open_incident(
@@ -20,13 +21,13 @@ def open_incident(
 ) -> int:
     """A new incident, or, when one with this ``origin`` exists (a retried task), that one."""
     if kind not in KINDS:
-        raise ConfigError(f"incident kind {kind!r} is not one of {KINDS}")
+        raise ConfigError(f"incident kind {str(kind)!r} is not one of {KINDS}")
     run_id = lineage.get_run(cat, run).id
     if origin is not None and (known := _by_origin(cat, origin)) is not None:
         return known
     try:
         with cat.session() as s:
-            inc = Incident(run_id=run_id, kind=kind, reason=reason, origin=origin, **fields)
+            inc = Incident(run_id=run_id, kind=IncidentKind(kind), reason=reason, origin=origin, **fields)
             s.add(inc)
             s.flush()
             return inc.id
@@ -101,3 +102,38 @@ def recent_count(cat: Catalog, run: str, within_s: float) -> int:
 def resolve(cat: Catalog, incident_id: int) -> None:
     with cat.session() as s:
         s.execute(update(Incident).where(Incident.id == incident_id).values(resolved_at=func.now()))
+
+
+class KindTotals(NamedTuple):
+    """Every incident of one kind, totalled: how many, how many still open, and their RTO."""
+
+    kind: str
+    incidents: int
+    open: int
+    measured: int  # incidents with an RTO recorded
+    rto_sum_s: float
+    last_rto_s: float | None  # the newest measured incident's
+
+
+def totals_by_kind(cat: Catalog) -> list[KindTotals]:
+    """Per kind, totalled in SQL (two statements whatever the catalog holds): the metrics read this."""
+    totals = (
+        select(
+            Incident.kind,
+            func.count().label("n"),
+            func.sum(case((Incident.resolved_at.is_(None), 1), else_=0)).label("open"),
+            func.count(Incident.rto_s).label("measured"),
+            func.coalesce(func.sum(Incident.rto_s), 0.0).label("rto_sum"),
+        )
+        .group_by(Incident.kind)
+        .order_by(Incident.kind)
+    )
+    newest = select(func.max(Incident.id)).where(Incident.rto_s.is_not(None)).group_by(Incident.kind)
+    last_rto = select(Incident.kind, Incident.rto_s).where(Incident.id.in_(newest))
+    with cat.session() as s:
+        last = {kind: rto for kind, rto in s.execute(last_rto)}
+        rows = list(s.execute(totals))
+    return [
+        KindTotals(str(r.kind), int(r.n), int(r.open), int(r.measured), float(r.rto_sum), last.get(r.kind))
+        for r in rows
+    ]

@@ -13,10 +13,10 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
-from infra.catalog import lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import JobSpecRow, Launch, RankProgress, utcnow
-from infra.errors import NotFoundError
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import JobSpecRow, Launch, RankProgress, utcnow
+from rewind.infra.errors import NotFoundError
 
 
 def set_spec(cat: Catalog, run: str, spec: dict[str, Any]) -> None:
@@ -48,6 +48,14 @@ def begin_launch(
         s.add(row)
         s.flush()
         return row.id
+
+
+def set_placement(cat: Catalog, launch_id: int, *, hosts: list[str], allocation: str | None) -> None:
+    """Where the launch's nodes run (node 0 first) and the scheduler's job id: kept with what it was handed."""
+    with cat.session() as s:
+        row = s.get(Launch, launch_id)
+        if row is not None:
+            row.handoff = {**(row.handoff or {}), "hosts": hosts, "allocation": allocation}
 
 
 def end_launch(cat: Catalog, launch_id: int, exit_code: int) -> None:

@@ -19,13 +19,13 @@ from typing import Any
 from sqlalchemy import and_, case, delete, exists, func, select, update
 from sqlalchemy.orm import aliased
 
-from infra.catalog import lineage
-from infra.catalog.db import Catalog, changed
-from infra.catalog.models import Checkpoint, Launch, RestoreLease, Run, ServingVersion, aware, utcnow
-from infra.catalog.models import CheckpointStatus as S
-from infra.catalog.serving import KEEPS_CHECKPOINT
-from infra.errors import NotFoundError, RunBusy
-from infra.format import store
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog, changed
+from rewind.infra.catalog.models import Checkpoint, Launch, RestoreLease, Run, ServingVersion, aware, utcnow
+from rewind.infra.catalog.models import CheckpointStatus as S
+from rewind.infra.catalog.serving import KEEPS_CHECKPOINT
+from rewind.infra.errors import NotFoundError, RunBusy
+from rewind.infra.format import store
 
 DEFAULT_TTL_S = 6 * 3600.0
 RESTORABLE = (S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value)

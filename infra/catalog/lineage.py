@@ -9,24 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, exists, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
-from infra.catalog.db import Catalog, changed
-from infra.catalog.models import (
+from rewind.infra.catalog.db import Catalog, changed
+from rewind.infra.catalog.models import (
     LIVE_STATUSES,
     Checkpoint,
     CheckpointFile,
     CheckpointStatus,
+    Launch,
     Replica,
     ReplicaStatus,
     Run,
     utcnow,
 )
-from infra.errors import ConfigError, NotFoundError, RewindError
-from infra.format.manifest import Manifest
+from rewind.infra.errors import ConfigError, Fenced, NotFoundError, RewindError
+from rewind.infra.format.manifest import Manifest
 
 S = CheckpointStatus
 
@@ -119,16 +121,37 @@ def begin(
         return ck.id
 
 
+def _fence(writer: str) -> Any:
+    """Still the run's writer, and of a launch its supervisor has not seen end (an isolated host's
+    orphaned rank 0 must never commit once the job was relaunched elsewhere)."""
+    launch = writer.rsplit(":", 2)[-1] if writer.count(":") >= 2 else ""
+    ok: Any = exists().where(Run.id == Checkpoint.run_id, Run.writer == writer)
+    if launch.isdigit():
+        ok = and_(ok, ~exists().where(Launch.id == int(launch), Launch.ended_at.is_not(None)))
+    return ok
+
+
 def commit(
-    cat: Catalog, checkpoint_id: int, manifest: Manifest, *, digest: str, stall_s: float | None, uri: str
+    cat: Catalog,
+    checkpoint_id: int,
+    manifest: Manifest,
+    *,
+    digest: str,
+    stall_s: float | None,
+    uri: str,
+    writer: str | None = None,
 ) -> None:
-    """``writing -> committed`` with its manifest digest, files and local copy, in one transaction."""
+    """``writing -> committed`` with its manifest digest, files and local copy, in one transaction; with
+    ``writer``, only while that process is the run's writer (else ``Fenced``, and nothing is committed)."""
     now = utcnow()
     with cat.session() as s:
+        guard = [Checkpoint.id == checkpoint_id, Checkpoint.status == S.WRITING.value]
+        if writer is not None:
+            guard.append(_fence(writer))
         won = changed(
             s.execute(
                 update(Checkpoint)
-                .where(Checkpoint.id == checkpoint_id, Checkpoint.status == S.WRITING.value)
+                .where(*guard)
                 .values(
                     status=S.COMMITTED.value,
                     committed_at=now,
@@ -140,6 +163,15 @@ def commit(
             )
         )
         if won != 1:
+            if (
+                writer is not None
+                and s.scalar(select(Checkpoint.status).where(Checkpoint.id == checkpoint_id))
+                == S.WRITING.value
+            ):
+                raise Fenced(
+                    f"checkpoint {checkpoint_id} not committed: {writer} is no longer the run's writer "
+                    "(its launch ended, or another process took the run over)"
+                )
             raise RewindError(f"checkpoint {checkpoint_id} was no longer 'writing' at commit")
         s.add_all(
             CheckpointFile(

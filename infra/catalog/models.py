@@ -28,6 +28,19 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from rewind.infra.catalog.states import (  # noqa: F401 (re-exported)
+    LIVE_RANK_STATES,
+    LIVE_STATUSES,
+    CheckpointStatus,
+    DrillOutcome,
+    IncidentKind,
+    RankState,
+    ReplicaStatus,
+    RolloutKind,
+    RolloutState,
+    VersionState,
+)
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s",
@@ -51,37 +64,8 @@ class Base(DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}
 
 
-class CheckpointStatus(StrEnum):
-    WRITING = "writing"
-    COMMITTED = "committed"
-    VERIFIED = "verified"
-    CORRUPT = "corrupt"
-    ABORTED = "aborted"  # the writer died before the commit
-    SUPERSEDED = "superseded"  # a later save at the same step replaced it
-    DELETED = "deleted"
-
-
-LIVE_STATUSES = (CheckpointStatus.WRITING, CheckpointStatus.COMMITTED, CheckpointStatus.VERIFIED)
 _LIVE_SQL = "status IN ('writing', 'committed', 'verified')"
-
-
-class ReplicaStatus(StrEnum):
-    """What the last check of one copy found. Findings belong to copies, not to checkpoints."""
-
-    PENDING = "pending"  # written, not yet proven byte for byte
-    VERIFIED = "verified"  # every byte matched the catalog's manifest
-    UNVERIFIABLE = "unverifiable"  # could not be read (I/O error, unknown key): says nothing about the bytes
-    CORRUPT = "corrupt"  # bytes or manifest differ from the catalog's: never used again
-    MISSING = "missing"  # the copy is gone
-    DELETED = "deleted"  # removed on purpose (retention)
-
-
-class RolloutState(StrEnum):
-    RUNNING = "running"
-    PROMOTED = "promoted"
-    ROLLED_BACK = "rolled_back"
-    FAILED = "failed"
-    DONE = "done"
+_STABLE_SQL = "state = 'stable'"
 
 
 def _enum(cls: type[StrEnum], name: str) -> Enum:
@@ -131,8 +115,8 @@ class Checkpoint(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
     step: Mapped[int] = mapped_column(BigInteger)
     parent_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoint.id", ondelete="SET NULL"))
-    status: Mapped[str] = mapped_column(
-        _enum(CheckpointStatus, "status"), default=CheckpointStatus.WRITING.value
+    status: Mapped[CheckpointStatus] = mapped_column(
+        _enum(CheckpointStatus, "status"), default=CheckpointStatus.WRITING
     )
     status_reason: Mapped[str | None] = mapped_column(Text)
     path: Mapped[str] = mapped_column(Text)
@@ -179,7 +163,9 @@ class Replica(Base):
     uri: Mapped[str] = mapped_column(Text)
     # Where the copy lies below ``uri`` (``<run>/step-<N>`` unless that name held another timeline).
     key: Mapped[str | None] = mapped_column(Text)
-    status: Mapped[str] = mapped_column(_enum(ReplicaStatus, "status"), default=ReplicaStatus.PENDING.value)
+    status: Mapped[ReplicaStatus] = mapped_column(
+        _enum(ReplicaStatus, "status"), default=ReplicaStatus.PENDING
+    )
     detail: Mapped[str | None] = mapped_column(Text)  # what the last check found
     bytes: Mapped[int | None] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -204,7 +190,7 @@ class Incident(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
-    kind: Mapped[str] = mapped_column(String(16))  # incidents.KINDS: crash | failed_to_start | hang | ...
+    kind: Mapped[IncidentKind] = mapped_column(_enum(IncidentKind, "kind"))  # never FINISHED: incidents.KINDS
     detected_at: Mapped[datetime] = mapped_column(default=utcnow)
     reason: Mapped[str | None] = mapped_column(Text)
     decision: Mapped[str | None] = mapped_column(Text)
@@ -227,7 +213,7 @@ class Incident(Base):
 
 
 class JobSpecRow(Base):
-    """How a run is launched (``infra.launch.spec.JobSpec`` as JSON): the supervisor starts it from this."""
+    """How a run is launched (``rewind.infra.launch.spec.JobSpec`` as JSON): the supervisor starts it from this."""
 
     __tablename__ = "job_spec"
 
@@ -267,22 +253,8 @@ class RankProgress(Base):
         Float
     )  # the rank's clock (epoch s) when ``step`` was reached
     beat_at: Mapped[float] = mapped_column(Float)  # the rank's clock when it last wrote
-    state: Mapped[str] = mapped_column(String(16), default="running")  # running | finished | anomaly
+    state: Mapped[RankState] = mapped_column(_enum(RankState, "state"), default=RankState.RUNNING)
     detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
-
-
-class VersionState(StrEnum):
-    EXPORTED = "exported"  # archive built, not loaded
-    LOADED = "loaded"  # loaded next to the stable version, no traffic yet
-    CANARY = "canary"  # taking a share of traffic under gates
-    STABLE = "stable"  # takes all traffic; one per model
-    PREVIOUS = "previous"  # the stable version before the last promotion, kept loaded until the bake ends
-    RETIRED = "retired"  # was stable once, unloaded: a known-good rollback target
-    ROLLED_BACK = "rolled_back"  # failed its gates (or was rolled back by hand) and was unloaded
-    FAILED = "failed"  # could not be loaded
-
-
-_STABLE_SQL = "state = 'stable'"
 
 
 class ServingVersion(Base):
@@ -316,7 +288,7 @@ class ServingVersion(Base):
     # What the archive was packed with (absolute paths); the model's next version reuses them.
     handler: Mapped[str | None] = mapped_column(Text)
     extra_files: Mapped[list[str] | None] = mapped_column(JSON)
-    state: Mapped[str] = mapped_column(_enum(VersionState, "state"), default=VersionState.EXPORTED.value)
+    state: Mapped[VersionState] = mapped_column(_enum(VersionState, "state"), default=VersionState.EXPORTED)
     weight: Mapped[int] = mapped_column(Integer, default=0)
     was_stable: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -332,10 +304,10 @@ class Rollout(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     model: Mapped[str] = mapped_column(String(63), index=True)
-    kind: Mapped[str] = mapped_column(String(16))  # deploy | rollout | rollback
+    kind: Mapped[RolloutKind] = mapped_column(_enum(RolloutKind, "kind"))
     from_version: Mapped[str | None] = mapped_column(String(63))
     to_version: Mapped[str] = mapped_column(String(63))
-    state: Mapped[str] = mapped_column(_enum(RolloutState, "state"), default=RolloutState.RUNNING.value)
+    state: Mapped[RolloutState] = mapped_column(_enum(RolloutState, "state"), default=RolloutState.RUNNING)
     triggered_by: Mapped[str] = mapped_column(Text)
     params: Mapped[dict[str, Any]] = mapped_column(default=dict)
     reason: Mapped[str | None] = mapped_column(Text)
@@ -378,7 +350,7 @@ class Drill(Base):
     incident_id: Mapped[int | None] = mapped_column(ForeignKey("incident.id", ondelete="SET NULL"))
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     ended_at: Mapped[datetime | None]
-    outcome: Mapped[str] = mapped_column(String(16))  # passed | failed | skipped
+    outcome: Mapped[DrillOutcome] = mapped_column(_enum(DrillOutcome, "outcome"))
     phases: Mapped[dict[str, Any]] = mapped_column(default=dict)
     rto_s: Mapped[float | None] = mapped_column(Float)
     rpo_steps: Mapped[int | None] = mapped_column(Integer)

@@ -1,7 +1,7 @@
 """What an operator asks first, from the catalog alone: how much would be lost if a run died now,
 where its copies are, what is wrong, and what is being served (``rewind status``).
 
-Per run: the newest verified checkpoint and its age; the recovery point if the job died now (steps
+Per run: the newest verified checkpoint and its age (and its save's stall); the recovery point if the job died now (steps
 and seconds of training since that checkpoint, up to the newest step a rank reported, where the
 run's launches reported progress); copies per tier with the tier's replication lag (its newest
 verified copy against the run's newest verified checkpoint); the launch now or last running; open
@@ -16,10 +16,10 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Select, and_, case, func, select
 
-from infra.catalog import lineage
-from infra.catalog.copies import TIER_ORDER
-from infra.catalog.db import Catalog
-from infra.catalog.models import (
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.copies import TIER_ORDER
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import (
     Checkpoint,
     Incident,
     Launch,
@@ -29,8 +29,8 @@ from infra.catalog.models import (
     ServingVersion,
     aware,
 )
-from infra.catalog.models import CheckpointStatus as S
-from infra.catalog.models import ReplicaStatus as R
+from rewind.infra.catalog.models import CheckpointStatus as S
+from rewind.infra.catalog.models import ReplicaStatus as R
 
 RESTORABLE = (S.COMMITTED.value, S.VERIFIED.value)
 LIVE_COPY = (R.PENDING.value, R.VERIFIED.value, R.UNVERIFIABLE.value)  # a copy that is there
@@ -83,6 +83,7 @@ class Ckpt(NamedTuple):
     status: str
     created_at: datetime
     total_bytes: int | None
+    save_stall_s: float | None  # how long its save held training up
 
 
 class Newest(NamedTuple):
@@ -127,6 +128,7 @@ def _newest(cat: Catalog, wanted: Select[Any]) -> dict[int, Newest]:
         Checkpoint.status,
         Checkpoint.created_at,
         Checkpoint.total_bytes,
+        Checkpoint.save_stall_s,
         totals.c.n,
     ).join(
         totals,
@@ -139,7 +141,7 @@ def _newest(cat: Catalog, wanted: Select[Any]) -> dict[int, Newest]:
     tops: dict[int, list[tuple[Ckpt, int]]] = {}
     with cat.session() as s:
         for row in s.execute(q):
-            tops.setdefault(row.run_id, []).append((Ckpt(*row[:6]), int(row.n)))
+            tops.setdefault(row.run_id, []).append((Ckpt(*row[:7]), int(row.n)))
     out = {}
     for run_id, found in tops.items():
         verified = next(((c, n) for c, n in found if c.status == S.VERIFIED.value), None)
@@ -295,6 +297,7 @@ def _ckpt(c: Ckpt, now: datetime) -> dict[str, Any]:
         "created_at": _iso(c.created_at),
         "age_s": _age(c.created_at, now),
         "bytes": c.total_bytes,
+        "save_stall_s": None if c.save_stall_s is None else round(c.save_stall_s, 4),
     }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infra import sizes
+from rewind.infra import sizes
 
 
 def ago(seconds: float | None) -> str:
@@ -81,7 +81,10 @@ def _model_lines(m: dict[str, Any]) -> list[str]:
     return lines
 
 
-def text(got: dict[str, Any]) -> str:
-    blocks = ["\n".join(_run_lines(r)) for r in got["runs"]] or ["no runs"]
+def text(got: dict[str, Any], *, catalog: str | None = None) -> str:
+    """For people; ``catalog`` (the URL, password masked) is named when it holds no run, so that an
+    unset or mistyped REWIND_CATALOG_URL reads as what it is."""
+    empty = f"no runs in catalog {catalog}" if catalog else "no runs"
+    blocks = ["\n".join(_run_lines(r)) for r in got["runs"]] or [empty]
     blocks += ["\n".join(_model_lines(m)) for m in got["models"]]
     return "\n\n".join(blocks)

@@ -14,10 +14,17 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.exc import IntegrityError
 
-from infra.catalog.db import Catalog, changed
-from infra.catalog.models import Rollout, RolloutState, RolloutStep, ServingVersion, utcnow
-from infra.catalog.models import VersionState as V
-from infra.errors import NotFoundError
+from rewind.infra.catalog.db import Catalog, changed
+from rewind.infra.catalog.models import (
+    Rollout,
+    RolloutKind,
+    RolloutState,
+    RolloutStep,
+    ServingVersion,
+    utcnow,
+)
+from rewind.infra.catalog.models import VersionState as V
+from rewind.infra.errors import NotFoundError
 
 # Loaded in the model server (taking traffic or ready to).
 LOADED = (V.LOADED, V.CANARY, V.STABLE, V.PREVIOUS)
@@ -195,7 +202,7 @@ def begin_rollout(
         with cat.session() as s:
             row = Rollout(
                 model=model,
-                kind=kind,
+                kind=RolloutKind(kind),
                 to_version=to_version,
                 from_version=from_version,
                 triggered_by=triggered_by,

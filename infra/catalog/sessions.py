@@ -14,9 +14,9 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from infra.catalog.db import Catalog
-from infra.catalog.models import ChatSession, ChatTurn, aware, utcnow
-from infra.errors import ConfigError, Refused
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import ChatSession, ChatTurn, aware, utcnow
+from rewind.infra.errors import ConfigError, Refused
 
 DEFAULT_TTL_S = 24 * 3600.0
 MAX_KEY = 200

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from infra.errors import RewindError
+from rewind.infra.errors import RewindError
 
 log = logging.getLogger("rewind.checkpoint")
 

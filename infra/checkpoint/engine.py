@@ -8,7 +8,7 @@ Usage::
     ...
     ckpt.save(step, metrics={"loss": loss})
 
-Restore goes through the one restore path (:mod:`infra.restore`): the run's
+Restore goes through the one restore path (:mod:`rewind.infra.restore`): the run's
 checkpoints newest first, each copy nearest first, every byte proven against the
 manifest digest the catalog recorded before anything is loaded; what fails is
 recorded against the copy (saying which file and why) and the next copy, then the
@@ -30,22 +30,22 @@ from typing import Any
 
 import torch
 
-from infra import config, throttle
-from infra.catalog import leases, lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import CheckpointStatus
-from infra.checkpoint.background import BackgroundRunner
-from infra.checkpoint.recording import recorded_save
-from infra.checkpoint.staging import Staged, StagingBuffer
-from infra.checkpoint.state import Stateful, as_stateful, environment, writer
-from infra.errors import ConfigError, NoRestorableCheckpoint, StateMismatch
-from infra.faults import fault_point
-from infra.format import chunked, payload, store
-from infra.format import manifest as mf
-from infra.format.verify import Finding, Problem
-from infra.restore import execute as restore_exec
-from infra.restore import plan as restore_plan
-from infra.restore.execute import Skip
+from rewind.infra import config, progress, throttle
+from rewind.infra.catalog import leases, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import CheckpointStatus
+from rewind.infra.checkpoint.background import BackgroundRunner
+from rewind.infra.checkpoint.recording import recorded_save
+from rewind.infra.checkpoint.staging import Staged, StagingBuffer
+from rewind.infra.checkpoint.state import Stateful, as_stateful, environment, writer
+from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, StateMismatch
+from rewind.infra.faults import fault_point
+from rewind.infra.format import chunked, payload, store
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.verify import Finding, Problem
+from rewind.infra.restore import execute as restore_exec
+from rewind.infra.restore import plan as restore_plan
+from rewind.infra.restore.execute import Skip
 
 log = logging.getLogger("rewind.checkpoint")
 # What a state object's load_state_dict raises when it refuses what it is given (shape, type, keys).
@@ -65,6 +65,7 @@ class RestoreResult:
     path: str
     load_s: float
     skipped: tuple[Skip, ...] = ()
+    bytes_read: int = 0  # hashed (and fetched) to restore it: each byte of the restore point once
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +185,10 @@ class Checkpointer:
             fault_point("save.before_catalog", step)
             if self.mode is SaveMode.SYNC:
                 stall = time.perf_counter() - stall
-            lineage.commit(self._cat, ck_id, manifest, digest=done.digest, stall_s=stall, uri=str(final))
+            lineage.commit(
+                self._cat, ck_id, manifest, digest=done.digest, stall_s=stall, uri=str(final),
+                writer=leases.writer_name(),
+            )  # fmt: skip
             leases.touch_writer(self._cat, self.run_id)
         self._parent_id, self._parent_step, self._parent_digest = ck_id, step, done.digest
         result = SaveResult(
@@ -228,26 +232,33 @@ class Checkpointer:
 
     # -- restore --------------------------------------------------------------
 
-    def restore_latest(self) -> RestoreResult | None:
+    def restore_latest(self, *, target: restore_plan.RestoreTarget | None = None) -> RestoreResult | None:
         """Load the newest checkpoint that proves itself; None when the run has none that could.
 
-        Refuses to start over (``CheckpointUnverifiable``) while a checkpoint exists
-        that could not be checked right now: an I/O error or an unknown key is not
-        a reason to throw a run's progress away.
+        ``target``: the restore point a recovery chose (its checkpoint, else an older one; none that
+        proves itself is ``NoRestorableCheckpoint``, never a fresh start). Every
+        byte is hashed once, as it is read (``RestoreResult.bytes_read``). Refuses to start over
+        (``CheckpointUnverifiable``) while a checkpoint exists that could not be checked right
+        now: an I/O error or an unknown key is not a reason to throw a run's progress away.
         """
         self._runner.wait()
-        p = restore_plan.plan(self._cat, self.run, root=self.root)
+        p = restore_plan.plan(self._cat, self.run, root=self.root, target=target)
         try:
-            done = restore_exec.execute(self._cat, p, self._load)
+            with progress.tallied() as read:
+                done = restore_exec.execute(self._cat, p, self._load)
         except NoRestorableCheckpoint as exc:
             self.skipped = exc.skipped
+            if target is not None:  # a recovery chose a restore point: starting over would lose the run
+                raise
             if p.candidates:
                 log.warning("%s; starting from scratch", exc)
             return None
         self.skipped = done.skipped
         self._parent_id, self._parent_step = done.checkpoint_id, done.step
         self._parent_digest = lineage.get_checkpoint(self._cat, done.checkpoint_id).manifest_digest
-        result = RestoreResult(done.step, done.checkpoint_id, str(done.directory), done.seconds, done.skipped)
+        result = RestoreResult(
+            done.step, done.checkpoint_id, str(done.directory), done.seconds, done.skipped, read.bytes
+        )
         log.info(
             "restored step %d from the %s copy %s in %.3fs",
             done.step,

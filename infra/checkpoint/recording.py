@@ -6,10 +6,10 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from infra.catalog import copies, lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import CheckpointStatus as S
-from infra.format import store
+from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import CheckpointStatus as S
+from rewind.infra.format import store
 
 
 @contextlib.contextmanager

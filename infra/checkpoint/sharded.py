@@ -8,9 +8,9 @@ ranks (DCP reshards), optimizer state included.
 DCP would pickle non-tensor values (learning rates, betas, steps) and load them
 with an unrestricted ``torch.load``; Rewind hands DCP tensors only and keeps
 the rest of the tree in JSON (``state.json``). DCP's own ``.metadata`` is still a
-pickle. Restore goes through the one restore path (:mod:`infra.restore`) on rank
+pickle. Restore goes through the one restore path (:mod:`rewind.infra.restore`) on rank
 0: the copy is held to the manifest digest the catalog recorded (a remote copy is
-fetched first); then every rank loads through :class:`infra.format.dcp.VerifiedReader`,
+fetched first); then every rank loads through :class:`rewind.infra.format.dcp.VerifiedReader`,
 which reads each file whole, hashes it against the manifest, and only then hands
 DCP the bytes, ``.metadata`` unpickled by an unpickler that admits DCP's own
 metadata classes and nothing else. The verdict of every rank goes back to rank 0,
@@ -19,21 +19,31 @@ which records it against the copy and, if need be, tries the next one.
 
 from __future__ import annotations
 
-import json
-import shutil
+import contextlib
+import time
 from collections.abc import Callable
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
-from infra.catalog import leases, lineage
-from infra.catalog.db import Catalog
-from infra.checkpoint.recording import recorded_save
-from infra.checkpoint.state import environment, writer
-from infra.errors import (
+from rewind.infra.catalog import leases, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.background import BackgroundRunner
+from rewind.infra.checkpoint.engine import SaveMode
+from rewind.infra.checkpoint.recording import recorded_save
+from rewind.infra.checkpoint.sharded_save import (
+    SHARED_STATE,
+    LeadHooks,
+    RankShare,
+    failed_share,
+    rank_state_file,
+    save,
+    share_of,
+)
+from rewind.infra.checkpoint.shells import ShellStager
+from rewind.infra.checkpoint.state import environment
+from rewind.infra.errors import (
     ConfigError,
     CorruptCheckpoint,
     NoRestorableCheckpoint,
@@ -41,103 +51,16 @@ from infra.errors import (
     RunBusy,
     UnloadableCheckpoint,
 )
-from infra.faults import fault_point
-from infra.format import dcp as verified_dcp
-from infra.format import manifest as mf
-from infra.format import payload, store, tree
-from infra.format.digest import hash_file
-from infra.format.verify import Finding, Problem
-from infra.restore import execute as restore_exec
-from infra.restore import plan as restore_plan
-from infra.restore.execute import Skip
+from rewind.infra.faults import fault_point
+from rewind.infra.format import dcp as verified_dcp
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import payload, store, tree
+from rewind.infra.format.verify import Finding, Problem
+from rewind.infra.restore import execute as restore_exec
+from rewind.infra.restore import plan as restore_plan
+from rewind.infra.restore.execute import Skip
 
-RANK_STATE = "rank-{rank}.json"
 StateTree = dict[str, Any] | Callable[[], dict[str, Any]]
-SHARED_STATE = "state.json"
-
-
-def _json_writer(obj: Any) -> store.FileWriter:
-    def fill(out: BinaryIO) -> None:
-        out.write(json.dumps(obj).encode())
-
-    return fill
-
-
-def _rank_state_file(rank: int) -> str:
-    return RANK_STATE.format(rank=rank)
-
-
-def save(
-    run_dir: Path,
-    run: str,
-    step: int,
-    state: dict[str, Any],
-    rank_state: dict[str, Any],
-    *,
-    layout: dict[str, int],
-    metrics: dict[str, float] | None = None,
-    parent: tuple[int, str | None] | None = None,
-) -> tuple[Path, str]:
-    """Collective: every rank calls it. Returns the committed directory and its manifest digest, on every rank.
-
-    ``state`` is the same tree on every rank (model and optimizer state dicts with
-    sharded or replicated tensors); ``rank_state`` is this rank's own JSON-able state.
-    """
-    rank, world = dist.get_rank(), dist.get_world_size()
-    box: list[Any] = [str(store.temp_dir(run_dir, step)) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    tmp = Path(box[0])
-    error: str | None = None
-    entries: list[mf.FileEntry] = []
-    try:
-        shared_tree, tensors = tree.split(state, "s")
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
-        json_tree, extra = tree.split(rank_state, f"rank{rank}")
-        if extra:
-            raise ConfigError("per-rank state must not hold tensors; put them in the sharded state")
-        entries.append(store.write_file(tmp / _rank_state_file(rank), _json_writer(json_tree)))
-        fault_point("save.shard_written", step)  # this rank's files are down, none committed yet
-        if rank == 0:
-            entries.append(store.write_file(tmp / SHARED_STATE, _json_writer(shared_tree)))
-        for p in sorted(tmp.glob(f"__{rank}_*.distcp")):
-            d = hash_file(p)
-            entries.append(mf.FileEntry(p.name, d.size, d.xxh3, d.crc32c))
-    except Exception as exc:  # reported to rank 0, which then refuses to commit
-        error = f"rank {rank}: {exc}"
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (error, entries))
-    errors = [e for e, _ in gathered if e]
-    final = store.step_dir(run_dir, step)
-    outcome: list[Any] = [None]
-    if rank == 0:
-        try:
-            if errors:
-                raise RankFailed("; ".join(errors))
-            files = [e for _, es in gathered for e in es]
-            d = hash_file(tmp / ".metadata")
-            files.append(mf.FileEntry(".metadata", d.size, d.xxh3, d.crc32c))
-            store.fsync_dir(tmp)
-            manifest = mf.Manifest(
-                run=run,
-                step=step,
-                files=tuple(sorted(files, key=lambda e: e.path)),
-                parent_step=None if parent is None else parent[0],
-                parent_digest=None if parent is None else parent[1],
-                writer=writer("rewind.ShardedCheckpointer"),
-                created_at=datetime.now(UTC).isoformat(),
-                layout=layout,
-                environment=environment(),
-                metrics=metrics or {},
-            )
-            outcome[0] = ("ok", store.commit(tmp, manifest).digest)
-        except Exception as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            outcome[0] = ("error", str(exc))
-    dist.broadcast_object_list(outcome, src=0)
-    kind, value = outcome[0]
-    if kind == "error":
-        raise RankFailed(f"sharded save of step {step} failed: {value}")
-    return final, value
 
 
 def _unwrap(directory: Path, exc: BaseException) -> BaseException:
@@ -174,8 +97,8 @@ def load(
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
         raise _unwrap(directory, exc) from exc
-    own = _rank_state_file(dist.get_rank())
-    own = own if own in entries else _rank_state_file(0)
+    own = rank_state_file(dist.get_rank())
+    own = own if own in entries else rank_state_file(0)
     for needed in (SHARED_STATE, own):
         if needed not in entries:
             raise UnloadableCheckpoint(
@@ -202,10 +125,19 @@ class ShardedCheckpointer:
     its broadcasts, so all ranks always load the same checkpoint.
     """
 
-    def __init__(self, run: str, *, root: Path, catalog: Any = None) -> None:
+    def __init__(
+        self,
+        run: str,
+        *,
+        root: Path,
+        catalog: Any = None,
+        mode: SaveMode | str = SaveMode.SYNC,
+        exit_timeout_s: float = 300.0,
+    ) -> None:
         self.run = run
         self.root = Path(root).expanduser().resolve()
         self.run_dir = self.root / run
+        self.mode = SaveMode(mode)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.catalog = (catalog or Catalog()) if self.rank == 0 else None
         # Rank 0 leads: it alone holds the catalog and the run's id.
@@ -225,6 +157,13 @@ class ShardedCheckpointer:
         self._parent_id: int | None = None
         self._parent: tuple[int, str | None] | None = None  # rank 0: (step, manifest digest) of the parent
         self.skipped: tuple[Skip, ...] = ()  # rank 0: what the last restore passed over, and why
+        self.restored_checkpoint_id: int | None = None  # rank 0: the checkpoint the last restore loaded
+        # Async saves persist in a thread of each rank, talking over a group of their own (gloo: the
+        # staged tensors are on the CPU), so that they never interleave with the job's collectives.
+        self._group = dist.new_group(backend="gloo") if self.mode is SaveMode.ASYNC else None
+        self._stager = ShellStager()
+        self._runner = BackgroundRunner(f"rewind-{run}-rank{self.rank}", exit_timeout_s)
+        self.last_stall_s: float | None = None
         if self.rank == 0:
             store.sweep_temp(self.run_dir)
         dist.barrier()
@@ -235,45 +174,108 @@ class ShardedCheckpointer:
         state: dict[str, Any],
         rank_state: dict[str, Any],
         metrics: dict[str, float] | None = None,
-    ) -> None:
+    ) -> float:
+        """Collective: a checkpoint of ``state`` (and this rank's ``rank_state``) at ``step``; returns
+        the seconds the caller was blocked.
+
+        Sync: returns on every rank once the checkpoint is committed. Async: returns once this rank's
+        tensors are copied into its staging shells and its JSON is serialised (later changes never
+        reach the checkpoint); the rank then writes and hashes in the background, and rank 0 commits
+        once every rank reported its digests. A save asked for while the previous one is still
+        persisting waits for it (one save in flight, one staging copy); a background failure is raised
+        by the next ``save``, ``wait``, restore or ``close``, on every rank.
+        """
+        started = time.perf_counter()
+        metrics = dict(metrics or {})  # frozen at the call, like the state
+        if self.mode is SaveMode.SYNC:
+            self._persist(step, self._share(state, rank_state), metrics, None)
+            dist.barrier()  # no rank goes on before the checkpoint is committed
+            self.last_stall_s = time.perf_counter() - started
+            return self.last_stall_s
+        self._runner.wait()  # back-pressure: the shells are the previous save's until it is done
+        share = self._share(state, rank_state)
+        ready: Callable[[], None] = lambda: None  # noqa: E731
+        if share.error is None:
+            try:
+                staged = self._stager.stage(share.tensors)
+                share, ready = RankShare(staged.tensors, share.shared_json, share.rank_json), staged.ready
+            except Exception as exc:  # told to every rank by the save itself, never a rank left out
+                share = failed_share(exc)
+        stall = time.perf_counter() - started
+        self.last_stall_s = stall
+
+        def persist() -> None:
+            ready()
+            self._persist(step, share, metrics, stall)
+
+        self._runner.submit(f"sharded save of step {step}", persist)
+        return stall
+
+    def _share(self, state: dict[str, Any], rank_state: dict[str, Any]) -> RankShare:
+        """This rank's share, or its error as a share: a rank that cannot save still takes part in the
+        save's collectives, so every rank learns of it and none waits on it."""
+        try:
+            return share_of(state, rank_state, self.rank)
+        except Exception as exc:
+            return failed_share(exc)
+
+    def _persist(self, step: int, share: RankShare, metrics: dict[str, float], stall: float | None) -> None:
         layout = layout_of(self.world)
+        kw: dict[str, Any] = {"layout": layout, "metrics": metrics, "group": self._group}
         if self._lead is None:
-            save(self.run_dir, self.run, step, state, rank_state, layout=layout, metrics=metrics)
-        else:
-            cat, run_id = self._lead
-            env = environment()
-            with recorded_save(
-                cat, run_id, self.run_dir, step, parent_id=self._parent_id, layout=layout, environment=env
-            ) as (ck_id, _):
-                final, digest = save(
-                    self.run_dir,
-                    self.run,
-                    step,
-                    state,
-                    rank_state,
-                    layout=layout,
-                    metrics=metrics,
-                    parent=self._parent,
-                )
-                lineage.commit(cat, ck_id, mf.read(final), digest=digest, stall_s=None, uri=str(final))
+            save(self.run_dir, self.run, step, share, **kw)
+            return
+        cat, run_id = self._lead
+        with contextlib.ExitStack() as stack:
+            row: list[int] = []
+
+            def begin() -> None:
+                fault_point("save.before_catalog", step)  # rank 0 alone: its catalog fails, not the ranks
+                ck_id, _ = stack.enter_context(recorded_save(
+                    cat, run_id, self.run_dir, step, parent_id=self._parent_id, layout=layout,
+                    environment=environment(),
+                ))  # fmt: skip
+                row.append(ck_id)
+
+            def commit(final: Path, digest: str) -> None:
+                lineage.commit(
+                    cat, row[0], mf.read(final), digest=digest, stall_s=stall, uri=str(final),
+                    writer=leases.writer_name(),
+                )  # fmt: skip
                 leases.touch_writer(cat, run_id)
-                self._parent_id, self._parent = ck_id, (step, digest)
-        dist.barrier()  # no rank goes on before the checkpoint is committed
+
+            _, digest = save(
+                self.run_dir, self.run, step, share, parent=self._parent, lead=LeadHooks(begin, commit), **kw
+            )
+            self._parent_id, self._parent = row[0], (step, digest)
+
+    def wait(self) -> None:
+        """Block until this rank's in-flight background save ended; raise if it failed."""
+        self._runner.wait()
 
     def close(self) -> None:
-        """Let another process write this run (rank 0 holds the writer lease)."""
-        if self._lead is not None:
-            leases.release_writer(*self._lead)
+        """Wait for an in-flight save, then let another process write this run (rank 0 holds the
+        writer lease)."""
+        try:
+            self._runner.close()
+        finally:
+            if self._lead is not None:
+                leases.release_writer(*self._lead)
 
-    def restore_latest(self, state: StateTree) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+    def restore_latest(
+        self, state: StateTree, *, target: restore_plan.RestoreTarget | None = None
+    ) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
         """(step, restored tree, this rank's state) of the newest checkpoint that proves itself, or None.
 
         ``state`` is the tree to load into, or a function that builds it: called (on every
         rank at once) only when there is a checkpoint to load, so a fresh run never pays
-        for it (asking an optimizer for its state dict initialises its state).
+        for it (asking an optimizer for its state dict initialises its state). ``target``: the
+        restore point a recovery chose (rank 0 plans from it; ``restored_checkpoint_id`` says what
+        was loaded).
         """
+        self._runner.wait()  # a load never races a save of this run still in flight
         if self.rank == 0:
-            return self._lead_restore(state)
+            return self._lead_restore(state, target)
         return self._follow_restore(state)
 
     def _attempt(self, directory: Path, manifest: mf.Manifest, state: StateTree) -> Any:
@@ -291,7 +293,9 @@ class ShardedCheckpointer:
             raise _unwrap(directory, CheckpointFailures(failed))
         return mine if not failed else None
 
-    def _lead_restore(self, state: StateTree) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
+    def _lead_restore(
+        self, state: StateTree, target: restore_plan.RestoreTarget | None
+    ) -> tuple[int, dict[str, Any], dict[str, Any]] | None:
         tried: list[int] = []
 
         def load_everywhere(directory: Path, manifest: mf.Manifest) -> Any:
@@ -302,7 +306,7 @@ class ShardedCheckpointer:
         if self._lead is None:
             raise ConfigError("only rank 0 leads a restore")
         cat = self._lead[0]
-        p = restore_plan.plan(cat, self.run, root=self.root)
+        p = restore_plan.plan(cat, self.run, root=self.root, target=target)
         try:
             done = restore_exec.execute(cat, p, load_everywhere)
         except NoRestorableCheckpoint as exc:
@@ -311,6 +315,9 @@ class ShardedCheckpointer:
                 why = f"{exc}; the state was partly loaded from step {tried[-1]}: start the job again to begin anew"
                 dist.broadcast_object_list([("error", why, None)], src=0)
                 raise NoRestorableCheckpoint(why, exc.skipped) from exc
+            if target is not None:  # a recovery chose a restore point: starting over would lose the run
+                dist.broadcast_object_list([("error", str(exc), None)], src=0)
+                raise
             dist.broadcast_object_list([("none", None, None)], src=0)
             return None
         except BaseException as exc:
@@ -318,6 +325,7 @@ class ShardedCheckpointer:
             raise
         dist.broadcast_object_list([("done", done.step, None)], src=0)
         self._parent_id, self.skipped = done.checkpoint_id, done.skipped
+        self.restored_checkpoint_id = done.checkpoint_id
         self._parent = (done.step, lineage.get_checkpoint(cat, done.checkpoint_id).manifest_digest)
         restored, mine = done.value
         return done.step, restored, mine

@@ -18,8 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from infra import redact
-from infra.errors import ConfigError
+from rewind.infra import redact
+from rewind.infra.errors import ConfigError
 
 
 @runtime_checkable

@@ -1,10 +1,11 @@
 """Rewind's Chaos Toolkit extension: actions that hurt a running job or its checkpoints, and probes.
 
-Experiments name these as ``{"type": "python", "module": "infra.drills.chaos", "func": ...}``.
+Experiments name these as ``{"type": "python", "module": "rewind.infra.drills.chaos", "func": ...}``;
+their probes live in ``rewind.infra.drills.probes``.
 Every function takes the experiment's ``configuration`` (``run``: the drill's run; ``state_dir``: a
 private directory of the drill) and reads the catalog from the environment. No Prefect here: what
 starts and recovers the job (the flows) is named by the experiment separately. A drill may start
-servers of its own (``infra.drills.servers``: S3, PostgreSQL, a Prefect server as a process) and
+servers of its own (``rewind.infra.drills.servers``: S3, PostgreSQL, a Prefect server as a process) and
 stop them mid-run; ``stop_servers`` stops them and puts the environment back.
 """
 
@@ -17,30 +18,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from infra import faults
-from infra.catalog import incidents, jobs, lineage
-from infra.catalog.db import Catalog
-from infra.drills import servers, slo
-from infra.errors import ConfigError, NotFoundError, RewindError, TransientError
-from infra.format import chunked, packs
-from infra.format.verify import check_copy
+from rewind.infra import faults
+from rewind.infra.catalog import jobs, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.drills import servers
+from rewind.infra.drills.context import newest, run_of, state_dir
+from rewind.infra.errors import ConfigError, NotFoundError, RewindError, TransientError
+from rewind.infra.format import chunked, packs
 
 POLL_S = 0.2
 BUCKET = "rewind-drill"  # the bucket on the drill's own S3 server
 # run -> the servers its drill started (s3, postgres, prefect), and the environment values they replaced
 _SERVERS: dict[str, dict[str, Any]] = {}
-
-
-def _run(configuration: dict[str, Any] | None) -> str:
-    if not configuration or not configuration.get("run"):
-        raise ConfigError("the experiment's configuration names no run")
-    return str(configuration["run"])
-
-
-def _state(configuration: dict[str, Any] | None) -> Path:
-    d = Path(str((configuration or {}).get("state_dir") or "."))
-    d.mkdir(parents=True, exist_ok=True)
-    return d
 
 
 # -- actions -----------------------------------------------------------------------------------
@@ -54,7 +43,7 @@ def arm_fault(spec: str, configuration: dict[str, Any] | None = None) -> str:
     action, _, point = spec.partition(":")
     if action not in ("kill", "enospc", "eio", "eacces") or not point:
         raise ConfigError(f"fault {spec!r} is not <kill|enospc|eio|eacces>:<point>[@step]")
-    fired = _state(configuration) / "fault-fired"
+    fired = state_dir(configuration) / "fault-fired"
     fired.unlink(missing_ok=True)
     os.environ[faults.ENV] = spec
     os.environ[faults.ONCE_ENV] = str(fired)
@@ -84,7 +73,7 @@ def signal_rank(
 ) -> int:
     """Wait (bounded) until ``rank`` of the run's newest launch reported ``at_step``, then signal it:
     SIGKILL loses the rank, SIGSTOP hangs it. Returns the pid signalled."""
-    run, sig = _run(configuration), getattr(signals, signal, None)
+    run, sig = run_of(configuration), getattr(signals, signal, None)
     if not isinstance(sig, signals.Signals):
         raise ConfigError(f"{signal!r} is not a signal name")
     cat, deadline = Catalog(), time.monotonic() + timeout_s
@@ -107,7 +96,7 @@ def damage_newest_checkpoint(
 ) -> list[str]:
     """Damage the newest restorable checkpoint's local copy (``every``: all of them): ``flip_byte`` in its
     largest data file, ``delete_shard`` (a data file), or ``delete_manifest``. Returns what was damaged."""
-    run = _run(configuration)
+    run = run_of(configuration)
     cat = Catalog()
     try:
         found = lineage.restorable(cat, lineage.get_run(cat, run).id)
@@ -149,7 +138,7 @@ def _damage(ck: Any, how: str) -> str:
 
 def delete_local_tier(configuration: dict[str, Any] | None = None) -> str:
     """Node loss: every local copy of the run is gone (its directory under the local checkpoint tier)."""
-    run = _run(configuration)
+    run = run_of(configuration)
     root = Path(
         os.environ.get("REWIND_CHECKPOINT_ROOT")
         or Path(os.environ.get("REWIND_HOME", "~/.rewind")).expanduser() / "checkpoints"
@@ -160,7 +149,7 @@ def delete_local_tier(configuration: dict[str, Any] | None = None) -> str:
 
 
 def _servers(configuration: dict[str, Any] | None) -> dict[str, Any]:
-    return _SERVERS.setdefault(_run(configuration), {"env": {}})
+    return _SERVERS.setdefault(run_of(configuration), {"env": {}})
 
 
 def _set_env(held: dict[str, Any], values: dict[str, str]) -> None:
@@ -173,7 +162,7 @@ def start_s3(configuration: dict[str, Any] | None = None) -> str:
     """Start the drill's own S3 server (SeaweedFS on loopback, in the drill's directory) with a bucket,
     and point this process's AWS_* environment at it (the job and the flows inherit it). Returns its URI."""
     held = _servers(configuration)
-    server = servers.SeaweedS3(_state(configuration) / "s3")
+    server = servers.SeaweedS3(state_dir(configuration) / "s3")
     server.start()
     held["s3"] = server
     server.client().create_bucket(Bucket=BUCKET)
@@ -186,7 +175,7 @@ def start_catalog(configuration: dict[str, Any] | None = None) -> str:
     create the catalog there and point this process's REWIND_CATALOG_URL at it: the job, its supervisor
     and the flows use it; the drill itself is still recorded in the catalog it was started with."""
     held = _servers(configuration)
-    pg = servers.PostgresCluster(_state(configuration) / "pg")
+    pg = servers.PostgresCluster(state_dir(configuration) / "pg")
     pg.start()
     held["postgres"] = pg
     Catalog(pg.url)  # migrated to the newest schema
@@ -209,7 +198,7 @@ def restart_catalog(
     pg: servers.PostgresCluster | None = held.get("postgres")
     if pg is None:
         raise ConfigError("the drill started no PostgreSQL (start_catalog comes first)")
-    reached = _await_step(_run(configuration), at_step, timeout_s)
+    reached = _await_step(run_of(configuration), at_step, timeout_s)
     down = time.monotonic()
     pg.stop(mode)
     time.sleep(outage_s)  # the outage itself, not a wait for anything
@@ -221,7 +210,7 @@ def start_prefect(configuration: dict[str, Any] | None = None) -> str:
     """Start the drill's own Prefect server (its own database, in the drill's directory); the drill's
     flows (protect-training, recover-training) talk to it. Returns its API URL."""
     held = _servers(configuration)
-    server = servers.PrefectServer(_state(configuration) / "prefect")
+    server = servers.PrefectServer(state_dir(configuration) / "prefect")
     server.start()
     held["prefect"] = server
     return server.api
@@ -229,7 +218,7 @@ def start_prefect(configuration: dict[str, Any] | None = None) -> str:
 
 def own_prefect_api(configuration: dict[str, Any] | None = None) -> str | None:
     """The API URL of the Prefect server the drill started for itself (while it runs), or None."""
-    server = _SERVERS.get(_run(configuration), {}).get("prefect")
+    server = _SERVERS.get(run_of(configuration), {}).get("prefect")
     return str(server.api) if server is not None else None
 
 
@@ -258,7 +247,7 @@ def restart_prefect(
     server: servers.PrefectServer | None = _servers(configuration).get("prefect")
     if server is None:
         raise ConfigError("the drill started no Prefect server (start_prefect comes first)")
-    reached = _await_step(_run(configuration), at_step, timeout_s)
+    reached = _await_step(run_of(configuration), at_step, timeout_s)
     down = time.monotonic()
     server.stop()
     time.sleep(outage_s)  # the outage itself, not a wait for anything
@@ -268,7 +257,7 @@ def restart_prefect(
 
 def own_catalog(configuration: dict[str, Any] | None = None) -> str | None:
     """The URL of the catalog the drill started for itself (while it runs), or None."""
-    pg = _SERVERS.get(_run(configuration), {}).get("postgres")
+    pg = _SERVERS.get(run_of(configuration), {}).get("postgres")
     return str(pg.url) if pg is not None else None
 
 
@@ -278,7 +267,7 @@ def stop_servers(now: bool = False, configuration: dict[str, Any] | None = None)
     (what the job recorded in the drill's own catalog goes with it), unless ``now``."""
     if not now and (configuration or {}).get("servers_stopped_by") == "rewind":
         return []
-    held = _SERVERS.pop(_run(configuration), {"env": {}})
+    held = _SERVERS.pop(run_of(configuration), {"env": {}})
     stopped = []
     if held.get("s3") is not None:
         held["s3"].stop()
@@ -302,17 +291,17 @@ def replicate_through_outage(configuration: dict[str, Any] | None = None) -> dic
     first file is on it (replication's own per-file hook: mid-copy, before the manifest); then check that
     nothing was registered and no manifest landed, start the server again and replicate again, as the
     replicate task's retry does: it must send only what is missing and register one verified copy."""
-    from infra.catalog.models import ReplicaStatus
-    from infra.format import keyring as kr
-    from infra.format.verify import Verdict
-    from infra.replication import replicate
-    from infra.tiers import open_tier, transfer
+    from rewind.infra.catalog.models import ReplicaStatus
+    from rewind.infra.format import keyring as kr
+    from rewind.infra.format.verify import Verdict
+    from rewind.infra.replication import replicate
+    from rewind.infra.tiers import open_tier, transfer
 
-    run, held = _run(configuration), _servers(configuration)
+    run, held = run_of(configuration), _servers(configuration)
     server: servers.SeaweedS3 | None = held.get("s3")
     if server is None:
         raise ConfigError("the drill started no S3 server (start_s3 comes first)")
-    ck = _newest(run)
+    ck = newest(run)
     if ck is None:
         raise NotFoundError(f"{run} has no checkpoint to replicate")
     cat, uri = Catalog(), f"s3://{BUCKET}/offsite"
@@ -325,7 +314,8 @@ def replicate_through_outage(configuration: dict[str, Any] | None = None) -> dic
 
     started = time.monotonic()
     try:
-        replicate(cat, ck, open_tier(uri), on_file=outage)
+        # one file at a time: files in flight beside the first would land before the server stops
+        replicate(cat, ck, open_tier(uri), on_file=outage, streams=1)
     except TransientError as exc:
         failed_with = str(exc)
     else:
@@ -353,86 +343,3 @@ def replicate_through_outage(configuration: dict[str, Any] | None = None) -> dic
         "bytes_resent": done.bytes_sent, "bytes_total": ck.total_bytes, "key": done.key,
         "seconds": round(time.monotonic() - started, 3),
     }  # fmt: skip
-
-
-# -- probes ------------------------------------------------------------------------------------
-
-
-def _newest(run: str) -> Any:
-    cat = Catalog()
-    try:
-        ck = lineage.restorable(cat, lineage.get_run(cat, run).id)
-    except NotFoundError:
-        return None
-    return ck[0] if ck else None
-
-
-def newest_checkpoint_verifies(configuration: dict[str, Any] | None = None) -> bool:
-    """The newest restorable checkpoint's local copy proves itself, every byte (true when there is none yet)."""
-    ck = _newest(_run(configuration))
-    return ck is None or check_copy(Path(ck.path), ck.manifest_digest, deep=True).ok
-
-
-def offsite_copies_verified(configuration: dict[str, Any] | None = None) -> bool:
-    """The run has an off-site copy, and every off-site copy the catalog registered for it is verified."""
-    run, cat = _run(configuration), Catalog()
-    try:
-        cks = lineage.checkpoints(cat, run)
-    except NotFoundError:
-        return False
-    offsite = [r for ck in cks for r in lineage.replicas_of(cat, ck.id) if r.tier == "offsite"]
-    return bool(offsite) and all(r.status == "verified" for r in offsite)
-
-
-def run_finished(configuration: dict[str, Any] | None = None) -> bool:
-    """The run's newest launch ended with exit code 0 (the job ran to its end)."""
-    try:
-        ls = jobs.launches(Catalog(), _run(configuration))
-    except NotFoundError:
-        return False
-    return bool(ls) and ls[-1].exit_code == 0
-
-
-def fault_fired(configuration: dict[str, Any] | None = None) -> bool:
-    return (_state(configuration) / "fault-fired").exists()
-
-
-def run_progressing(within_s: float = 30.0, configuration: dict[str, Any] | None = None) -> bool:
-    """The run's newest launch finished cleanly, or one of its ranks advanced within ``within_s``
-    (true before the run exists: nothing to be stuck)."""
-    run, cat = _run(configuration), Catalog()
-    try:
-        ls = jobs.launches(cat, run)
-    except NotFoundError:
-        return True
-    if not ls:
-        return True
-    if ls[-1].exit_code is not None:
-        return ls[-1].exit_code == 0
-    deadline = time.monotonic() + within_s
-
-    def steps() -> int:
-        return max((p.step or 0 for p in jobs.progress(cat, ls[-1].id)), default=0)
-
-    first = steps()
-    while time.monotonic() < deadline:
-        time.sleep(POLL_S)
-        if steps() > first or jobs.get_launch(cat, ls[-1].id).exit_code == 0:
-            return True
-    return False
-
-
-def incident_resolved_within_slo(
-    kind: str, slo_file: str | None = None, configuration: dict[str, Any] | None = None
-) -> bool:
-    """The run's newest incident is resolved, within the SLO's RTO for ``kind`` (true with no incident)."""
-    run = _run(configuration)
-    try:
-        found = incidents.incidents_of(Catalog(), run)
-    except NotFoundError:
-        return True
-    if not found:
-        return True
-    inc = found[-1]
-    budget = slo.load(slo_file or (configuration or {}).get("slo_file")).for_kind(kind)
-    return inc.resolved_at is not None and inc.rto_s is not None and inc.rto_s <= budget.rto_s

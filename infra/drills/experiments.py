@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from infra.drills import servers
-from infra.errors import ConfigError
+from rewind.infra.drills import servers
+from rewind.infra.errors import ConfigError
 
 DIR = Path(__file__).resolve().parent / "experiments"
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from infra.drills.measure import read_log
+from rewind.infra.drills.measure import read_log
 
 Command = Callable[[str, Path, Path], list[str]]  # (run, out dir, loss log) -> argv
 

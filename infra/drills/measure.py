@@ -2,7 +2,8 @@
 
 Phases, in the order recovery runs them (seconds; ``None`` where it did not happen):
 detect (failure to incident: ``detection_s``), decide (incident to the recovery flow: ``flow_start_s``
-less detection), restore (restore point found and deep-verified: ``load_s``), rebuild (the relaunch
+less detection), restore (restore point found and its manifest proven: ``load_s``; failed when the
+job's own hashing read of it failed), rebuild (the relaunch
 decided and started), relaunch (process start to the job resumed, restore inside the job included:
 the job's ``resumed`` log line), first_step (resumed to the first step done), replay (the first step to
 the step the failed launch had reached: the work done twice).
@@ -14,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from infra.drills.slo import PHASES
+from rewind.infra.drills.slo import PHASES
 
 CURVE_STEPS = 100  # the post-recovery loss curve compared with the reference: its first 100 steps
 
@@ -57,7 +58,7 @@ def measure(
     seconds: dict[str, float | None] = {
         "detect": detect,
         "decide": max(0.0, flow_s - (detect or 0.0)) if flow_s is not None else None,
-        "restore": load_s,
+        "restore": None if d.get("restore_failed_in_job") else load_s,  # the job's own read failed it
         "rebuild": launched - (died + flow_s + load_s)
         if launched is not None and died is not None and flow_s is not None and load_s is not None
         else None,

@@ -10,7 +10,7 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
 
-from infra.drills.slo import PHASES
+from rewind.infra.drills.slo import PHASES
 
 
 def _fmt(v: Any, digits: int = 2) -> str:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from infra.errors import ConfigError, RewindError, TransientError
-from infra.launch.process import stop_group
-from infra.net import LOOPBACK, free_port
+from rewind.infra.errors import ConfigError, RewindError, TransientError
+from rewind.infra.launch.process import stop_group
+from rewind.infra.net import LOOPBACK, free_port
 
 ACCESS_KEY, SECRET_KEY = "rewind-test", "rewind-test-secret"
 _PORT_FLAGS = [

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from infra.errors import ConfigError
+from rewind.infra import yaml_file
+from rewind.infra.errors import ConfigError
 
 PHASES = ("detect", "decide", "restore", "rebuild", "relaunch", "first_step", "replay")
 DEFAULT_RTO_S = 600.0  # the seeds' example: resume within 10 minutes
@@ -65,10 +64,7 @@ def load(path: str | Path | None = None) -> SLOs:
         if path is not None:
             raise ConfigError(f"SLO file {p} does not exist")
         return SLOs(Budget(), {}, "built-in defaults")
-    try:
-        raw = yaml.safe_load(p.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"SLO file {p} is not YAML: {exc}") from exc
+    raw = yaml_file.read(p, "SLO file") or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"SLO file {p}: expected a mapping with 'defaults' and 'kinds'")
     default = _budget(raw.get("defaults") or {}, Budget(), f"{p}: defaults")

@@ -2,14 +2,14 @@
 
 A step directory holds::
 
-    packs/<name>    chunks back to back, ~32 MiB a pack (:mod:`infra.format.packs`)
+    packs/<name>    chunks back to back, ~32 MiB a pack (:mod:`rewind.infra.format.packs`)
     chunks.json     per state, per tensor: dtype, shape, [[digest, first row, end row], ...];
                     per pack: [[digest, offset, length], ...] of the chunks this checkpoint uses
     state.json      the non-tensor state, exactly as the plain format stores it
     manifest.json   every file above with its size and digests, written last
 
 Every directory is self-contained: a pack of the previous checkpoint whose chunks are
-mostly still in use is hard-linked into the new one (:class:`infra.format.store.Link`),
+mostly still in use is hard-linked into the new one (:class:`rewind.infra.format.store.Link`),
 so unchanged tensors cost no bytes written, and deleting a step directory only drops
 links (the filesystem's link count is the reference count). Verification, replication,
 retention and catalog rebuild see ordinary files listed in a manifest. Nothing is
@@ -23,17 +23,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
-from infra.errors import CorruptCheckpoint, MalformedFile
-from infra.format import manifest as mf
-from infra.format import packs, tensorfile
-from infra.format.digest import Hasher
-from infra.format.packs import Chunk, Parent
-from infra.format.store import FileWriter, Link
-from infra.format.verify import Finding, verified_read
+from rewind.infra.errors import CorruptCheckpoint, MalformedFile
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import packs, tensorfile
+from rewind.infra.format.digest import Hasher
+from rewind.infra.format.packs import Chunk, Parent
+from rewind.infra.format.store import FileWriter, Link, bytes_writer
+from rewind.infra.format.verify import Finding, verified_read
 
 INDEX_FILE = "chunks.json"
 INDEX_FORMAT = "rewind.chunks/2"
@@ -96,11 +96,7 @@ def file_writers(
     index["packs"] = plan.packs()
     files = packs.file_writers(plan, chunks)
     raw = json.dumps(index, sort_keys=True, separators=(",", ":")).encode()
-
-    def write_index(out: BinaryIO) -> None:
-        out.write(raw)
-
-    files.append((INDEX_FILE, write_index))
+    files.append((INDEX_FILE, bytes_writer(raw)))
     return files
 
 

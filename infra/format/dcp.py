@@ -34,9 +34,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from infra.errors import CorruptCheckpoint, Refused, StateMismatch
-from infra.format.manifest import FileEntry
-from infra.format.verify import Finding, Problem, read_verified
+from rewind.infra.errors import CorruptCheckpoint, Refused, StateMismatch
+from rewind.infra.format.manifest import FileEntry
+from rewind.infra.format.verify import Finding, Problem, read_verified
 
 METADATA_NAME = ".metadata"
 _DCP_MODULE = "torch.distributed.checkpoint"

@@ -17,7 +17,7 @@ from typing import BinaryIO
 import crc32c
 import xxhash
 
-from infra import progress, throttle
+from rewind.infra import progress, throttle
 
 DIGEST_ALGORITHM = "xxh3-128"
 CHUNK = 8 << 20
@@ -61,7 +61,7 @@ class Hasher:
 class HashingWriter:
     """A write-only file wrapper that hashes exactly the bytes it writes (and reports them as progress).
 
-    Every file Rewind writes goes through one, so the job's write limit (``infra.throttle``) paces it here.
+    Every file Rewind writes goes through one, so the job's write limit (``rewind.infra.throttle``) paces it here.
     """
 
     def __init__(self, raw: BinaryIO) -> None:

@@ -26,7 +26,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from infra.errors import ConfigError
+from rewind.infra.errors import ConfigError
 
 KEY_ENV = "REWIND_MANIFEST_KEY"
 PREVIOUS_ENV = "REWIND_MANIFEST_PREVIOUS_KEYS"

@@ -4,7 +4,7 @@ A directory without a manifest that parses, names only paths inside the
 directory and matches every file's size and digest does not exist for restore.
 The catalog records the SHA-256 of the manifest's bytes (:func:`digest.manifest_digest`):
 that record, not the manifest's own word, is what a copy is checked against. With
-a key configured (:mod:`infra.format.keyring`), manifests also carry the key's id and
+a key configured (:mod:`rewind.infra.format.keyring`), manifests also carry the key's id and
 an HMAC-SHA256, so a manifest stays checkable where the catalog is not at hand.
 
 Format 2 added ``key_id``; format 3 added ``writer`` (what wrote the checkpoint) and
@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-from infra.errors import MalformedFile
-from infra.format import keyring as kr
-from infra.format.digest import DIGEST_ALGORITHM, manifest_digest
+from rewind.infra.errors import MalformedFile
+from rewind.infra.format import files
+from rewind.infra.format import keyring as kr
+from rewind.infra.format.digest import DIGEST_ALGORITHM, manifest_digest
 
 MANIFEST_NAME = "manifest.json"
 MAX_BYTES = 64 << 20  # a manifest larger than this is refused unread: no real one comes near it
@@ -169,11 +170,14 @@ def read_bounded(f: BinaryIO) -> bytes:
 
 
 def read(directory: Path) -> Manifest:
+    """The manifest of the copy in ``directory`` (structure only); never opens what is not a regular file."""
     try:
-        with open(directory / MANIFEST_NAME, "rb") as f:
+        with files.open_regular(directory, MANIFEST_NAME) as f:
             raw = read_bounded(f)
     except FileNotFoundError as exc:
         raise ManifestError(f"{MANIFEST_NAME} is missing") from exc
+    except files.NotAFile as exc:
+        raise ManifestError(str(exc)) from exc
     return parse(raw)
 
 

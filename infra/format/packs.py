@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from infra.errors import CorruptCheckpoint, MalformedFile
-from infra.format import manifest as mf
-from infra.format.digest import Hasher, HashingReader, manifest_matches
-from infra.format.store import FileWriter, Link
-from infra.format.verify import Finding, Problem, open_for_read, read_verified
+from rewind.infra.errors import CorruptCheckpoint, MalformedFile
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import Hasher, HashingReader, manifest_matches
+from rewind.infra.format.files import NotAFile
+from rewind.infra.format.store import FileWriter, Link
+from rewind.infra.format.verify import Finding, Problem, not_a_file, open_for_read, read_verified
 
 READ_STREAMS = 4  # packs read at once by a restore: hashing and reads release the GIL
 PACK_DIR = "packs"
@@ -282,7 +283,7 @@ def _fill(f: BinaryIO, directory: Path, entry: mf.FileEntry, w: Want) -> None:
 def read_pack(directory: Path, entry: mf.FileEntry, wants: list[Want]) -> None:
     """Fill every view ``wants`` names from one pack, in offset order; a chunk used twice is read once."""
     try:
-        with open_for_read(directory / entry.path) as f:
+        with open_for_read(directory, entry.path) as f:
             done: dict[tuple[int, str], memoryview] = {}
             for w in sorted(wants, key=lambda w: w.offset):
                 same = done.get((w.offset, w.digest))
@@ -294,6 +295,8 @@ def read_pack(directory: Path, entry: mf.FileEntry, wants: list[Want]) -> None:
     except FileNotFoundError as exc:
         finding = Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")
         raise CorruptCheckpoint(str(directory), [finding]) from exc
+    except NotAFile as exc:
+        raise CorruptCheckpoint(str(directory), [not_a_file(entry, exc)]) from exc
 
 
 def read_packs(directory: Path, wants: list[tuple[mf.FileEntry, list[Want]]]) -> None:

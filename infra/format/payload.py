@@ -18,11 +18,11 @@ from typing import Any, BinaryIO
 
 import torch
 
-from infra.errors import ConfigError, MalformedFile, UnloadableCheckpoint
-from infra.format import chunked, tensorfile, tree
-from infra.format import manifest as mf
-from infra.format.store import FileWriter, Link
-from infra.format.verify import Finding, Problem, read_verified, verified_read
+from rewind.infra.errors import ConfigError, MalformedFile, UnloadableCheckpoint
+from rewind.infra.format import chunked, tensorfile, tree
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.store import FileWriter, Link
+from rewind.infra.format.verify import Finding, Problem, read_verified, verified_read
 
 STATE_FILE = "state.json"
 PLAIN = "plain"  # one safetensors file per state
@@ -59,7 +59,7 @@ def file_writers(
 ) -> list[tuple[str, FileWriter | Link]]:
     """The files of a checkpoint, as (name, function that streams its bytes, or a link).
 
-    ``fmt="chunked"`` selects the chunked format (:mod:`infra.format.chunked`), hard-linking
+    ``fmt="chunked"`` selects the chunked format (:mod:`rewind.infra.format.chunked`), hard-linking
     the packs that the checkpoint ``link_from`` (held to its catalog digest) already holds.
     """
 
@@ -76,6 +76,12 @@ def file_writers(
         files = [(f"{part}.safetensors", tensors_writer(t)) for part, t in tensors.items() if t]
     files.append((STATE_FILE, state_writer))
     return files
+
+
+def adopted_format(manifest: mf.Manifest) -> str | None:
+    """The format of a checkpoint Rewind adopted (``hf-trainer``, ``dcp``...), None for one Rewind wrote."""
+    engine = str(manifest.writer.get("engine", ""))
+    return engine.removeprefix("adopted:") if engine.startswith("adopted:") else None
 
 
 def _unloadable(directory: Path, path: str, why: str) -> UnloadableCheckpoint:
@@ -111,6 +117,12 @@ def read_states(directory: Path, manifest: mf.Manifest) -> dict[str, Any]:
     whose bytes match but whose content cannot be a state; ``OSError`` is an I/O error.
     """
     entries = {e.path: e for e in manifest.files}
+    adopted = adopted_format(manifest)
+    if adopted is not None:  # the user's own files, not Rewind's: the caller's mistake, condemn nothing
+        raise ConfigError(
+            f"{directory} is an adopted {adopted} checkpoint, not one Rewind wrote: load it with what wrote it "
+            "(rewind.infra.restore.foreign: verified_directory, load_dcp), or export its model for serving"
+        )
     if DCP_METADATA in entries:  # the caller's mistake, not the checkpoint's: condemn nothing
         raise ConfigError(f"{directory} is a sharded (DCP) checkpoint: load it with ShardedCheckpointer")
     if STATE_FILE not in entries:

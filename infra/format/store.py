@@ -13,22 +13,32 @@ import contextlib
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
-from infra.errors import CorruptCheckpoint
-from infra.faults import fault_point
-from infra.format import manifest as mf
-from infra.format.digest import HashingWriter, manifest_digest
-from infra.format.verify import Finding, Problem
+from rewind.infra.errors import CorruptCheckpoint
+from rewind.infra.faults import fault_point
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import HashingWriter, hash_file, manifest_digest
+from rewind.infra.format.verify import Finding, Problem
 
 _TMP_DIR = re.compile(r"^step-\d+\.tmp-(\d+)-[0-9a-f]+$")
 _STEP_DIR = re.compile(r"^step-(\d{1,19})$")
 
 FileWriter = Callable[[BinaryIO], None]
+
+
+def bytes_writer(raw: bytes) -> FileWriter:
+    """A writer of bytes already in memory (an index, a JSON state serialised at the call)."""
+
+    def fill(out: BinaryIO) -> None:
+        out.write(raw)
+
+    return fill
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +55,40 @@ class Link:
     fallback: FileWriter
 
 
+# Files this process hashed before linking them, by (device, inode, size, mtime): the xxh3 it found.
+# Hard links share the inode, so a pack proven once is not read again while it stays unchanged. A file
+# this process wrote is not taken as proven: it is read once before its first link, so that damage
+# after it was written (bit rot keeps the mtime) is found then.
+_PROVEN: dict[tuple[int, int, int, int], str] = {}
+_PROVEN_MAX = 100_000
+
+
+def _key(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _proves(source: Path, entry: mf.FileEntry) -> bool:
+    """Whether the bytes at ``source`` are ``entry``'s, hashed by this process (once per inode and mtime).
+
+    A link copies the parent's entry for bytes this save never wrote: without this, one damaged byte
+    in a linked pack would be inherited, undetected, by every later save."""
+    st = source.lstat()
+    if not stat.S_ISREG(st.st_mode) or st.st_size != entry.size:  # a FIFO would hang the save reading it
+        return False
+    known = _PROVEN.get(_key(st))
+    if known is None:
+        known = hash_file(source, with_crc=False).xxh3
+        if len(_PROVEN) >= _PROVEN_MAX:
+            _PROVEN.clear()
+        _PROVEN[_key(st)] = known
+    return known == entry.xxh3
+
+
 def link_file(path: Path, link: Link) -> bool:
-    """Hard-link ``link.source`` to ``path``; False (nothing left behind) if it cannot be used."""
+    """Hard-link ``link.source`` to ``path`` once its bytes proved to be ``link.entry``'s; False (nothing
+    left behind) if it cannot be used, and then the caller writes the bytes it holds instead."""
     try:
-        if link.source.stat().st_size != link.entry.size:
+        if not _proves(link.source, link.entry):
             return False
         os.link(link.source, path)
     except OSError:

@@ -19,8 +19,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from infra.errors import ConfigError, MalformedFile
-from infra.format.digest import HashingReader
+from rewind.infra.errors import ConfigError, MalformedFile
+from rewind.infra.format.digest import HashingReader
 
 _DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",

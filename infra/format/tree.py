@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from infra.errors import ConfigError
+from rewind.infra.errors import ConfigError
 
 _TAGS = ("__tensor__", "__tuple__", "__dict__", "__bytes__", "__ndarray__")
 

@@ -5,24 +5,32 @@ stopping at the first, so a user sees all that is wrong at once. ``deep``
 re-reads and re-hashes every byte; quick only checks the manifest, presence and
 sizes. Findings say what kind of trouble a copy is in: damage (the bytes are not
 the recorded ones), absence, or an I/O error that says nothing about the bytes.
+
+Nothing a copy holds can keep a check going: what is not a regular file inside the
+copy's directory (a FIFO, a device, a link leading out) is refused unopened, a file
+claiming more bytes than its filesystem holds is judged by that claim, unread, no
+file is read past its recorded size, and a ``Budget`` bounds the time and bytes of
+a deep check (spent, it stops with ``BudgetSpent``: the copy is left unchecked).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import BinaryIO
 
-from infra import progress
-from infra.errors import CorruptCheckpoint
-from infra.faults import fault_point
-from infra.format import keyring as kr
-from infra.format import manifest as mf
-from infra.format.digest import Hasher, HashingReader, manifest_matches
+from rewind.infra import progress
+from rewind.infra.errors import CorruptCheckpoint, Refused
+from rewind.infra.faults import fault_point
+from rewind.infra.format import files
+from rewind.infra.format import keyring as kr
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import Hasher, HashingReader, manifest_matches
 
 
 class Problem(StrEnum):
@@ -36,9 +44,64 @@ class Problem(StrEnum):
     UNSIGNED = "unsigned"  # refused only in strict mode
     CONTENT = "content"  # every byte matched, yet it does not decode into a state
     UNLISTED = "unlisted"  # a file the manifest does not name; reported, not fatal
+    NOT_A_FILE = "not_a_file"  # a FIFO, device, socket or a link out of the copy where a file should be
+    UNCHECKED = "unchecked"  # the check's budget was spent before it got there: nothing is known
 
 
-UNVERIFIABLE = frozenset({Problem.UNREADABLE, Problem.UNKNOWN_KEY})
+UNVERIFIABLE = frozenset({Problem.UNREADABLE, Problem.UNKNOWN_KEY, Problem.UNCHECKED})
+DEFAULT_BUDGET_S = 6 * 3600.0  # a scrub never runs longer than the interval between scrubs (rewind serve's)
+
+
+class BudgetSpent(Refused):
+    """A check's ``Budget`` ran out: what it had not checked yet is unchecked, neither good nor bad."""
+
+
+@dataclass
+class Budget:
+    """What checks may spend: seconds from the budget's creation, and bytes read.
+
+    Handed to several checks (a run's scrub), it bounds them together. Spent, the next read (or the next
+    copy) raises ``BudgetSpent``. A read never takes more bytes than are left.
+    """
+
+    seconds: float | None = DEFAULT_BUDGET_S
+    max_bytes: int | None = None
+    read: int = field(default=0, init=False)
+    started: float = field(default_factory=time.monotonic, init=False)
+
+    def spent(self) -> str | None:
+        """Why the budget is spent (one phrase), or None while it is not."""
+        if self.seconds is not None and time.monotonic() - self.started >= self.seconds:
+            return f"budget spent ({self.seconds:g}s)"
+        if self.max_bytes is not None and self.read >= self.max_bytes:
+            return f"budget spent ({self.max_bytes} bytes read)"
+        return None
+
+    def check(self) -> None:
+        why = self.spent()
+        if why is not None:
+            raise BudgetSpent(why)
+
+    def left(self) -> int | None:
+        return None if self.max_bytes is None else max(self.max_bytes - self.read, 0)
+
+    def charge(self, n: int) -> None:
+        self.read += n
+
+
+class _Metered:
+    """A file whose reads are charged to a budget (and refused once it is spent)."""
+
+    def __init__(self, raw: BinaryIO, budget: Budget) -> None:
+        self._raw = raw
+        self._budget = budget
+
+    def readinto(self, view: memoryview) -> int:
+        self._budget.check()
+        left = self._budget.left()
+        n = self._raw.readinto(view if left is None else view[:left]) or 0  # type: ignore[attr-defined]
+        self._budget.charge(n)
+        return n
 
 
 class Verdict(StrEnum):
@@ -127,21 +190,31 @@ def check_manifest(
 
 
 @contextlib.contextmanager
-def open_for_read(path: Path) -> Iterator[BinaryIO]:
-    """Open a checkpoint file for a verifying read (the ``verify.read`` fault point fires here)."""
+def open_for_read(directory: Path, rel: str) -> Iterator[BinaryIO]:
+    """Open a checkpoint's file for a verifying read (the ``verify.read`` fault point fires here): only a
+    regular file inside ``directory`` (``files.NotAFile`` otherwise, nothing opened)."""
     fault_point("verify.read")
-    with open(path, "rb", buffering=0) as f:
+    with files.open_regular(directory, rel, buffering=0) as f:
         yield f
 
 
-def hash_entry(directory: Path, entry: mf.FileEntry) -> Finding | None:
-    """Re-read one file and compare size and xxh3 with ``entry``; I/O errors are findings too."""
+def not_a_file(entry: mf.FileEntry, exc: files.NotAFile) -> Finding:
+    return Finding(Problem.NOT_A_FILE, entry.path, str(exc))
+
+
+def hash_entry(directory: Path, entry: mf.FileEntry, *, budget: Budget | None = None) -> Finding | None:
+    """Re-read one file and compare size and xxh3 with ``entry``; I/O errors are findings too.
+
+    ``BudgetSpent`` when ``budget`` runs out on the way.
+    """
     try:
-        with open_for_read(directory / entry.path) as f:
-            reader = HashingReader(f, Hasher(with_crc=False))
+        with open_for_read(directory, entry.path) as f:
+            reader = HashingReader(f if budget is None else _Metered(f, budget), Hasher(with_crc=False))  # type: ignore[arg-type]
             reader.finish(entry.size)
     except FileNotFoundError:
         return Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")
+    except files.NotAFile as exc:
+        return not_a_file(entry, exc)
     except OSError as exc:
         return Finding(Problem.UNREADABLE, entry.path, exc.strerror or str(exc))
     return entry_mismatch(entry, reader.count, reader.hasher.result().xxh3)
@@ -155,25 +228,38 @@ def entry_mismatch(entry: mf.FileEntry, size: int, xxh3: str) -> Finding | None:
     return None
 
 
-def check_entry(directory: Path, entry: mf.FileEntry, deep: bool) -> Finding | None:
-    path = directory / entry.path
+def check_entry(
+    directory: Path,
+    entry: mf.FileEntry,
+    deep: bool,
+    *,
+    holds: int | None = None,
+    budget: Budget | None = None,
+) -> Finding | None:
+    """One file against its entry: what lies there, its size (against the entry and against ``holds``, the
+    size of the filesystem it lies on), and, when ``deep``, its bytes."""
+    impossible = files.beyond(entry.size, holds)
+    if impossible is not None:  # a sparse file can claim it; no real one can: judged unread
+        return Finding(Problem.SIZE, entry.path, f"the manifest {impossible}")
     try:
-        size = path.stat().st_size
+        size = files.stat_regular(directory, entry.path).st_size
     except FileNotFoundError:
         return Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")
+    except files.NotAFile as exc:
+        return not_a_file(entry, exc)
     except OSError as exc:
         return Finding(Problem.UNREADABLE, entry.path, exc.strerror or str(exc))
     if size != entry.size:
         return Finding(Problem.SIZE, entry.path, f"manifest says {entry.size} bytes, file has {size}")
-    return hash_entry(directory, entry) if deep else None
+    return hash_entry(directory, entry, budget=budget) if deep else None
 
 
 def read_manifest_bytes(directory: Path) -> tuple[bytes | None, list[Finding]]:
     """The raw manifest of a local copy, or why there is none (absent copy, missing file, I/O error)."""
     try:
-        with open(directory / mf.MANIFEST_NAME, "rb") as f:
+        with files.open_regular(directory, mf.MANIFEST_NAME) as f:
             return mf.read_bounded(f), []
-    except mf.ManifestError as exc:
+    except (mf.ManifestError, files.NotAFile) as exc:
         return None, [Finding(Problem.MANIFEST, mf.MANIFEST_NAME, str(exc))]
     except FileNotFoundError:
         if not directory.is_dir():
@@ -188,9 +274,17 @@ def read_manifest_bytes(directory: Path) -> tuple[bytes | None, list[Finding]]:
 
 
 def check_copy(
-    directory: Path, expected: str | None, *, deep: bool, keyring: kr.Keyring | None = None
+    directory: Path,
+    expected: str | None,
+    *,
+    deep: bool,
+    keyring: kr.Keyring | None = None,
+    budget: Budget | None = None,
 ) -> Report:
-    """Every finding about the copy in ``directory``, held to the catalog's manifest digest ``expected``."""
+    """Every finding about the copy in ``directory``, held to the catalog's manifest digest ``expected``.
+
+    ``BudgetSpent`` when ``budget`` runs out before the check is done (nothing is known then).
+    """
     ring = keyring if keyring is not None else kr.from_env()
     raw, findings = read_manifest_bytes(directory)
     if raw is None:
@@ -198,9 +292,14 @@ def check_copy(
     manifest, findings = check_manifest(raw, expected, ring)
     if manifest is None:
         return Report(directory, None, tuple(findings), deep)
+    holds = files.capacity(directory)
     checking = progress.phase(f"verify {_label(directory)}", manifest.total_bytes)
     with checking if deep else contextlib.nullcontext():
-        findings = [f for e in manifest.files if (f := check_entry(directory, e, deep)) is not None]
+        findings = [
+            f
+            for e in manifest.files
+            if (f := check_entry(directory, e, deep, holds=holds, budget=budget)) is not None
+        ]
     listed = {e.path for e in manifest.files} | {mf.MANIFEST_NAME}
     for root, _dirs, names in os.walk(directory):
         for name in names:
@@ -226,11 +325,11 @@ def require(report: Report) -> mf.Manifest:
 def verified_read(directory: Path, entry: mf.FileEntry) -> Iterator[HashingReader]:
     """One hashed read of a file; leaving the block proves the bytes read were exactly ``entry``'s.
 
-    ``CorruptCheckpoint`` for a missing or different file; ``OSError`` for an I/O error.
-    Whatever the block read is only to be used once the block has been left.
+    ``CorruptCheckpoint`` for a missing or different file (or no regular file at all); ``OSError`` for an
+    I/O error. Whatever the block read is only to be used once the block has been left.
     """
     try:
-        with open_for_read(directory / entry.path) as f:
+        with open_for_read(directory, entry.path) as f:
             reader = HashingReader(f, Hasher(with_crc=False))
             yield reader
             reader.finish(entry.size)  # a shorter or longer file must show, whatever the block read
@@ -238,6 +337,8 @@ def verified_read(directory: Path, entry: mf.FileEntry) -> Iterator[HashingReade
         raise CorruptCheckpoint(
             str(directory), [Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")]
         ) from exc
+    except files.NotAFile as exc:
+        raise CorruptCheckpoint(str(directory), [not_a_file(entry, exc)]) from exc
     wrong = entry_mismatch(entry, reader.count, reader.hasher.result().xxh3)
     if wrong is not None:
         raise CorruptCheckpoint(str(directory), [wrong])

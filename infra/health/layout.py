@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra.errors import ConfigError
+from rewind.infra.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from infra.errors import RewindError
+from rewind.infra.errors import RewindError
 
 HOT_C = 85  # above this a GPU is reported as too hot
 

@@ -12,6 +12,7 @@ directory Rewind did not write.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -19,16 +20,17 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from infra.catalog import copies, imported, lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import ReplicaStatus as R
-from infra.checkpoint.state import writer
-from infra.errors import ConfigError
-from infra.format import manifest as mf
-from infra.format import store
-from infra.format.digest import hash_file, manifest_digest
-from infra.format.verify import check_copy
+from rewind.infra.catalog import copies, imported, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.checkpoint.state import writer
+from rewind.infra.errors import ConfigError
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import store
+from rewind.infra.format.digest import hash_file, manifest_digest
+from rewind.infra.format.verify import check_copy
 
+log = logging.getLogger("rewind.adopt")
 FORMATS = ("dcp", "torchtitan", "hf-trainer", "safetensors")
 _STEP_NAME = re.compile(r"(?:step|checkpoint|global_step|iter)[-_]?(\d{1,19})")
 _DCP_SHARD = re.compile(r"__(\d+)_\d+\.distcp")
@@ -206,8 +208,12 @@ def pending(cat: Catalog, root: Path, *, run: str, pattern: str, quiet_s: float)
     if not root.is_dir():
         return []
     run_id = lineage.ensure_run(cat, run)
+    inside = root.resolve()
     out = []
     for p in root.glob(pattern):
+        if p.is_symlink() or not p.resolve().is_relative_to(inside):  # adoption writes a manifest into it
+            log.warning("%s is a link to %s, outside %s: not adopted", p, p.resolve(), root)
+            continue
         if not p.is_dir() or not ready(p, quiet_s=quiet_s):
             continue
         if (p / mf.MANIFEST_NAME).exists():

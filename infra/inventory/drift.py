@@ -17,18 +17,18 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from infra import config
-from infra.catalog import copies
-from infra.catalog.db import Catalog
-from infra.catalog.models import Checkpoint, Replica
-from infra.catalog.models import ReplicaStatus as R
-from infra.errors import TransientError
-from infra.format import keyring as kr
-from infra.format import store
-from infra.format.verify import Report, Verdict, check_copy
-from infra.inventory.scan import LOCAL, open_for_scan, places, tier_kind
-from infra.tiers import open_tier, transfer
-from infra.tiers.base import TierAccessDenied, TierConfigError
+from rewind.infra import config
+from rewind.infra.catalog import copies
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import Checkpoint, Replica
+from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.errors import TransientError
+from rewind.infra.format import keyring as kr
+from rewind.infra.format import store
+from rewind.infra.format.verify import Report, Verdict, check_copy
+from rewind.infra.inventory.scan import LOCAL, open_for_scan, places, tier_kind
+from rewind.infra.tiers import open_tier, transfer
+from rewind.infra.tiers.base import TierAccessDenied, TierConfigError
 
 KNOWN_BAD = (R.CORRUPT.value, R.MISSING.value)
 

@@ -8,6 +8,11 @@ misplaced, fails its signature, or heads files that do not match is reported and
 not imported. With a key configured an unsigned manifest is refused as well:
 without the catalog's digest, the signature is the only thing vouching for it.
 
+Nothing on the tier can hold a rebuild up: what is not a regular file inside its
+copy's directory (a FIFO, a device, a link leading out) is never opened, and a file
+whose manifest claims more bytes than the tier can hold is never read; either
+refuses that copy, in one line, and the rebuild goes on.
+
 Running it again, or against a catalog that already knows some copies, adds only
 what is missing.
 """
@@ -21,18 +26,19 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from infra import config
-from infra.catalog import copies, imported, lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import ReplicaStatus as R
-from infra.errors import RewindError, TransientError
-from infra.format import keyring as kr
-from infra.format import manifest as mf
-from infra.format.digest import manifest_digest
-from infra.format.verify import Report, check_copy
-from infra.inventory.scan import LOCAL, Place, open_for_scan, places, tier_kind
-from infra.tiers import transfer
-from infra.tiers.base import Tier, TierAccessDenied
+from rewind.infra import config
+from rewind.infra.catalog import copies, imported, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.errors import RewindError, TransientError
+from rewind.infra.format import files
+from rewind.infra.format import keyring as kr
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import manifest_digest
+from rewind.infra.format.verify import Report, check_copy
+from rewind.infra.inventory.scan import LOCAL, Place, open_for_scan, places, tier_kind
+from rewind.infra.tiers import transfer
+from rewind.infra.tiers.base import Tier, TierAccessDenied
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +152,8 @@ def _one(
         raw = _read_manifest(tier, place.key)
         digest = manifest_digest(raw)
         checked = _check(tier, kind, place, digest, deep, ring)
+    except files.NotAFile as exc:  # its manifest.json: a link out of the copy, or swapped for a FIFO
+        return Refused(place.key, f"damaged: {exc}")
     except (OSError, TransientError, TierAccessDenied, mf.ManifestError) as exc:
         return Refused(place.key, f"unreadable: {exc}")
     why = _why_not(place, raw, digest, checked, ring)

@@ -12,11 +12,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra import config
-from infra.errors import ConfigError
-from infra.format import manifest as mf
-from infra.tiers import open_tier
-from infra.tiers.base import Tier
+from rewind.infra import config
+from rewind.infra.errors import ConfigError
+from rewind.infra.format import manifest as mf
+from rewind.infra.tiers import open_tier
+from rewind.infra.tiers.base import Tier
 
 LOCAL, SHARED, OFFSITE = "local", "shared", "offsite"
 _STEP_DIR = re.compile(r"step-(\d{1,19})(\.[0-9a-f]{16})?")

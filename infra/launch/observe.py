@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from infra.training.progress import RankState
+from rewind.infra.catalog import models
+from rewind.infra.training.progress import RankState
 
 
 class Seen(StrEnum):
@@ -26,6 +27,7 @@ class Seen(StrEnum):
     HANG = "hang"  # a rank made no progress for longer than it may
     GPU = "gpu"  # NVML says a GPU is unhealthy
     EXITED = "exited"  # a process (or a node's agent) ended
+    HOST_LOST = "host_lost"  # the scheduler says a host of the launch is gone (not responding, down)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +53,15 @@ def first_step(ranks: list[RankState]) -> Observation | None:
         return None
     first = min(moved, key=lambda r: r.step_at or r.beat_at)
     start = min(int(r.detail.get("start_step", 0)) for r in ranks)
-    return Observation(Seen.FIRST_STEP, first.step_at or first.beat_at, first.step, {"from_step": start})
+    lead = min(ranks, key=lambda r: r.rank)  # rank 0 knows which checkpoint it loaded
+    ready = [float(t) for r in ranks if (t := r.detail.get("group_ready_at")) is not None]
+    detail = {
+        "from_step": start,
+        "restored": lead.detail.get("restored"),
+        # every rank's group passed its smoke test: the launch's topology is rebuilt
+        "group_ready_at": max(ready) if ready and len(ready) == len(ranks) else None,
+    }
+    return Observation(Seen.FIRST_STEP, first.step_at or first.beat_at, first.step, detail)
 
 
 def anomaly(ranks: list[RankState]) -> Observation | None:
@@ -66,13 +76,14 @@ def anomaly(ranks: list[RankState]) -> Observation | None:
 def _hung(r: RankState, now: float, lim: Limits) -> tuple[str, float] | None:
     """Why this rank is hung, and for how long it has been silent; None if it is not."""
     assert lim.hang_s is not None
-    if r.state not in ("running", "busy"):
+    if r.state not in models.LIVE_RANK_STATES:
         return None
     if now - r.beat_at > lim.hang_s:
         return f"rank {r.rank} on {r.node} stopped reporting after step {r.step}", now - r.beat_at
-    allowed = lim.busy_s if r.state == "busy" else lim.hang_s
+    busy = r.state == models.RankState.BUSY
+    allowed = lim.busy_s if busy else lim.hang_s
     if r.silent_for(now) > allowed:
-        what = f"busy ({r.detail.get('busy', '?')})" if r.state == "busy" else "made no progress"
+        what = f"busy ({r.detail.get('busy', '?')})" if busy else "made no progress"
         return f"rank {r.rank} on {r.node} {what} after step {r.step} (limit {allowed:g}s)", r.silent_for(now)
     return None
 

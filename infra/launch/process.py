@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from infra.errors import ConfigError
+from rewind.infra.errors import ConfigError
 
 
 def find_pids(*needles: str) -> list[int]:

@@ -14,10 +14,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from infra.health import layout
-from infra.launch.spec import JobSpec
+from rewind.infra.health import layout
+from rewind.infra.launch.spec import JobSpec
 
 SHRINKS = ("crash", "gpu")  # failures that cost devices; a hang or a NaN does not
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hosts:
+    """What the scheduler offers a relaunch: the failed launch's hosts, those lost, and how many are usable."""
+
+    previous: tuple[str, ...]
+    lost: tuple[str, ...]
+    usable: int  # hosts up now, the lost ones left out
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +49,20 @@ def _smaller(current: JobSpec, lost_node: int | None) -> tuple[int, int] | None:
     return size if size[0] * size[1] >= current.min_world_size else None
 
 
-def plan(full: JobSpec, current: JobSpec, kind: str, *, lost_node: int | None, shrink: bool) -> Relaunch:
-    """The relaunch after a failure of ``kind`` of the launch that ran ``current``."""
+def plan(
+    full: JobSpec,
+    current: JobSpec,
+    kind: str,
+    *,
+    lost_node: int | None,
+    shrink: bool,
+    hosts: Hosts | None = None,
+) -> Relaunch:
+    """The relaunch after a failure of ``kind`` of the launch that ran ``current``; with ``hosts``, a lost
+    host is left out and replaced by a spare where the scheduler has one (then nothing shrinks)."""
     before = layout.Layout(tp=1, pp=1, dp=current.world_size)
-    size = _smaller(current, lost_node) if shrink and kind in SHRINKS else None
+    spare = hosts is not None and lost_node is not None and hosts.usable >= current.nnodes
+    size = _smaller(current, lost_node) if shrink and kind in SHRINKS and not spare else None
     nnodes, nproc = size or (current.nnodes, current.nproc_per_node)
     shape = layout.ModelShape(**full.model) if full.model else layout.ModelShape(heads=1, hidden=1, layers=1)
     base_batch, base_lr = full.global_batch or full.world_size, full.lr or 1.0
@@ -61,9 +80,11 @@ def plan(full: JobSpec, current: JobSpec, kind: str, *, lost_node: int | None, s
         if size
         else "restart with the same layout; resume from the newest verified checkpoint"
     )
+    if hosts is not None and hosts.lost:
+        what += f"; leaving out lost host(s) {', '.join(hosts.lost)}" + (" for a spare" if spare else "")
     note = "" if full.model else " (no model shape reported: data-parallel only)"
     decision = f"{what}: {chosen.reason}{note}" if size else what
-    handoff = {
+    handoff: dict[str, Any] = {
         "world_size": chosen.layout.world_size,
         "lr_scale": lr_scale,
         "global_batch": chosen.global_batch if full.global_batch else None,
@@ -71,6 +92,9 @@ def plan(full: JobSpec, current: JobSpec, kind: str, *, lost_node: int | None, s
         "spike_factor": full.loss_spike_factor,
         "decision": decision,
     }
+    if hosts is not None:
+        handoff["exclude_hosts"] = list(hosts.lost)
+        handoff["prefer_hosts"] = [h for h in hosts.previous if h not in hosts.lost]
     return Relaunch(
         current.resized(nnodes=nnodes, nproc_per_node=nproc), handoff, decision, before, chosen.layout
     )

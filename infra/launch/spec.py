@@ -3,9 +3,9 @@
 Rewind never reads a job's own flags. A single-process job runs ``command`` as
 given; a distributed one (more than one process, or ``torchrun=True``) runs the
 same command under ``torch.distributed.run``, each rank exec'ing it unchanged
-(``infra.launch.worker``). What changes between
+(``rewind.infra.launch.worker``). What changes between
 launches (world size, global batch, learning-rate scale, a data window to skip)
-reaches the job through the launch's handoff (``infra.training.session``), never
+reaches the job through the launch's handoff (``rewind.infra.training.session``), never
 through rewritten flags.
 """
 
@@ -16,7 +16,9 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from infra.errors import ConfigError
+from rewind.infra import yaml_file
+from rewind.infra.errors import ConfigError
+from rewind.infra.launch.launchers import LauncherKind
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,11 +49,18 @@ class JobSpec:
     """A rank whose step does not advance for this long is hung (None: hangs are not watched)."""
     loss_spike_factor: float | None = None
     """A loss above this multiple of the running median is an anomaly (None: NaN/Inf only)."""
+    launcher: str = "local"
+    """Where the nodes run: ``local`` (child processes here) or ``slurm`` (an allocation, one srun per node)."""
 
     def __post_init__(self) -> None:
         if not self.command or not all(isinstance(a, str) for a in self.command):
             raise ConfigError("a job spec needs a command: a list of strings, one per argument")
         object.__setattr__(self, "command", tuple(self.command))
+        _check_types(self)
+        if self.rdzv_endpoint is not None:
+            _check_endpoint(self.rdzv_endpoint)
+        if self.launcher not in (LauncherKind.LOCAL, LauncherKind.SLURM):
+            raise ConfigError(f"job spec field launcher must be local or slurm, not {self.launcher!r:.40}")
         if self.nnodes < 1 or self.nproc_per_node < 1:
             raise ConfigError(
                 f"nnodes ({self.nnodes}) and nproc_per_node ({self.nproc_per_node}) must be >= 1"
@@ -94,10 +103,54 @@ class JobSpec:
         unknown = set(data) - known
         if unknown:
             raise ConfigError(f"unknown job spec field(s): {sorted(unknown)}")
+        command = data.get("command") or ()
+        if not isinstance(command, list | tuple):  # a string would become one argument per character
+            raise ConfigError("a job spec needs a command: a list of strings, one per argument")
         try:
-            return cls(**{**data, "command": tuple(data.get("command") or ())})
+            return cls(**{**data, "command": tuple(command)})
         except TypeError as exc:
             raise ConfigError(f"bad job spec: {exc}") from exc
+
+
+_INT, _NUMBER = (int,), (int, float)
+_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "cwd": ((str,), "a path"),
+    "nnodes": (_INT, "a whole number"),
+    "nproc_per_node": (_INT, "a whole number"),
+    "min_world_size": (_INT, "a whole number"),
+    "rdzv_endpoint": ((str,), "host:port"),
+    "torchrun": ((bool,), "true or false"),
+    "global_batch": (_INT, "a whole number"),
+    "lr": (_NUMBER, "a number"),
+    "heartbeat_timeout_s": (_NUMBER, "a number of seconds"),
+    "loss_spike_factor": (_NUMBER, "a number"),
+    "launcher": ((str,), "local or slurm"),
+}
+
+
+def _check_types(spec: JobSpec) -> None:
+    """Every field of the type it must have (YAML gives ``"2"`` or ``yes`` as readily as ``2``), said in one line."""
+    for name, (types, what) in _TYPES.items():
+        value = getattr(spec, name)
+        is_bool = isinstance(value, bool) and bool not in types  # True is an int to Python, not to a user
+        if value is not None and (is_bool or not isinstance(value, types)):
+            raise ConfigError(f"job spec field {name} must be {what}, not {value!r:.60}")
+    if not isinstance(spec.env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in spec.env.items()
+    ):
+        raise ConfigError('job spec field env must map names to strings (quote values: A: "1")')
+    if spec.model is not None and (
+        not isinstance(spec.model, dict) or not all(type(v) is int for v in spec.model.values())
+    ):
+        raise ConfigError("job spec field model must give heads, hidden and layers as whole numbers")
+
+
+def _check_endpoint(endpoint: str) -> None:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"rdzv_endpoint must be host:port with a port from 1 to 65535, not {endpoint!r:.60}"
+        )
 
 
 def load_file(path: str | os.PathLike[str]) -> JobSpec:
@@ -105,19 +158,14 @@ def load_file(path: str | os.PathLike[str]) -> JobSpec:
     a relative ``cwd`` is taken from the file's directory."""
     from pathlib import Path
 
-    import yaml
-
     p = Path(path)
-    try:
-        raw = yaml.safe_load(p.read_text())  # JSON is YAML
-    except OSError as exc:
-        raise ConfigError(f"cannot read job spec {p}: {exc.strerror or exc}") from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"job spec {p} is neither JSON nor YAML: {str(exc).splitlines()[0]}") from exc
+    raw = yaml_file.read(p, "job spec")
     if not isinstance(raw, dict):
         raise ConfigError(f"job spec {p}: expected a mapping of job spec fields, with a command")
     if raw.get("cwd") and not Path(str(raw["cwd"])).is_absolute():
         raw["cwd"] = str((p.resolve().parent / str(raw["cwd"])).resolve())
+    if raw.get("cwd") and not Path(str(raw["cwd"])).is_dir():
+        raise ConfigError(f"job spec {p}: its cwd {raw['cwd']} is not a directory")
     return JobSpec.from_dict(raw)
 
 
@@ -129,7 +177,7 @@ def _is_python(program: str) -> bool:
 def agent_command(spec: JobSpec, *, endpoint: str, rdzv_id: str) -> list[str]:
     """The command of one node's torchrun agent (the same on every node: c10d assigns node ranks).
 
-    The job's command goes through ``infra.launch.worker`` after a ``--``, out of
+    The job's command goes through ``rewind.infra.launch.worker`` after a ``--``, out of
     reach of torchrun's own option parser.
     """
     job = process_command(spec)
@@ -144,7 +192,7 @@ def agent_command(spec: JobSpec, *, endpoint: str, rdzv_id: str) -> list[str]:
         f"--rdzv-id={rdzv_id}",
         "--max-restarts=0",
         "-m",
-        "infra.launch.worker",
+        "rewind.infra.launch.worker",
         "--",
         *job,
     ]

@@ -2,7 +2,7 @@
 
 The supervisor starts one process (a single-process job) or one torchrun agent
 per node, and records the launch in the catalog with what the job is handed. It
-watches exits, the ranks' progress rows (``infra.launch.observe`` judges hangs
+watches exits, the ranks' progress rows (``rewind.infra.launch.observe`` judges hangs
 and anomalies), newly committed checkpoints and, where a driver exists, GPU
 health. It never reads the job's output for meaning: the tail it keeps is for the
 incident report only. Every process of a launch (torchrun's workers run in
@@ -22,25 +22,26 @@ import time
 import uuid
 from typing import Any
 
-from infra import redact
-from infra.catalog import jobs, lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import CheckpointStatus
-from infra.errors import CatalogUnavailable, TransientError
-from infra.health import nvml
-from infra.health.signals import describe_exit
-from infra.launch import observe
-from infra.launch.observe import Observation, Seen, first_failure
-from infra.launch.process import pids_with_env, signal_all
-from infra.launch.spec import JobSpec, agent_command, process_command
-from infra.net import free_port
-from infra.training import progress
+from rewind.infra import redact
+from rewind.infra.catalog import jobs, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import CheckpointStatus
+from rewind.infra.errors import CatalogUnavailable, ConfigError, TransientError
+from rewind.infra.health import nvml
+from rewind.infra.health.signals import describe_exit
+from rewind.infra.launch import observe
+from rewind.infra.launch.launchers import LauncherKind, Placement, Request, launcher_for
+from rewind.infra.launch.observe import Observation, Seen, first_failure
+from rewind.infra.launch.process import pids_with_env, signal_all
+from rewind.infra.launch.spec import JobSpec, agent_command, process_command
+from rewind.infra.training import progress
 
 log = logging.getLogger("rewind.supervisor")
 BUSY_FACTOR = 10  # a busy phase (restore, start-up, save) may take this many hang timeouts
 MIN_BUSY_S = 300.0
 
 
+PLACEMENT_FAILED = 125  # the exit code recorded on a launch whose nodes were never granted
 TAIL_LINES = 20  # the job's last lines kept for the flow log, the incident and the failure event
 TAIL_BYTES = 4096  # ... and no more than this many bytes of them (UTF-8)
 _READ_CHUNK = 8192  # a line longer than this is kept in pieces: one endless line cannot fill memory
@@ -66,8 +67,8 @@ def bounded_tail(lines: list[str], max_lines: int = TAIL_LINES, max_bytes: int =
 class _Process:
     """One child process (a job, or a node's agent) in its own session, its output's tail kept for the incident."""
 
-    def __init__(self, cmd: list[str], *, cwd: str | None, env: dict[str, str], node: int) -> None:
-        self.node, self.cmd = node, cmd
+    def __init__(self, cmd: list[str], *, cwd: str | None, env: dict[str, str], node: int, host: str) -> None:
+        self.node, self.cmd, self.host = node, cmd, host
         self.ended_at: float | None = None  # when it ended, by this clock: which node failed first
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.proc = subprocess.Popen(
@@ -110,8 +111,13 @@ class Supervisor:
         handoff: dict[str, Any] | None = None,
         incident_id: int | None = None,
         gpu_check_s: float | None = 30.0,
+        host_check_s: float = 2.0,
     ) -> None:
         self.cat, self.run, self.spec = cat, run, spec
+        self.launcher = launcher_for(spec.launcher)
+        self.placement: Placement | None = None
+        self.lost_hosts: dict[str, int] = {}  # host -> node, as the scheduler reported them
+        self.host_check_s, self._next_host_check = host_check_s, 0.0
         self.handoff = {
             "world_size": spec.world_size,
             "lr_scale": 1.0,
@@ -134,6 +140,8 @@ class Supervisor:
     # -- starting ------------------------------------------------------------------------
 
     def start(self) -> int:
+        if self.spec.cwd and not os.path.isdir(self.spec.cwd):  # before a launch is recorded or started
+            raise ConfigError(f"the job's working directory {self.spec.cwd} does not exist (cwd in its spec)")
         run_id = lineage.ensure_run(self.cat, self.run)
         self._seen_ckpts = {c.id for c in lineage.restorable(self.cat, run_id)}
         self.launch_id = jobs.begin_launch(
@@ -141,18 +149,37 @@ class Supervisor:
         )
         self.started_at = time.time()
         self._next_gpu = time.monotonic() + (self.gpu_check_s or 0)
+        place = self._place()
         base = {**os.environ, **self.spec.env, **self._handoff_env()}
-        if not self.spec.distributed:
+        if self.spec.distributed:
+            cmd = agent_command(self.spec, endpoint=place.endpoint, rdzv_id=f"{self.run}-{self.launch_id}")
+        else:
             cmd = process_command(self.spec)
-            self.processes = [_Process(cmd, cwd=self.spec.cwd, env={**base, progress.NODE_ENV: "0"}, node=0)]
-            return self.launch_id
-        endpoint = self.spec.rdzv_endpoint or f"127.0.0.1:{free_port()}"
-        cmd = agent_command(self.spec, endpoint=endpoint, rdzv_id=f"{self.run}-{self.launch_id}")
-        self.processes = [
-            _Process(cmd, cwd=self.spec.cwd, env={**base, progress.NODE_ENV: str(i)}, node=i)
-            for i in range(self.spec.nnodes)
-        ]
+        self.processes = [self._node(place, i, cmd, base) for i in range(len(place.hosts))]
         return self.launch_id
+
+    def _node(self, place: Placement, node: int, cmd: list[str], env: dict[str, str]) -> _Process:
+        wrapped = self.launcher.node_command(place, node, cmd)
+        env = {**env, progress.NODE_ENV: str(node)}
+        return _Process(wrapped, cwd=self.spec.cwd, env=env, node=node, host=place.hosts[node])
+
+    def _place(self) -> Placement:
+        """The launch's hosts, from its launcher, recorded on the launch (a refusal ends the launch)."""
+        assert self.launch_id is not None
+        request = Request(
+            run=self.run, launch_id=self.launch_id, nnodes=self.spec.nnodes if self.spec.distributed else 1,
+            exclude=frozenset(self.handoff.get("exclude_hosts") or ()),
+            prefer=tuple(self.handoff.get("prefer_hosts") or ()), endpoint=self.spec.rdzv_endpoint,
+        )  # fmt: skip
+        try:
+            self.placement = self.launcher.place(request)
+        except BaseException:
+            self._end_launch(PLACEMENT_FAILED)
+            raise
+        jobs.set_placement(
+            self.cat, self.launch_id, hosts=list(self.placement.hosts), allocation=self.placement.allocation
+        )
+        return self.placement
 
     def _handoff_env(self) -> dict[str, str]:
         """For jobs that do not use the session object: the same facts as documented variables."""
@@ -180,7 +207,7 @@ class Supervisor:
             seen += self._committed(now) + self._progress(now)
         except TransientError as exc:  # the catalog blinked: look again at the next poll
             log.warning("could not read the catalog this poll: %s", exc)
-        seen += self._gpu(now)
+        seen += self._gpu(now) + self._hosts(now)
         seen += [
             Observation(
                 Seen.EXITED,
@@ -236,6 +263,26 @@ class Supervisor:
         why = "; ".join(f"GPU {g.index} ({g.name}): {', '.join(g.problems)}" for g in sick)
         return [Observation(Seen.GPU, now, None, {"reason": why})]
 
+    def _hosts(self, now: float) -> list[Observation]:
+        """A placed host the scheduler now reports gone: once per host."""
+        if self.placement is None or self.launcher.kind is LauncherKind.LOCAL:
+            return []
+        if time.monotonic() < self._next_host_check:
+            return []
+        self._next_host_check = time.monotonic() + self.host_check_s
+        try:
+            lost = self.launcher.lost(self.placement)
+        except TransientError as exc:  # the scheduler blinked: the next check asks again
+            log.warning("could not ask the scheduler for node states: %s", exc)
+            return []
+        out = []
+        for host in sorted(lost - set(self.lost_hosts)):
+            node = self.placement.hosts.index(host)
+            self.lost_hosts[host] = node
+            why = f"host {host} (node {node}) lost: the scheduler reports it not responding or down"
+            out.append(Observation(Seen.HOST_LOST, now, None, {"host": host, "node": node, "reason": why}))
+        return out
+
     # -- ending --------------------------------------------------------------------------
 
     def stop(self, grace_s: float = 30.0) -> None:
@@ -243,6 +290,9 @@ class Supervisor:
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.ended() is None for p in self.processes):
+            self._hosts(time.time())  # a step on a lost host never ends by itself: do not wait for it
+            if all(p.host in self.lost_hosts for p in self.processes if p.ended() is None):
+                break
             time.sleep(0.1)
         self._signal(signal.SIGKILL)
 
@@ -251,6 +301,11 @@ class Supervisor:
             return
         workers = pids_with_env(**{progress.TOKEN_ENV: self.token})
         signal_all([p.proc.pid for p in self.processes if p.ended() is None] + workers, sig)
+        if self.placement is not None and self.launcher.kind is not LauncherKind.LOCAL:
+            try:  # the ranks on other hosts: through the scheduler
+                self.launcher.cancel(self.placement, signal_name="TERM" if sig == signal.SIGTERM else "KILL")
+            except TransientError as exc:
+                log.warning("could not signal the allocation: %s", exc)
 
     def finish(self) -> int:
         """Once every process ended: the launch's exit code (the first failure's), recorded on the launch."""
@@ -263,9 +318,38 @@ class Supervisor:
         ]  # fmt: skip
         failed = first_failure(exits)
         code = failed.detail["exit_code"] if failed is not None else 0
+        if code != 0:
+            self._settle()
+        self._release()
         if self.launch_id is not None:
             self._end_launch(code)
         return code
+
+    def _settle(self) -> None:
+        """After a failed launch of several hosts: give the scheduler its node timeout to call a host lost.
+
+        A lost host's step can end (srun gives up on it) before the scheduler has noticed the host is
+        gone; relaunching onto it would fail again. Ends as soon as a host is called lost."""
+        if self.placement is None or self.launcher.kind is LauncherKind.LOCAL or len(self.processes) < 2:
+            return
+        try:
+            deadline = time.monotonic() + self.launcher.settle_s()
+        except TransientError as exc:
+            log.warning("could not read the scheduler's node timeout: %s", exc)
+            return
+        while not self.lost_hosts and time.monotonic() < deadline:
+            self._next_host_check = 0.0
+            self._hosts(time.time())
+            time.sleep(0.5)
+
+    def _release(self) -> None:
+        """The allocation given back (its nodes free for the relaunch); a failure to is said, not raised."""
+        if self.placement is None or self.launcher.kind is LauncherKind.LOCAL:
+            return
+        try:
+            self.launcher.cancel(self.placement)
+        except TransientError as exc:
+            log.warning("could not release allocation %s: %s", self.placement.allocation, exc)
 
     def _end_launch(self, code: int, timeout_s: float = 120.0) -> None:
         """Record the exit, riding out a catalog restart (bounded): the job is over, and losing its

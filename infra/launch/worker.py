@@ -6,7 +6,7 @@ abbreviations included, so a job flag such as ``--run`` (a prefix of torchrun's
 before the job's command keeps the command out of torchrun's parser; ``exec``
 keeps the process torchrun watches, and its environment (RANK, LOCAL_RANK, ...).
 
-    python -m torch.distributed.run <options> -m infra.launch.worker -- python -m pkg.train --run x
+    python -m torch.distributed.run <options> -m rewind.infra.launch.worker -- python -m pkg.train --run x
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 def main(argv: list[str]) -> None:
     command = argv[1:] if argv[:1] == ["--"] else argv  # torchrun keeps the "--" to itself
     if not command:
-        sys.exit("usage: python -m infra.launch.worker -- COMMAND [ARG ...]")
+        sys.exit("usage: python -m rewind.infra.launch.worker -- COMMAND [ARG ...]")
     os.execvp(command[0], command)
 
 

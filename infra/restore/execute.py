@@ -16,7 +16,9 @@ could verify, and an I/O error leaves it as it was (and stops the restore: an
 older checkpoint is never chosen over one that may be good). A checkpoint whose bytes all
 match but whose content cannot be decoded is condemned at once; one whose state
 the job refuses is condemned only if an older one then loads (otherwise the job
-changed, and nothing is condemned).
+changed, and nothing is condemned). A download that cannot be written into the local
+tier (disk full, read-only) stops the restore with ``DiskWriteError``, recording
+nothing against the copy it was reading: every other copy would need the same disk.
 """
 
 from __future__ import annotations
@@ -26,42 +28,52 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from infra.catalog import copies, leases
-from infra.catalog.db import Catalog
-from infra.catalog.models import ReplicaStatus as R
-from infra.errors import (
+from rewind.infra.catalog import copies, leases
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.errors import (
     CheckpointUnverifiable,
     CorruptCheckpoint,
     NoRestorableCheckpoint,
     NotFoundError,
     RewindError,
     StateMismatch,
-    TransientError,
     UnloadableCheckpoint,
 )
-from infra.format import keyring as kr
-from infra.format import manifest as mf
-from infra.format import store
-from infra.format.verify import Finding, Problem, Verdict, check_copy, require, verdict_of
-from infra.restore.plan import Candidate, Copy, RestorePlan
-from infra.tiers import open_tier, transfer
-from infra.tiers.base import TierAccessDenied, TierConfigError
+from rewind.infra.format import keyring as kr
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import store
+from rewind.infra.format.verify import Finding, Problem, Verdict, check_copy, require, verdict_of
+from rewind.infra.restore.plan import Candidate, Copy, RestorePlan
+from rewind.infra.tiers import open_tier, transfer
+from rewind.infra.tiers.base import UNREADABLE_ERRORS, DiskWriteError
 
 log = logging.getLogger("rewind.restore")
 T = TypeVar("T")
 Loader = Callable[[Path, mf.Manifest], T]
 
 
+class SkipOutcome(StrEnum):
+    """Why a candidate was passed over."""
+
+    CORRUPT = "corrupt"  # every copy that could be read was damaged
+    UNVERIFIABLE = "unverifiable"  # a copy could not be read right now: says nothing about the bytes
+    MISSING = "missing"  # no copy left (or the checkpoint was deleted since the plan)
+    UNLOADABLE = "unloadable"  # its bytes were right but it could not be loaded
+    MISMATCH = "mismatch"  # a state object refused it: it does not fit this job
+
+
 @dataclass(frozen=True, slots=True)
 class Skip:
-    """A candidate passed over, and why (``outcome``: corrupt, unverifiable, missing, unloadable, mismatch)."""
+    """A candidate passed over, and why."""
 
     step: int
     checkpoint_id: int
-    outcome: str
+    outcome: SkipOutcome
     reason: str
     findings: tuple[Finding, ...] = ()
 
@@ -88,10 +100,6 @@ class _Opened:
     manifest: mf.Manifest
     local_replica_id: int
     fetched: bool
-
-
-# Errors that say nothing about a copy's bytes: it is unverifiable for now, not corrupt.
-_UNREADABLE_ERRORS = (OSError, TransientError, TierAccessDenied, TierConfigError)
 
 
 def _fail(
@@ -131,7 +139,7 @@ def _open(cat: Catalog, plan: RestorePlan, cand: Candidate, copy: Copy, ring: kr
 
 
 def _try(
-    cat: Catalog, plan: RestorePlan, cand: Candidate, load: Loader[T], ring: kr.Keyring
+    cat: Catalog, plan: RestorePlan, cand: Candidate, load: Loader[T], ring: kr.Keyring, quick: bool
 ) -> tuple[_Opened, T, Copy] | Skip:
     tried: list[str] = []
     verdicts: list[Verdict] = []
@@ -142,17 +150,20 @@ def _try(
             opened = _open(cat, plan, cand, copy, ring)
             value = load(opened.directory, opened.manifest)
         except StateMismatch as exc:  # every byte matched; the job refused the state
-            return Skip(cand.step, cand.checkpoint_id, "mismatch", str(exc), tuple(exc.findings))
+            return Skip(cand.step, cand.checkpoint_id, SkipOutcome.MISMATCH, str(exc), tuple(exc.findings))
         except UnloadableCheckpoint as exc:
             copies.condemn(cat, cand.checkpoint_id, "; ".join(str(f) for f in exc.findings))
-            return Skip(cand.step, cand.checkpoint_id, "unloadable", str(exc), tuple(exc.findings))
+            return Skip(cand.step, cand.checkpoint_id, SkipOutcome.UNLOADABLE, str(exc), tuple(exc.findings))
         except CorruptCheckpoint as exc:
             verdict, findings = verdict_of(exc.findings), list(exc.findings)
-        except _UNREADABLE_ERRORS as exc:
+        except DiskWriteError as exc:  # the copy was being read fine: the disk it went to failed
+            raise type(exc)(f"cannot restore {cand.run} step {cand.step}: {exc}") from exc
+        except UNREADABLE_ERRORS as exc:
             verdict, findings = Verdict.UNVERIFIABLE, [Finding(Problem.UNREADABLE, copy.where(), str(exc))]
         else:
-            copies.record(cat, opened.local_replica_id, R.VERIFIED, None, uri=str(opened.directory))
-            copies.settle(cat, cand.checkpoint_id)
+            if not quick or opened.fetched:  # a download hashed every byte; a quick open proved the manifest
+                copies.record(cat, opened.local_replica_id, R.VERIFIED, None, uri=str(opened.directory))
+                copies.settle(cat, cand.checkpoint_id)
             return opened, value, copy
         if opened is None:  # the copy itself failed (or its download did)
             where = Path(copy.uri) if copy.local else None
@@ -167,11 +178,11 @@ def _try(
         )
     copies.settle(cat, cand.checkpoint_id)
     if Verdict.UNVERIFIABLE in verdicts:
-        outcome = "unverifiable"
+        outcome = SkipOutcome.UNVERIFIABLE
     elif verdicts and all(v is Verdict.MISSING for v in verdicts):
-        outcome = "missing"
+        outcome = SkipOutcome.MISSING
     else:
-        outcome = "corrupt" if verdicts else "missing"
+        outcome = SkipOutcome.CORRUPT if verdicts else SkipOutcome.MISSING
     return Skip(cand.step, cand.checkpoint_id, outcome, "; ".join(tried) or "no copy left", tuple(found))
 
 
@@ -179,21 +190,21 @@ def _give_up(plan: RestorePlan, skipped: list[Skip]) -> RewindError:
     if plan.exact and skipped:
         s = skipped[0]
         findings = list(s.findings) or [Finding(Problem.ABSENT, ".", s.reason)]
-        if s.outcome == "unverifiable":
+        if s.outcome is SkipOutcome.UNVERIFIABLE:
             return CheckpointUnverifiable(
                 f"{plan.run} step {s.step} could not be checked right now: {s.reason}"
             )
-        if s.outcome in ("unloadable", "mismatch"):
+        if s.outcome in (SkipOutcome.UNLOADABLE, SkipOutcome.MISMATCH):
             return UnloadableCheckpoint(f"{plan.run} step {s.step}", findings)
         return CorruptCheckpoint(f"{plan.run} step {s.step}", findings)
     detail = "; ".join(str(s) for s in skipped[:5])
-    if any(s.outcome == "unverifiable" for s in skipped):
+    if any(s.outcome is SkipOutcome.UNVERIFIABLE for s in skipped):
         return CheckpointUnverifiable(
             f"run {plan.run!r} has checkpoints that could not be checked right now, refusing to go past them: "
             + detail,
             tuple(skipped),
         )
-    mismatched = [s for s in skipped if s.outcome == "mismatch"]
+    mismatched = [s for s in skipped if s.outcome is SkipOutcome.MISMATCH]
     if mismatched:  # a state object refused one: never start over on that (the job may have changed)
         return StateMismatch(
             f"of run {plan.run!r}: no checkpoint fits this job", list(mismatched[0].findings)
@@ -213,8 +224,13 @@ def restoring(
     *,
     who: str | None = None,
     keyring: kr.Keyring | None = None,
+    quick: bool = False,
 ) -> Iterator[Restored[T]]:
-    """Restore the first candidate that proves itself; its lease is held until the ``with`` block ends."""
+    """Restore the first candidate that proves itself; its lease is held until the ``with`` block ends.
+
+    ``quick``: ``load`` reads no bytes (a recovery hands the directory to a job that hashes every byte
+    as it loads): a local copy is held to the catalog's manifest digest and its sizes only, and is not
+    recorded as verified for it."""
     ring = keyring if keyring is not None else kr.from_env()
     started = time.perf_counter()
     skipped: list[Skip] = []
@@ -222,12 +238,12 @@ def restoring(
         try:
             lease = leases.take(cat, cand.checkpoint_id, who)
         except NotFoundError as exc:  # deleted (or rolled back) since the plan was made
-            skipped.append(Skip(cand.step, cand.checkpoint_id, "missing", str(exc)))
+            skipped.append(Skip(cand.step, cand.checkpoint_id, SkipOutcome.MISSING, str(exc)))
             if plan.exact:
                 break
             continue
         try:
-            got = _try(cat, plan, cand, load, ring)
+            got = _try(cat, plan, cand, load, ring, quick)
         except BaseException:
             leases.release(cat, lease)
             raise
@@ -235,11 +251,11 @@ def restoring(
             leases.release(cat, lease)
             skipped.append(got)
             log.info("skipping %s", got)  # each failed copy was already warned about
-            if plan.exact or got.outcome == "unverifiable":
+            if plan.exact or got.outcome is SkipOutcome.UNVERIFIABLE:
                 break  # never go past a checkpoint that may be good: that would throw its progress away
             continue
         for s in skipped:  # an older checkpoint loaded: the newer ones that did not were bad, not the job
-            if s.outcome == "mismatch":
+            if s.outcome is SkipOutcome.MISMATCH:
                 copies.condemn(cat, s.checkpoint_id, s.reason)
         opened, value, copy = got
         try:

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch.distributed as dist
 
-from infra import config
-from infra.catalog.db import Catalog
-from infra.errors import NoRestorableCheckpoint
-from infra.format import dcp
-from infra.format import manifest as mf
-from infra.format.verify import verify_files
-from infra.restore import execute, plan
-from infra.restore.execute import Restored
+from rewind.infra import config
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.errors import NoRestorableCheckpoint
+from rewind.infra.format import dcp
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.verify import verify_files
+from rewind.infra.restore import execute, plan
+from rewind.infra.restore.execute import Restored
 
 
 def verified_directory(

@@ -8,6 +8,7 @@ could verify (a scrub that condemned a local copy says nothing about a replica).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,13 +16,14 @@ from typing import Any
 
 from sqlalchemy import Select, select
 
-from infra.catalog import copies, lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import Checkpoint
-from infra.catalog.models import CheckpointStatus as S
-from infra.catalog.models import ReplicaStatus as R
-from infra.errors import NotFoundError
+from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import Checkpoint
+from rewind.infra.catalog.models import CheckpointStatus as S
+from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.errors import NotFoundError
 
+log = logging.getLogger("rewind.restore")
 _STATUS_RANK = {R.VERIFIED.value: 0, R.PENDING.value: 1, R.UNVERIFIABLE.value: 2}
 
 
@@ -50,6 +52,32 @@ class Candidate:
     manifest_digest: str
     total_bytes: int
     copies: tuple[Copy, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreTarget:
+    """The restore point a recovery chose, as its handoff carries it to the job: the job must load this
+    checkpoint (or, should its bytes fail as the job reads them, the newest older one that proves itself)."""
+
+    checkpoint_id: int
+    step: int
+    manifest_digest: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "step": self.step,
+            "manifest_digest": self.manifest_digest,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> RestoreTarget | None:
+        if not isinstance(raw, dict):
+            return None
+        try:
+            return cls(int(raw["checkpoint_id"]), int(raw["step"]), str(raw["manifest_digest"]))
+        except (KeyError, TypeError, ValueError):
+            return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +131,19 @@ def plan(
     before_step: int | None = None,
     checkpoint_id: int | None = None,
     tiers: Collection[str] | None = None,
+    target: RestoreTarget | None = None,
 ) -> RestorePlan:
     """Candidates newest first: exactly ``step`` (or one checkpoint), or any step below ``before_step``, or all.
+
+    ``target`` (a recovery's choice): its checkpoint first, then older ones; a newest candidate that is
+    not the target (the catalog changed since the recovery chose it) is logged, and the catalog wins.
 
     ``tiers`` limits the copies to those tiers (``rewind ckpt restore --from shared``). Three statements
     whatever the run's length: the run, its candidates (columns only), and all their usable copies.
     """
     run_id = lineage.get_run(cat, run).id
+    if target is not None:
+        before_step = target.step + 1 if before_step is None else min(before_step, target.step + 1)
     ids = _candidates(run_id, step, before_step, checkpoint_id)
     columns = (
         Checkpoint.id,
@@ -132,8 +166,25 @@ def plan(
         candidates.append(
             Candidate(r.id, run, r.step, str(r.status), str(r.manifest_digest), r.total_bytes or 0, found)
         )
+    if target is not None:
+        _warn_if_not(target, run, candidates)
     exact = step is not None or checkpoint_id is not None
     if exact and not candidates:
         what = f"step {step}" if step is not None else f"checkpoint {checkpoint_id}"
         raise NotFoundError(f"run {run!r} has no restorable checkpoint at {what}")
     return RestorePlan(run, Path(root).expanduser().resolve(), tuple(candidates), exact)
+
+
+def _warn_if_not(target: RestoreTarget, run: str, candidates: list[Candidate]) -> None:
+    """The catalog changed since a recovery chose ``target``: the catalog wins, and it is said."""
+    first = candidates[0] if candidates else None
+    if first is None or (first.checkpoint_id, first.manifest_digest) == (
+        target.checkpoint_id,
+        target.manifest_digest,
+    ):
+        return
+    log.warning(
+        "run %s: the restore point handed over (checkpoint %d, step %d) is not the newest the catalog "
+        "offers now (checkpoint %d, step %d): loading the catalog's",
+        run, target.checkpoint_id, target.step, first.checkpoint_id, first.step,
+    )  # fmt: skip

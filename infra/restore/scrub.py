@@ -5,27 +5,32 @@ manifest digest first, then sizes, then, when deep, every byte), the same verdic
 per copy, the same settling of the checkpoint's status. A damaged local copy is
 moved to ``.quarantine/``; an I/O error leaves a copy unverifiable and the
 checkpoint as it was; a check that passes restores what an earlier one took away.
+
+A scrub spends at most its ``Budget`` (time, and bytes read; one may be shared by
+the scrubs of a whole run): once it is spent, the copies not checked yet are
+reported ``unchecked`` (unverifiable, nothing recorded) and it says how many.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra import config
-from infra.catalog import copies, lineage
-from infra.catalog.db import Catalog
-from infra.catalog.models import Checkpoint, Replica
-from infra.catalog.models import ReplicaStatus as R
-from infra.errors import TransientError
-from infra.format import keyring as kr
-from infra.format import store
-from infra.format.verify import Finding, Problem, Report, Verdict, check_copy
-from infra.tiers import open_tier, transfer
-from infra.tiers.base import TierAccessDenied, TierConfigError
+from rewind.infra import config
+from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import Checkpoint, Replica
+from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.format import keyring as kr
+from rewind.infra.format import store
+from rewind.infra.format.verify import Budget, BudgetSpent, Finding, Problem, Report, Verdict, check_copy
+from rewind.infra.tiers import open_tier, transfer
+from rewind.infra.tiers.base import UNREADABLE_ERRORS
 
+log = logging.getLogger("rewind.scrub")
 QUARANTINE = store.QUARANTINE
 
 
@@ -53,14 +58,22 @@ class CheckpointCheck:
     def findings(self) -> list[Finding]:
         return [f for c in self.copies for f in c.findings]
 
+    @property
+    def unchecked(self) -> int:
+        """Copies the budget ran out before (unverifiable, nothing recorded about them)."""
+        return sum(any(f.problem is Problem.UNCHECKED for f in c.findings) for c in self.copies)
 
-def _check(rep: Replica, run: str, step: int, digest: str, deep: bool, ring: kr.Keyring) -> Report:
+
+def _check(
+    rep: Replica, run: str, step: int, digest: str, deep: bool, ring: kr.Keyring, budget: Budget
+) -> Report:
+    budget.check()
     if rep.tier == copies.LOCAL:
-        return check_copy(Path(rep.uri), digest, deep=deep, keyring=ring)
+        return check_copy(Path(rep.uri), digest, deep=deep, keyring=ring, budget=budget)
     key = rep.key or transfer.copy_key(run, step)
     try:
-        return transfer.check_remote(open_tier(rep.uri), key, digest, deep=deep, keyring=ring)
-    except (OSError, TransientError, TierAccessDenied, TierConfigError) as exc:
+        return transfer.check_remote(open_tier(rep.uri), key, digest, deep=deep, keyring=ring, budget=budget)
+    except UNREADABLE_ERRORS as exc:
         finding = Finding(Problem.UNREADABLE, ".", str(exc))
         return Report(Path(f"{rep.uri}/{key}"), None, (finding,), deep)
 
@@ -91,11 +104,18 @@ def scrub(
     deep: bool,
     tiers: Collection[str] | None = None,
     keyring: kr.Keyring | None = None,
+    budget: Budget | None = None,
 ) -> CheckpointCheck:
-    """Check the copies of ``ck`` (on ``tiers``, default all), record each verdict, settle its status."""
+    """Check the copies of ``ck`` (on ``tiers``, default all), record each verdict, settle its status.
+
+    ``budget``: what the checks may spend (default: ``Budget()``, hours; pass one to several scrubs to bound
+    them together). Spent, the copies left are reported unchecked, and a warning says how many.
+    """
     ring = keyring if keyring is not None else kr.from_env()
+    budget = budget if budget is not None else Budget()
     run = lineage.get_run_by_id(cat, ck.run_id).name
     results = []
+    spent = None
     for rep in copies.copies_of(cat, [ck.id])[ck.id]:
         if (
             rep.status == R.DELETED.value
@@ -103,11 +123,20 @@ def scrub(
             or (tiers is not None and rep.tier not in tiers)
         ):
             continue
-        report = _check(rep, run, ck.step, str(ck.manifest_digest), deep, ring)
-        _record(cat, rep, report)
         where = (
             rep.uri if rep.tier == copies.LOCAL else f"{rep.uri}/{rep.key or transfer.copy_key(run, ck.step)}"
         )
+        try:
+            report = _check(rep, run, ck.step, str(ck.manifest_digest), deep, ring, budget)
+        except BudgetSpent as exc:  # nothing is known about this copy: nothing is recorded
+            spent = str(exc)
+            left = Finding(Problem.UNCHECKED, ".", f"{exc}: not checked")
+            results.append(CopyCheck(rep.tier, where, Verdict.UNVERIFIABLE, (left,)))
+            continue
+        _record(cat, rep, report)
         results.append(CopyCheck(rep.tier, where, report.verdict, report.findings))
     status = copies.settle(cat, ck.id)
-    return CheckpointCheck(ck.id, ck.step, status, deep, tuple(results))
+    check = CheckpointCheck(ck.id, ck.step, status, deep, tuple(results))
+    if spent is not None:
+        log.warning("%s step %d: scrub %s, %d left unchecked", run, ck.step, spent, check.unchecked)
+    return check

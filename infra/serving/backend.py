@@ -13,10 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-from infra.errors import ConfigError, NotFoundError, RewindError, ServingUnavailable
-from infra.serving.haproxy import Proxy, ServerStats
-from infra.serving.stack import Stack
-from infra.serving.torchserve import TorchServe, stage
+from rewind.infra.errors import ConfigError, NotFoundError, RewindError, ServingUnavailable
+from rewind.infra.serving.haproxy import Proxy, ServerStats
+from rewind.infra.serving.stack import Stack
+from rewind.infra.serving.torchserve import TorchServe, stage
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """Conversations that outlive the instance serving them: history in the catalog, KV cache in tiers.
 
-A turn: the conversation so far comes from the catalog (``infra.catalog.sessions``); its KV
+A turn: the conversation so far comes from the catalog (``rewind.infra.catalog.sessions``); its KV
 cache from this process if it holds it, else from the nearest tier block by block, each
 checked against the digest the catalog recorded (the first missing or damaged block and
 everything after it are recomputed); then the new prompt, greedy decoding, the new blocks
@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from infra.catalog import sessions
-from infra.catalog.db import Catalog
-from infra.catalog.sessions import BlockRef
-from infra.errors import MalformedFile, Refused
-from infra.serving import kv_blocks
-from infra.serving.kv_blocks import BLOCK_TOKENS, TieredBlocks
+from rewind.infra.catalog import sessions
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.sessions import BlockRef
+from rewind.infra.errors import MalformedFile, Refused
+from rewind.infra.serving import kv_blocks
+from rewind.infra.serving.kv_blocks import BLOCK_TOKENS, TieredBlocks
 
 
 @dataclass(frozen=True, slots=True)

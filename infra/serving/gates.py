@@ -15,9 +15,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from infra.errors import ConfigError
-from infra.serving.backend import Backend
-from infra.serving.haproxy import ServerStats
+from rewind.infra.errors import ConfigError
+from rewind.infra.serving.backend import Backend
+from rewind.infra.serving.haproxy import ServerStats
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra.errors import ConfigError, Refused, ServingUnavailable
-from infra.launch.process import is_running, program, stop_group
-from infra.net import LOOPBACK, free_port
+from rewind.infra.errors import ConfigError, Refused, ServingUnavailable
+from rewind.infra.launch.process import is_running, program, stop_group
+from rewind.infra.net import LOOPBACK, free_port
 
 BACKEND = "versions"
 ROUTER = "router"

@@ -31,8 +31,8 @@ from typing import Protocol
 import torch
 import xxhash
 
-from infra.errors import ConfigError, MalformedFile
-from infra.format.digest import hash_bytes
+from rewind.infra.errors import ConfigError, MalformedFile
+from rewind.infra.format.digest import hash_bytes
 
 log = logging.getLogger("rewind.kv")
 BLOCK_TOKENS = 64

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infra.catalog import serving as sv
-from infra.catalog.db import Catalog
-from infra.catalog.models import VersionState as V
-from infra.serving.backend import TorchServeBackend
+from rewind.infra.catalog import serving as sv
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import VersionState as V
+from rewind.infra.serving.backend import TorchServeBackend
 
 
 def reload_stable(cat: Catalog, backend: TorchServeBackend) -> list[tuple[str, str]]:

@@ -1,6 +1,6 @@
 """The serving stack on this machine: N TorchServe instances under a supervisor, and one HAProxy per model.
 
-``stack.json`` says where the instances answer; the supervisor (:mod:`infra.serving.supervisor`)
+``stack.json`` says where the instances answer; the supervisor (:mod:`rewind.infra.serving.supervisor`)
 writes it and rewrites it when it restarts an instance. Instance 0 lives in the stack directory
 itself (its ``key_file.json`` holds the key clients use), instance i in ``instance-i/``. A
 TorchServe started some other way can be described by writing it by hand
@@ -17,16 +17,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra import config, stopping
-from infra.errors import ConfigError, ServingUnavailable
-from infra.launch.process import is_running, stop_group
-from infra.serving import torchserve
-from infra.serving.haproxy import Keys, Proxy
-from infra.serving.torchserve import Endpoints
+from rewind.infra import config, stopping
+from rewind.infra.errors import ConfigError, ServingUnavailable
+from rewind.infra.launch.process import is_running, stop_group
+from rewind.infra.serving import torchserve
+from rewind.infra.serving.haproxy import Keys, Proxy
+from rewind.infra.serving.torchserve import Endpoints
 
 log = logging.getLogger("rewind.serving")
 STACK_FILE = "stack.json"
-SUPERVISOR = "infra.serving.supervisor"
+SUPERVISOR = "rewind.infra.serving.supervisor"
 
 
 @dataclass(frozen=True, slots=True)

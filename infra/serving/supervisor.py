@@ -1,6 +1,6 @@
 """The serving stack's own watcher: it starts the TorchServe instances and restarts one that dies.
 
-`rewind serving start` runs it in its own session (``python -m infra.serving.supervisor DIR``).
+`rewind serving start` runs it in its own session (``python -m rewind.infra.serving.supervisor DIR``).
 Each tick it reaps its instances; one that exited is taken out of every proxy's rotation, started
 again on the same ports (so no proxy config changes), given every version its proxies route, and
 put back. It also keeps the proxies' key maps in step with the instances' key files, and renews
@@ -21,13 +21,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from infra import stopping
-from infra.errors import NotFoundError, Stopped
-from infra.launch.process import stop_group
-from infra.serving import stack, torchserve
-from infra.serving.export import archive_name
-from infra.serving.haproxy import Proxy
-from infra.serving.torchserve import Endpoints, TorchServe
+from rewind.infra import stopping
+from rewind.infra.errors import NotFoundError, Stopped
+from rewind.infra.launch.process import stop_group
+from rewind.infra.serving import stack, torchserve
+from rewind.infra.serving.export import archive_name
+from rewind.infra.serving.haproxy import Proxy
+from rewind.infra.serving.torchserve import Endpoints, TorchServe
 
 log = logging.getLogger("rewind.serving.supervisor")
 TICK_S = 0.2
@@ -177,7 +177,7 @@ class Supervisor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m infra.serving.supervisor")
+    p = argparse.ArgumentParser(prog="python -m rewind.infra.serving.supervisor")
     p.add_argument("directory", type=Path)
     p.add_argument("--instances", type=int, default=1)
     p.add_argument("--port", type=int)

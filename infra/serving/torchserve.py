@@ -21,10 +21,10 @@ from typing import Any, Literal
 
 import httpx
 
-from infra import stopping
-from infra.errors import ConfigError, NotFoundError, RewindError, ServingUnavailable, Stopped
-from infra.launch.process import program, stop_group
-from infra.net import LOOPBACK, free_port
+from rewind.infra import stopping
+from rewind.infra.errors import ConfigError, NotFoundError, RewindError, ServingUnavailable, Stopped
+from rewind.infra.launch.process import program, stop_group
+from rewind.infra.net import LOOPBACK, free_port
 
 log = logging.getLogger(__name__)
 

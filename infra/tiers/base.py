@@ -7,12 +7,13 @@ the classes below, classified once as transient (retry) or permanent.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
-from infra.errors import ConfigError, NotFoundError, RewindError, TransientError
+from rewind.infra.errors import ConfigError, NotFoundError, RewindError, TransientError, is_transient
 
 
 class ObjectNotFound(NotFoundError):
@@ -33,6 +34,54 @@ class TierAccessDenied(RewindError):
 
 class TierConfigError(ConfigError):
     """A target that cannot work: malformed URI, missing bucket."""
+
+
+# Errors that say nothing about a copy's bytes: a copy that raised one is unverifiable for now, never
+# corrupt. The one list the restore executor and the scrub both judge by.
+UNREADABLE_ERRORS: tuple[type[Exception], ...] = (OSError, TransientError, TierAccessDenied, TierConfigError)
+
+
+class DiskWriteError(RewindError):
+    """A disk Rewind was writing refused the write (full, over quota, read-only, no permission): the local
+    tier while a copy was fetched into it, or a filesystem tier while a copy was replicated onto it. The
+    disk's fault, never the copy being read, so nothing is recorded against that copy, and nothing
+    half-written is registered."""
+
+
+class DiskWriteUnavailable(DiskWriteError, TransientError):
+    """A write failed with an error that may go away by itself (EIO, EAGAIN, EBUSY)."""
+
+
+_WHAT_TO_DO = {
+    errno.ENOSPC: "free space there and retry",
+    errno.EDQUOT: "free space or raise the quota there and retry",
+    errno.EROFS: "it is mounted read-only",
+    errno.EACCES: "this user may not write there",
+    errno.EPERM: "this user may not write there",
+}
+
+
+def disk_write_error(exc: OSError, disk: str, source: str | None = None) -> DiskWriteError:
+    """One line: ``disk`` (what and where: "the local disk at /ckpt/run") could not be written, what it
+    said, what to do, and, given ``source``, that the copy read from there is not at fault."""
+    why = exc.strerror or str(exc)
+    hint = _WHAT_TO_DO.get(exc.errno or 0, "")
+    on = f" ({exc.filename})" if exc.filename else ""
+    message = (
+        f"{disk} could not be written: {why}{on}"
+        + (f"; {hint}" if hint else "")
+        + (f"; the copy at {source} is not at fault and stays as it was" if source else "")
+    )
+    return (DiskWriteUnavailable if is_transient(exc) else DiskWriteError)(message)
+
+
+class SourceFailed(Exception):
+    """An error reading the bytes being copied, carried past the writes it must not be blamed on; the
+    function that moves the bytes raises ``error`` itself, so this never leaves it."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class NotCopied(RewindError):
@@ -73,7 +122,12 @@ class Tier(Protocol):
         ...
 
     def open(self, key: str) -> BinaryIO:
-        """A readable stream of the object; raises ObjectNotFound."""
+        """A readable stream of the object; raises ObjectNotFound (and, on a filesystem, ``files.NotAFile``
+        for what is not a regular file inside its checkpoint's directory: never opened)."""
+        ...
+
+    def capacity(self) -> int | None:
+        """The most bytes one object on this tier can hold (a filesystem's size); None where it is not known."""
         ...
 
     def stat(self, key: str) -> ObjectInfo:

@@ -25,10 +25,16 @@ from typing import Any, BinaryIO
 import boto3
 import crc32c as crc32c_mod
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, NoCredentialsError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    EndpointConnectionError,
+    EndpointResolutionError,
+    NoCredentialsError,
+)
 
-from infra import progress
-from infra.tiers.base import (
+from rewind.infra import progress, redact
+from rewind.infra.tiers.base import (
     AlreadyExists,
     NotCopied,
     ObjectInfo,
@@ -37,7 +43,7 @@ from infra.tiers.base import (
     TierConfigError,
     TierUnavailable,
 )
-from infra.tiers.s3_ranged import RangedBody
+from rewind.infra.tiers.s3_ranged import RangedBody
 
 MiB = 1 << 20
 MAX_COPY = 5 << 30  # the largest object one CopyObject request may copy
@@ -81,6 +87,26 @@ def _same_part(held: dict[str, Any], data: bytes, crc: str) -> bool:
     return str(held.get("ETag", "")).strip('"') == hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
+def _client(concurrency: int) -> Any:
+    """An S3 client from the standard AWS environment; an endpoint that is no URL is bad input, said in one line."""
+    try:
+        return boto3.session.Session().client(
+            "s3",
+            config=Config(
+                retries={"max_attempts": 2, "mode": "standard"},
+                connect_timeout=5,
+                read_timeout=120,
+                max_pool_connections=concurrency + 4,
+                request_checksum_calculation="when_required",
+                response_checksum_validation="when_required",
+            ),
+        )
+    except ValueError as exc:  # botocore: "Invalid endpoint: ..." (the value may carry user:password@)
+        raise TierConfigError(
+            "AWS_ENDPOINT_URL (or the profile's endpoint_url) is not a URL: give http(s)://host:port"
+        ) from exc
+
+
 class S3Tier:
     name = "offsite"
     checksums = True
@@ -101,17 +127,7 @@ class S3Tier:
         self.part_size = part_size
         self.concurrency = max(1, concurrency)
         self.immutable_days = immutable_days
-        self._client = client or boto3.session.Session().client(
-            "s3",
-            config=Config(
-                retries={"max_attempts": 2, "mode": "standard"},
-                connect_timeout=5,
-                read_timeout=120,
-                max_pool_connections=self.concurrency + 4,
-                request_checksum_calculation="when_required",
-                response_checksum_validation="when_required",
-            ),
-        )
+        self._client = client or _client(self.concurrency)
         # For messages: an endpoint URL may carry user:password@, which is never printed.
         self.endpoint = re.sub(r"//[^/@]*@", "//", str(self._client.meta.endpoint_url))
 
@@ -140,8 +156,10 @@ class S3Tier:
             if code in _TRANSIENT or status >= 500:
                 return TierUnavailable(f"S3 error at {where}: {code or status}")
             return TierConfigError(f"S3 error at {where}: {code or status}: {err.get('Message', '')}")
+        if isinstance(exc, EndpointResolutionError):  # no request can ever go there: bad input, not an outage
+            return TierConfigError(f"S3 endpoint {self.endpoint} is not a valid URL (AWS_ENDPOINT_URL)")
         if isinstance(exc, BotoCoreError | OSError):
-            return TierUnavailable(f"S3 endpoint {self.endpoint}: {exc}")
+            return TierUnavailable(f"S3 endpoint {self.endpoint}: {redact.text(str(exc))}")
         return exc
 
     def _call(self, op: str, key: str = "", **kwargs: Any) -> Any:
@@ -184,6 +202,9 @@ class S3Tier:
             if not page.get("IsTruncated"):
                 return
             token = {"ContinuationToken": page["NextContinuationToken"]}
+
+    def capacity(self) -> int | None:
+        return None  # a bucket has no size to hold an object to; reads stop at the size recorded
 
     def open(self, key: str) -> BinaryIO:
         """A stream of the object; one larger than a part is fetched as ``concurrency`` ranges in flight."""

@@ -16,6 +16,12 @@ Deduplication works at the manifest's file level, whatever the files are named
 earlier copy of the run on the same tier lists (its manifest held to the catalog's
 digest) is copied there by the tier itself instead of sent, then held to its entry
 exactly as an upload is. A copy that fails or does not match is sent instead.
+
+Nothing on a tier is read past the size its manifest entry records (one byte more
+shows a longer file), nor at all where that size is more than the tier can hold.
+A download whose local write fails (disk full, read-only) raises ``DiskWriteError``:
+the copy being read is not at fault. So does a push onto a filesystem tier that cannot be
+written (its own ``put``/``copy`` say so); the manifest, last, is then never written.
 """
 
 from __future__ import annotations
@@ -29,14 +35,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from infra import progress
-from infra.errors import CorruptCheckpoint
-from infra.format import keyring as kr
-from infra.format import manifest as mf
-from infra.format import store
-from infra.format.digest import CHUNK, Hasher, hash_bytes, manifest_matches
-from infra.format.verify import Finding, Problem, Report, check_manifest
-from infra.tiers.base import NotCopied, ObjectNotFound, Tier, TierUnavailable
+from rewind.infra import progress
+from rewind.infra.errors import CorruptCheckpoint
+from rewind.infra.format import files, store
+from rewind.infra.format import keyring as kr
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import CHUNK, Hasher, hash_bytes, manifest_matches
+from rewind.infra.format.verify import Budget, Finding, Problem, Report, check_manifest, not_a_file
+from rewind.infra.tiers.base import (
+    NotCopied,
+    ObjectNotFound,
+    SourceFailed,
+    Tier,
+    TierUnavailable,
+    disk_write_error,
+)
 
 log = logging.getLogger("rewind.transfer")
 FileId = tuple[int, str, str]  # (size, xxh3, crc32c): what makes two manifest entries the same bytes
@@ -77,8 +90,13 @@ def alternate_key(run: str, step: int, digest: str) -> str:
 
 
 def _read(tier: Tier, key: str) -> bytes:
-    """A manifest from a tier, never more than ``manifest.MAX_BYTES`` of it held (ManifestError beyond)."""
-    with tier.open(key) as f:
+    """A manifest from a tier, never more than ``manifest.MAX_BYTES`` of it held (ManifestError beyond, and
+    for what is not a regular file)."""
+    try:
+        f = tier.open(key)
+    except files.NotAFile as exc:
+        raise mf.ManifestError(str(exc)) from exc
+    with f:
         return mf.read_bounded(f)
 
 
@@ -106,6 +124,8 @@ def _stat_matches(
         info = tier.stat(key)
     except ObjectNotFound:
         return Finding(Problem.MISSING, entry.path, f"not on the {tier.name} tier")
+    except files.NotAFile as exc:
+        return not_a_file(entry, exc)
     if info.size != entry.size:
         return Finding(
             Problem.SIZE, entry.path, f"{tier.name} holds {info.size} bytes, manifest says {entry.size}"
@@ -192,11 +212,12 @@ def _place_all(
     files: Sequence[mf.FileEntry],
     index: dict[FileId, list[str]],
     on_file: Callable[[str, int], None] | None,
+    streams: int,
 ) -> Pushed:
-    """Every file, small ones ``FILE_STREAMS`` at a time; ``on_file`` is called here, as each one lands."""
+    """Every file, small ones ``streams`` at a time; ``on_file`` is called here, as each one lands."""
     done = Pushed()
     small = [e for e in files if e.size <= BIG_FILE]
-    with ThreadPoolExecutor(FILE_STREAMS, thread_name_prefix="rewind-push") as pool:
+    with ThreadPoolExecutor(max(1, streams), thread_name_prefix="rewind-push") as pool:
         futures = {
             pool.submit(contextvars.copy_context().run, _place, tier, source, key, e, index): e for e in small
         }
@@ -224,6 +245,7 @@ def push(
     *,
     reuse: Sequence[Reuse] = (),
     on_file: Callable[[str, int], None] | None = None,
+    streams: int = FILE_STREAMS,
 ) -> Pushed:
     """Copy a verified local copy (its manifest bytes ``raw``) to ``key`` on ``tier``; says what it cost.
 
@@ -236,7 +258,7 @@ def push(
     manifest = mf.parse(raw)
     index = reuse_index(tier, reuse)
     with progress.phase(f"send {key} to {tier.uri}", manifest.total_bytes):
-        done = _place_all(tier, source, key, manifest.files, index, on_file)
+        done = _place_all(tier, source, key, manifest.files, index, on_file, streams)
     bad = [f for e in manifest.files if (f := _stat_matches(tier, f"{key}/{e.path}", e))]
     if bad:
         raise CorruptCheckpoint(f"{tier.uri}/{key}", bad)
@@ -244,11 +266,27 @@ def push(
     return done
 
 
-def _hash_remote(tier: Tier, key: str, entry: mf.FileEntry) -> Finding | None:
+def _hash_remote(tier: Tier, key: str, entry: mf.FileEntry, budget: Budget | None = None) -> Finding | None:
+    """Read the object back and compare it with ``entry``: never more than one byte past its size, every read
+    charged to ``budget`` (``BudgetSpent`` when it runs out)."""
     h = Hasher(with_crc=False)
     size = 0
-    with tier.open(key) as body:
-        while chunk := body.read(CHUNK):
+    try:
+        body = tier.open(key)
+    except files.NotAFile as exc:
+        return not_a_file(entry, exc)
+    with body:
+        while size <= entry.size:
+            want = min(CHUNK, entry.size + 1 - size)
+            if budget is not None:
+                budget.check()
+                left = budget.left()
+                want = want if left is None else min(want, left)
+            chunk = body.read(want)
+            if not chunk:
+                break
+            if budget is not None:
+                budget.charge(len(chunk))
             h.update(chunk)
             size += len(chunk)
             progress.advance(len(chunk))
@@ -261,20 +299,32 @@ def _hash_remote(tier: Tier, key: str, entry: mf.FileEntry) -> Finding | None:
     return None
 
 
-def _file_findings(tier: Tier, key: str, manifest: mf.Manifest, deep: bool) -> Iterator[Finding]:
+def _file_findings(
+    tier: Tier, key: str, manifest: mf.Manifest, deep: bool, budget: Budget | None
+) -> Iterator[Finding]:
+    holds = tier.capacity()
     for e in manifest.files:
+        impossible = files.beyond(e.size, holds)
+        if impossible is not None:  # a sparse file can claim it; no real one can: judged unread
+            yield Finding(Problem.SIZE, e.path, f"the manifest {impossible}")
+            continue
         try:
             finding = _stat_matches(tier, f"{key}/{e.path}", e)
             if finding is None and deep:
-                finding = _hash_remote(tier, f"{key}/{e.path}", e)
+                finding = _hash_remote(tier, f"{key}/{e.path}", e, budget)
         except (TierUnavailable, OSError) as exc:
             finding = Finding(Problem.UNREADABLE, e.path, str(exc))
         if finding is not None:
             yield finding
 
 
-def check_remote(tier: Tier, key: str, expected: str, *, deep: bool, keyring: kr.Keyring) -> Report:
-    """Every finding about the copy at ``key``: quick compares sizes and server checksums, deep re-hashes."""
+def check_remote(
+    tier: Tier, key: str, expected: str, *, deep: bool, keyring: kr.Keyring, budget: Budget | None = None
+) -> Report:
+    """Every finding about the copy at ``key``: quick compares sizes and server checksums, deep re-hashes.
+
+    ``BudgetSpent`` when ``budget`` runs out before the check is done (nothing is known then).
+    """
     where = Path(f"{tier.uri}/{key}")
     try:
         raw = _read(tier, f"{key}/{mf.MANIFEST_NAME}")
@@ -291,7 +341,7 @@ def check_remote(tier: Tier, key: str, expected: str, *, deep: bool, keyring: kr
         return Report(where, None, tuple(findings), deep)
     reading = progress.phase(f"verify {tier.uri}/{key}", manifest.total_bytes)
     with reading if deep else contextlib.nullcontext():
-        found = tuple(_file_findings(tier, key, manifest, deep))
+        found = tuple(_file_findings(tier, key, manifest, deep, budget))
     return Report(where, manifest, found, deep)
 
 
@@ -309,7 +359,9 @@ def pull(
     The manifest is held to the catalog's digest before any data is fetched, and
     every file must hash to its entry before the manifest is written locally; only
     then is a directory already at ``step-<N>/`` handed to ``displace``.
-    ``CorruptCheckpoint`` (with findings) when the copy is not the recorded one.
+    ``CorruptCheckpoint`` (with findings) when the copy is not the recorded one; ``DiskWriteError`` when
+    writing ``run_dir`` fails (disk full, read-only): the local disk's fault, not the copy's. An error
+    reading the copy is raised as the tier raised it.
     """
     try:
         raw = _read(tier, f"{key}/{mf.MANIFEST_NAME}")
@@ -324,19 +376,38 @@ def pull(
     if manifest is None:
         raise CorruptCheckpoint(f"{tier.uri}/{key}", findings)
 
-    def stream(path: str) -> Callable[[BinaryIO], None]:
+    def stream(entry: mf.FileEntry) -> Callable[[BinaryIO], None]:
         def fill(out: BinaryIO) -> None:
+            """The object's bytes into ``out``, one byte past its entry's size at most (a longer one shows)."""
             try:
-                with tier.open(f"{key}/{path}") as body:
-                    while chunk := body.read(CHUNK):
-                        out.write(chunk)
+                body = tier.open(f"{key}/{entry.path}")
             except ObjectNotFound as exc:
-                raise CorruptCheckpoint(
-                    f"{tier.uri}/{key}", [Finding(Problem.MISSING, path, f"not on the {tier.name} tier")]
-                ) from exc
+                finding = Finding(Problem.MISSING, entry.path, f"not on the {tier.name} tier")
+                raise CorruptCheckpoint(f"{tier.uri}/{key}", [finding]) from exc
+            except files.NotAFile as exc:
+                raise CorruptCheckpoint(f"{tier.uri}/{key}", [not_a_file(entry, exc)]) from exc
+            except OSError as exc:
+                raise SourceFailed(exc) from exc
+            with body:
+                left = entry.size + 1
+                while left > 0:
+                    try:
+                        chunk = body.read(min(CHUNK, left))
+                    except OSError as exc:
+                        raise SourceFailed(exc) from exc
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+                    out.write(chunk)  # an OSError here is the local disk's
 
         return fill
 
-    files = [(e.path, stream(e.path)) for e in manifest.files]
-    with progress.phase(f"fetch {key} from {tier.uri}", manifest.total_bytes):
-        return store.write_checkpoint(run_dir, manifest, files, copy_of=raw, displace=displace)
+    where = f"{tier.uri}/{key}"
+    streams = [(e.path, stream(e)) for e in manifest.files]
+    try:
+        with progress.phase(f"fetch {key} from {tier.uri}", manifest.total_bytes):
+            return store.write_checkpoint(run_dir, manifest, streams, copy_of=raw, displace=displace)
+    except SourceFailed as failed:
+        raise failed.error from None  # reading the copy failed: as the tier said it
+    except OSError as exc:  # everything else that touches a disk here writes the local one
+        raise disk_write_error(exc, f"the local disk at {run_dir}", where) from exc

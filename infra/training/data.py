@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from infra.errors import ConfigError
+from rewind.infra.errors import ConfigError
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:

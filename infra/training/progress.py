@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from infra.catalog import jobs
-from infra.catalog.db import Catalog
-from infra.errors import TransientError
+from rewind.infra.catalog import jobs, models
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.errors import TransientError
 
 log = logging.getLogger("rewind.progress")
 LAUNCH_ENV = "REWIND_LAUNCH_ID"
@@ -40,7 +40,7 @@ class RankState:
     loss: float | None
     step_at: float | None
     beat_at: float
-    state: str  # running | busy | finished | failed | anomaly
+    state: models.RankState
     detail: dict[str, Any]
 
     def silent_for(self, now: float) -> float:
@@ -62,7 +62,7 @@ class ProgressWriter:
         self._fields: dict[str, Any] = {
             "node": node_name(),
             "pid": os.getpid(),
-            "state": "running",
+            "state": models.RankState.RUNNING,
             "detail": {},
         }
         self._lock = threading.Lock()
@@ -71,7 +71,7 @@ class ProgressWriter:
 
     def start(self, busy: str) -> None:
         """First row (busy with ``busy``), then a beat every ``interval_s`` from the thread."""
-        self._fields.update(state="busy", detail={"busy": busy}, step_at=time.time())
+        self._fields.update(state=models.RankState.BUSY, detail={"busy": busy}, step_at=time.time())
         self._write()
         self._thread.start()
 
@@ -91,8 +91,10 @@ class ProgressWriter:
             detail = {k: v for k, v in self._fields["detail"].items() if k != "busy"}
             if what is not None:
                 detail["busy"] = what
-            if self._fields["state"] in ("running", "busy"):
-                self._fields["state"] = "busy" if what is not None else "running"
+            if self._fields["state"] in models.LIVE_RANK_STATES:
+                self._fields["state"] = (
+                    models.RankState.BUSY if what is not None else models.RankState.RUNNING
+                )
             self._fields.update(detail=detail, step_at=time.time())
         self._write()
 
@@ -101,15 +103,15 @@ class ProgressWriter:
         with self._lock:
             self._fields["detail"] = {**self._fields["detail"], **detail}
             if "anomaly" in detail:
-                self._fields["state"] = "anomaly"
+                self._fields["state"] = models.RankState.ANOMALY
         self._write()
 
-    def finish(self, state: str = "finished") -> None:
+    def finish(self, state: models.RankState = models.RankState.FINISHED) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         with self._lock:
-            if self._fields["state"] in ("running", "busy"):
+            if self._fields["state"] in models.LIVE_RANK_STATES:
                 self._fields["state"] = state
         self._write()
 

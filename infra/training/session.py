@@ -11,7 +11,7 @@ On entering, the newest checkpoint that proves itself is restored (single proces
 ``Checkpointer``; under torchrun: ``ShardedCheckpointer``, resharded to this world
 size) and a data window the supervisor wants skipped is stepped over by the
 loader. Progress goes to the supervisor through the catalog
-(``infra.training.progress``), not stdout. A NaN/Inf loss (or a spike, with
+(``rewind.infra.training.progress``), not stdout. A NaN/Inf loss (or a spike, with
 ``spike_factor``) is recorded and raised as ``TrainingAnomaly``, so the job
 stops and the supervisor rolls it back. No Prefect here.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,17 +29,19 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
-from infra import config
-from infra.catalog import jobs
-from infra.catalog.db import Catalog
-from infra.checkpoint.engine import Checkpointer, SaveMode
-from infra.checkpoint.sharded import ShardedCheckpointer
-from infra.checkpoint.state import RNGState
-from infra.errors import ConfigError, RewindError
-from infra.format import payload
-from infra.health.signals import LossWatch
-from infra.training.parts import ModelPart, OptimizerPart, RankRNG
-from infra.training.progress import LAUNCH_ENV, ProgressWriter
+from rewind.infra import config, progress
+from rewind.infra.catalog import jobs, models
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
+from rewind.infra.checkpoint.sharded import ShardedCheckpointer
+from rewind.infra.checkpoint.state import RNGState
+from rewind.infra.errors import ConfigError, RewindError, is_transient
+from rewind.infra.format import payload
+from rewind.infra.health.signals import LossWatch
+from rewind.infra.restore.plan import RestoreTarget
+from rewind.infra.training import group
+from rewind.infra.training.parts import ModelPart, OptimizerPart, RankRNG
+from rewind.infra.training.progress import LAUNCH_ENV, ProgressWriter
 
 log = logging.getLogger("rewind.session")
 
@@ -56,6 +59,20 @@ class SkippableLoader(Protocol):
     def skip_to(self, position: int) -> None: ...
 
 
+class StatefulLoader(Protocol):
+    """Any loader that can say where it is and go back there (torchdata's ``StatefulDataLoader``): its
+    state is checkpointed and restored exactly in a single-process job. It has no global position, so
+    it can neither skip a data window nor be resharded across ranks."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _position(loader: Any) -> int | None:
+    return getattr(loader, "position", None) if loader is not None else None
+
+
 @dataclass(frozen=True, slots=True)
 class Handoff:
     """What the supervisor handed this launch; the defaults when the job was started by hand."""
@@ -67,6 +84,7 @@ class Handoff:
     skip: tuple[int, int] | None = None  # [from, to) positions of a data window to step over
     spike_factor: float | None = None  # the spec's loss-spike threshold, when the job sets none itself
     decision: str | None = None
+    restore: RestoreTarget | None = None  # the restore point the recovery chose: loaded, not searched for
 
     @classmethod
     def load(cls, cat: Catalog | None) -> Handoff:
@@ -84,6 +102,7 @@ class Handoff:
             skip=(int(skip[0]), int(skip[1])) if skip else None,
             spike_factor=h.get("spike_factor"),
             decision=h.get("decision"),
+            restore=RestoreTarget.from_dict(h.get("restore")),
         )
 
 
@@ -97,7 +116,7 @@ class TrainingSession:
         model: Any = None,
         optimizer: Any = None,
         states: Mapping[str, Any] | None = None,
-        loader: SkippableLoader | None = None,
+        loader: SkippableLoader | StatefulLoader | None = None,
         checkpoint_every: int = 0,
         mode: SaveMode = SaveMode.SYNC,
         format: str = payload.PLAIN,
@@ -116,6 +135,11 @@ class TrainingSession:
         )
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
+        if self.distributed and loader is not None and not hasattr(loader, "skip_to"):
+            raise ConfigError(
+                f"{type(loader).__name__} keeps a per-rank state that cannot be resharded; under torchrun give "
+                "the session a ResumableLoader (its position is global), or checkpoint this loader yourself"
+            )
         if payload.check_format(format) != payload.PLAIN and self.distributed:
             raise ConfigError(
                 f"format={format!r} is for single-process jobs; distributed ones save DCP shards"
@@ -130,6 +154,7 @@ class TrainingSession:
         self.handoff = Handoff()
         self.start_step = 0
         self.restored_from: str | None = None  # the checkpoint directory restored (single process)
+        self.restored_checkpoint_id: int | None = None  # the checkpoint restored (rank 0 when distributed)
         self.skipped: tuple[Any, ...] = ()  # what the restore passed over, and why (rank 0)
         self._writer: ProgressWriter | None = None
         self._ckpt: Checkpointer | ShardedCheckpointer | None = None
@@ -167,23 +192,36 @@ class TrainingSession:
                 self.catalog, self.handoff.launch_id, self.rank, interval_s=self.heartbeat_s
             )
             self._writer.start("restoring")
-        self.start_step = self._restore()
+        if self.distributed:
+            self._smoke_test()
+        with progress.tallied() as read:  # every byte of the restore point, hashed once as it is read
+            self.start_step = self._restore_or_say_why()
         self._skip_window()
         if self._writer is not None:
-            self._writer.report(
-                self.start_step, None, self.loader.position if self.loader is not None else None
-            )
-            self._writer.note(start_step=self.start_step, received=self._received())
+            self._writer.report(self.start_step, None, _position(self.loader))
+            restored = {
+                "checkpoint_id": self.restored_checkpoint_id,
+                "step": self.start_step,
+                "bytes_read": read.bytes,
+            }
+            self._writer.note(start_step=self.start_step, received=self._received(), restored=restored)
             self._writer.busy("starting")  # until the first step: compiling, warming up
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._ckpt is not None:
-            self._ckpt.close()  # an in-flight async save is committed (or its error raised) first
-        if self._writer is not None:
-            self._writer.finish("finished" if exc is None else "failed")
+        closed: BaseException | None = None
+        try:
+            if self._ckpt is not None:
+                self._ckpt.close()  # an in-flight async save is committed (or its error raised) first
+        except BaseException as err:  # the supervisor still hears how this rank ended
+            closed = err
+            raise
+        finally:
+            if self._writer is not None:
+                ok = exc is None and closed is None
+                self._writer.finish(models.RankState.FINISHED if ok else models.RankState.FAILED)
 
     def _received(self) -> dict[str, Any]:
         h = self.handoff
@@ -191,6 +229,31 @@ class TrainingSession:
         return {"world_size": world, "lr_scale": h.lr_scale, "global_batch": h.global_batch, "skip": h.skip}
 
     # -- restore --------------------------------------------------------------------------
+
+    def _smoke_test(self) -> None:
+        """The new group carries a collective before anything else runs on it; a failure is told to the
+        supervisor (the rebuild failed, not the job) before it ends the job."""
+        try:
+            group.smoke_test()
+        except group.GroupBroken as exc:
+            if self._writer is not None:
+                self._writer.note(group_failed={"reason": str(exc)[:1000]})
+                self._writer.finish(models.RankState.FAILED)
+            raise
+        if self._writer is not None:
+            self._writer.note(group_ready_at=time.time())
+
+    def _restore_or_say_why(self) -> int:
+        """Restore; a restore that fails is told to the supervisor (what failed, and whether retrying
+        may help) before it ends the job, so that it reads as a failed restore, not a job that cannot start."""
+        try:
+            return self._restore()
+        except Exception as exc:
+            if self._writer is not None:
+                why = {"reason": f"{type(exc).__name__}: {exc}"[:1000], "transient": is_transient(exc)}
+                self._writer.note(restore_failed=why)
+                self._writer.finish(models.RankState.FAILED)
+            raise
 
     def _restore(self) -> int:
         if not self.distributed:
@@ -203,16 +266,18 @@ class TrainingSession:
                 format=self.format,
             )
             self._ckpt = ck
-            got = ck.restore_latest()
+            got = ck.restore_latest(target=self.handoff.restore)
             self.skipped = ck.skipped
             self.restored_from = got.path if got is not None else None
+            self.restored_checkpoint_id = got.checkpoint_id if got is not None else None
             return got.step if got is not None else 0
-        if self.mode is SaveMode.ASYNC and self.rank == 0:
-            log.warning("multi-rank saves are synchronous: async mode applies to single-process jobs only")
-        sck = ShardedCheckpointer(self.run, root=self.root, catalog=self.catalog)
+        sck = ShardedCheckpointer(self.run, root=self.root, catalog=self.catalog, mode=self.mode)
         self._ckpt = sck
-        restored = sck.restore_latest(lambda: {k: v.state_dict() for k, v in self.parts.items()})
+        restored = sck.restore_latest(
+            lambda: {k: v.state_dict() for k, v in self.parts.items()}, target=self.handoff.restore
+        )
         self.skipped = sck.skipped
+        self.restored_checkpoint_id = sck.restored_checkpoint_id
         if restored is None:
             return 0
         step, tree, mine = restored
@@ -230,11 +295,15 @@ class TrainingSession:
                 "the supervisor asked to skip samples %d..%d, but this job gave the session no loader", *skip
             )
             return
-        if self.loader.position < skip[1]:
-            log.warning(
-                "skipping samples %d..%d (a bad data window) from %d", skip[0], skip[1], self.loader.position
+        at, skip_to = _position(self.loader), getattr(self.loader, "skip_to", None)
+        if at is None or skip_to is None:
+            raise ConfigError(
+                f"the supervisor asked to skip samples {skip[0]}..{skip[1]} (a bad data window), but "
+                f"{type(self.loader).__name__} has no global position to skip in: use ResumableLoader"
             )
-            self.loader.skip_to(skip[1])
+        if at < skip[1]:
+            log.warning("skipping samples %d..%d (a bad data window) from %d", skip[0], skip[1], at)
+            skip_to(skip[1])
 
     # -- the loop -----------------------------------------------------------------------
 
@@ -251,9 +320,7 @@ class TrainingSession:
     def report(self, step: int, loss: float | None = None, *, samples: int | None = None) -> None:
         """Progress for the supervisor; raises ``TrainingAnomaly`` on NaN/Inf or a spike; saves when due."""
         value = None if loss is None else float(loss)
-        position = (
-            samples if samples is not None else (self.loader.position if self.loader is not None else None)
-        )
+        position = samples if samples is not None else _position(self.loader)
         if self._writer is not None:
             self._writer.report(step, value, position)
             if step == self._first:

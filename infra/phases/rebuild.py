@@ -1,0 +1,81 @@
+"""Phase 5, rebuild: decide how the job comes back (``launch.rebuild``), and record why on the incident."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rewind.infra.catalog import incidents, jobs
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.errors import NotFoundError
+from rewind.infra.launch import rebuild
+from rewind.infra.launch.launchers import LauncherKind, launcher_for
+from rewind.infra.launch.spec import JobSpec
+from rewind.infra.phases.notify import Notifier
+
+
+@dataclass(frozen=True, slots=True)
+class Rebuilt:
+    """How the job comes back: the spec of the relaunch, what it is told, and why."""
+
+    run: str
+    spec: Mapping[str, Any]
+    handoff: Mapping[str, Any]
+    decision: str
+
+
+def _spec(cat: Catalog, run: str, details: Mapping[str, Any]) -> JobSpec:
+    """The run's spec; for an incident recorded before specs existed, the command it recorded."""
+    try:
+        return JobSpec.from_dict(jobs.get_spec(cat, run))
+    except NotFoundError:
+        if not details.get("command"):
+            raise
+    spec = JobSpec(command=tuple(details["command"]), cwd=details.get("cwd"))
+    jobs.set_spec(cat, run, spec.as_dict())
+    return spec
+
+
+def _hosts(full: JobSpec, details: Mapping[str, Any]) -> rebuild.Hosts | None:
+    """For a job on a scheduler: the hosts it ran on, those lost, and how many the scheduler has now."""
+    launcher = launcher_for(full.launcher)
+    if launcher.kind is LauncherKind.LOCAL:
+        return None
+    lost = tuple(details.get("lost_hosts") or ())
+    return rebuild.Hosts(
+        previous=tuple(details.get("hosts") or ()), lost=lost, usable=launcher.usable(frozenset(lost))
+    )
+
+
+def rebuild_environment(
+    cat: Catalog, *, run: str, incident_id: int, notify: Notifier, shrink_on_crash: bool = True
+) -> Rebuilt:
+    """The spec and handoff of the relaunch: fewer ranks for a crash that cost devices, else the same.
+
+    Planned from the run's spec (its full size), the launch that failed, and the failure; the
+    decision, the layout before and after, and what the job is told (world size, global batch,
+    learning-rate scale) are recorded on the incident.
+    """
+    inc = incidents.get_incident(cat, incident_id)
+    details = inc.details or {}
+    full = _spec(cat, run, details)
+    launch_id = details.get("launch_id")
+    size = jobs.get_launch(cat, launch_id).spec if launch_id else full.as_dict()
+    # The failed launch's size; everything else (its environment included) from the run's spec.
+    current = full.resized(nnodes=int(size["nnodes"]), nproc_per_node=int(size["nproc_per_node"]))
+    hosts = _hosts(full, details)
+    # a group that failed its smoke test cost no devices: the same layout again
+    shrink = shrink_on_crash and details.get("failed_phase") != "rebuild"
+    r = rebuild.plan(full, current, inc.kind, lost_node=details.get("lost_node"), shrink=shrink, hosts=hosts)
+    incidents.update_incident(
+        cat,
+        incident_id,
+        decision=r.decision,
+        layout_before=r.before.as_dict(),
+        layout_after=r.after.as_dict(),
+        details={"handoff": r.handoff},
+    )
+    notify.log(logging.INFO, "rebuild of %s: %s", run, r.decision)
+    return Rebuilt(run, r.spec.as_dict(), r.handoff, r.decision)

@@ -1,0 +1,201 @@
+"""Phase 6, restore: the newest good checkpoint (or a chosen one), from the nearest good copy.
+
+``restore_point`` plans (``restore.plan``) and executes (``restore.execute``) a restore
+into the local tier, held to the catalog (every byte hashed, or, for a job that hashes every byte as
+it loads, the manifest, the sizes and the training state); ``roll_back`` then makes the
+restore point the run's head (newer checkpoints retired), so the next launch resumes from
+it. What was skipped as damaged is announced like a failed verification; the restore is
+announced as ``rewind.restore.completed`` with a markdown summary.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from rewind.infra import config, progress
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.errors import CorruptCheckpoint, NoRestorableCheckpoint
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import payload
+from rewind.infra.format.verify import Finding, verify_files
+from rewind.infra.phases.notify import Notifier, artifact_key, run_event
+from rewind.infra.phases.verify import announce_corrupt
+from rewind.infra.restore import execute, plan
+from rewind.infra.restore.execute import Skip
+from rewind.infra.restore.plan import RestoreTarget
+
+_DAMAGED = (execute.SkipOutcome.CORRUPT, execute.SkipOutcome.MISSING, execute.SkipOutcome.UNLOADABLE)
+
+
+class Proof(StrEnum):
+    """How much of the restore point this phase reads."""
+
+    BYTES = "bytes"  # every byte hashed here: the directory is handed to a reader that trusts it
+    MANIFEST = "manifest"  # the manifest held to the catalog's digest and the sizes checked: for a job
+    # that hashes every byte as it loads (a recovery), so the restore point is read once, not twice
+
+
+@dataclass(frozen=True, slots=True)
+class DataPosition:
+    """Where the job's data loader was at the restore point."""
+
+    epoch: int
+    consumed: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class RestorePoint:
+    """A checkpoint in a local directory, proven as ``proof`` says (every byte, or the manifest for a job
+    that hashes every byte as it loads), and what was passed over to get it."""
+
+    run: str
+    step: int
+    checkpoint_id: int
+    manifest_digest: str
+    path: Path
+    source: str  # the tier of the copy used
+    fetched: bool  # downloaded into the local tier for this restore
+    seconds: float
+    skipped: tuple[Skip, ...]
+    retired_checkpoint_ids: tuple[int, ...]
+    data: DataPosition
+    proof: Proof
+    bytes_read: int  # of the checkpoint's data, by this phase (hashed or downloaded)
+
+    @property
+    def target(self) -> RestoreTarget:
+        """What a relaunched job is handed: load exactly this checkpoint."""
+        return RestoreTarget(self.checkpoint_id, self.step, self.manifest_digest)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "step": self.step,
+            "checkpoint_id": self.checkpoint_id,
+            "manifest_digest": self.manifest_digest,
+            "path": str(self.path),
+            "source": self.source,
+            "fetched": self.fetched,
+            "seconds": round(self.seconds, 3),
+            "skipped": [{"step": s.step, "outcome": s.outcome, "why": s.reason} for s in self.skipped],
+            "retired_checkpoint_ids": list(self.retired_checkpoint_ids),
+            "data": {"epoch": self.data.epoch, "consumed": self.data.consumed, "total": self.data.total},
+            "proof": self.proof.value,
+            "bytes_read": self.bytes_read,
+        }
+
+
+def restore_point(
+    cat: Catalog,
+    *,
+    run: str,
+    notify: Notifier,
+    step: int | None = None,
+    before_step: int | None = None,
+    roll_back: bool = False,
+    reason: str = "",
+    tiers: Collection[str] | None = None,
+    root: Path | None = None,
+    proof: Proof = Proof.BYTES,
+) -> RestorePoint:
+    """A verified local copy of the restore point (fetched from another tier if need be).
+
+    ``step``: exactly that checkpoint (damaged on every copy: ``CorruptCheckpoint``, announced);
+    ``before_step``: the newest one before it; ``tiers``: only copies on these; ``roll_back``:
+    retire the checkpoints after it; ``proof``: every byte hashed here, or (a recovery, whose job
+    hashes every byte as it loads) the manifest and sizes only.
+    """
+    p = plan.plan(
+        cat, run, root=root or config.checkpoint_root(), step=step, before_step=before_step, tiers=tiers
+    )
+    if not p.candidates and tiers:
+        raise NoRestorableCheckpoint(
+            f"run {run!r} has no restorable checkpoint on the {', '.join(tiers)} tier", ()
+        )
+    # The loader reads the data position through verification, inside the executor: a damaged training
+    # state is that copy's failure (recorded, quarantined, an older checkpoint tried), like any other.
+    load = _every_byte if proof is Proof.BYTES else _position
+    try:
+        with (
+            progress.tallied() as read,
+            execute.restoring(cat, p, load, quick=proof is Proof.MANIFEST) as done,
+        ):
+            retired: list[int] = []
+            if roll_back:
+                why = reason or f"rolled back to step {done.step}"
+                retired = lineage.supersede_after(cat, lineage.get_run(cat, run).id, done.step, why)
+    except CorruptCheckpoint as exc:  # the step the caller chose is damaged on every copy
+        if p.exact and p.candidates:
+            chosen = p.candidates[0]
+            announce_corrupt(
+                notify, run=run, step=chosen.step, checkpoint_id=chosen.checkpoint_id, path=exc.location,
+                findings=exc.findings,
+            )  # fmt: skip
+        raise
+    _announce_skipped(notify, run, done.skipped)
+    digest = lineage.get_checkpoint(cat, done.checkpoint_id).manifest_digest
+    point = RestorePoint(
+        run, done.step, done.checkpoint_id, str(digest), done.directory, done.source, done.fetched,
+        done.seconds, done.skipped, tuple(retired), done.value, proof, read.bytes,
+    )  # fmt: skip
+    _announce(notify, point)
+    return point
+
+
+def _announce_skipped(notify: Notifier, run: str, skipped: tuple[Skip, ...]) -> None:
+    """Each checkpoint passed over as damaged, announced as a failed verification."""
+    for s in skipped:
+        if s.outcome in _DAMAGED:
+            findings: list[Finding | dict[str, str]] = [*s.findings] or [
+                {"problem": s.outcome, "path": "", "detail": s.reason}
+            ]
+            announce_corrupt(
+                notify, run=run, step=s.step, checkpoint_id=s.checkpoint_id, path="", findings=findings
+            )
+
+
+def _position(directory: Path, manifest: mf.Manifest) -> DataPosition:
+    """The loader of a manifest-only restore: the data loader's position, its file hashed as it is read;
+    the rest of the bytes are left for the job that loads them."""
+    return DataPosition(**payload.data_position(directory, manifest))
+
+
+def _every_byte(directory: Path, manifest: mf.Manifest) -> DataPosition:
+    verify_files(directory, manifest)
+    return _position(directory, manifest)
+
+
+def _announce(notify: Notifier, point: RestorePoint) -> None:
+    notify.log(
+        logging.INFO,
+        "restore point of %s: step %d from the %s copy (%s), %s in %.2fs; skipped %d",
+        point.run, point.step, point.source, "downloaded" if point.fetched else "in place",
+        "every byte verified" if point.proof is Proof.BYTES or point.fetched else "manifest verified",
+        point.seconds, len(point.skipped),
+    )  # fmt: skip
+    how = f"downloaded from the {point.source} tier" if point.fetched else "the local copy"
+    lines = [
+        f"# Restore of `{point.run}`",
+        "",
+        f"Restore point: **step {point.step}** ({how}, `{point.path}`)",
+        "",
+    ]
+    lines += [f"- skipped {s}" for s in point.skipped] or ["- no checkpoint skipped"]
+    if point.retired_checkpoint_ids:
+        lines.append(f"- retired {len(point.retired_checkpoint_ids)} newer checkpoint(s) (rolled back)")
+    notify.markdown(key=artifact_key("rewind", point.run, "restore"), text="\n".join(lines))
+    event = run_event(
+        "rewind.restore.completed",
+        point.run,
+        point.as_dict(),
+        step=point.step,
+        checkpoint_id=point.checkpoint_id,
+    )
+    notify.event(event)

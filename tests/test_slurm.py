@@ -1,0 +1,183 @@
+"""Real hosts under a real scheduler: a job of 2 hosts x 2 ranks under Slurm (hosts are network namespaces
+with their own addresses and slurmd, see tests/slurm_lab.py) loses a host; the scheduler's word makes it one
+incident, and the job comes back on the host left and a spare, the lost host left out, no sample skipped or
+repeated, its final weights those of an uninterrupted run.
+
+The ranks reach the catalog through the filesystem (SQLite): the lab's hosts share this machine's disk but
+not its loopback, where Postgres listens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rewind.infra.catalog import incidents, jobs
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.training.data import epoch_order
+from tests import slurm_lab
+from tests.prefect_support import wait_until
+from tests.test_protect_any_job import BATCH, STEPS, config, protect
+from tests.torchrun_support import torchrun
+
+REPO = Path(__file__).resolve().parents[1]
+NODES, PER_NODE = 2, 2
+WORLD = NODES * PER_NODE
+
+
+@pytest.fixture(scope="module")
+def lab() -> Iterator[slurm_lab.Lab]:
+    why = slurm_lab.unavailable()
+    if why:
+        if os.environ.get("REWIND_REQUIRE_SLURM"):  # CI: these tests must run
+            pytest.fail(why)
+        pytest.skip(why)
+    cluster = slurm_lab.Lab(hosts=3).up()
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+@pytest.fixture
+def slurm_env(lab: slurm_lab.Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SLURM_CONF", str(lab.conf))
+    monkeypatch.setenv("REWIND_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("REWIND_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
+    monkeypatch.setenv("REWIND_CHECKPOINT_ROOT", str(tmp_path / "ckpt"))
+    lab.wait_idle()
+    return tmp_path
+
+
+def _local_run(home: Path, *, stop_at: int | None = None) -> Path:
+    """The same job on 4 ranks on this machine, unsupervised; with ``stop_at``, stopped after that step's
+    checkpoint and started again (it resumes from it): the restart the relaunch must equal, bit for bit."""
+    env = {**os.environ, "REWIND_HOME": str(home), "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    for steps in ([stop_at] if stop_at else []) + [STEPS]:
+        cfg = config(home, "reference", steps=steps)
+        done = subprocess.run([*torchrun(WORLD), "examples/any_job.py", str(cfg)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return home / "out" / "final.safetensors"
+
+
+def _launch_at(run: str, step: int, launches: int) -> Any:
+    """The run's launch number ``launches``, once every one of its ranks passed ``step``."""
+    cat = Catalog()
+
+    def probe() -> Any:
+        try:
+            ls = jobs.launches(cat, run)
+        except Exception:  # the run is not in the catalog yet
+            return None
+        if len(ls) < launches:
+            return None
+        rows = jobs.progress(cat, ls[launches - 1].id)
+        return ls[launches - 1] if len(rows) == WORLD and all((r.step or 0) >= step for r in rows) else None
+
+    return wait_until(probe, 240, f"launch {launches}: all {WORLD} ranks past step {step}", interval=0.2)
+
+
+def _samples_taken(log: Path, resumed: int) -> list[int]:
+    """Samples of the steps that count: the first launch's up to the restore point, all of the relaunch's."""
+    taken: list[int] = []
+    for f in log.glob("rank-*.log"):
+        launch, last = 0, 0
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r["step"] <= last:  # the step count went back: the relaunch's lines begin
+                launch += 1
+            last = r["step"]
+            if (launch == 0 and r["step"] <= resumed) or launch > 0:
+                taken += r["samples"]
+    return taken
+
+
+_RESTARTED: dict[int, Path] = {}  # restart step -> the local restart's final weights (computed once each)
+
+
+def _restarted(tmp_path_factory: pytest.TempPathFactory, step: int) -> dict[str, torch.Tensor]:
+    if step not in _RESTARTED:
+        _RESTARTED[step] = _local_run(tmp_path_factory.mktemp(f"restart-{step}"), stop_at=step)
+    return load_file(str(_RESTARTED[step]))
+
+
+def _hurt(lab: slurm_lab.Lab, fault: str, hosts: list[str]) -> str:
+    """Inflict ``fault`` on the launch placed on ``hosts``; the host it takes."""
+    victim = hosts[0] if fault == "rendezvous-host-lost" else hosts[1]
+    if fault == "network-isolation":
+        lab.cut_link(victim)  # its ranks live on, cut off: a real partition
+    else:
+        lab.kill_host(victim)  # the machine is gone: slurmd, torchrun's agent, its ranks
+    return victim
+
+
+def _heal(lab: slurm_lab.Lab, fault: str, victim: str) -> None:
+    if fault == "network-isolation":
+        lab.restore_link(victim)
+        lab.wait_idle([victim])  # back to service; slurmd ends the orphaned step
+    else:
+        lab.revive_host(victim)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("fault", ["host-lost", "rendezvous-host-lost", "network-isolation"])
+def test_a_lost_host_comes_back_on_a_spare_host_without_losing_a_sample(
+    fault: str,
+    prefect_api: str,
+    lab: slurm_lab.Lab,
+    slurm_env: Path,
+    run_name: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    from rewind.flows.training import recover_training, summary
+
+    log = slurm_env / "samples"
+    log.mkdir()
+    cfg = config(slurm_env, run_name, sample_log=str(log), step_time_s=0.1)
+    t, result = protect(run_name, cfg, nnodes=NODES, nproc_per_node=PER_NODE, launcher="slurm",
+                        global_batch=WORLD * BATCH, lr=0.01, heartbeat_timeout_s=60)  # fmt: skip
+    hosts = _launch_at(run_name, 12, 1).handoff["hosts"]
+    assert len(set(hosts)) == NODES, hosts  # one node per host
+    victim = _hurt(lab, fault, hosts)
+    try:
+        t.join(timeout=300)
+        assert not t.is_alive() and result["status"] == "crash", result
+        cat = Catalog()
+        inc = incidents.get_incident(cat, result["incident_id"])
+        assert inc.details["lost_hosts"] == [victim], inc.details
+        assert inc.details["lost_node"] == hosts.index(victim), inc.details
+        assert len(incidents.incidents_of(cat, run_name)) == 1  # one incident for one host
+
+        spare = next(h.name for h in lab.members if h.name not in hosts)
+        recovered = summary(recover_training(result["incident_id"], return_state=True))
+        assert recovered["status"] == "recovered", recovered
+    finally:
+        _heal(lab, fault, victim)
+    inc = incidents.get_incident(cat, result["incident_id"])
+    relaunch = jobs.launches(cat, run_name)[-1]
+    survivor = next(h for h in hosts if h != victim)
+    assert relaunch.handoff["hosts"] == [survivor, spare], relaunch.handoff  # the rendezvous on a survivor
+    assert (inc.layout_before["dp"], inc.layout_after["dp"]) == (WORLD, WORLD), inc.decision
+    assert f"leaving out lost host(s) {victim} for a spare" in inc.decision, inc.decision
+
+    resumed = inc.details["resumed_at_step"]
+    assert resumed in (10, 20, 30)
+    order = epoch_order(4096, 0, 0).tolist()
+    assert sorted(_samples_taken(log, resumed)) == sorted(order[: STEPS * WORLD * BATCH]), (
+        "a sample was skipped or repeated across the host loss"
+    )
+    # Bit for bit what a restart from the same step on one machine computes. (An unbroken run differs in
+    # the last bits: with more than two gloo ranks a restarted DDP job sums its first gradients in
+    # another order, Rewind or not; measured here: 6e-8 at most.)
+    final = load_file(str(slurm_env / "out" / "final.safetensors"))
+    restarted = _restarted(tmp_path_factory, resumed)
+    assert final.keys() == restarted.keys() and all(torch.equal(final[k], restarted[k]) for k in final)
