@@ -149,16 +149,33 @@ def cmd_gpu(args: argparse.Namespace) -> int:
 # -- prefect ---------------------------------------------------------------------
 
 
-def _require_api() -> None:
+def _require_api(*, allow_unauthenticated: bool = False) -> None:
     """`rewind serve` runs whatever flow runs its API is asked for: never from an API nobody authenticates.
-    Without PREFECT_API_URL Prefect would start a temporary server with no authentication at all."""
+    Without PREFECT_API_URL Prefect would start a temporary server with no authentication at all; a server
+    that answers a request carrying no credential lets anyone who reaches it run commands as this user."""
+    import httpx
     from prefect.settings import get_current_settings
 
-    if not get_current_settings().api.url:
+    url = get_current_settings().api.url
+    if not url:
         raise ConfigError(
             "rewind serve needs a Prefect server that authenticates its clients, and PREFECT_API_URL is not "
             "set (Prefect would start a temporary one that lets any local user start flow runs): start "
             "`rewind server`, then set PREFECT_API_URL=http://127.0.0.1:4200/api"
+        )
+    if allow_unauthenticated:
+        return
+    try:
+        answer = httpx.post(f"{url.rstrip('/')}/deployments/filter", json={"limit": 1}, timeout=15)
+    except httpx.HTTPError as e:
+        raise ConfigError(
+            f"the Prefect API at {url} does not answer ({type(e).__name__}): is the server up?"
+        ) from None
+    if answer.is_success:
+        raise ConfigError(
+            f"the Prefect API at {url} answers requests that carry no credential, so anyone who reaches it could "
+            "start flow runs that run commands as this user: use `rewind server` (basic auth), or pass "
+            "--allow-unauthenticated-api if something else guards it (a firewall, an authenticating proxy)"
         )
 
 
@@ -167,7 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from rewind.flows.deployments import serve_all
 
-    _require_api()
+    _require_api(allow_unauthenticated=args.allow_unauthenticated_api)
 
     serve_all(
         scrub_every=timedelta(seconds=args.scrub_every),
@@ -287,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     from rewind.flows import cli_metrics
 
     cli_metrics.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
+    from rewind.flows import cli_logs
+
+    cli_logs.register(sub, add, lambda fn: lambda args: fn(args, _emit, _catalog))
     _add_machine_commands(sub, add)
     return p
 
@@ -312,6 +332,11 @@ def _add_machine_commands(sub: Any, add: Callable[..., argparse.ArgumentParser])
         "--shared-target",  # the old name, kept working
         dest="replicate_to",
         help="target of replicate-offsite: s3://bucket/prefix or a shared path (default REWIND_OFFSITE_URI)",
+    )
+    srv.add_argument(
+        "--allow-unauthenticated-api",
+        action="store_true",
+        help="serve from a Prefect API that lets anyone in (only where something else guards it)",
     )
     ui = add(sub, "server", cmd_server, "start the Prefect server and UI (bound to 127.0.0.1 by default)")
     ui.add_argument("--host", default="127.0.0.1")

@@ -5,7 +5,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from rewind.flows.cli_args import EXIT_FINDINGS, Add, Emit, OpenCatalog, Wrap, at_least_one, step
+from rewind.flows.cli_args import (
+    EXIT_FINDINGS,
+    EXIT_UNAVAILABLE,
+    Add,
+    Emit,
+    OpenCatalog,
+    Wrap,
+    amount,
+    at_least_one,
+    step,
+)
 from rewind.flows.cli_output import table
 from rewind.infra.errors import RewindError
 
@@ -99,6 +109,7 @@ def cmd_ckpt_show(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) ->
 def cmd_ckpt_verify(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
     from rewind.flows import progress_view
     from rewind.flows.cli_notify import cli_notifier
+    from rewind.infra.format.verify import Budget
     from rewind.infra.phases.verify import verify_run
 
     with progress_view.shown():
@@ -109,26 +120,38 @@ def cmd_ckpt_verify(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) 
             step=args.step,
             deep=args.deep,
             tiers=None if args.tier is None else (args.tier,),
+            budget=Budget() if args.budget_s is None else Budget(seconds=args.budget_s),
         )
     results = [{"id": r.checkpoint_id, **r.as_dict()} for r in found]  # "id": as before the phase layer
     emit(args, results, lambda: _verify_text(results))
-    return EXIT_FINDINGS if any(not r.ok for r in found) else 0
+    if any(_has_problems(r.as_dict()) for r in found):
+        return EXIT_FINDINGS
+    # Only what the budget did not reach is in doubt: nothing found, try again with more time.
+    return EXIT_UNAVAILABLE if any(r.check.unchecked for r in found) else 0
+
+
+def _has_problems(result: dict[str, Any]) -> bool:
+    """Not proven for a reason other than the budget running out before it."""
+    if result["ok"]:
+        return False
+    return not result["unchecked"] or any(f["problem"] != "unchecked" for f in result["findings"])
 
 
 def _verify_text(results: list[dict[str, Any]]) -> str:
     lines = []
     for r in results:
         mode = "deep" if r["deep"] else "quick"
-        lines.append(
-            f"step {r['step']}: {'ok' if r['ok'] else 'PROBLEMS'} ({mode}), checkpoint {r['status']}"
-        )
+        verdict = "ok" if r["ok"] else "PROBLEMS" if _has_problems(r) else "UNCHECKED"
+        lines.append(f"step {r['step']}: {verdict} ({mode}), checkpoint {r['status']}")
         for c in r["copies"]:
             lines.append(
                 f"  {c['tier']:8} {c['verdict'].upper() if c['verdict'] != 'verified' else 'ok'}  {c['where']}"
             )
             lines += [f"    {f['path']}: {f['problem']}: {f['detail']}" for f in c["findings"]]
-    bad = sum(not r["ok"] for r in results)
-    lines.append(f"{len(results)} checked, {bad} with problems")
+    unchecked = sum(r["unchecked"] > 0 for r in results)
+    bad = sum(_has_problems(r) for r in results)
+    tail = f", {unchecked} not reached before the budget ran out (--budget-s)" if unchecked else ""
+    lines.append(f"{len(results) - unchecked} checked, {bad} with problems{tail}")
     return "\n".join(lines)
 
 
@@ -183,5 +206,12 @@ def register(
         default=None,
         help="only the copies on this tier (default: every copy); offsite quick compares server-side "
         "checksums without downloading",
+    )
+    ver.add_argument(
+        "--budget-s",
+        type=amount,
+        default=None,
+        metavar="SECONDS",
+        help="stop reading after this long; what is left is reported unchecked, exit 3 (default 6 h)",
     )
     return ck

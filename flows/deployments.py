@@ -1,25 +1,19 @@
-"""Every Rewind deployment, with its schedule or trigger, served by one process (`rewind serve`)."""
+"""Every Rewind deployment, with its schedule or trigger: one table, served by one process (`rewind serve`)
+and written out as `prefect.yaml` for a work pool (`rewind.flows.prefect_yaml`), so the two cannot drift."""
 
 from __future__ import annotations
 
+import importlib
 import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, cast
 
-from prefect import serve
+from prefect import Flow, serve
 from prefect.deployments.runner import RunnerDeployment
 from prefect.events import DeploymentEventTrigger
 
-from rewind.flows.drills import run_drills
-from rewind.flows.maintenance import (
-    adopt_checkpoints,
-    expire_conversations_flow,
-    replicate_offsite,
-    restore_checkpoint_flow,
-    verify_checkpoints,
-)
-from rewind.flows.serving import deploy_model, rollback_model, rollout_model
-from rewind.flows.training import protect_training, recover_training
 from rewind.infra.catalog.models import IncidentKind
 from rewind.tasks.common import INCIDENT_KIND_LABEL
 
@@ -31,95 +25,185 @@ RECOVERABLE: dict[str, str | list[str]] = {
 }
 
 
+@dataclass(frozen=True, kw_only=True)
+class TriggerSpec:
+    """An event trigger of a deployment. Its parameters are Jinja over the event, rendered by the server:
+    per-site values (targets, paths) come from the environment the flow runs in, never from here."""
+
+    name: str
+    description: str
+    expect: str
+    match: Mapping[str, str | list[str]]
+    parameters: Mapping[str, str]
+
+    def runner_trigger(self) -> DeploymentEventTrigger:
+        return DeploymentEventTrigger(
+            name=self.name,
+            description=self.description,
+            expect={self.expect},
+            match=dict(self.match),
+            parameters=dict(self.parameters),
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeploymentSpec:
+    """One deployment. ``flow`` is the flow function's module path in the installed package (a work pool's
+    worker imports it from there: no code is pulled, no working directory assumed). ``paused`` is how a
+    deployment starts when nothing in the environment configures it; ``note`` says what unpauses it."""
+
+    name: str
+    flow: str
+    tags: tuple[str, ...]
+    interval: timedelta | None = None
+    paused: bool = False
+    triggers: tuple[TriggerSpec, ...] = ()
+    note: str = ""
+
+    def load_flow(self) -> Flow[..., Any]:
+        module, _, attr = self.flow.rpartition(".")
+        return cast(Flow[..., Any], getattr(importlib.import_module(module), attr))
+
+
+RECOVER_ON_FAILURE = TriggerSpec(
+    name="recover-on-failure",
+    description="Recover a training run whenever a failure is detected "
+    "(not a job that failed to start: it would fail again).",
+    expect=FAILURE_EVENT,
+    match=RECOVERABLE,
+    parameters={"incident_id": "{{ event.payload.incident_id }}"},
+)
+REPLICATE_ON_VERIFIED = TriggerSpec(
+    name="replicate-on-verified",
+    description="Replicate as soon as a checkpoint is verified.",
+    expect="rewind.checkpoint.verified",
+    match={"prefect.resource.id": "rewind.run.*"},
+    parameters={"run": "{{ event.payload.run }}"},  # the target: the flow's default, REWIND_OFFSITE_URI
+)
+
+DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
+    DeploymentSpec(
+        name="protect-training", flow="rewind.flows.training.protect_training", tags=("rewind", "training")
+    ),
+    DeploymentSpec(
+        name="recover-training",
+        flow="rewind.flows.training.recover_training",
+        tags=("rewind", "training"),
+        triggers=(RECOVER_ON_FAILURE,),
+    ),
+    DeploymentSpec(
+        name="verify-checkpoints",
+        flow="rewind.flows.maintenance.verify_checkpoints",
+        tags=("rewind", "scrub"),
+        interval=timedelta(hours=6),
+    ),
+    DeploymentSpec(
+        name="restore-checkpoint",
+        flow="rewind.flows.maintenance.restore_checkpoint_flow",
+        tags=("rewind", "restore"),
+    ),
+    DeploymentSpec(
+        name="adopt-checkpoints",
+        flow="rewind.flows.maintenance.adopt_checkpoints",
+        tags=("rewind", "adoption"),
+        interval=timedelta(minutes=10),
+        paused=True,
+        note="Adopt from the UI form; to adopt each new checkpoint-* directory under a path, set the "
+        "schedule's parameters (path, run) and unpause it.",
+    ),
+    DeploymentSpec(
+        name="replicate-offsite",
+        flow="rewind.flows.maintenance.replicate_offsite",
+        tags=("rewind", "replication"),
+        interval=timedelta(minutes=15),
+        paused=True,
+        triggers=(REPLICATE_ON_VERIFIED,),
+        note="Paused until a target is configured: set REWIND_OFFSITE_URI in the worker's environment, "
+        "then unpause the schedule and enable the trigger.",
+    ),
+    DeploymentSpec(
+        name="run-drills",
+        flow="rewind.flows.drills.run_drills",
+        tags=("rewind", "drills"),
+        interval=timedelta(days=7),
+        paused=True,
+        note="Recovery drills (rewind drill): weekly once unpaused (they start and hurt a job); the UI "
+        "form picks scenarios.",
+    ),
+    DeploymentSpec(
+        name="expire-conversations",
+        flow="rewind.flows.maintenance.expire_conversations_flow",
+        tags=("rewind", "serving"),
+        interval=timedelta(hours=1),
+    ),
+    DeploymentSpec(name="deploy-model", flow="rewind.flows.serving.deploy_model", tags=("rewind", "serving")),
+    DeploymentSpec(
+        name="rollout-model", flow="rewind.flows.serving.rollout_model", tags=("rewind", "serving")
+    ),
+    DeploymentSpec(
+        name="rollback-model", flow="rewind.flows.serving.rollback_model", tags=("rewind", "serving")
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Served:
+    """What `rewind serve` takes from its environment for one deployment."""
+
+    paused: bool
+    parameters: dict[str, Any] | None = None
+    triggers: bool = True
+
+
 def build(
     *,
-    scrub_every: timedelta = timedelta(hours=6),
-    replicate_every: timedelta = timedelta(minutes=15),
+    scrub_every: timedelta | None = None,
+    replicate_every: timedelta | None = None,
     replicate_to: str | None = None,
-    adopt_every: timedelta = timedelta(minutes=10),
-    drill_every: timedelta = timedelta(days=7),
-    expire_every: timedelta = timedelta(hours=1),
+    adopt_every: timedelta | None = None,
+    drill_every: timedelta | None = None,
+    expire_every: timedelta | None = None,
 ) -> list[RunnerDeployment]:
+    """The table as runner deployments, with what this process's environment configures."""
+    every = {
+        "verify-checkpoints": scrub_every,
+        "replicate-offsite": replicate_every,
+        "adopt-checkpoints": adopt_every,
+        "run-drills": drill_every,
+        "expire-conversations": expire_every,
+    }
+    served = _served(replicate_to)
+    return [_runner(spec, every.get(spec.name), served.get(spec.name)) for spec in DEPLOYMENTS]
+
+
+def _served(replicate_to: str | None) -> dict[str, Served]:
     target = replicate_to or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
-    found = [
-        protect_training.to_deployment(name="protect-training", tags=["rewind", "training"]),
-        _recover_deployment(),
-        verify_checkpoints.to_deployment(
-            name="verify-checkpoints", interval=scrub_every, tags=["rewind", "scrub"]
-        ),
-        restore_checkpoint_flow.to_deployment(name="restore-checkpoint", tags=["rewind", "restore"]),
-        _adopt_deployment(adopt_every),
-        run_drills.to_deployment(
-            name="run-drills",
-            interval=drill_every,
-            paused=os.environ.get("REWIND_DRILLS_SCHEDULED") != "1",  # drills hurt jobs: opt in
-            tags=["rewind", "drills"],
-        ),
-        expire_conversations_flow.to_deployment(
-            name="expire-conversations", interval=expire_every, tags=["rewind", "serving"]
-        ),
-        deploy_model.to_deployment(name="deploy-model", tags=["rewind", "serving"]),
-        rollout_model.to_deployment(name="rollout-model", tags=["rewind", "serving"]),
-        rollback_model.to_deployment(name="rollback-model", tags=["rewind", "serving"]),
-        _replicate_deployment(target, replicate_every),
-    ]
-    # ``to_deployment`` answers with a coroutine only inside an event loop: never here.
-    return [cast(RunnerDeployment, d) for d in found]
-
-
-def _recover_deployment() -> Any:
-    """recover-training, started by every recoverable failure event."""
-    return recover_training.to_deployment(
-        name="recover-training",
-        tags=["rewind", "training"],
-        triggers=[
-            DeploymentEventTrigger(
-                name="recover-on-failure",
-                description="Recover a training run whenever a failure is detected "
-                "(not a job that failed to start: it would fail again).",
-                expect={FAILURE_EVENT},
-                match=RECOVERABLE,
-                parameters={"incident_id": "{{ event.payload.incident_id }}"},
-            )
-        ],
-    )
-
-
-def _replicate_deployment(target: str | None, every: timedelta) -> Any:
-    """replicate-offsite on a schedule and on every verified checkpoint; paused until a target is configured."""
-    return replicate_offsite.to_deployment(
-        name="replicate-offsite",
-        interval=every,
-        parameters={"target": target} if target else None,
-        paused=target is None,  # nothing to replicate to until a target is configured
-        tags=["rewind", "replication"],
-        triggers=[
-            DeploymentEventTrigger(
-                name="replicate-on-verified",
-                description="Replicate as soon as a checkpoint is verified.",
-                expect={"rewind.checkpoint.verified"},
-                match={"prefect.resource.id": "rewind.run.*"},
-                parameters={"target": target, "run": "{{ event.payload.run }}"},
-            )
-        ]
-        if target
-        else None,
-    )
-
-
-def _adopt_deployment(every: timedelta) -> Any:
-    """Adopt by hand from the UI form, or, with REWIND_ADOPT_FROM and REWIND_ADOPT_RUN set, every new
-    ``checkpoint-*`` directory that appears there (paused until both are set)."""
     watch, run = os.environ.get("REWIND_ADOPT_FROM"), os.environ.get("REWIND_ADOPT_RUN")
-    params = {"path": watch, "run": run, "pattern": os.environ.get("REWIND_ADOPT_PATTERN", "checkpoint-*")}
-    return adopt_checkpoints.to_deployment(
-        name="adopt-checkpoints",
-        interval=every,
-        parameters=params if watch and run else None,
-        paused=not (watch and run),
-        tags=["rewind", "adoption"],
+    adopt = {"path": watch, "run": run, "pattern": os.environ.get("REWIND_ADOPT_PATTERN", "checkpoint-*")}
+    return {
+        # nothing to replicate to until a target is configured
+        "replicate-offsite": Served(
+            target is None, {"target": target} if target else None, target is not None
+        ),
+        # with REWIND_ADOPT_FROM and REWIND_ADOPT_RUN set: every new checkpoint-* directory that appears there
+        "adopt-checkpoints": Served(not (watch and run), adopt if watch and run else None),
+        "run-drills": Served(os.environ.get("REWIND_DRILLS_SCHEDULED") != "1"),  # drills hurt jobs: opt in
+    }
+
+
+def _runner(spec: DeploymentSpec, interval: timedelta | None, served: Served | None) -> RunnerDeployment:
+    served = served or Served(spec.paused)
+    made = spec.load_flow().to_deployment(
+        name=spec.name,
+        interval=(interval or spec.interval) if spec.interval else None,
+        paused=served.paused if spec.interval else None,
+        parameters=served.parameters,
+        tags=list(spec.tags),
+        triggers=[t.runner_trigger() for t in spec.triggers] if served.triggers and spec.triggers else None,
     )
+    # ``to_deployment`` answers with a coroutine only inside an event loop: never here.
+    return cast(RunnerDeployment, made)
 
 
-def serve_all(**kwargs: object) -> None:
-    serve(*build(**kwargs), limit=int(os.environ.get("REWIND_SERVE_LIMIT", "8")))  # type: ignore[arg-type]
+def serve_all(**kwargs: Any) -> None:
+    serve(*build(**kwargs), limit=int(os.environ.get("REWIND_SERVE_LIMIT", "8")))

@@ -149,20 +149,21 @@ def flow_runs_completed_on_own_server(configuration: dict[str, Any]) -> bool:
 
 
 def replicate_to_shared(configuration: dict[str, Any]) -> list[int]:
-    """Copy every restorable checkpoint of the run to the drill's shared tier (a directory)."""
-    from rewind.infra.catalog import lineage
-    from rewind.infra.replication import replicate
+    """Copy every restorable checkpoint of the run to the drill's shared tier (a directory), through the
+    replicate phase (its checks, log lines and events), as `rewind replicate` and `replicate-offsite` do."""
+    from rewind.infra.phases import replicate as phase
+    from rewind.infra.phases.notify import LogNotifier
     from rewind.infra.tiers import open_tier
 
     cat, run = Catalog(), configuration["run"]
     shared = Path(configuration["state_dir"]) / "shared"  # stands in for an NFS/Lustre mount
     shared.mkdir(parents=True, exist_ok=True)
-    tier = open_tier(str(shared))
-    done = []
-    for ck in lineage.restorable(cat, lineage.get_run(cat, run).id):
-        replicate(cat, ck, tier)
-        done.append(ck.step)
-    return done
+    tier, notify = open_tier(str(shared)), LogNotifier()
+    made = [
+        phase.replicate_checkpoint(cat, checkpoint_id=ck_id, tier=tier, notify=notify)
+        for ck_id in phase.pending(cat, tier=tier, run=run)
+    ]
+    return [m.step for m in made]
 
 
 # -- one drill ------------------------------------------------------------------------------------

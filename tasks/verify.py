@@ -8,6 +8,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from rewind.infra.catalog import lineage, overview, overview_text
+from rewind.infra.format.verify import Budget
 from rewind.infra.phases import verify as phase
 from rewind.tasks import progress
 from rewind.tasks.common import RETRY, artifact_key, catalog, notifier
@@ -16,13 +17,16 @@ from rewind.tasks.common import RETRY, artifact_key, catalog, notifier
 # No timeout_seconds: this task also runs inside supervise-training, in a worker thread, where Prefect
 # cannot enforce one (it warns instead); a scrub's duration is bounded by the bytes it reads.
 @task(name="verify-checkpoint", **RETRY)
-def verify_checkpoint(checkpoint_id: int, deep: bool = True, tier: str | None = None) -> dict[str, Any]:
+def verify_checkpoint(
+    checkpoint_id: int, deep: bool = True, tier: str | None = None, budget_s: float | None = None
+) -> dict[str, Any]:
     """Check every copy of one checkpoint and record each verdict (``phases.verify``).
 
     A checkpoint with no copy left that verifies is announced and raised (never
     retried); a damaged copy of a checkpoint that another copy still holds is
     announced as a copy event; a copy that could not be read raises a transient
-    error, so the task is retried.
+    error, so the task is retried. Copies not reached within ``budget_s`` are
+    ``unchecked`` in the result (nothing known, nothing raised).
     """
     with progress.shown():
         result = phase.verify_checkpoint(
@@ -31,6 +35,7 @@ def verify_checkpoint(checkpoint_id: int, deep: bool = True, tier: str | None = 
             notify=notifier(),
             deep=deep,
             tiers=None if tier is None else (tier,),
+            budget=None if budget_s is None else Budget(seconds=budget_s),
         )
     result.raise_for_verdict()
     return result.as_dict()

@@ -188,6 +188,23 @@ def test_rewind_serve_refuses_to_serve_deployments_from_an_unauthenticated_tempo
     assert "rewind server" in line and "PREFECT_API_URL" in line, line
 
 
+def test_rewind_serve_refuses_an_api_that_answers_without_a_credential(prefect_api, tmp_path):
+    """A server that lets anyone in (here Prefect's own test harness) would run any local user's command as
+    the serving user: `rewind serve` refuses it in one line, naming the flag for a guarded one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update({"PREFECT_API_URL": prefect_api, "REWIND_HOME": str(tmp_path / "home")})
+    done = subprocess.run(
+        [sys.executable, "-m", "rewind.flows.cli", "serve"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "carry no credential" in line and "--allow-unauthenticated-api" in line, line
+
+
 @pytest.mark.parametrize(
     "url",
     [

@@ -60,7 +60,11 @@ def served(prefect_api, flow_env, tmp_path_factory):
     (shims / "python").write_text("#!/bin/sh\necho 'this python has no torch' >&2\nexit 1\n")
     (shims / "python").chmod(0o755)
     env = {**flow_env, "PATH": f"{shims}:{os.environ['PATH']}"}
-    with rewind_serve(prefect_api, env) as proc, get_client(sync_client=True) as client:
+    # The test harness authenticates nobody: only a test may serve from it, saying so.
+    with (
+        rewind_serve(prefect_api, env, "--allow-unauthenticated-api") as proc,
+        get_client(sync_client=True) as client,
+    ):
         wait_until(
             lambda: proc.poll() is not None or deployment_ids(client, DEPLOYMENTS),
             90,

@@ -231,6 +231,26 @@ def test_scrub_stops_when_its_budget_is_spent_and_says_what_is_left(rewind_env, 
     assert whole.ok and whole.unchecked == 0
 
 
+def test_a_whole_scrub_is_bounded_and_the_next_one_starts_with_what_it_did_not_reach(rewind_env, run_name):
+    """`rewind ckpt verify --budget-s` bounds the whole run's checks: past it, what is left is reported
+    unchecked (exit 3, nothing recorded), never as damage; a scrub takes the least recently checked first."""
+    from rewind.infra.phases.verify import worth_checking
+
+    _saved(run_name, steps=(1, 2, 3), width=256)
+    cat = Catalog()
+    before = {s: copy_statuses(run_name, s) for s in (1, 2, 3)}
+    done = _cli(["ckpt", "verify", run_name, "--deep", "--budget-s", "0", "--json"])
+    assert done.returncode == 3, (done.stdout, done.stderr)
+    assert [r["unchecked"] for r in json.loads(done.stdout)] == [1, 1, 1]
+    assert {s: copy_statuses(run_name, s) for s in (1, 2, 3)} == before
+    text = _cli(["ckpt", "verify", run_name, "--deep", "--budget-s", "0"])
+    assert "step 1: UNCHECKED" in text.stdout and "0 checked, 0 with problems, 3 not reached" in text.stdout
+    full = _cli(["ckpt", "verify", run_name, "--deep", "--step", "1"])
+    assert full.returncode == 0, (full.stdout, full.stderr)
+    scrub(cat, lineage.checkpoints(cat, run_name, 2)[0], deep=True)  # step 2 checked last
+    assert [step for _, step, _ in worth_checking(cat, run=run_name)] == [3, 1, 2]
+
+
 # -- items 13 and 11: a full disk ------------------------------------------------------------------
 
 

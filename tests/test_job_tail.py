@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -72,3 +76,82 @@ def test_the_end_of_a_launch_is_recorded_across_a_catalog_restart(tmp_path, run_
         assert [launch.exit_code for launch in jobs.launches(cat, run_name)] == [3]
     finally:
         pg.discard()
+
+
+def _rewind(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rewind.flows.cli", *args],
+        env={**os.environ, **env}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def _watch(sup: Supervisor, timeout_s: float = 60) -> int:
+    deadline = time.monotonic() + timeout_s
+    while not any(o.kind is Seen.EXITED for o in sup.poll(1.0)):
+        assert time.monotonic() < deadline, f"the job did not exit within {timeout_s} s"
+    return sup.finish()
+
+
+def test_the_jobs_whole_output_is_kept_bounded_and_masked_and_rewind_logs_shows_it(
+    pg_url, run_name, tmp_path, monkeypatch
+):
+    """Not only the last 20 lines: every line the job printed, in a 0600 file per node under REWIND_HOME,
+    rotated once past its bound (both parts kept), URL credentials masked; `rewind logs` and
+    `rewind status` find it."""
+    env = {"REWIND_HOME": str(tmp_path), "REWIND_CATALOG_URL": pg_url, "REWIND_JOB_LOG_MAX_MB": "0.04"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    job = (
+        "import sys\n"
+        "print('reading s3://key:topsecret@host/bucket')\n"
+        "for i in range(4000): print('noise', i)\n"
+        "sys.exit(3)\n"
+    )
+    sup = Supervisor(Catalog(pg_url), run_name, JobSpec.from_dict({"command": ["python", "-c", job]}))
+    sup.start()
+    assert _watch(sup) == 3
+    kept = sup.log_dir / "node-0.log"
+    assert kept.stat().st_mode & 0o777 == 0o600 and (kept.parent / "node-0.log.1").is_file()
+    assert kept.stat().st_size <= 0.04 * (1 << 20)
+    shown = _rewind("logs", run_name, env=env)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert lines[1:] == [f"noise {i}" for i in range(4000)]  # every line, in order, across the rotation
+    assert "topsecret" not in shown.stdout and "reading s3://" in lines[0]
+    status = _rewind("status", run_name, "--json", env=env)
+    assert json.loads(status.stdout)["runs"][0]["job"]["log_dir"] == str(sup.log_dir), status.stdout
+
+
+def test_rewind_logs_follow_shows_lines_as_they_come_until_the_launch_ends(
+    pg_url, run_name, tmp_path, monkeypatch
+):
+    env = {"REWIND_HOME": str(tmp_path), "REWIND_CATALOG_URL": pg_url}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    gate = tmp_path / "go"
+    job = (
+        "import os, sys, time\n"
+        "print('first', flush=True)\n"
+        f"while not os.path.exists({str(gate)!r}): time.sleep(0.05)\n"  # until the follower is attached
+        "print('second', flush=True)\n"
+    )
+    sup = Supervisor(Catalog(pg_url), run_name, JobSpec.from_dict({"command": ["python", "-c", job]}))
+    sup.start()
+    kept = sup.log_dir / "node-0.log"
+    deadline = time.monotonic() + 60
+    while not (kept.is_file() and b"first" in kept.read_bytes()):
+        assert time.monotonic() < deadline, "the job's first line was never kept"
+        sup.poll(0.2)
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "rewind.flows.cli", "logs", run_name, "--follow"],
+        env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert follower.stdout is not None
+        assert follower.stdout.readline() == "first\n"  # what was kept before it attached
+        gate.touch()
+        assert _watch(sup) == 0
+        out, err = follower.communicate(timeout=60)  # it ends by itself once the launch has ended
+    finally:
+        follower.kill()
+    assert follower.returncode == 0 and out == "second\n", (out, err)

@@ -9,9 +9,10 @@ and corrupt only when no copy is left that could verify. An unverifiable copy
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
+from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Select, and_, case, or_, select, update
+from sqlalchemy import Select, and_, case, func, or_, select, update
 
 from rewind.infra.catalog import lineage
 from rewind.infra.catalog.db import Catalog, changed, chunks
@@ -83,9 +84,10 @@ def copy_rows(
     return out
 
 
-def worth_checking(cat: Catalog, run_id: int) -> list[tuple[int, int]]:
-    """(id, step) of the run's checkpoints a scrub checks, oldest first: committed, verified, and corrupt
-    ones with a usable copy left that are not condemned for their content (a copy may still prove them).
+def worth_checking(cat: Catalog, run_id: int) -> list[tuple[int, int, datetime | None]]:
+    """(id, step, when a copy of it was last checked: the oldest of its copies') of the run's checkpoints a
+    scrub checks, in step order: committed, verified, and corrupt ones with a usable copy left that are not
+    condemned for their content (a copy may still prove them).
 
     One statement for any length of run: the usable copy is an EXISTS, not a parameter per checkpoint.
     """
@@ -94,8 +96,11 @@ def worth_checking(cat: Catalog, run_id: int) -> list[tuple[int, int]]:
         .where(Replica.checkpoint_id == Checkpoint.id, Replica.status.in_(sorted(USABLE_VALUES)))
         .exists()
     )
+    checked = (
+        select(func.min(Replica.checked_at)).where(Replica.checkpoint_id == Checkpoint.id).scalar_subquery()
+    )
     q = (
-        select(Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.status_reason)
+        select(Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.status_reason, checked)
         .where(
             Checkpoint.run_id == run_id,
             or_(
@@ -107,7 +112,7 @@ def worth_checking(cat: Catalog, run_id: int) -> list[tuple[int, int]]:
     )
     with cat.session() as s:
         rows = s.execute(q).all()
-    return [(i, step) for i, step, status, reason in rows if not is_condemned(status, reason)]
+    return [(i, step, at) for i, step, status, reason, at in rows if not is_condemned(status, reason)]
 
 
 def add(

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Select, and_, case, func, select
 
+from rewind.infra import joblog
 from rewind.infra.catalog import lineage
 from rewind.infra.catalog.copies import TIER_ORDER
 from rewind.infra.catalog.db import Catalog
@@ -256,7 +257,7 @@ def _run(
         "newest_unverified": None if unproven is None else _ckpt(unproven, now),
         "verified_checkpoints": newest.verified_count if newest is not None else 0,
         "rpo": _rpo(verified, ranks),
-        "job": _job(launch, ranks, now),
+        "job": _job(run.name, launch, ranks, now),
         "tiers": _tiers(tiers, verified),
         "open_incidents": [
             {
@@ -301,7 +302,7 @@ def _ckpt(c: Ckpt, now: datetime) -> dict[str, Any]:
     }
 
 
-def _job(launch: Launch | None, ranks: list[RankProgress], now: datetime) -> dict[str, Any] | None:
+def _job(run: str, launch: Launch | None, ranks: list[RankProgress], now: datetime) -> dict[str, Any] | None:
     if launch is None:
         return None
     beats = [p.beat_at for p in ranks]
@@ -313,6 +314,7 @@ def _job(launch: Launch | None, ranks: list[RankProgress], now: datetime) -> dic
         "ended_at": _iso(launch.ended_at),
         "ranks": len(ranks),
         "last_report_age_s": round(now.timestamp() - max(beats), 3) if beats else None,
+        "log_dir": str(joblog.launch_dir(run, launch.id)),  # on the machine that supervised it
     }
 
 

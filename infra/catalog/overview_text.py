@@ -46,6 +46,7 @@ def _run_lines(r: dict[str, Any]) -> list[str]:
             "" if job["last_report_age_s"] is None else f", last report {ago(job['last_report_age_s'])} ago"
         )
         row("job", f"launch {job['launch_id']} {state}, {job['ranks']} rank(s){beat}")
+        row("job output", f"{job['log_dir']} (rewind logs {r['run']})")
     if not r["tiers"]:
         row("copies", "none of a verified checkpoint")
     for i, (tier, t) in enumerate(r["tiers"].items()):

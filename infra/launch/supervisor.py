@@ -5,7 +5,7 @@ per node, and records the launch in the catalog with what the job is handed. It
 watches exits, the ranks' progress rows (``rewind.infra.launch.observe`` judges hangs
 and anomalies), newly committed checkpoints and, where a driver exists, GPU
 health. It never reads the job's output for meaning: the tail it keeps is for the
-incident report only. Every process of a launch (torchrun's workers run in
+incident report only, and the whole output is kept per node (``joblog``). Every process of a launch (torchrun's workers run in
 sessions of their own) carries ``REWIND_LAUNCH_ID`` and ``REWIND_NODE``: that is
 how a node, or the whole launch, is stopped, workers included.
 """
@@ -20,9 +20,10 @@ import subprocess
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
-from rewind.infra import redact
+from rewind.infra import joblog, redact
 from rewind.infra.catalog import jobs, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
@@ -64,11 +65,24 @@ def bounded_tail(lines: list[str], max_lines: int = TAIL_LINES, max_bytes: int =
     return out[::-1]
 
 
+def _kept_log(path: Path | None) -> joblog.NodeLog | None:
+    if path is None:
+        return None
+    try:
+        return joblog.NodeLog(path)
+    except OSError as exc:
+        log.warning("the job's output cannot be kept in %s: %s", path, exc)
+        return None
+
+
 class _Process:
     """One child process (a job, or a node's agent) in its own session, its output's tail kept for the incident."""
 
-    def __init__(self, cmd: list[str], *, cwd: str | None, env: dict[str, str], node: int, host: str) -> None:
+    def __init__(
+        self, cmd: list[str], *, cwd: str | None, env: dict[str, str], node: int, host: str, kept: Path | None
+    ) -> None:
         self.node, self.cmd, self.host = node, cmd, host
+        self.log = _kept_log(kept)
         self.ended_at: float | None = None  # when it ended, by this clock: which node failed first
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.proc = subprocess.Popen(
@@ -85,6 +99,14 @@ class _Process:
         # children that outlive it may keep the pipe open: not our clock
         for chunk in iter(lambda: out.readline(_READ_CHUNK), ""):
             self.tail.append(chunk.rstrip("\n"))
+            if self.log is not None:
+                try:
+                    self.log.write(chunk)
+                except OSError as exc:  # a full disk stops the copy, never the job or its watch
+                    log.warning("the job's output is no longer kept in %s: %s", self.log.path, exc)
+                    self.log = None
+        if self.log is not None:
+            self.log.close()
 
     def _wait(self) -> None:
         self.proc.wait()
@@ -161,7 +183,13 @@ class Supervisor:
     def _node(self, place: Placement, node: int, cmd: list[str], env: dict[str, str]) -> _Process:
         wrapped = self.launcher.node_command(place, node, cmd)
         env = {**env, progress.NODE_ENV: str(node)}
-        return _Process(wrapped, cwd=self.spec.cwd, env=env, node=node, host=place.hosts[node])
+        kept = self.log_dir / f"node-{node}.log" if self.log_dir else None
+        return _Process(wrapped, cwd=self.spec.cwd, env=env, node=node, host=place.hosts[node], kept=kept)
+
+    @property
+    def log_dir(self) -> Path | None:
+        """Where this launch's output is kept (``joblog``), once the launch is recorded."""
+        return None if self.launch_id is None else joblog.launch_dir(self.run, self.launch_id)
 
     def _place(self) -> Placement:
         """The launch's hosts, from its launcher, recorded on the launch (a refusal ends the launch)."""

@@ -65,6 +65,7 @@ class Outcome:
     verified_step: int | None = field(default=None)
     restore_failed: str | None = None  # the job could not load its restore point: why
     group_failed: str | None = None  # the launch's process group failed its smoke test: why
+    log_dir: str | None = None  # where the launch's whole output is kept (``joblog``), one file per node
 
     @property
     def finished(self) -> bool:
@@ -93,11 +94,13 @@ def supervise(
     launch_id = sup.start()
     notify.log(
         logging.INFO,
-        "launch %d of %s: %d node(s) x %d process(es)",
+        "launch %d of %s: %d node(s) x %d process(es); its output is kept in %s (rewind logs %s)",
         launch_id,
         run,
         spec.nnodes,
         spec.nproc_per_node,
+        sup.log_dir,
+        run,
     )
     watch = _Watch(cat, run, notify, verify, incident_id, died_at, sup.started_at)
     verified = [
@@ -242,6 +245,7 @@ class _Watch:
             lost_node=lost_node,
             lost_hosts=tuple(sorted(sup.lost_hosts)),
             hosts=sup.placement.hosts if sup.placement is not None else (),
+            log_dir=str(sup.log_dir) if sup.log_dir else None,
             verified_step=self.verified_step,
             restore_failed=str(restore["reason"]) if restore is not None else None,
             group_failed=str(group["reason"]) if group is not None else None,
@@ -339,7 +343,7 @@ def record_failure(cat: Catalog, *, outcome: Outcome, notify: Notifier) -> int:
             "lost_hosts": list(outcome.lost_hosts), "hosts": list(outcome.hosts),
             "tail": list(outcome.tail), "hang": outcome.hang, "bad_step": outcome.bad_step,
             "anomaly_position": outcome.anomaly_position,
-            "failed_phase": "rebuild" if outcome.group_failed else None,
+            "failed_phase": "rebuild" if outcome.group_failed else None, "log_dir": outcome.log_dir,
         },
     )  # fmt: skip
     _report(notify, incident_id, outcome, reason)

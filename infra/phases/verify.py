@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from rewind.infra.catalog import copies, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint, CheckpointStatus
 from rewind.infra.errors import CheckpointUnverifiable, CorruptCheckpoint, RewindError
-from rewind.infra.format.verify import Finding, Verdict
+from rewind.infra.format.verify import Budget, Finding, Problem, Verdict
 from rewind.infra.phases.notify import Notifier, artifact_key, run_event
 from rewind.infra.restore.scrub import CheckpointCheck, CopyCheck, scrub
 
@@ -82,6 +83,7 @@ class VerifyResult:
                 for c in self.copies
             ],
             "findings": [f.as_dict() for f in self.findings],
+            "unchecked": self.check.unchecked,
         }
 
     def raise_for_verdict(self) -> None:
@@ -89,7 +91,7 @@ class VerifyResult:
         (transient) when a copy could not be read right now."""
         if self.status is CheckpointStatus.CORRUPT:
             raise CorruptCheckpoint(f"{self.run} step {self.step}", [f for f in self.findings if f.fatal])
-        unreadable = [c for c in self.copies if c.verdict is Verdict.UNVERIFIABLE]
+        unreadable = [c for c in self.copies if c.verdict is Verdict.UNVERIFIABLE and not _unchecked(c)]
         if unreadable:
             raise CheckpointUnverifiable(
                 f"{self.run} step {self.step}: "
@@ -104,16 +106,30 @@ def verify_checkpoint(
     notify: Notifier,
     deep: bool = True,
     tiers: Collection[str] | None = None,
+    budget: Budget | None = None,
 ) -> VerifyResult:
-    """Check every copy of one checkpoint (on ``tiers``, default all), record and announce each verdict."""
+    """Check every copy of one checkpoint (on ``tiers``, default all), record and announce each verdict.
+    ``budget`` bounds the reads (default ``Budget()``); copies it did not reach are ``unchecked``."""
     ck = lineage.get_checkpoint(cat, checkpoint_id)
-    return _verify(cat, ck, lineage.get_run_by_id(cat, ck.run_id).name, notify, deep, tiers)
+    return _verify(
+        cat, ck, lineage.get_run_by_id(cat, ck.run_id).name, notify, deep, tiers, budget or Budget()
+    )
+
+
+def _unchecked(c: CopyCheck) -> bool:
+    return any(f.problem is Problem.UNCHECKED for f in c.findings)
 
 
 def _verify(
-    cat: Catalog, ck: Checkpoint, run: str, notify: Notifier, deep: bool, tiers: Collection[str] | None
+    cat: Catalog,
+    ck: Checkpoint,
+    run: str,
+    notify: Notifier,
+    deep: bool,
+    tiers: Collection[str] | None,
+    budget: Budget,
 ) -> VerifyResult:
-    check = scrub(cat, ck, deep=deep, tiers=tiers)
+    check = scrub(cat, ck, deep=deep, tiers=tiers, budget=budget)
     result = VerifyResult(run, str(ck.manifest_digest), ck.path, check)
     notify.log(
         logging.INFO,
@@ -150,15 +166,18 @@ def verify_run(
     step: int | None = None,
     deep: bool = True,
     tiers: Collection[str] | None = None,
+    budget: Budget | None = None,
 ) -> list[VerifyResult]:
     """Verify a run's committed checkpoints (or the one at ``step``); a checkpoint condemned earlier with
-    nothing left to look at is history, not news, and is left out."""
+    nothing left to look at is history, not news, and is left out. One ``budget`` (default ``Budget()``)
+    bounds the whole run's checks: spent, what is left is reported ``unchecked``."""
+    budget = budget or Budget()
     targets = [ck for ck in lineage.checkpoints(cat, run, step) if ck.status in CHECKABLE]
     if not targets:
         raise RewindError(
             f"run {run!r} has no committed checkpoint" + (f" at step {step}" if step is not None else "")
         )
-    results = [_verify(cat, ck, run, notify, deep, tiers) for ck in targets]
+    results = [_verify(cat, ck, run, notify, deep, tiers, budget) for ck in targets]
     kept = [r for r in results if r.copies or r.status is not CheckpointStatus.CORRUPT]
     if not kept:
         raise RewindError(
@@ -168,13 +187,16 @@ def verify_run(
 
 
 def worth_checking(cat: Catalog, *, run: str | None = None) -> list[tuple[str, int, int]]:
-    """(run, step, checkpoint id) of what a scrub checks: committed, verified, or corrupt with a copy left."""
+    """(run, step, checkpoint id) of what a scrub checks (committed, verified, or corrupt with a copy left),
+    the least recently checked first: a scrub its budget stops part-way resumes, next time, where the
+    previous one did not get to."""
     runs = [run] if run else [r["run"] for r in lineage.list_runs(cat)]
-    return [
-        (name, step, ck_id)
+    found = [
+        (at is not None, at or datetime.min, name, step, ck_id)
         for name in runs
-        for ck_id, step in copies.worth_checking(cat, lineage.get_run(cat, name).id)
+        for ck_id, step, at in copies.worth_checking(cat, lineage.get_run(cat, name).id)
     ]
+    return [(name, step, ck_id) for _, _, name, step, ck_id in sorted(found)]
 
 
 def announce_corrupt(

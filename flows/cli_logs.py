@@ -1,0 +1,128 @@
+"""`rewind logs RUN [--launch N] [--node K] [--follow]`: the job's own output, as kept per launch and node."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rewind.flows.cli_args import Add, Emit, OpenCatalog, Wrap
+from rewind.infra import joblog
+from rewind.infra.errors import ConfigError
+
+FOLLOW_POLL_S = 0.5
+
+
+def cmd_logs(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
+    chosen = _launch(args.run, args.launch)
+    nodes = [(n, p) for n, p in chosen.nodes() if args.node is None or n == args.node]
+    if not nodes:
+        raise ConfigError(f"launch {chosen.launch_id} of {args.run} kept no output of node {args.node}")
+    several = len(nodes) > 1
+    followers = [_Follower(node, path, several) for node, path in nodes]
+    for f in followers:
+        f.show_all()
+    if args.follow:
+        _follow(followers, _ended(catalog, chosen.launch_id))
+    return 0
+
+
+def _launch(run: str, wanted: int | None) -> joblog.LaunchLogs:
+    launches = joblog.kept(run)
+    if not launches:
+        raise ConfigError(
+            f"no output of run {run!r} is kept in {joblog.run_dir(run)}: it is kept on the machine that "
+            "supervised the job (the worker's REWIND_HOME)"
+        )
+    if wanted is None:
+        return launches[-1]
+    found = [launch for launch in launches if launch.launch_id == wanted]
+    if not found:
+        ids = ", ".join(str(launch.launch_id) for launch in launches)
+        raise ConfigError(f"no kept output of launch {wanted} of {run}; kept: {ids}")
+    return found[0]
+
+
+class _Follower:
+    """One node's file: what it held, then what is appended (across a rotation), complete lines only."""
+
+    def __init__(self, node: int, path: Path, prefixed: bool) -> None:
+        self.node, self.path, self.prefix = node, path, f"[node {node}] " if prefixed else ""
+        self.offset, self.partial = 0, ""
+
+    def show_all(self) -> None:
+        rotated = self.path.with_name(self.path.name + ".1")
+        if rotated.is_file():
+            self._print(rotated.read_text(encoding="utf-8", errors="replace"))
+        self.show_new()
+
+    def show_new(self) -> None:
+        size = self.path.stat().st_size if self.path.is_file() else 0
+        if size < self.offset:  # rotated since the last look: the rest of the old file is now ``.1``
+            rotated = self.path.with_name(self.path.name + ".1")
+            self._print(_read_from(rotated, self.offset))
+            self.offset = 0
+        if size > self.offset:
+            self._print(_read_from(self.path, self.offset))
+            self.offset = size
+
+    def _print(self, text: str) -> None:
+        text, self.partial = self.partial + text, ""
+        lines = text.split("\n")
+        self.partial = lines.pop()  # what follows the last newline is not a whole line yet
+        for line in lines:
+            sys.stdout.write(f"{self.prefix}{line}\n")
+        sys.stdout.flush()
+
+
+def _read_from(path: Path, offset: int) -> str:
+    if not path.is_file():
+        return ""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode("utf-8", errors="replace")
+
+
+def _follow(followers: list[_Follower], ended: Callable[[], bool]) -> None:
+    """Show what the nodes print until the launch has ended (and its last lines are shown), or Ctrl-C."""
+    try:
+        while True:
+            done = ended()
+            for f in followers:
+                f.show_new()
+            if done:
+                return
+            time.sleep(FOLLOW_POLL_S)
+    except KeyboardInterrupt:
+        return
+
+
+def _ended(catalog: OpenCatalog, launch_id: int) -> Callable[[], bool]:
+    """Whether the launch has ended, by the catalog (opened once); without one, never (follow to Ctrl-C)."""
+    from rewind.infra.catalog import jobs
+    from rewind.infra.errors import RewindError
+
+    opened: list[Any] = []
+
+    def ended() -> bool:
+        try:
+            if not opened:
+                opened.append(catalog())
+            return jobs.get_launch(opened[0], launch_id).ended_at is not None
+        except RewindError:  # no catalog here, or it blinked
+            return False
+
+    return ended
+
+
+def register(sub: Any, add: Add, wrap: Wrap) -> None:
+    logs = add(sub, "logs", wrap(cmd_logs), "the job's own output, kept per launch and node")
+    logs.add_argument("run")
+    logs.add_argument("--launch", type=int, help="this launch (default: the newest; rewind status shows it)")
+    logs.add_argument("--node", type=int, help="only this node (default: every node, each line prefixed)")
+    logs.add_argument(
+        "--follow", "-f", action="store_true", help="keep showing new lines until the launch ends"
+    )
