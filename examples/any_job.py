@@ -110,7 +110,10 @@ def main(path: str) -> int:
 def _log_samples(cfg: dict[str, Any], rank: int, world: int, it: int, idx: torch.Tensor) -> None:
     if cfg.get("sample_log"):
         with open(Path(cfg["sample_log"]) / f"rank-{rank}.log", "a") as f:
-            f.write(json.dumps({"step": it, "world": world, "samples": idx.tolist()}) + "\n")
+            launch = os.environ.get("REWIND_LAUNCH_ID")  # which launch took them (a relaunch repeats steps)
+            f.write(
+                json.dumps({"step": it, "world": world, "launch": launch, "samples": idx.tolist()}) + "\n"
+            )
 
 
 def _write_final(cfg: dict[str, Any], model: torch.nn.Module, rank: int) -> None:

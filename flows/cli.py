@@ -29,7 +29,7 @@ from rewind.flows.cli_args import (
 )
 from rewind.flows.cli_output import table
 from rewind.infra import config
-from rewind.infra.errors import ConfigError, RewindError, Stopped, is_transient
+from rewind.infra.errors import ConfigError, RewindError, Stopped, TransientError, is_transient
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
 STOP_S = 5.0  # after SIGTERM the process is gone within this, cleaned up or not
@@ -149,15 +149,15 @@ def cmd_gpu(args: argparse.Namespace) -> int:
 # -- prefect ---------------------------------------------------------------------
 
 
-def _require_api(*, allow_unauthenticated: bool = False) -> None:
+def _require_api(*, allow_unauthenticated: bool = False, wait_s: float = 15.0) -> None:
     """`rewind serve` runs whatever flow runs its API is asked for: never from an API nobody authenticates.
     Without PREFECT_API_URL Prefect would start a temporary server with no authentication at all; a server
-    that answers a request carrying no credential lets anyone who reaches it run commands as this user."""
-    import httpx
+    that answers a request carrying no credential lets anyone who reaches it run commands as this user.
+    Only an answer that asks for a credential (401, 403) passes; a server still starting is waited for."""
     from prefect.settings import get_current_settings
 
-    url = get_current_settings().api.url
-    if not url:
+    api = get_current_settings().api
+    if not api.url:
         raise ConfigError(
             "rewind serve needs a Prefect server that authenticates its clients, and PREFECT_API_URL is not "
             "set (Prefect would start a temporary one that lets any local user start flow runs): start "
@@ -165,18 +165,43 @@ def _require_api(*, allow_unauthenticated: bool = False) -> None:
         )
     if allow_unauthenticated:
         return
-    try:
-        answer = httpx.post(f"{url.rstrip('/')}/deployments/filter", json={"limit": 1}, timeout=15)
-    except httpx.HTTPError as e:
+    status = _anonymous_answer(api, wait_s)
+    if status in (401, 403):
+        return
+    if 200 <= status < 300:
         raise ConfigError(
-            f"the Prefect API at {url} does not answer ({type(e).__name__}): is the server up?"
-        ) from None
-    if answer.is_success:
-        raise ConfigError(
-            f"the Prefect API at {url} answers requests that carry no credential, so anyone who reaches it could "
-            "start flow runs that run commands as this user: use `rewind server` (basic auth), or pass "
+            f"the Prefect API at {api.url} answers requests that carry no credential, so anyone who reaches it "
+            "could start flow runs that run commands as this user: use `rewind server` (basic auth), or pass "
             "--allow-unauthenticated-api if something else guards it (a firewall, an authenticating proxy)"
         )
+    raise ConfigError(
+        f"the Prefect API at {api.url} answered HTTP {status} to a request without a credential, not 401: "
+        "is PREFECT_API_URL the API of a Prefect server (it ends in /api)?"
+    )
+
+
+def _anonymous_answer(api: Any, wait_s: float) -> int:
+    """The status a request with no credential gets (TLS as Prefect's client is configured); a server
+    that does not answer yet, or answers 5xx while it starts, is asked again until ``wait_s``."""
+    import httpx
+
+    verify: bool | str = api.ssl_cert_file or True
+    if api.tls_insecure_skip_verify:
+        verify = False
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            status = httpx.post(
+                f"{api.url.rstrip('/')}/deployments/filter", json={"limit": 1}, timeout=10, verify=verify
+            ).status_code
+            if status < 500 or time.monotonic() >= deadline:
+                return status
+        except httpx.HTTPError as e:
+            if time.monotonic() >= deadline:
+                raise TransientError(
+                    f"the Prefect API at {api.url} does not answer ({type(e).__name__}): is the server up?"
+                ) from None
+        time.sleep(0.5)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -195,7 +220,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_server(args: argparse.Namespace) -> int:
-    from rewind.flows import server_auth
+    from pathlib import Path
+
+    from rewind.flows import server_auth, ui_login
 
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", args.host, "--port", str(args.port)]
     env = dict(os.environ)
@@ -211,6 +238,12 @@ def cmd_server(args: argparse.Namespace) -> int:
     ui_api, ui_how = ui_api_url(args.host, args.port)
     if ui_how != "given":
         env[UI_API_ENV] = ui_api
+    if not args.no_auth and "PREFECT_UI_STATIC_DIRECTORY" not in env:
+        static = (
+            Path(env["PREFECT_HOME"]) / "ui-static"
+        )  # Prefect's UI with the login guard (flows/ui_login.py)
+        if ui_login.prepare(static):
+            env["PREFECT_UI_STATIC_DIRECTORY"] = str(static)
     print(f"starting the Prefect server and UI on {args.host}:{args.port}, {how}", flush=True)
     print(
         f"the UI calls the API at {ui_api} ({UI_HOW[ui_how]}); Prefect's home is {env['PREFECT_HOME']}",

@@ -124,24 +124,33 @@ def cmd_ckpt_verify(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) 
         )
     results = [{"id": r.checkpoint_id, **r.as_dict()} for r in found]  # "id": as before the phase layer
     emit(args, results, lambda: _verify_text(results))
-    if any(_has_problems(r.as_dict()) for r in found):
+    shown = [r.as_dict() for r in found]
+    if any(_has_problems(r) for r in shown):
         return EXIT_FINDINGS
-    # Only what the budget did not reach is in doubt: nothing found, try again with more time.
-    return EXIT_UNAVAILABLE if any(r.check.unchecked for r in found) else 0
+    # Only doubt is left (a copy unreadable right now, an unknown key, the budget spent before it):
+    # nothing was found wrong; check again later.
+    return EXIT_UNAVAILABLE if any(not r["ok"] for r in shown) else 0
 
 
 def _has_problems(result: dict[str, Any]) -> bool:
-    """Not proven for a reason other than the budget running out before it."""
-    if result["ok"]:
-        return False
-    return not result["unchecked"] or any(f["problem"] != "unchecked" for f in result["findings"])
+    """Something found wrong: a copy damaged or missing, or no copy at all (not mere doubt)."""
+    verdicts = [c["verdict"] for c in result["copies"]]
+    return not verdicts or any(v in ("corrupt", "missing") for v in verdicts)
 
 
 def _verify_text(results: list[dict[str, Any]]) -> str:
     lines = []
     for r in results:
         mode = "deep" if r["deep"] else "quick"
-        verdict = "ok" if r["ok"] else "PROBLEMS" if _has_problems(r) else "UNCHECKED"
+        verdict = (
+            "ok"
+            if r["ok"]
+            else "PROBLEMS"
+            if _has_problems(r)
+            else "UNCHECKED"
+            if r["unchecked"]
+            else "NOT PROVEN NOW"
+        )
         lines.append(f"step {r['step']}: {verdict} ({mode}), checkpoint {r['status']}")
         for c in r["copies"]:
             lines.append(
@@ -151,6 +160,8 @@ def _verify_text(results: list[dict[str, Any]]) -> str:
     unchecked = sum(r["unchecked"] > 0 for r in results)
     bad = sum(_has_problems(r) for r in results)
     tail = f", {unchecked} not reached before the budget ran out (--budget-s)" if unchecked else ""
+    doubt = sum(not r["ok"] and not _has_problems(r) for r in results) - unchecked
+    tail += f", {doubt} not provable right now (unreadable, or an unknown key)" if doubt > 0 else ""
     lines.append(f"{len(results) - unchecked} checked, {bad} with problems{tail}")
     return "\n".join(lines)
 
@@ -194,7 +205,7 @@ def register(
         ck,
         "verify",
         wrap(cmd_ckpt_verify),
-        "check every copy against the catalog's manifest digest (exit 1 on any problem)",
+        "check every copy against the catalog's manifest digest (exit 1 on damage, 3 if not provable now)",
         json_flag=True,
     )
     ver.add_argument("run")

@@ -51,25 +51,28 @@ class _Follower:
 
     def __init__(self, node: int, path: Path, prefixed: bool) -> None:
         self.node, self.path, self.prefix = node, path, f"[node {node}] " if prefixed else ""
-        self.offset, self.partial = 0, ""
+        self.offset, self.inode, self.partial = 0, _inode(path), ""
 
     def show_all(self) -> None:
         rotated = self.path.with_name(self.path.name + ".1")
         if rotated.is_file():
-            self._print(rotated.read_text(encoding="utf-8", errors="replace"))
+            self._print(_read_from(rotated, 0)[0])
         self.show_new()
 
     def show_new(self) -> None:
-        size = self.path.stat().st_size if self.path.is_file() else 0
-        if size < self.offset:  # rotated since the last look: the rest of the old file is now ``.1``
+        inode = _inode(self.path)
+        if inode != self.inode:  # rotated since the last look: the rest of the old file is now ``.1``
             rotated = self.path.with_name(self.path.name + ".1")
-            self._print(_read_from(rotated, self.offset))
-            self.offset = 0
-        if size > self.offset:
-            self._print(_read_from(self.path, self.offset))
-            self.offset = size
+            if _inode(rotated) == self.inode:
+                self._print(_read_from(rotated, self.offset)[0])
+            self.offset, self.inode = 0, inode
+        text, read = _read_from(self.path, self.offset)
+        self.offset += read
+        self._print(text)
 
     def _print(self, text: str) -> None:
+        if not text:
+            return
         text, self.partial = self.partial + text, ""
         lines = text.split("\n")
         self.partial = lines.pop()  # what follows the last newline is not a whole line yet
@@ -78,12 +81,22 @@ class _Follower:
         sys.stdout.flush()
 
 
-def _read_from(path: Path, offset: int) -> str:
-    if not path.is_file():
-        return ""
-    with open(path, "rb") as f:
-        f.seek(offset)
-        return f.read().decode("utf-8", errors="replace")
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
+def _read_from(path: Path, offset: int) -> tuple[str, int]:
+    """The text from ``offset`` to the end, and how many bytes that was."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return "", 0
+    return data.decode("utf-8", errors="replace"), len(data)
 
 
 def _follow(followers: list[_Follower], ended: Callable[[], bool]) -> None:
@@ -103,7 +116,7 @@ def _follow(followers: list[_Follower], ended: Callable[[], bool]) -> None:
 def _ended(catalog: OpenCatalog, launch_id: int) -> Callable[[], bool]:
     """Whether the launch has ended, by the catalog (opened once); without one, never (follow to Ctrl-C)."""
     from rewind.infra.catalog import jobs
-    from rewind.infra.errors import RewindError
+    from rewind.infra.errors import NotFoundError, RewindError
 
     opened: list[Any] = []
 
@@ -112,6 +125,8 @@ def _ended(catalog: OpenCatalog, launch_id: int) -> Callable[[], bool]:
             if not opened:
                 opened.append(catalog())
             return jobs.get_launch(opened[0], launch_id).ended_at is not None
+        except NotFoundError:  # this catalog never heard of the launch: nothing to wait for
+            return True
         except RewindError:  # no catalog here, or it blinked
             return False
 

@@ -58,6 +58,7 @@ class DeploymentSpec:
     interval: timedelta | None = None
     paused: bool = False
     triggers: tuple[TriggerSpec, ...] = ()
+    concurrency_limit: int | None = None  # runs of this deployment at once (None: no limit)
     note: str = ""
 
     def load_flow(self) -> Flow[..., Any]:
@@ -96,6 +97,7 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
         flow="rewind.flows.maintenance.verify_checkpoints",
         tags=("rewind", "scrub"),
         interval=timedelta(hours=6),
+        concurrency_limit=1,  # one scrub at a time: a slow one is never overtaken by the next
     ),
     DeploymentSpec(
         name="restore-checkpoint",
@@ -172,15 +174,19 @@ def build(
         "run-drills": drill_every,
         "expire-conversations": expire_every,
     }
-    served = _served(replicate_to)
+    served = _served(replicate_to, scrub_every)
     return [_runner(spec, every.get(spec.name), served.get(spec.name)) for spec in DEPLOYMENTS]
 
 
-def _served(replicate_to: str | None) -> dict[str, Served]:
+def _served(replicate_to: str | None, scrub_every: timedelta | None) -> dict[str, Served]:
     target = replicate_to or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
     watch, run = os.environ.get("REWIND_ADOPT_FROM"), os.environ.get("REWIND_ADOPT_RUN")
     adopt = {"path": watch, "run": run, "pattern": os.environ.get("REWIND_ADOPT_PATTERN", "checkpoint-*")}
     return {
+        # a scrub ends (its budget, 90% of the interval) before the next is due
+        "verify-checkpoints": Served(
+            False, {"budget_s": 0.9 * scrub_every.total_seconds()} if scrub_every else None
+        ),
         # nothing to replicate to until a target is configured
         "replicate-offsite": Served(
             target is None, {"target": target} if target else None, target is not None
@@ -195,9 +201,10 @@ def _runner(spec: DeploymentSpec, interval: timedelta | None, served: Served | N
     served = served or Served(spec.paused)
     made = spec.load_flow().to_deployment(
         name=spec.name,
-        interval=(interval or spec.interval) if spec.interval else None,
+        interval=(interval if interval is not None else spec.interval) if spec.interval else None,
         paused=served.paused if spec.interval else None,
         parameters=served.parameters,
+        concurrency_limit=spec.concurrency_limit,
         tags=list(spec.tags),
         triggers=[t.runner_trigger() for t in spec.triggers] if served.triggers and spec.triggers else None,
     )

@@ -153,12 +153,11 @@ def replicate_to_shared(configuration: dict[str, Any]) -> list[int]:
     replicate phase (its checks, log lines and events), as `rewind replicate` and `replicate-offsite` do."""
     from rewind.infra.phases import replicate as phase
     from rewind.infra.phases.notify import LogNotifier
-    from rewind.infra.tiers import open_tier
 
     cat, run = Catalog(), configuration["run"]
     shared = Path(configuration["state_dir"]) / "shared"  # stands in for an NFS/Lustre mount
     shared.mkdir(parents=True, exist_ok=True)
-    tier, notify = open_tier(str(shared)), LogNotifier()
+    tier, notify = phase.open_target(str(shared)), LogNotifier()  # checked reachable and writable
     made = [
         phase.replicate_checkpoint(cat, checkpoint_id=ck_id, tier=tier, notify=notify)
         for ck_id in phase.pending(cat, tier=tier, run=run)

@@ -35,17 +35,17 @@ def verify_checkpoints(
     Args:
         run: Only this run (default: every run in the catalog).
         deep: Re-read and re-hash every byte (otherwise sizes and manifests only).
-        budget_s: The whole scrub's bound (default 6 h, the schedule's interval): what it does not reach
-            is reported unchecked, and the next scrub starts again from the oldest.
+        budget_s: The checks' bound, retries included (default 6 h; `rewind serve` passes 90% of its
+            scrub interval): what they do not reach is reported unchecked, and the next scrub takes
+            the least recently checked first.
     """
-    deadline = time.monotonic() + budget_s
+    deadline = time.time() + budget_s  # a wall clock: the task's retries share it too
     rows = []
     for ck in list_checkpoints(run):
-        left = deadline - time.monotonic()
-        if left <= 0:
+        if time.time() >= deadline:
             rows.append({**ck, "ok": False, "detail": UNCHECKED})
             continue
-        state = verify_checkpoint(ck["checkpoint_id"], deep=deep, budget_s=left, return_state=True)
+        state = verify_checkpoint(ck["checkpoint_id"], deep=deep, deadline=deadline, return_state=True)
         ok = state.is_completed() and not state.result()["unchecked"]
         detail = "" if ok else UNCHECKED if state.is_completed() else state.message
         rows.append({**ck, "ok": ok, "detail": detail})

@@ -1,6 +1,10 @@
 """`prefect.yaml` for a work pool, written from the deployments table that `rewind serve` serves.
 
     python -m rewind.flows.prefect_yaml > prefect.yaml
+    python -m rewind.flows.prefect_yaml --pool rewind-k8s --job-variables vars.json > prefect-k8s.yaml
+
+(``prefect deploy --all`` ignores ``--pool`` and ``--job-variable`` when a file holds several
+deployments: another pool or its job variables are written into a file of their own.)
 
 The file holds nothing per site: no ``{{ $ENV }}`` placeholders (Prefect leaves an unset one as literal
 text, and an automation's parameters refuse it as Jinja), no pull step (the worker imports the flows
@@ -9,10 +13,12 @@ from the installed package by module path). The worker's environment configures 
 
 from __future__ import annotations
 
+import argparse
+import json
 import textwrap
+from pathlib import Path
 from typing import Any
 
-import prefect
 import yaml
 
 from rewind.flows.deployments import DEPLOYMENTS, DeploymentSpec
@@ -29,27 +35,33 @@ HEADER = """\
 #   REWIND_CATALOG_URL=... REWIND_CHECKPOINT_ROOT=... prefect worker start --pool rewind
 #
 # Flow runs import `rewind` from the worker's Python and read the worker's environment (REWIND_*,
-# the catalog, checkpoint roots, REWIND_OFFSITE_URI): nothing here is per site. Another pool:
-# `prefect deploy --all --pool NAME`. Kubernetes: docs/orchestration.md.
+# the catalog, checkpoint roots, REWIND_OFFSITE_URI): nothing here is per site. Another pool, or
+# a pool's job variables: `python -m rewind.flows.prefect_yaml --pool NAME [--job-variables FILE]`
+# writes a file of its own (`prefect deploy --all --prefect-file FILE`). Kubernetes:
+# docs/orchestration.md. A redeploy pauses again what the table pauses (see there).
 """
 
 
-def document() -> dict[str, Any]:
+def document(*, pool: str = POOL, job_variables: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "name": "rewind",
-        "prefect-version": prefect.__version__,
         "pull": [],
-        "deployments": [_deployment(spec) for spec in DEPLOYMENTS],
+        "deployments": [_deployment(spec, pool, job_variables) for spec in DEPLOYMENTS],
     }
 
 
-def _deployment(spec: DeploymentSpec) -> dict[str, Any]:
+def _deployment(spec: DeploymentSpec, pool: str, job_variables: dict[str, Any] | None) -> dict[str, Any]:
+    work_pool: dict[str, Any] = {"name": pool, "work_queue_name": "default"}
+    if job_variables:
+        work_pool["job_variables"] = job_variables
     out: dict[str, Any] = {
         "name": spec.name,
         "entrypoint": spec.flow,
         "tags": list(spec.tags),
-        "work_pool": {"name": POOL, "work_queue_name": "default"},
+        "work_pool": work_pool,
     }
+    if spec.concurrency_limit is not None:
+        out["concurrency_limit"] = spec.concurrency_limit
     if spec.interval:
         out["schedules"] = [{"interval": int(spec.interval.total_seconds()), "active": not spec.paused}]
     if spec.triggers:
@@ -68,8 +80,8 @@ def _deployment(spec: DeploymentSpec) -> dict[str, Any]:
     return out
 
 
-def render() -> str:
-    doc = document()
+def render(*, pool: str = POOL, job_variables: dict[str, Any] | None = None) -> str:
+    doc = document(pool=pool, job_variables=job_variables)
     deployments = doc.pop("deployments")
     parts = [HEADER, yaml.safe_dump(doc, sort_keys=False), "deployments:\n"]
     for spec, d in zip(DEPLOYMENTS, deployments, strict=True):
@@ -79,8 +91,19 @@ def render() -> str:
     return "".join(parts)
 
 
-def main() -> None:
-    print(render(), end="")
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m rewind.flows.prefect_yaml", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--pool", default=POOL, help=f"the work pool every deployment goes to (default {POOL})")
+    p.add_argument(
+        "--job-variables", type=Path, metavar="FILE", help="a JSON object: the pool's job variables"
+    )
+    args = p.parse_args(argv)
+    variables = json.loads(args.job_variables.read_text()) if args.job_variables else None
+    if variables is not None and not isinstance(variables, dict):
+        p.error(f"{args.job_variables} must hold a JSON object")
+    print(render(pool=args.pool, job_variables=variables), end="")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 rich draws the bar (Prefect already depends on it, so it costs no new dependency); a log
 file or a CI console gets one line when a phase starts, one per tenth of it or per
-``LINE_EVERY_S`` (whichever comes first), and one when it ends. stdout stays for results
-(``--json`` output is never mixed with progress).
+``LINE_EVERY_S`` (whichever comes first), and one when it ends. A phase under ``MIN_SHOWN_BYTES``
+is not shown: it is over before anyone could read it. stdout stays for results (``--json`` output is
+never mixed with progress).
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ from rich.table import Column
 from rewind.infra import progress, sizes
 
 LINE_EVERY_S = 10.0
+MIN_SHOWN_BYTES = 32 << 20  # a phase smaller than this is done before a person could read a bar of it
 
 
 class BarMeter:
     """One rich bar per phase, bytes done, speed and time left."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, min_bytes: int = MIN_SHOWN_BYTES) -> None:
+        self._min = min_bytes
         self._bars = Progress(
             TextColumn(
                 "{task.description}", table_column=Column(max_width=60, no_wrap=True, overflow="ellipsis")
@@ -49,7 +52,7 @@ class BarMeter:
         self._task: TaskID | None = None
 
     def begin(self, what: str, total: int) -> None:
-        self._task = self._bars.add_task(what, total=total)
+        self._task = self._bars.add_task(what, total=total) if total >= self._min else None
 
     def advance(self, nbytes: int) -> None:
         if self._task is not None:
@@ -69,8 +72,10 @@ class BarMeter:
 class LineMeter:
     """Plain lines for logs: start, every tenth or ``every_s`` seconds, end (with the rate)."""
 
-    def __init__(self, stream: TextIO, every_s: float = LINE_EVERY_S) -> None:
-        self._out, self._every = stream, every_s
+    def __init__(
+        self, stream: TextIO, every_s: float = LINE_EVERY_S, min_bytes: int = MIN_SHOWN_BYTES
+    ) -> None:
+        self._out, self._every, self._min = stream, every_s, min_bytes
         self._lock = threading.Lock()
         self._what, self._total, self._done = "", 0, 0
         self._started = self._last_at = 0.0
@@ -86,7 +91,10 @@ class LineMeter:
 
     def begin(self, what: str, total: int) -> None:
         with self._lock:
-            self._what, self._total, self._done, self._last_tenth = what, total, 0, 0
+            self._what, self._total, self._done, self._last_tenth = "", total, 0, 0
+            if total < self._min:
+                return  # too small to be worth a line: not shown at all
+            self._what = what
             self._started = self._last_at = time.monotonic()
             self._line()
 
@@ -104,6 +112,8 @@ class LineMeter:
 
     def end(self) -> None:
         with self._lock:
+            if not self._what:
+                return
             took = time.monotonic() - self._started
             self._line(f", done in {took:.1f}s ({sizes.human(self._done / took if took > 0 else 0)}/s)")
             self._what = ""

@@ -2,37 +2,50 @@
 
 ``logs/<run>/launch-<id>/node-<n>.log`` holds what node ``n``'s process printed (a torchrun agent
 prints its ranks' lines, each prefixed with its rank). Each file is bounded: past ``max_bytes`` it
-is rotated to ``.1`` (the one before is dropped), so a launch keeps at most twice that per node.
+is rotated to ``.1`` (the one before is dropped), so a launch keeps at most twice that per node,
+and a run the newest ``KEEP_LAUNCHES`` launches.
 Any URL's ``user:password`` is masked before a line is written, as in the incident's tail.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from rewind.infra import config, redact
+from rewind.infra.errors import ConfigError
 
 MAX_BYTES = 64 << 20  # per node and file; REWIND_JOB_LOG_MAX_MB changes it
 _LAUNCH = re.compile(r"launch-(\d+)$")
 _NODE = re.compile(r"node-(\d+)\.log$")
 
 
+MIN_BYTES = 4096
+KEEP_LAUNCHES = 20  # per run: the output of older launches is removed when a new one starts
+
+
 def max_bytes() -> int:
+    """The bound of one file (REWIND_JOB_LOG_MAX_MB, MiB, default 64); a bad value is a ``ConfigError``."""
     raw = os.environ.get("REWIND_JOB_LOG_MAX_MB", "").strip()
-    return int(float(raw) * (1 << 20)) if raw else MAX_BYTES
+    if not raw:
+        return MAX_BYTES
+    try:
+        mib = float(raw)
+    except ValueError:
+        mib = math.nan
+    if not math.isfinite(mib) or mib <= 0:
+        raise ConfigError(f"REWIND_JOB_LOG_MAX_MB must be a positive number of MiB, not {raw!r:.40}")
+    return max(MIN_BYTES, int(mib * (1 << 20)))
 
 
-def run_dir(run: str) -> Path:
-    return config.home() / "logs" / run
-
-
-def launch_dir(run: str, launch_id: int) -> Path:
-    return run_dir(run) / f"launch-{launch_id}"
+run_dir = config.job_logs
+launch_dir = config.job_log_dir
 
 
 class NodeLog:
@@ -93,3 +106,9 @@ def lines(path: Path) -> Iterator[str]:
         if part.is_file():
             with open(part, encoding="utf-8", errors="replace") as f:
                 yield from (line.rstrip("\n") for line in f)
+
+
+def prune(run: str, keep: int = KEEP_LAUNCHES) -> None:
+    """Remove the kept output of all but the newest ``keep`` launches of ``run`` (a run's logs stay bounded)."""
+    for old in kept(run)[:-keep] if keep > 0 else kept(run):
+        shutil.rmtree(old.path, ignore_errors=True)

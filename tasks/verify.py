@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefect import task
@@ -18,15 +19,16 @@ from rewind.tasks.common import RETRY, artifact_key, catalog, notifier
 # cannot enforce one (it warns instead); a scrub's duration is bounded by the bytes it reads.
 @task(name="verify-checkpoint", **RETRY)
 def verify_checkpoint(
-    checkpoint_id: int, deep: bool = True, tier: str | None = None, budget_s: float | None = None
+    checkpoint_id: int, deep: bool = True, tier: str | None = None, deadline: float | None = None
 ) -> dict[str, Any]:
     """Check every copy of one checkpoint and record each verdict (``phases.verify``).
 
     A checkpoint with no copy left that verifies is announced and raised (never
     retried); a damaged copy of a checkpoint that another copy still holds is
     announced as a copy event; a copy that could not be read raises a transient
-    error, so the task is retried. Copies not reached within ``budget_s`` are
-    ``unchecked`` in the result (nothing known, nothing raised).
+    error, so the task is retried. ``deadline`` (seconds since the epoch) bounds every attempt
+    together: copies not reached before it are ``unchecked`` in the result (nothing known, nothing
+    raised, nothing retried).
     """
     with progress.shown():
         result = phase.verify_checkpoint(
@@ -35,7 +37,7 @@ def verify_checkpoint(
             notify=notifier(),
             deep=deep,
             tiers=None if tier is None else (tier,),
-            budget=None if budget_s is None else Budget(seconds=budget_s),
+            budget=None if deadline is None else Budget(seconds=max(0.0, deadline - time.time())),
         )
     result.raise_for_verdict()
     return result.as_dict()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+from datetime import timedelta
 from pathlib import Path
 
 import yaml
@@ -40,6 +43,10 @@ def test_the_schedules_and_triggers_say_what_is_paused_until_configured(monkeypa
     assert served["recover-training"].triggers[0].expect == {FAILURE_EVENT}
     assert served["recover-training"].triggers[0].match.root == RECOVERABLE
     assert served["verify-checkpoints"].schedules and not served["verify-checkpoints"].paused
+    assert declared["verify-checkpoints"]["concurrency_limit"] == 1  # one scrub at a time, in both
+    assert served["verify-checkpoints"].concurrency_limit == 1
+    scrub = {d.name: d for d in build(scrub_every=timedelta(minutes=10))}["verify-checkpoints"]
+    assert scrub.parameters == {"budget_s": 540.0}  # a scrub ends before the next is due
     # replicate-offsite: nothing to replicate to until a target is configured, in both
     assert served["replicate-offsite"].paused and not served["replicate-offsite"].triggers
     (verified,) = declared["replicate-offsite"]["triggers"]
@@ -65,7 +72,17 @@ def test_the_kubernetes_pool_template_and_variables_make_the_job_prefects_worker
     from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
 
     ours = json.loads((REPO / "docs" / "kubernetes-work-pool.json").read_text())
-    values = json.loads((REPO / "docs" / "kubernetes-job-variables.json").read_text())
+    given = REPO / "docs" / "kubernetes-job-variables.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "rewind.flows.prefect_yaml", "--pool", "rewind-k8s", "--job-variables", str(given)],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    pools = {d["name"]: d["work_pool"] for d in yaml.safe_load(out)["deployments"]}
+    assert {p["name"] for p in pools.values()} == {"rewind-k8s"}  # every deployment, not the default pool
+    values = pools["protect-training"]["job_variables"]
+    assert values == json.loads(given.read_text()) and all(
+        p["job_variables"] == values for p in pools.values()
+    )
     theirs = KubernetesWorker.get_default_base_job_template()
     for name, schema in theirs["variables"][
         "properties"

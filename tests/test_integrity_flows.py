@@ -94,7 +94,7 @@ def test_adopt_flow_takes_each_new_checkpoint_once(prefect_api, rewind_env, run_
     assert adopt_checkpoints(path=str(out), run=run_name, quiet_s=0)["adopted"] == [1500]
     rows = {c.step: c for c in lineage.checkpoints(Catalog(), run_name)}
     assert rows[1500].parent_id == rows[1000].id and rows[1000].parent_id == rows[500].id
-    assert verify_checkpoints(run=run_name) == {"checked": 3, "corrupt": 0, "drift": 0}
+    assert verify_checkpoints(run=run_name) == {"checked": 3, "unchecked": 0, "corrupt": 0, "drift": 0}
     with get_client(sync_client=True) as client:  # the scrub refreshed the status overview
         (status,) = client.read_artifacts(
             artifact_filter=ArtifactFilter(

@@ -60,13 +60,21 @@ def on_a_terminal(argv: list[str], env: dict[str, str], timeout: float) -> tuple
 
 def test_line_meter_prints_a_line_per_tenth_and_the_end_not_per_chunk():
     out = io.StringIO()
-    with LineMeter(out, every_s=3600) as meter, progress.watching(meter), progress.phase("send x", 1000):
+    with (
+        LineMeter(out, every_s=3600, min_bytes=0) as meter,
+        progress.watching(meter),
+        progress.phase("send x", 1000),
+    ):
         for _ in range(100):
             progress.advance(10)
     lines = out.getvalue().splitlines()
     assert lines[0].startswith("send x:   0.0%")
     assert [ln.split()[2] for ln in lines[1:-1]] == [f"{10 * i}.0%" for i in range(1, 10)]
     assert lines[-1].startswith("send x: 100.0%") and "done in" in lines[-1]
+    quiet = io.StringIO()  # a small phase (a restore of a few MiB, one of 20 small checkpoints): no lines
+    with LineMeter(quiet) as meter, progress.watching(meter), progress.phase("verify y", 4 << 20):
+        progress.advance(4 << 20)
+    assert quiet.getvalue() == ""
 
 
 def test_replicate_shows_byte_progress_on_a_terminal_and_as_a_prefect_artifact(

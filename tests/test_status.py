@@ -91,6 +91,15 @@ def test_status_of_a_run_as_json(catalog_state, run_name):
     assert "lag 10 steps" in out and "hang" in out and "weight 100" in out, out
 
 
+def test_status_of_a_run_whose_job_ended_puts_nothing_at_risk(catalog_state, run_name):
+    """Steps past the newest verified one are not "lost" once the job is over (a finished run, or one rolled
+    back): nothing runs that could lose them."""
+    jobs.end_launch(Catalog(), catalog_state["launch"], 0)
+    out = _rewind("status", run_name).stdout
+    assert "nothing is at risk: the job is not running; its newest reported step was 47" in out, out
+    assert "steps lost" not in out and "ended, exit 0" in out, out
+
+
 def test_status_of_an_unknown_run_is_one_line_and_exit_2(rewind_env):
     done = _rewind("status", "no-such-run")
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr

@@ -4,6 +4,7 @@ protected run whose job is SIGKILLed recovered by the trigger on that worker."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -104,13 +105,14 @@ def test_prefect_deploy_all_and_a_worker_protect_and_recover(pool, reference, ru
         _protect_kill_and_recover(pool, worker, reference, run_name, tmp_path / "out")
     finally:
         stop_group(worker)
+    _an_operator_follows_it_in_the_ui(pool, run_name)
 
 
 def _protect_kill_and_recover(
     pool: Pool, worker: subprocess.Popen, reference, run_name: str, out: Path
 ) -> None:
     deps = {d["name"]: d["id"] for d in pool.api("POST", "/deployments/filter", {})}
-    command = ["python", *tiny_lm_cmd(run_name, out)[1:]]  # the worker's interpreter runs it
+    command = ["python", *tiny_lm_cmd(run_name, out)[1:]]  # "python": the flow runs it on its own interpreter
     pool.api(
         "POST",
         f"/deployments/{deps['protect-training']}/create_flow_run",
@@ -141,3 +143,56 @@ def _protect_kill_and_recover(
 
 
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+# What a person does on the login page: type the credential, press Login (the form's own submit).
+TYPE_AND_LOG_IN = """(() => {
+  const input = document.querySelector('input[type=password]');
+  Object.getOwnPropertyDescriptor(HTMLInputElement.prototype, 'value').set.call(input, %s);
+  input.dispatchEvent(new Event('input', {bubbles: true}));
+  input.form.requestSubmit();
+  return true;
+})()"""
+CLICK_TAB = """(() => {
+  const tab = [...document.querySelectorAll('button, [role=tab], a')].find(e => e.innerText.trim().startsWith(%s));
+  if (tab) tab.click();
+  return !!tab;
+})()"""
+
+
+def _an_operator_follows_it_in_the_ui(pool: Pool, run_name: str) -> None:
+    """A real headless Chromium, as an operator: a page opened before logging in leads to the login and,
+    once logged in, back to it; the crashed run reads Failed with its incident; the recovery run reads
+    Completed and shows its timeline artifact."""
+    from rewind.infra.catalog import incidents
+    from rewind.infra.phases.notify import artifact_key
+    from tests.ui_support import browser, chromium
+
+    assert chromium() is not None, "no chromium on this machine (apt-get install chromium)"
+    (incident,) = incidents.incidents_of(Catalog(pool.env["REWIND_CATALOG_URL"]), run_name)
+    deps = {d["name"]: d["id"] for d in pool.api("POST", "/deployments/filter", {})}
+
+    def run_of(deployment: str) -> str:
+        body = {"deployments": {"id": {"any_": [deps[deployment]]}}}
+        return str(pool.api("POST", "/flow_runs/filter", body)[0]["id"])
+
+    base = pool.server.base
+    with browser() as page:
+        page.goto(f"{base}/deployments")
+        wait_until(
+            lambda: page.evaluate("location.pathname") == "/login", 60, "/deployments to lead to the login"
+        )
+        assert "redirect=%2Fdeployments" in page.evaluate("location.search")
+        page.wait_for_text(lambda t: "Login" in t, 60, "the login form")
+        assert page.evaluate(TYPE_AND_LOG_IN % json.dumps(pool.server.credential))
+        page.wait_for_text(
+            lambda t: "protect-training" in t and "recover-training" in t, 90, "the deployments"
+        )
+        assert page.evaluate("location.pathname") == "/deployments"  # back where the person was going
+
+        page.goto(f"{base}/runs/flow-run/{run_of('protect-training')}")
+        page.wait_for_text(lambda t: "Failed" in t and f"incident {incident.id}" in t, 90, "the crashed run")
+        page.goto(f"{base}/runs/flow-run/{run_of('recover-training')}")
+        page.wait_for_text(lambda t: "Completed" in t, 90, "the recovery run, completed")
+        wait_until(lambda: page.evaluate(CLICK_TAB % json.dumps("Artifacts")), 30, "the run's Artifacts tab")
+        key = artifact_key("rewind", run_name, "recovery")
+        page.wait_for_text(lambda t: key in t, 60, f"the recovery's timeline artifact {key}")

@@ -84,10 +84,20 @@ def copy_rows(
     return out
 
 
-def worth_checking(cat: Catalog, run_id: int) -> list[tuple[int, int, datetime | None]]:
-    """(id, step, when a copy of it was last checked: the oldest of its copies') of the run's checkpoints a
-    scrub checks, in step order: committed, verified, and corrupt ones with a usable copy left that are not
-    condemned for their content (a copy may still prove them).
+class Checkable(NamedTuple):
+    """A checkpoint a scrub checks, and how long ago its copies were: ``never`` when one of them has not
+    been checked yet, else ``oldest``, the earliest of its copies' last checks."""
+
+    id: int
+    step: int
+    never: bool
+    oldest: datetime | None
+
+
+def worth_checking(cat: Catalog, run_id: int) -> list[Checkable]:
+    """The run's checkpoints a scrub checks, in step order: committed, verified, and corrupt ones with a
+    usable copy left that are not condemned for their content (a copy may still prove them). Deleted
+    copies do not count towards when it was last checked: no scrub looks at them again.
 
     One statement for any length of run: the usable copy is an EXISTS, not a parameter per checkpoint.
     """
@@ -96,11 +106,11 @@ def worth_checking(cat: Catalog, run_id: int) -> list[tuple[int, int, datetime |
         .where(Replica.checkpoint_id == Checkpoint.id, Replica.status.in_(sorted(USABLE_VALUES)))
         .exists()
     )
-    checked = (
-        select(func.min(Replica.checked_at)).where(Replica.checkpoint_id == Checkpoint.id).scalar_subquery()
-    )
+    live = and_(Replica.checkpoint_id == Checkpoint.id, Replica.status != R.DELETED.value)
+    oldest = select(func.min(Replica.checked_at)).where(live).scalar_subquery()
+    never = select(Replica.id).where(live, Replica.checked_at.is_(None)).exists()
     q = (
-        select(Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.status_reason, checked)
+        select(Checkpoint.id, Checkpoint.step, Checkpoint.status, Checkpoint.status_reason, never, oldest)
         .where(
             Checkpoint.run_id == run_id,
             or_(
@@ -112,7 +122,11 @@ def worth_checking(cat: Catalog, run_id: int) -> list[tuple[int, int, datetime |
     )
     with cat.session() as s:
         rows = s.execute(q).all()
-    return [(i, step, at) for i, step, status, reason, at in rows if not is_condemned(status, reason)]
+    return [
+        Checkable(i, step, bool(n), at)
+        for i, step, status, reason, n, at in rows
+        if not is_condemned(status, reason)
+    ]
 
 
 def add(

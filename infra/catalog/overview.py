@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Select, and_, case, func, select
 
-from rewind.infra import joblog
+from rewind.infra import config
 from rewind.infra.catalog import lineage
 from rewind.infra.catalog.copies import TIER_ORDER
 from rewind.infra.catalog.db import Catalog
@@ -281,7 +281,9 @@ def _rpo(newest: Ckpt | None, ranks: list[RankProgress]) -> dict[str, Any]:
         rpo["to_step"] = last.step
         base_step = newest.step if newest is not None else 0
         rpo["steps"] = max(0, last.step - base_step)
-        if (
+        if rpo["steps"] == 0:
+            rpo["seconds"] = 0.0  # the newest reported step is in the checkpoint: nothing of it is at risk
+        elif (
             newest is not None
             and last.step_at is not None
             and (made := _aware(newest.created_at)) is not None
@@ -314,7 +316,7 @@ def _job(run: str, launch: Launch | None, ranks: list[RankProgress], now: dateti
         "ended_at": _iso(launch.ended_at),
         "ranks": len(ranks),
         "last_report_age_s": round(now.timestamp() - max(beats), 3) if beats else None,
-        "log_dir": str(joblog.launch_dir(run, launch.id)),  # on the machine that supervised it
+        "log_dir": str(config.job_log_dir(run, launch.id)),  # on the machine that supervised it
     }
 
 

@@ -33,13 +33,15 @@ def _run_lines(r: dict[str, Any]) -> list[str]:
     if r["newest_unverified"] is not None:
         u = r["newest_unverified"]
         row("not yet verified", f"step {u['step']}, {ago(u['age_s'])} ago")
-    rpo = r["rpo"]
-    if rpo["steps"] is None:
+    rpo, job = r["rpo"], r["job"]
+    if job is not None and not job["running"]:
+        shown = "" if rpo["to_step"] is None else f"; its newest reported step was {rpo['to_step']}"
+        row("if it died now", f"nothing is at risk: the job is not running{shown}")
+    elif rpo["steps"] is None:
         row("if it died now", "unknown: no rank reported progress to the catalog")
     else:
         secs = "" if rpo["seconds"] is None else f", {ago(rpo['seconds'])} of training"
         row("if it died now", f"{rpo['steps']} steps lost{secs} (newest reported step {rpo['to_step']})")
-    job = r["job"]
     if job is not None:
         state = "running" if job["running"] else f"ended, exit {job['exit_code']}"
         beat = (

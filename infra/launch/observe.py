@@ -79,13 +79,17 @@ def _hung(r: RankState, now: float, lim: Limits) -> tuple[str, float] | None:
     if r.state not in models.LIVE_RANK_STATES:
         return None
     if now - r.beat_at > lim.hang_s:
-        return f"rank {r.rank} on {r.node} stopped reporting after step {r.step}", now - r.beat_at
+        return f"rank {r.rank} on {r.node} stopped reporting {_after(r.step)}", now - r.beat_at
     busy = r.state == models.RankState.BUSY
     allowed = lim.busy_s if busy else lim.hang_s
     if r.silent_for(now) > allowed:
         what = f"busy ({r.detail.get('busy', '?')})" if busy else "made no progress"
-        return f"rank {r.rank} on {r.node} {what} after step {r.step} (limit {allowed:g}s)", r.silent_for(now)
+        return f"rank {r.rank} on {r.node} {what} {_after(r.step)} (limit {allowed:g}s)", r.silent_for(now)
     return None
+
+
+def _after(step: int | None) -> str:
+    return "before its first step" if step is None else f"after step {step}"
 
 
 def hang(ranks: list[RankState], now: float, lim: Limits) -> Observation | None:

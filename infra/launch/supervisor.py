@@ -13,6 +13,7 @@ how a node, or the whole launch, is stopped, workers included.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -46,6 +47,7 @@ PLACEMENT_FAILED = 125  # the exit code recorded on a launch whose nodes were ne
 TAIL_LINES = 20  # the job's last lines kept for the flow log, the incident and the failure event
 TAIL_BYTES = 4096  # ... and no more than this many bytes of them (UTF-8)
 _READ_CHUNK = 8192  # a line longer than this is kept in pieces: one endless line cannot fill memory
+_KEPT_LINE_MAX = 1 << 20  # ... and written to the kept output in pieces of at most this
 
 
 def bounded_tail(lines: list[str], max_lines: int = TAIL_LINES, max_bytes: int = TAIL_BYTES) -> list[str]:
@@ -82,13 +84,13 @@ class _Process:
         self, cmd: list[str], *, cwd: str | None, env: dict[str, str], node: int, host: str, kept: Path | None
     ) -> None:
         self.node, self.cmd, self.host = node, cmd, host
-        self.log = _kept_log(kept)
         self.ended_at: float | None = None  # when it ended, by this clock: which node failed first
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.proc = subprocess.Popen(
             cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1, start_new_session=True,
         )  # fmt: skip
+        self.log = _kept_log(kept)  # once the process exists: nothing is opened for a command that is not
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"rewind-out-{self.proc.pid}")
         self._reader.start()
         threading.Thread(target=self._wait, daemon=True, name=f"rewind-wait-{self.proc.pid}").start()
@@ -97,16 +99,28 @@ class _Process:
         out = self.proc.stdout
         assert out is not None
         # children that outlive it may keep the pipe open: not our clock
+        pending = ""  # a line longer than a chunk, kept whole (to a bound) so its masking sees all of it
         for chunk in iter(lambda: out.readline(_READ_CHUNK), ""):
             self.tail.append(chunk.rstrip("\n"))
-            if self.log is not None:
-                try:
-                    self.log.write(chunk)
-                except OSError as exc:  # a full disk stops the copy, never the job or its watch
-                    log.warning("the job's output is no longer kept in %s: %s", self.log.path, exc)
-                    self.log = None
+            pending += chunk
+            if chunk.endswith("\n") or len(pending) >= _KEPT_LINE_MAX:
+                self._keep(pending)
+                pending = ""
+        if pending:
+            self._keep(pending)
         if self.log is not None:
             self.log.close()
+
+    def _keep(self, line: str) -> None:
+        if self.log is None:
+            return
+        try:
+            self.log.write(line)
+        except OSError as exc:  # a full disk stops the copy, never the job or its watch
+            log.warning("the job's output is no longer kept in %s: %s", self.log.path, exc)
+            with contextlib.suppress(OSError):
+                self.log.close()
+            self.log = None
 
     def _wait(self) -> None:
         self.proc.wait()
@@ -164,8 +178,10 @@ class Supervisor:
     def start(self) -> int:
         if self.spec.cwd and not os.path.isdir(self.spec.cwd):  # before a launch is recorded or started
             raise ConfigError(f"the job's working directory {self.spec.cwd} does not exist (cwd in its spec)")
+        joblog.max_bytes()  # a bad REWIND_JOB_LOG_MAX_MB is refused before anything is recorded
         run_id = lineage.ensure_run(self.cat, self.run)
         self._seen_ckpts = {c.id for c in lineage.restorable(self.cat, run_id)}
+        joblog.prune(self.run, joblog.KEEP_LAUNCHES - 1)  # room for this launch's output
         self.launch_id = jobs.begin_launch(
             self.cat, self.run, redacted(self.spec), self.handoff, incident_id=self.incident_id
         )

@@ -366,6 +366,10 @@ def record_failure(cat: Catalog, *, outcome: Outcome, notify: Notifier) -> int:
 def _report(notify: Notifier, incident_id: int, outcome: Outcome, reason: str) -> None:
     died = datetime.fromtimestamp(outcome.died_at, UTC).isoformat(timespec="milliseconds")
     tail = "\n".join(outcome.tail)
+    when = "before its first step" if outcome.last_step is None else f"after step {outcome.last_step}"
+    kept = (
+        f"\nIts whole output: `{outcome.log_dir}` (`rewind logs {outcome.run}`).\n" if outcome.log_dir else ""
+    )
     notify.log(
         logging.ERROR,
         "incident %d on %s (%s): %s\nthe job's last lines:\n%s",
@@ -375,6 +379,6 @@ def _report(notify: Notifier, incident_id: int, outcome: Outcome, reason: str) -
         key=artifact_key("rewind", outcome.run, "incident"),
         text=(
             f"# Incident {incident_id} on `{outcome.run}` ({outcome.kind})\n\n{reason}.\n\nTraining {outcome.how} at "
-            f"{died} after step {outcome.last_step}. Its last lines:\n\n```\n" + tail + "\n```\n"
+            f"{died} {when}. Its last lines:\n\n```\n" + tail + "\n```\n" + kept
         ),
     )

@@ -12,12 +12,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from rewind.infra.catalog import copies, lineage
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.catalog.models import Checkpoint, CheckpointStatus
+from rewind.infra.catalog.models import Checkpoint, CheckpointStatus, aware
 from rewind.infra.errors import CheckpointUnverifiable, CorruptCheckpoint, RewindError
 from rewind.infra.format.verify import Budget, Finding, Problem, Verdict
 from rewind.infra.phases.notify import Notifier, artifact_key, run_event
@@ -177,7 +176,12 @@ def verify_run(
         raise RewindError(
             f"run {run!r} has no committed checkpoint" + (f" at step {step}" if step is not None else "")
         )
-    results = [_verify(cat, ck, run, notify, deep, tiers, budget) for ck in targets]
+    # checked least recently checked first (a budget that stops it leaves the freshest), shown in step order
+    order = {c.id: staleness(c) for c in copies.worth_checking(cat, lineage.get_run(cat, run).id)}
+    checked = sorted(targets, key=lambda ck: order.get(ck.id, (2, 0.0, ck.step, ck.id)))
+    results = sorted(
+        (_verify(cat, ck, run, notify, deep, tiers, budget) for ck in checked), key=lambda r: r.step
+    )
     kept = [r for r in results if r.copies or r.status is not CheckpointStatus.CORRUPT]
     if not kept:
         raise RewindError(
@@ -191,12 +195,14 @@ def worth_checking(cat: Catalog, *, run: str | None = None) -> list[tuple[str, i
     the least recently checked first: a scrub its budget stops part-way resumes, next time, where the
     previous one did not get to."""
     runs = [run] if run else [r["run"] for r in lineage.list_runs(cat)]
-    found = [
-        (at is not None, at or datetime.min, name, step, ck_id)
-        for name in runs
-        for ck_id, step, at in copies.worth_checking(cat, lineage.get_run(cat, name).id)
-    ]
-    return [(name, step, ck_id) for _, _, name, step, ck_id in sorted(found)]
+    found = [(c, name) for name in runs for c in copies.worth_checking(cat, lineage.get_run(cat, name).id)]
+    return [(name, c.step, c.id) for c, name in sorted(found, key=lambda f: staleness(f[0]))]
+
+
+def staleness(c: copies.Checkable) -> tuple[int, float, int, int]:
+    """The order a scrub checks in: never checked first, then the longest unchecked; a tie in step order."""
+    at = aware(c.oldest) if c.oldest is not None else None
+    return (0 if c.never or at is None else 1, at.timestamp() if at else 0.0, c.step, c.id)
 
 
 def announce_corrupt(
