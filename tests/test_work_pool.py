@@ -152,11 +152,6 @@ TYPE_AND_LOG_IN = """(() => {
   input.form.requestSubmit();
   return true;
 })()"""
-CLICK_TAB = """(() => {
-  const tab = [...document.querySelectorAll('button, [role=tab], a')].find(e => e.innerText.trim().startsWith(%s));
-  if (tab) tab.click();
-  return !!tab;
-})()"""
 
 
 def _an_operator_follows_it_in_the_ui(pool: Pool, run_name: str) -> None:
@@ -191,8 +186,16 @@ def _an_operator_follows_it_in_the_ui(pool: Pool, run_name: str) -> None:
 
         page.goto(f"{base}/runs/flow-run/{run_of('protect-training')}")
         page.wait_for_text(lambda t: "Failed" in t and f"incident {incident.id}" in t, 90, "the crashed run")
-        page.goto(f"{base}/runs/flow-run/{run_of('recover-training')}")
+        recovery = f"{base}/runs/flow-run/{run_of('recover-training')}"
+        page.goto(recovery)
         page.wait_for_text(lambda t: "Completed" in t, 90, "the recovery run, completed")
-        wait_until(lambda: page.evaluate(CLICK_TAB % json.dumps("Artifacts")), 30, "the run's Artifacts tab")
-        key = artifact_key("rewind", run_name, "recovery")
-        page.wait_for_text(lambda t: key in t, 60, f"the recovery's timeline artifact {key}")
+        key = artifact_key("rewind", run_name, "recovery")  # its timeline, as the run's artifact links it
+        (made,) = pool.api("POST", "/artifacts/filter", {"artifacts": {"key": {"any_": [key]}}})
+        page.goto(f"{base}/artifacts/artifact/{made['id']}")
+        page.wait_for_text(
+            lambda t: (
+                f"Recovery of {run_name} (incident {incident.id})" in t and "first step after restore" in t
+            ),
+            60,
+            f"the recovery's timeline artifact {key}",
+        )
