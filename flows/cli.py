@@ -421,6 +421,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         print("rewind: interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception as exc:
+        from rewind.infra import stopping
+
+        if stopping.requested():  # SIGTERM came first: a library may have wrapped Terminated (pydantic does)
+            print("rewind: stopped by SIGTERM", file=sys.stderr, flush=True)
+            return EXIT_TERMINATED
         if is_transient(exc):  # the catalog, a tier, the model server: unreachable right now
             print(f"rewind: error: {_one_line(exc)}", file=sys.stderr)
             return EXIT_UNAVAILABLE

@@ -28,6 +28,10 @@ os.environ.update(
         "PREFECT_TASKS_DEFAULT_NO_CACHE": "true",
     }
 )
+# Two test workers on two cores, each starting jobs of up to four ranks with tiny models: one intra-op
+# thread per process (as torchrun sets for its workers) instead of one per core, so the processes do
+# not contend for the cores they share. Every job a test starts inherits it, references included.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ADMIN_URL = os.environ.get("REWIND_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 
@@ -134,9 +138,9 @@ def s3_env(s3, monkeypatch):  # type: ignore[no-untyped-def]
 # first, the long files no longer leave one worker running alone at the end. Others follow, in order.
 SLOW_FILES_FIRST = [
     "test_flows.py",  # ~370
+    "test_slurm.py",  # ~300 (three host faults on the session's one Slurm cluster)
     "test_serving.py",  # ~300
     "test_protect_any_job.py",  # ~215
-    "test_slurm.py",  # ~205 (three host faults on the session's one Slurm cluster)
     "test_sharded.py",  # ~205
     "test_resume.py",  # ~200
     "test_tiers.py",  # ~185
@@ -145,11 +149,13 @@ SLOW_FILES_FIRST = [
     "test_elastic.py",  # ~130
     "test_corruption.py",  # ~130
     "test_hf_example.py",  # ~105
+    "test_work_pool.py",  # ~100 (a rewind server, prefect deploy, a worker, a recovery, a browser)
     "test_drills.py",  # ~85-105 alone, loaded
     "test_catalog_rebuild.py",  # ~100
     "test_integrity.py",  # ~100
     "test_adopt.py",  # ~90
     "test_async_save.py",  # ~80
+    "test_sharded_async.py",  # ~60
     "test_gc_kill.py",  # ~75 (8 gc kills ~45)
     "test_catalog_races.py",  # ~55
     "test_watch_beside.py",  # ~45

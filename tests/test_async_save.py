@@ -6,6 +6,7 @@ import os
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,7 +43,11 @@ def test_async_and_sync_write_identical_files(rewind_env, run_name, tmp_path):
         model, opt, ck = _job(f"{run_name}-{mode}", cat, tmp_path / "ckpt", mode)
         for step in (1, 2, 3):
             _step(model, opt)
-            torch.manual_seed(step)  # the RNG state is part of the checkpoint: keep it equal
+            # the RNG states are part of the checkpoint: keep them equal (other threads of this test process,
+            # Prefect's among them, may draw from Python's global generator at any moment)
+            torch.manual_seed(step)
+            random.seed(step)
+            np.random.seed(step)
             ck.save(step)
         ck.close()
         manifests[mode] = [mf.read(Path(c.path)) for c in lineage.checkpoints(cat, f"{run_name}-{mode}")]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -63,7 +61,7 @@ def test_the_schedules_and_triggers_say_what_is_paused_until_configured(monkeypa
     assert replicate.triggers[0].parameters == {"run": "{{ event.payload.run }}"}
 
 
-def test_the_kubernetes_pool_template_and_variables_make_the_job_prefects_worker_submits():
+def test_the_kubernetes_pool_template_and_variables_make_the_job_prefects_worker_submits(capsys):
     """docs/kubernetes-work-pool.json is Prefect's Kubernetes template plus the checkpoint volume; with the
     variables the docs show, Prefect's own worker code builds a Job with the image, env and volume."""
     import asyncio
@@ -71,12 +69,12 @@ def test_the_kubernetes_pool_template_and_variables_make_the_job_prefects_worker
     import jsonschema
     from prefect_kubernetes.worker import KubernetesWorker, KubernetesWorkerJobConfiguration
 
+    from rewind.flows import prefect_yaml
+
     ours = json.loads((REPO / "docs" / "kubernetes-work-pool.json").read_text())
     given = REPO / "docs" / "kubernetes-job-variables.json"
-    out = subprocess.run(
-        [sys.executable, "-m", "rewind.flows.prefect_yaml", "--pool", "rewind-k8s", "--job-variables", str(given)],
-        capture_output=True, text=True, timeout=120, check=True,
-    ).stdout  # fmt: skip
+    prefect_yaml.main(["--pool", "rewind-k8s", "--job-variables", str(given)])  # as the docs run it
+    out = capsys.readouterr().out
     pools = {d["name"]: d["work_pool"] for d in yaml.safe_load(out)["deployments"]}
     assert {p["name"] for p in pools.values()} == {"rewind-k8s"}  # every deployment, not the default pool
     values = pools["protect-training"]["job_variables"]

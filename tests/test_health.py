@@ -131,3 +131,26 @@ def test_ranks_that_never_report_are_a_hang_after_the_busy_limit():
     assert observe.hang(one, now=299.0, lim=lim) is None
     found = observe.hang(one, now=301.0, lim=lim)
     assert found is not None and "1 of 2 ranks never reported" in found.detail["reason"]
+
+
+def test_a_spike_on_the_way_back_from_a_restore_is_seen_at_once(rewind_env, run_name):
+    """The loss watch of a resumed job starts from the losses the run had at its checkpoints (the catalog
+    records each save's), so a spike in the first steps after a restore is an anomaly, not unseen while
+    the history fills again (a fresh watch needs 10 steps)."""
+    import torch
+
+    from rewind import TrainingSession
+    from rewind.infra.training.session import TrainingAnomaly
+
+    def run(steps: int, losses: dict[int, float]) -> int:
+        model = torch.nn.Linear(2, 1)
+        with TrainingSession(run_name, model=model, checkpoint_every=5, spike_factor=3.0) as s:
+            start = s.start_step
+            for step in s.steps(steps):
+                s.report(step, losses.get(step, 1.0 + 0.01 * (step % 3)))
+        return start
+
+    assert run(20, {}) == 0  # saves at 5, 10, 15, 20 with their losses
+    with pytest.raises(TrainingAnomaly, match=r"at step 21 is .*x the running median"):
+        run(30, {21: 9.0})  # the first step after the restore: 9x what the run had
+    assert run(30, {}) == 20  # and a normal comeback goes on

@@ -54,7 +54,10 @@ class Pool:
 @pytest.fixture(scope="module")
 def pool(pg_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pool]:
     home = tmp_path_factory.mktemp("work-pool")
-    with rewind_server(home / "server", free_port()) as server:
+    # Its environment still points PREFECT_API_URL at another port (an operator's shell left from another
+    # server): the UI must call the API of the server it came from all the same.
+    stray = {"PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api"}
+    with rewind_server(home / "server", free_port(), env=stray) as server:
         assert server.credential is not None
         env = {
             **os.environ,
@@ -155,8 +158,8 @@ TYPE_AND_LOG_IN = """(() => {
 
 
 def _an_operator_follows_it_in_the_ui(pool: Pool, run_name: str) -> None:
-    """A real headless Chromium, as an operator: a page opened before logging in leads to the login and,
-    once logged in, back to it; the crashed run reads Failed with its incident; the recovery run reads
+    """A real headless Chromium, as an operator, on a UI at a non-default port: a page opened before logging
+    in leads to the login and, once logged in, back to it (every deployment listed); the crashed run reads Failed with its incident; the recovery run reads
     Completed and shows its timeline artifact."""
     from rewind.infra.catalog import incidents
     from rewind.infra.phases.notify import artifact_key
@@ -171,6 +174,11 @@ def _an_operator_follows_it_in_the_ui(pool: Pool, run_name: str) -> None:
         return str(pool.api("POST", "/flow_runs/filter", body)[0]["id"])
 
     base = pool.server.base
+    settings = httpx.get(f"{base}/ui-settings", timeout=5).json()
+    assert settings["api_url"] == pool.server.api and settings["auth"] == "BASIC", settings
+    names = sorted(d.name for d in DEPLOYMENTS)
+    # The page counts them all and lists the first 10, A to Z (a second page holds the rest).
+    listed = (f"{len(names)} Deployments", *names[:10])
     with browser() as page:
         page.goto(f"{base}/deployments")
         wait_until(
@@ -179,9 +187,7 @@ def _an_operator_follows_it_in_the_ui(pool: Pool, run_name: str) -> None:
         assert "redirect=%2Fdeployments" in page.evaluate("location.search")
         page.wait_for_text(lambda t: "Login" in t, 60, "the login form")
         assert page.evaluate(TYPE_AND_LOG_IN % json.dumps(pool.server.credential))
-        page.wait_for_text(
-            lambda t: "protect-training" in t and "recover-training" in t, 90, "the deployments"
-        )
+        page.wait_for_text(lambda t: all(w in t for w in listed), 90, "the deployments page to list them")
         assert page.evaluate("location.pathname") == "/deployments"  # back where the person was going
 
         page.goto(f"{base}/runs/flow-run/{run_of('protect-training')}")

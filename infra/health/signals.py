@@ -31,6 +31,9 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+SEEDED_MIN = 3  # losses from before a restore that are enough to judge a spike by
+
+
 @dataclass
 class LossWatch:
     """NaN/Inf losses, and spikes above ``spike_factor`` times the running median of the last ``window``."""
@@ -56,3 +59,11 @@ class LossWatch:
         if len(self._history) > self.window:
             self._history.popleft()
         return None
+
+    def seed(self, losses: list[float]) -> None:
+        """Start from losses seen before (the restored run's, at its checkpoints): a spike right after a
+        restore is judged against them instead of going unseen while the history fills again."""
+        kept = [x for x in losses if math.isfinite(x)][-self.window :]
+        self._history = deque(kept)
+        if len(kept) >= SEEDED_MIN:
+            self.min_history = min(self.min_history, len(kept))

@@ -60,6 +60,7 @@ def first_step(ranks: list[RankState]) -> Observation | None:
         "restored": lead.detail.get("restored"),
         # every rank's group passed its smoke test: the launch's topology is rebuilt
         "group_ready_at": max(ready) if ready and len(ready) == len(ranks) else None,
+        "loss": first.loss,  # the comeback's first loss, beside the restore point's (the incident keeps both)
     }
     return Observation(Seen.FIRST_STEP, first.step_at or first.beat_at, first.step, detail)
 

@@ -3,7 +3,8 @@
 A pure function of the run's spec (as written, full size), the launch that
 failed (its actual size) and the failure. A crash or a sick GPU costs the job
 its devices: a lost node's agent takes the node (one node fewer), any other
-crash one rank per node fewer, never below ``min_world_size``. The layout
+crash one rank per node fewer, never below ``min_world_size``; a sick GPU is left out by its index
+(the relaunch sees only the others), and a machine with no healthy GPU left is not relaunched onto. The layout
 planner picks TP x PP x DP for what is left (data-parallel only when the job
 reported no model shape, as the decision says). Learning-rate scale and global
 batch are relative to the spec's full size, so successive shrinks compound right.
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rewind.infra.errors import Refused
 from rewind.infra.health import layout
 from rewind.infra.launch.spec import JobSpec
 
@@ -49,6 +51,42 @@ def _smaller(current: JobSpec, lost_node: int | None) -> tuple[int, int] | None:
     return size if size[0] * size[1] >= current.min_world_size else None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Devices:
+    """The GPUs of the failed launch's machine: every one NVML saw, those found sick now, those left out
+    already (earlier relaunches)."""
+
+    every: tuple[int, ...]
+    sick: tuple[int, ...]
+    excluded: tuple[int, ...] = ()
+
+    @property
+    def left_out(self) -> tuple[int, ...]:
+        return tuple(sorted({*self.excluded, *self.sick}))
+
+    @property
+    def healthy(self) -> int:
+        return len([i for i in self.every if i not in self.left_out])
+
+
+def _without_sick(current: JobSpec, devices: Devices) -> tuple[int, int] | None:
+    """(nnodes, nproc_per_node) on the healthy GPUs left: the sick ones are left out, not the last local rank."""
+    if devices.healthy == 0:
+        raise Refused(
+            f"every GPU of this machine is sick or left out ({', '.join(map(str, devices.left_out))}): "
+            "not relaunching onto them; replace the GPU or move the job"
+        )
+    nproc = min(current.nproc_per_node, devices.healthy)
+    if nproc == current.nproc_per_node:
+        return None  # enough healthy devices for the same size
+    size = (current.nnodes, nproc)
+    if size[0] * size[1] < current.min_world_size:
+        raise Refused(
+            f"{devices.healthy} healthy GPU(s) left, fewer than the job's min_world_size {current.min_world_size}"
+        )
+    return size
+
+
 def plan(
     full: JobSpec,
     current: JobSpec,
@@ -57,12 +95,18 @@ def plan(
     lost_node: int | None,
     shrink: bool,
     hosts: Hosts | None = None,
+    devices: Devices | None = None,
 ) -> Relaunch:
     """The relaunch after a failure of ``kind`` of the launch that ran ``current``; with ``hosts``, a lost
-    host is left out and replaced by a spare where the scheduler has one (then nothing shrinks)."""
+    host is left out and replaced by a spare where the scheduler has one (then nothing shrinks); with
+    ``devices`` after a sick GPU, that GPU is left out (``exclude_gpus`` in the handoff) and the job runs
+    on the healthy ones."""
     before = layout.Layout(tp=1, pp=1, dp=current.world_size)
     spare = hosts is not None and lost_node is not None and hosts.usable >= current.nnodes
-    size = _smaller(current, lost_node) if shrink and kind in SHRINKS and not spare else None
+    if kind == "gpu" and devices is not None and devices.every:
+        size = _without_sick(current, devices) if shrink else None
+    else:
+        size = _smaller(current, lost_node) if shrink and kind in SHRINKS and not spare else None
     nnodes, nproc = size or (current.nnodes, current.nproc_per_node)
     shape = layout.ModelShape(**full.model) if full.model else layout.ModelShape(heads=1, hidden=1, layers=1)
     base_batch, base_lr = full.global_batch or full.world_size, full.lr or 1.0
@@ -82,6 +126,8 @@ def plan(
     )
     if hosts is not None and hosts.lost:
         what += f"; leaving out lost host(s) {', '.join(hosts.lost)}" + (" for a spare" if spare else "")
+    if kind == "gpu" and devices is not None and devices.every:
+        what += f"; leaving out sick GPU(s) {', '.join(map(str, devices.left_out))}"
     note = "" if full.model else " (no model shape reported: data-parallel only)"
     decision = f"{what}: {chosen.reason}{note}" if size else what
     handoff: dict[str, Any] = {
@@ -92,6 +138,8 @@ def plan(
         "spike_factor": full.loss_spike_factor,
         "decision": decision,
     }
+    if devices is not None and devices.every and devices.left_out:  # kept across later relaunches too
+        handoff["gpus"], handoff["exclude_gpus"] = list(devices.every), list(devices.left_out)
     if hosts is not None:
         handoff["exclude_hosts"] = list(hosts.lost)
         handoff["prefer_hosts"] = [h for h in hosts.previous if h not in hosts.lost]

@@ -21,6 +21,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -148,8 +149,11 @@ class Supervisor:
         incident_id: int | None = None,
         gpu_check_s: float | None = 30.0,
         host_check_s: float = 2.0,
+        gpus: Callable[[], list[nvml.GpuHealth]] = nvml.probe,
     ) -> None:
         self.cat, self.run, self.spec = cat, run, spec
+        self.gpus = gpus  # this machine's GPUs (NVML; tests hand a stand-in)
+        self._visible: set[str] | None = None  # CUDA_VISIBLE_DEVICES of the launch, None: every GPU
         self.launcher = launcher_for(spec.launcher)
         self.placement: Placement | None = None
         self.lost_hosts: dict[str, int] = {}  # host -> node, as the scheduler reported them
@@ -189,6 +193,10 @@ class Supervisor:
         self._next_gpu = time.monotonic() + (self.gpu_check_s or 0)
         place = self._place()
         base = {**os.environ, **self.spec.env, **self._handoff_env()}
+        base.update(self._device_env(base))
+        given = base.get("CUDA_VISIBLE_DEVICES")  # the GPUs this launch can use: only their health stops it
+        listed = {d.strip() for d in (given or "").split(",") if d.strip()}
+        self._visible = listed if listed and all(d.isdigit() for d in listed) else None  # UUIDs: every GPU
         if self.spec.distributed:
             cmd = agent_command(self.spec, endpoint=place.endpoint, rdzv_id=f"{self.run}-{self.launch_id}")
         else:
@@ -298,14 +306,31 @@ class Supervisor:
             return []
         self._next_gpu = time.monotonic() + self.gpu_check_s
         try:
-            sick = [g for g in nvml.probe() if not g.healthy]
+            every = self.gpus()
         except nvml.NoNvidiaDriver:
             self.gpu_check_s = None  # no driver here: GPU health is not monitored
             return []
+        mine = [g for g in every if self._visible is None or str(g.index) in self._visible]
+        sick = [g for g in mine if not g.healthy and g.index not in self._excluded_gpus()]
         if not sick:
             return []
         why = "; ".join(f"GPU {g.index} ({g.name}): {', '.join(g.problems)}" for g in sick)
-        return [Observation(Seen.GPU, now, None, {"reason": why})]
+        detail = {"reason": why, "sick_gpus": [g.index for g in sick], "gpus": [g.index for g in every]}
+        return [Observation(Seen.GPU, now, None, detail)]
+
+    def _excluded_gpus(self) -> set[int]:
+        return {int(i) for i in self.handoff.get("exclude_gpus") or ()}
+
+    def _device_env(self, base: dict[str, str]) -> dict[str, str]:
+        """After a sick GPU: the launch sees only the others (``CUDA_VISIBLE_DEVICES``, in NVML's PCI order),
+        out of the devices the job was given (its own ``CUDA_VISIBLE_DEVICES``) or every one."""
+        excluded = self._excluded_gpus()
+        if not excluded:
+            return {}
+        given = base.get("CUDA_VISIBLE_DEVICES")
+        known = given.split(",") if given else [str(i) for i in self.handoff.get("gpus") or ()]
+        left = [d.strip() for d in known if d.strip() and d.strip() not in {str(i) for i in excluded}]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(left), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
     def _hosts(self, now: float) -> list[Observation]:
         """A placed host the scheduler now reports gone: once per host."""

@@ -21,6 +21,7 @@ from rewind.infra.catalog import incidents, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import IncidentKind
 from rewind.infra.errors import TransientError
+from rewind.infra.health.nvml import GpuHealth
 from rewind.infra.health.signals import describe_exit
 from rewind.infra.launch import observe
 from rewind.infra.launch.observe import Observation, Seen, first_failure
@@ -66,6 +67,8 @@ class Outcome:
     restore_failed: str | None = None  # the job could not load its restore point: why
     group_failed: str | None = None  # the launch's process group failed its smoke test: why
     log_dir: str | None = None  # where the launch's whole output is kept (``joblog``), one file per node
+    sick_gpus: tuple[int, ...] = ()  # NVML indices of the GPUs found unhealthy, when a GPU stopped the job
+    gpus: tuple[int, ...] = ()  # every GPU NVML saw then
 
     @property
     def finished(self) -> bool:
@@ -85,12 +88,14 @@ def supervise(
     died_at: float | None = None,
     poll_s: float = 1.0,
     gpu_check_s: float | None = 30.0,
+    gpus: Callable[[], list[GpuHealth]] | None = None,
 ) -> Outcome:
     """Launch the run from ``spec`` and watch it to its end. When this is a relaunch (``incident_id``),
     the first step completes the incident's timings: relaunch seconds and RTO."""
     sup = Supervisor(
-        cat, run, spec, handoff=dict(handoff or {}), incident_id=incident_id, gpu_check_s=gpu_check_s
-    )
+        cat, run, spec, handoff=dict(handoff or {}), incident_id=incident_id, gpu_check_s=gpu_check_s,
+        **({"gpus": gpus} if gpus is not None else {}),
+    )  # fmt: skip
     launch_id = sup.start()
     notify.log(
         logging.INFO,
@@ -246,6 +251,10 @@ class _Watch:
             lost_hosts=tuple(sorted(sup.lost_hosts)),
             hosts=sup.placement.hosts if sup.placement is not None else (),
             log_dir=str(sup.log_dir) if sup.log_dir else None,
+            sick_gpus=tuple(stop.detail.get("sick_gpus") or ())
+            if stop is not None and stop.kind is Seen.GPU
+            else (),
+            gpus=tuple(stop.detail.get("gpus") or ()) if stop is not None and stop.kind is Seen.GPU else (),
             verified_step=self.verified_step,
             restore_failed=str(restore["reason"]) if restore is not None else None,
             group_failed=str(group["reason"]) if group is not None else None,
@@ -286,6 +295,10 @@ def first_step_after_restore(
     }
     inc = incidents.get_incident(cat, incident_id)
     chosen = inc.restored_checkpoint_id
+    loaded = restored.get("checkpoint_id") or chosen
+    if loaded is not None:  # how the loss came back: the restore point's, then the first step's
+        before = (lineage.get_checkpoint(cat, int(loaded)).metrics or {}).get("loss")
+        details["loss_change"] = {"restore_point": before, "first_step": observed.detail.get("loss")}
     if restored.get("checkpoint_id") is not None and restored["checkpoint_id"] != chosen:
         # the restore point failed as the job read it, and the job fell back: the incident says what ran
         notify.log(
@@ -344,6 +357,7 @@ def record_failure(cat: Catalog, *, outcome: Outcome, notify: Notifier) -> int:
             "tail": list(outcome.tail), "hang": outcome.hang, "bad_step": outcome.bad_step,
             "anomaly_position": outcome.anomaly_position,
             "failed_phase": "rebuild" if outcome.group_failed else None, "log_dir": outcome.log_dir,
+            "sick_gpus": list(outcome.sick_gpus), "gpus": list(outcome.gpus),
         },
     )  # fmt: skip
     _report(notify, incident_id, outcome, reason)

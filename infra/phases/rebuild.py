@@ -68,7 +68,21 @@ def rebuild_environment(
     hosts = _hosts(full, details)
     # a group that failed its smoke test cost no devices: the same layout again
     shrink = shrink_on_crash and details.get("failed_phase") != "rebuild"
-    r = rebuild.plan(full, current, inc.kind, lost_node=details.get("lost_node"), shrink=shrink, hosts=hosts)
+    failed = jobs.get_launch(cat, launch_id).handoff if launch_id else {}
+    devices = rebuild.Devices(  # what a GPU stop saw, else what the failed launch was handed
+        every=tuple(details.get("gpus") or (failed or {}).get("gpus") or ()),
+        sick=tuple(details.get("sick_gpus") or ()),
+        excluded=tuple((failed or {}).get("exclude_gpus") or ()),
+    )
+    r = rebuild.plan(
+        full,
+        current,
+        inc.kind,
+        lost_node=details.get("lost_node"),
+        shrink=shrink,
+        hosts=hosts,
+        devices=devices,
+    )
     incidents.update_incident(
         cat,
         incident_id,

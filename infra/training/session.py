@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from rewind.infra import config, progress
-from rewind.infra.catalog import jobs, models
+from rewind.infra.catalog import jobs, lineage, models
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
 from rewind.infra.checkpoint.sharded import ShardedCheckpointer
@@ -44,6 +44,8 @@ from rewind.infra.training.parts import ModelPart, OptimizerPart, RankRNG
 from rewind.infra.training.progress import LAUNCH_ENV, ProgressWriter
 
 log = logging.getLogger("rewind.session")
+# checkpoints whose recorded loss the watch starts from after a restore (the run's lineage up to it)
+SEEDS = (models.CheckpointStatus.COMMITTED, models.CheckpointStatus.VERIFIED)
 
 
 class TrainingAnomaly(RewindError):
@@ -196,6 +198,7 @@ class TrainingSession:
             self._smoke_test()
         with progress.tallied() as read:  # every byte of the restore point, hashed once as it is read
             self.start_step = self._restore_or_say_why()
+        self._seed_watch()
         self._skip_window()
         if self._writer is not None:
             self._writer.report(self.start_step, None, _position(self.loader))
@@ -222,6 +225,25 @@ class TrainingSession:
             if self._writer is not None:
                 ok = exc is None and closed is None
                 self._writer.finish(models.RankState.FINISHED if ok else models.RankState.FAILED)
+
+    def _seed_watch(self) -> None:
+        """After a restore, the loss watch starts from the losses the run had at its checkpoints up to the
+        restore point (the catalog's record of each save): a spike on the way back is seen at once."""
+        if self.start_step <= 0 or self.catalog is None:
+            return
+        try:
+            rows = lineage.checkpoints(self.catalog, self.run)
+        except RewindError as exc:  # the watch fills again as it goes; nothing else depends on this
+            log.warning("loss history before the restore not read: %s", exc)
+            return
+        at = {
+            c.step: float(c.metrics["loss"])
+            for c in sorted(rows, key=lambda c: c.id)
+            if c.step <= self.start_step
+            and c.status in SEEDS
+            and isinstance((c.metrics or {}).get("loss"), int | float)
+        }
+        self.watch.seed([at[step] for step in sorted(at)])
 
     def _received(self) -> dict[str, Any]:
         h = self.handoff
