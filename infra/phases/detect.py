@@ -21,6 +21,7 @@ from rewind.infra.catalog import incidents, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import IncidentKind
 from rewind.infra.errors import TransientError
+from rewind.infra.health import nvml
 from rewind.infra.health.nvml import GpuHealth
 from rewind.infra.health.signals import describe_exit
 from rewind.infra.launch import observe
@@ -94,7 +95,7 @@ def supervise(
     the first step completes the incident's timings: relaunch seconds and RTO."""
     sup = Supervisor(
         cat, run, spec, handoff=dict(handoff or {}), incident_id=incident_id, gpu_check_s=gpu_check_s,
-        **({"gpus": gpus} if gpus is not None else {}),
+        gpus=gpus or nvml.probe,
     )  # fmt: skip
     launch_id = sup.start()
     notify.log(
