@@ -186,9 +186,9 @@ class DiskBlocks:
 
     def put(self, key: str, data: bytes) -> None:
         path = self._path(key)
-        if path.exists():
-            return  # the same name and digest: the same bytes
-        path.parent.mkdir(exist_ok=True)
+        if self._holds(path, data):
+            return  # the same name and digest, and the bytes on disk are still those
+        path.parent.mkdir(exist_ok=True)  # new, or a damaged copy under the name: replaced whole
         tmp = path.with_name(f".{key}.{uuid.uuid4().hex[:8]}")
         tmp.write_bytes(data)
         os.replace(tmp, path)  # a reader sees the block whole or not at all
@@ -197,6 +197,15 @@ class DiskBlocks:
             self._held = None if self._held is None else self._held + len(data)
             if self._held is None or self._held > self.budget:
                 self._evict(keep=key)
+
+    @staticmethod
+    def _holds(path: Path, data: bytes) -> bool:
+        """Whether ``path`` already holds exactly ``data`` (a copy damaged on disk does not: it is rewritten,
+        not kept, or every later lookup would refuse it and recompute again)."""
+        try:
+            return path.stat().st_size == len(data) and path.read_bytes() == data
+        except OSError:  # absent or unreadable: write it
+            return False
 
     def _evict(self, keep: str) -> None:
         """Count what is on disk (other instances write here too), then remove the least used until within budget."""
