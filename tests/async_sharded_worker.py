@@ -69,7 +69,7 @@ def _check(kind: str, root: str) -> bool:
     set_state_dict(model, opt, model_state_dict=tree["model"], optim_state_dict=tree["optim"])
     after = _snapshot(model)
     same = step == 7 and mine == {"rank": rank} and all(torch.equal(before[k], after[k]) for k in before)
-    print(f"rank {rank}: {'copy-safe' if same else 'CHANGED'} step {step}", flush=True)
+    _say(f"rank {rank}: {'copy-safe' if same else 'CHANGED'} step {step}")
     ck.close()
     return same
 
@@ -99,9 +99,15 @@ def _lead_fails(kind: str, root: str) -> bool:
     step, tree, mine = restored if restored is not None else (None, {}, {})
     got = {k: _local(v).detach().clone() for k, v in tree.get("model", {}).items()}
     ok = step == 8 and mine == {"rank": rank, "step": 8} and all(torch.equal(want[k], got[k]) for k in want)
-    print(f"rank {rank}: heard {heard}; {'restored step 8' if ok else f'WRONG {step} {mine}'}", flush=True)
+    _say(f"rank {rank}: heard {heard}; {'restored step 8' if ok else f'WRONG {step} {mine}'}")
     ck.close()
     return ok and heard.startswith("rank 0")
+
+
+def _say(line: str) -> None:
+    """One line in one write: both ranks share the pipe, and print() writes the text and its newline apart."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
