@@ -68,6 +68,7 @@ def test_status_of_a_run_as_json(catalog_state, run_name):
     assert run["rpo"]["steps"] == 17 and run["rpo"]["to_step"] == 47
     assert run["rpo"]["seconds"] == pytest.approx(12.5, abs=0.01)
     assert run["job"]["launch_id"] == catalog_state["launch"] and run["job"]["running"]
+    assert run["job"]["processes"] == [{"rank": 0, "node": "n0", "pid": os.getpid()}]  # what to kill by hand
     local, shared = run["tiers"]["local"], run["tiers"][catalog_state["shared"]]
     assert (local["verified_copies"], local["newest_verified_step"], local["lag_steps"]) == (3, 30, 0)
     assert (shared["verified_copies"], shared["newest_verified_step"], shared["lag_steps"]) == (2, 20, 10)
@@ -89,6 +90,7 @@ def test_status_of_a_run_as_json(catalog_state, run_name):
     out = text.stdout
     assert "newest verified   step 30" in out and "17 steps lost" in out, out
     assert "lag 10 steps" in out and "hang" in out and "weight 100" in out, out
+    assert f"processes         rank 0 pid {os.getpid()} on n0" in out, out
 
 
 def test_status_of_a_run_whose_job_ended_puts_nothing_at_risk(catalog_state, run_name):
@@ -98,6 +100,7 @@ def test_status_of_a_run_whose_job_ended_puts_nothing_at_risk(catalog_state, run
     out = _rewind("status", run_name).stdout
     assert "nothing is at risk: the job is not running; its newest reported step was 47" in out, out
     assert "steps lost" not in out and "ended, exit 0" in out, out
+    assert "processes" not in out, out  # nothing left to kill
 
 
 def test_status_of_an_unknown_run_is_one_line_and_exit_2(rewind_env):

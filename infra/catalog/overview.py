@@ -316,8 +316,14 @@ def _job(run: str, launch: Launch | None, ranks: list[RankProgress], now: dateti
         "ended_at": _iso(launch.ended_at),
         "ranks": len(ranks),
         "last_report_age_s": round(now.timestamp() - max(beats), 3) if beats else None,
+        # each rank's process as it reported itself: what to `kill` to drill a crash by hand
+        "processes": [{"rank": p.rank, "node": p.node, "pid": p.pid} for p in sorted(ranks, key=_by_rank)],
         "log_dir": str(config.job_log_dir(run, launch.id)),  # on the machine that supervised it
     }
+
+
+def _by_rank(p: RankProgress) -> int:
+    return p.rank
 
 
 def _tiers(rows: list[TierRow], newest: Ckpt | None) -> dict[str, Any]:

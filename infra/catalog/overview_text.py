@@ -17,6 +17,16 @@ def ago(seconds: float | None) -> str:
     return f"{s:.1f}s"
 
 
+SHOWN_PROCESSES = 8  # more ranks than this: the first ones, and how many more (--json lists all)
+
+
+def _processes(procs: list[dict[str, Any]]) -> str:
+    """``rank 0 pid 4242 on host-a, ...``: the ranks' own processes, as they reported themselves."""
+    shown = ", ".join(f"rank {p['rank']} pid {p['pid']} on {p['node']}" for p in procs[:SHOWN_PROCESSES])
+    more = len(procs) - SHOWN_PROCESSES
+    return shown + (f", and {more} more (--json lists them)" if more > 0 else "")
+
+
 def _run_lines(r: dict[str, Any]) -> list[str]:
     lines = [f"run {r['run']}"]
 
@@ -48,6 +58,8 @@ def _run_lines(r: dict[str, Any]) -> list[str]:
             "" if job["last_report_age_s"] is None else f", last report {ago(job['last_report_age_s'])} ago"
         )
         row("job", f"launch {job['launch_id']} {state}, {job['ranks']} rank(s){beat}")
+        if job["running"] and job.get("processes"):
+            row("processes", _processes(job["processes"]))
         row("job output", f"{job['log_dir']} (rewind logs {r['run']})")
     if not r["tiers"]:
         row("copies", "none of a verified checkpoint")
