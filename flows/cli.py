@@ -29,7 +29,7 @@ from rewind.flows.cli_args import (
 )
 from rewind.flows.cli_output import table
 from rewind.infra import config
-from rewind.infra.errors import RewindError, Stopped, is_transient
+from rewind.infra.errors import ConfigError, RewindError, Stopped, is_transient
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
 STOP_S = 5.0  # after SIGTERM the process is gone within this, cleaned up or not
@@ -170,8 +170,10 @@ def cmd_server(args: argparse.Namespace) -> int:
 
     from rewind.flows import server_auth, ui_login
 
+    args.port = server_port(args.port)
     cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", args.host, "--port", str(args.port)]
     env = dict(os.environ)
+    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # nothing leaves the machine unasked
     # Prefect's home (its database, profiles) under REWIND_HOME unless the user chose one: two setups
     # on one account never show each other's runs.
     env.setdefault("PREFECT_HOME", str(config.home() / "prefect"))
@@ -197,6 +199,16 @@ def cmd_server(args: argparse.Namespace) -> int:
     )
     os.execve(cmd[0], cmd, env)
     return 0
+
+
+def server_port(given: int | None) -> int:
+    """``--port``, else Prefect's own setting for it (as `prefect server start` reads it), else 4200."""
+    if given is not None:
+        return given
+    text = os.environ.get("PREFECT_SERVER_API_PORT", "4200")
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ConfigError(f"PREFECT_SERVER_API_PORT={text!r} is not a port number")
+    return int(text)
 
 
 UI_API_ENV = "PREFECT_SERVER_UI_API_URL"  # Prefect 3 (PREFECT_UI_API_URL is its older alias)
@@ -319,7 +331,7 @@ def _add_machine_commands(sub: Any, add: Callable[..., argparse.ArgumentParser])
     )
     ui = add(sub, "server", cmd_server, "start the Prefect server and UI (bound to 127.0.0.1 by default)")
     ui.add_argument("--host", default="127.0.0.1")
-    ui.add_argument("--port", type=int, default=4200)
+    ui.add_argument("--port", type=int, default=None, help="default: PREFECT_SERVER_API_PORT, else 4200")
     ui.add_argument("--no-auth", action="store_true", help="serve the API without basic auth (not advised)")
 
 

@@ -213,4 +213,20 @@ def _runner(spec: DeploymentSpec, interval: timedelta | None, served: Served | N
 
 
 def serve_all(**kwargs: Any) -> None:
-    serve(*build(**kwargs), limit=int(os.environ.get("REWIND_SERVE_LIMIT", "8")))
+    deployments = build(**kwargs)
+    print(banner([d.name for d in deployments]), flush=True)
+    # Prefect's own banner suggests `prefect deployment run`, which lacks `rewind server`'s credential.
+    serve(*deployments, limit=int(os.environ.get("REWIND_SERVE_LIMIT", "8")), print_starting_message=False)
+
+
+def banner(names: list[str]) -> str:
+    """What `rewind serve` says it serves, and how to start a run with the credential it found."""
+    from prefect.settings import PREFECT_UI_URL
+
+    ui = PREFECT_UI_URL.value()
+    return "\n".join([
+        f"rewind serve: {len(names)} deployments served from this process (Ctrl-C stops them):",
+        *(f"  {name}" for name in names),
+        "start one from the UI" + (f" ({ui}/deployments)" if ui else "")
+        + " or a shell: rewind run DEPLOYMENT -p NAME=VALUE ...",
+    ])  # fmt: skip

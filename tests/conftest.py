@@ -137,7 +137,7 @@ def s3_env(s3, monkeypatch):  # type: ignore[no-untyped-def]
 # files (--dist loadfile) in collection order (--no-loadscope-reorder, see pyproject.toml): started
 # first, the long files no longer leave one worker running alone at the end. Others follow, in order.
 SLOW_FILES_FIRST = [
-    "test_flows.py",  # ~370
+    "test_flows.py",  # ~330
     "test_slurm.py",  # ~300 (three host faults on the session's one Slurm cluster)
     "test_serving.py",  # ~300
     "test_protect_any_job.py",  # ~215
@@ -159,6 +159,7 @@ SLOW_FILES_FIRST = [
     "test_gc_kill.py",  # ~75 (8 gc kills ~45)
     "test_catalog_races.py",  # ~55
     "test_watch_beside.py",  # ~45
+    "test_walkthrough.py",  # ~45 (the docs' walk-through: rewind server, db upgrade, rewind serve, a job)
     "test_group_smoke.py",  # ~40
     "test_progress.py",  # ~40
     "test_incremental.py",  # ~20 alone, ~35 loaded
