@@ -159,6 +159,7 @@ SLOW_FILES_FIRST = [
     "test_gc_kill.py",  # ~75 (8 gc kills ~45)
     "test_catalog_races.py",  # ~55
     "test_watch_beside.py",  # ~45
+    "test_hf_trainer.py",  # ~35 (a Trainer job killed under protect-training, recovered)
     "test_walkthrough.py",  # ~45 (the docs' walk-through: rewind server, db upgrade, rewind serve, a job)
     "test_group_smoke.py",  # ~40
     "test_progress.py",  # ~40

@@ -115,12 +115,14 @@ def _parent(cat: Catalog, run_id: int, step: int) -> tuple[int | None, str | Non
     return (older[0].step, older[0].manifest_digest) if older else (None, None)
 
 
-def _register(cat: Catalog, run_id: int, m: mf.Manifest, digest: str, path: Path) -> tuple[int, str]:
+def _register(
+    cat: Catalog, run_id: int, m: mf.Manifest, digest: str, path: Path, pin: bool
+) -> tuple[int, str]:
     """One transaction for the checkpoint, its copy and its pin; a retry completes what a failed one left."""
     copy = imported.FirstCopy(copies.LOCAL, str(path), None, R.VERIFIED)
     known = imported.by_digest(cat, run_id, digest)
     if known is None:
-        ck_id = imported.insert(cat, run_id, m, digest=digest, path=str(path), copy=copy, pinned=True)
+        ck_id = imported.insert(cat, run_id, m, digest=digest, path=str(path), copy=copy, pinned=pin)
         action = "adopted"
     else:
         ck_id, action = known.id, "already adopted"
@@ -128,7 +130,7 @@ def _register(cat: Catalog, run_id: int, m: mf.Manifest, digest: str, path: Path
             r.tier == copies.LOCAL and r.uri == str(path) for r in copies.copies_of(cat, [ck_id])[ck_id]
         ):
             copies.add(cat, ck_id, copies.LOCAL, str(path), key=None, nbytes=m.total_bytes, status=R.VERIFIED)
-        if not known.pinned:
+        if pin and not known.pinned:
             imported.pin(cat, ck_id)
     imported.link_parents(cat, run_id, {ck_id: (m.parent_step, m.parent_digest)})
     return ck_id, action
@@ -150,8 +152,14 @@ def _existing(path: Path, run: str) -> tuple[mf.Manifest, str] | None:
     return m, manifest_digest(raw)
 
 
-def adopt(cat: Catalog, path: Path, *, run: str, step: int | None = None, fmt: str | None = None) -> Adopted:
-    """Hash, write the manifest, register. Running it again on the same directory changes nothing."""
+def adopt(
+    cat: Catalog, path: Path, *, run: str, step: int | None = None, fmt: str | None = None, pin: bool = True
+) -> Adopted:
+    """Hash, write the manifest, register. Running it again on the same directory changes nothing.
+
+    ``pin``: a directory another tool keeps is pinned (retention never deletes it); one Rewind took over
+    into its own tier (``rewind.integrations.transformers``) is not: retention treats it as its own.
+    """
     path = path.expanduser().resolve()
     if not path.is_dir():
         raise ConfigError(f"{path} is not a directory")
@@ -180,9 +188,9 @@ def adopt(cat: Catalog, path: Path, *, run: str, step: int | None = None, fmt: s
         try:
             _write_manifest(path, raw)
         except FileExistsError:  # another adoption of this directory got there first: take its result
-            return adopt(cat, path, run=run)
+            return adopt(cat, path, run=run, pin=pin)
         digest = manifest_digest(raw)
-    ck_id, action = _register(cat, run_id, m, digest, path)
+    ck_id, action = _register(cat, run_id, m, digest, path, pin)
     kind = m.writer.get("engine", "adopted:?").removeprefix("adopted:")
     return Adopted(run, m.step, kind, str(path), ck_id, len(m.files), m.total_bytes, digest, action)
 

@@ -1,0 +1,1 @@
+"""Adapters from training libraries to Rewind's checkpoints and supervisor (no Prefect)."""

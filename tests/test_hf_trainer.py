@@ -1,0 +1,87 @@
+"""A ``transformers.Trainer`` job with ``RewindCallback`` (examples/hf_trainer.py), protected by the flows:
+SIGKILLed right after its step-20 checkpoint is committed, recovered by ``recover-training``, and finished
+with the weights of an uninterrupted run, bit for bit; its progress reached the supervisor; Trainer's
+checkpoints are Rewind's (verified, with lineage, not pinned, none left under ``output_dir``)."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rewind.infra.catalog import incidents, jobs, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.states import CheckpointStatus
+from tests.trainproc import REPO, assert_same_weights
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+STEPS, SAVE = 40, 10
+
+
+def command(run: str, out: Path) -> list[str]:
+    return ["python", "-m", "rewind.examples.hf_trainer", "--run", run, "--steps", str(STEPS),
+            "--save-steps", str(SAVE), "--out", str(out)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same Trainer job, uninterrupted and unsupervised (its own SQLite catalog)."""
+    home = tmp_path_factory.mktemp("hf-ref")
+    env = {**os.environ, "REWIND_HOME": str(home), "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env.pop("REWIND_FAULT", None)
+    done = subprocess.run([sys.executable, *command("ref", home / "out")[1:]], cwd=home, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return home / "out" / "final.safetensors"
+
+
+@pytest.mark.timeout(600)
+def test_a_trainer_job_killed_after_a_checkpoint_is_recovered_bit_exact(
+    prefect_api, rewind_env, reference, run_name, tmp_path
+):
+    from rewind.flows.training import protect_training, recover_training, summary
+
+    out = tmp_path / "out"
+    fault = {"REWIND_FAULT": "kill:hf.committed@20", "REWIND_FAULT_ONCE": str(tmp_path / "fired"),
+             "OMP_NUM_THREADS": "1"}  # fmt: skip
+    protected = summary(
+        protect_training(run_name, command(run_name, out), str(REPO), env=fault, return_state=True)
+    )
+    assert protected["status"] == "crash", protected
+    cat = Catalog()
+    first = jobs.launches(cat, run_name)[0]
+    assert max(r.step or 0 for r in jobs.progress(cat, first.id)) >= 20  # the callback's progress rows
+
+    recovered = summary(recover_training(protected["incident_id"], return_state=True))
+    assert recovered["status"] == "recovered", recovered
+    inc = incidents.get_incident(cat, protected["incident_id"])
+    restored = lineage.get_checkpoint(cat, inc.restored_checkpoint_id)
+    assert restored.step == 20, restored.step
+    assert_same_weights(out / "final.safetensors", reference)
+
+    kept = lineage.checkpoints(cat, run_name)
+    assert sorted(c.step for c in kept) == [10, 20, 30, 40]
+    assert all(c.status == CheckpointStatus.VERIFIED and not c.pinned for c in kept)
+    assert not list((out / "trainer").glob("checkpoint-*"))  # taken over, nothing left behind
+
+
+def test_a_nan_loss_from_trainer_is_an_anomaly(rewind_env, run_name):
+    from transformers import TrainerControl, TrainerState
+
+    from rewind.infra.training.session import TrainingAnomaly
+    from rewind.integrations.transformers import RewindCallback
+
+    cb = RewindCallback(run_name)
+    state = TrainerState()
+    state.global_step = 7
+    cb.on_log(None, state, TrainerControl(), logs={"loss": 2.5})
+    with pytest.raises(TrainingAnomaly, match="step 7"):
+        cb.on_log(None, state, TrainerControl(), logs={"loss": math.nan})
+    assert cb.resume_point() is None  # a run with no checkpoint: a fresh start
