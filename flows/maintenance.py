@@ -7,8 +7,9 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
-from prefect.states import Failed, State
+from prefect.states import State
 
+from rewind.flows.run_failed import failed, quiet_expected_failures
 from rewind.infra.errors import ConfigError, RewindError
 from rewind.infra.format.verify import DEFAULT_BUDGET_S
 from rewind.infra.phases import replicate
@@ -21,6 +22,8 @@ from rewind.tasks.sessions import expire_conversations
 from rewind.tasks.verify import check_catalog, list_checkpoints, status_overview, verify_checkpoint
 
 UNCHECKED = "unchecked: the scrub's budget ran out before it"
+
+quiet_expected_failures()
 
 
 @flow(name="verify-checkpoints")
@@ -113,7 +116,7 @@ def restore_checkpoint_flow(
     if not outcome.finished:
         chosen["incident_id"] = record_failure(outcome)
         why = f"rolled back to step {point.step}; the relaunch failed ({outcome.kind}, incident {chosen['incident_id']})"
-        return Failed(message=why, data=chosen)
+        return failed(why, chosen)
     return chosen
 
 

@@ -6,8 +6,9 @@ import time
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.states import Failed, State
+from prefect.states import State
 
+from rewind.flows.run_failed import failed, quiet_expected_failures, summary
 from rewind.infra.phases import recovery
 from rewind.infra.phases.detect import crash_reason
 from rewind.tasks.detect import (
@@ -21,6 +22,9 @@ from rewind.tasks.detect import (
 from rewind.tasks.rebuild import rebuild_environment
 from rewind.tasks.restore import restore_checkpoint
 from rewind.tasks.verify import checkpoint_table
+
+quiet_expected_failures()
+__all__ = ["protect_training", "recover_training", "summary"]
 
 
 @flow(name="protect-training")
@@ -78,8 +82,13 @@ def protect_training(
     if outcome.finished:
         return {"run": run, "status": "finished", "last_step": outcome.last_step}
     incident_id = record_failure(outcome)
-    found = {"run": run, "status": outcome.kind, "incident_id": incident_id, "last_step": outcome.last_step}
-    return Failed(message=f"{outcome.kind}, incident {incident_id}: {crash_reason(outcome)}", data=found)
+    found = {
+        "run": run,
+        "status": str(outcome.kind),
+        "incident_id": incident_id,
+        "last_step": outcome.last_step,
+    }
+    return failed(f"{outcome.kind}, incident {incident_id}: {crash_reason(outcome)}", found)
 
 
 @flow(name="recover-training")
@@ -131,13 +140,4 @@ def recover_training(
     if done["status"] == "recovered":
         return done
     why = f"the relaunch failed again ({done['status']}, incident {done.get('incident_id')}): {crash_reason(outcome)}"
-    return Failed(message=why, data=done)
-
-
-def summary(state: State) -> dict[str, Any]:
-    """What a protect-training, recover-training or restore-checkpoint run returned, ended well or not
-    (call the flow with ``return_state=True``); a run that failed by raising raises that here."""
-    got = state.result(raise_on_failure=False)
-    if isinstance(got, BaseException):
-        raise got
-    return dict(got)
+    return failed(why, done)

@@ -142,6 +142,10 @@ def _protect_kill_and_recover(
         recovered, 300, "recover-training, started by the trigger, to finish on the worker", interval=1
     )
     assert run["state_type"] == "COMPLETED", (run["state"], (pool.home / "worker.log").read_text()[-3000:])
+    # The crashed run's failure is its state's message, not a traceback from Prefect's engine.
+    said = (pool.home / "worker.log").read_text()
+    assert "Finished in state Failed('crash, incident" in said, said[-3000:]
+    assert "Traceback" not in said and "Engine execution exited" not in said, said[-3000:]
     assert_same_weights(out / "final.safetensors", reference[1])
 
 
