@@ -7,8 +7,9 @@
    fast or a slow machine) and the flow records an incident;
 3. one byte of the newest checkpoint is flipped;
 4. `recover-training` (what `rewind serve`'s automation starts on the failure
-   event) refuses the damaged checkpoint, restores the one before, relaunches the
-   job and watches it to the end;
+   event) chooses the newest checkpoint (its manifest proven) and relaunches the job,
+   which hashes every byte it loads, refuses the damaged checkpoint and loads the one
+   before; the flow watches it to the end;
 5. `verify-checkpoints` scrubs the run;
 6. a report: checkpoints and lineage, what was skipped and why, the incident's
    RTO breakdown, the flow runs, and whether the final weights equal the
@@ -20,13 +21,13 @@ Prefect's ephemeral server is used unless PREFECT_API_URL points at a server.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, EVERY = 60, 10
@@ -37,22 +38,20 @@ def say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
-class ExpectedRefusal(logging.Filter):
-    """Turns the restore's warning about the bit this demo flipped into narration.
+def say_refusal(cat: Any, incident_id: int) -> None:
+    """The damaged restore point, refused: recover-training proves the newest checkpoint's manifest, and the
+    relaunched job, hashing every byte as it loads, refuses the flipped bit and falls back."""
+    from rewind.infra.catalog import incidents, lineage
 
-    Only records naming the damaged file are taken; any other warning still prints.
-    """
-
-    def __init__(self, target: Path) -> None:
-        super().__init__()
-        self.target, self.taken = target, []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        if record.levelno == logging.WARNING and self.target.name in msg and "digest_mismatch" in msg:
-            self.taken.append(msg)
-            return False
-        return True
+    inc = incidents.get_incident(cat, incident_id)
+    refused = (inc.details or {}).get("restore_point_refused")
+    loaded = (inc.details or {}).get("restored_by_job") or {}
+    if refused is None:
+        say("the damaged checkpoint was not chosen by the recovery (an older one was)")
+        return
+    bad = lineage.get_checkpoint(cat, int(refused)).step
+    say(f"refused, as it must be: step {bad} failed the job's check of every byte it read; it loaded step "
+        f"{loaded.get('step')} instead")  # fmt: skip
 
 
 def tiny_lm(run: str, out: Path) -> list[str]:
@@ -123,18 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     say(f"3/5 flipped one bit in {target}")
 
     say("4/5 recover-training (in `rewind serve` the failure event starts it by itself)")
-    refusal = ExpectedRefusal(target)
-    logging.getLogger("rewind.restore").addFilter(refusal)
-    try:
-        recovered = summary(recover_training(incident_id, return_state=True))
-    finally:
-        logging.getLogger("rewind.restore").removeFilter(refusal)
-    for msg in refusal.taken:
-        say(f"refused, as it must be: {msg}")
+    recovered = summary(recover_training(incident_id, return_state=True))
+    say_refusal(cat, incident_id)
     say(f"recover-training: {recovered}")
     say("5/5 verify-checkpoints (scheduled scrub)")
     scrub = verify_checkpoints(run=run, return_state=True)
-    say(f"verify-checkpoints: {scrub.type.value} {scrub.message or ''}")
+    say(f"verify-checkpoints: {scrub.type.value}" + (f": {scrub.message}" if scrub.message else ""))
 
     ta = load_file(str(work / "run" / "final.safetensors"))
     tb = load_file(str(work / "reference" / "final.safetensors"))

@@ -337,6 +337,8 @@ def _add_machine_commands(sub: Any, add: Callable[..., argparse.ArgumentParser])
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("REWIND_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
+    if "REWIND_LOG_LEVEL" not in os.environ:  # "Still processing items" as Prefect flushes events at exit
+        logging.getLogger("EventsWorker").setLevel(logging.ERROR)
     argv = list(sys.argv[1:] if argv is None else argv)
     if bad := _not_utf8(argv):
         print(f"rewind: error: argument {bad} is not valid UTF-8 (names must be text)", file=sys.stderr)
@@ -378,6 +380,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # what was sent is kept: a re-run resumes it, nothing half-done is registered
         print("rewind: interrupted", file=sys.stderr, flush=True)
         return 130
+    except BrokenPipeError:  # `rewind logs RUN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
+        return 0
     except Exception as exc:
         from rewind.infra import stopping
 

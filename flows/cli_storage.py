@@ -109,11 +109,11 @@ def cmd_restore(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> i
     }
 
     def text() -> str:
-        how = f"downloaded from {done.source}" if done.fetched else "the local copy, verified in place"
-        what = f"{how}, every byte checked ({done.seconds:.2f}s) into {done.path}"
+        how = f"downloaded from {done.source} into" if done.fetched else "the local copy in"
+        what = f"{how} {done.path}, every byte checked ({done.seconds:.2f}s)"
         if rolling:
             lines = [
-                f"rolled {args.run} back to step {done.step} ({what}); "
+                f"rolled {args.run} back to step {done.step}: {what}; "
                 f"{len(done.retired_checkpoint_ids)} later checkpoint(s) retired; its next start resumes from here"
             ]
         else:
@@ -183,8 +183,9 @@ def _gc_text(
     usage: list[dict[str, object]],
 ) -> str:
     verb = "would remove" if args.dry_run else "removed"
-    lines = [f"verified steps {gc.verified_first} first"] if gc.verified_first else []
-    lines.append(f"keep steps {gc.keep}")
+    proven = ", ".join(map(str, gc.verified_first))
+    lines = [f"deep-verified steps {proven} first (a kept checkpoint must prove itself)"] if proven else []
+    lines.append(f"keep steps {', '.join(map(str, gc.keep)) or 'none'}")
     lines += [
         f"{verb} step {r.step} ({r.bytes} bytes x {len(r.copies)} copies: {', '.join(c.tier for c in r.copies)})"
         for r in gc.remove
@@ -200,12 +201,20 @@ def _gc_text(
     ]
     lines += [f"{verb} {p}" for p in gc.quarantine]
     free = "would free" if args.dry_run else "freed"
-    if reclaim:  # a file a kept checkpoint still hard-links frees nothing: less than the copies' sizes
-        lines.append(f"{free} per tier, of {gc.freed_bytes} bytes of copies listed:")
+    if reclaim:  # files on disk: manifests count, a file a kept checkpoint still hard-links does not
+        lines.append(f"{free} per tier (files on disk, manifests included, hard-linked files excepted):")
         lines += [f"  {t:8} {r.bytes} bytes, {r.files} files" for t, r in sorted(reclaim.items())]
     else:
         lines.append(f"{free} {gc.freed_bytes} bytes")
-    lines += [f"{u['tier']:8} {u['gb']:10.3f} GB  ${u['usd_per_month']:.2f}/month" for u in usage]
+    if not gc.reclaim:
+        lines.append(
+            f"copies of dead checkpoints (superseded, aborted, corrupt) go once {args.grace_days:g} days old"
+        )
+    price = args.price_per_gb_month
+    lines += [
+        f"in use on {u['tier']:8} {u['gb']:.3f} GB, ${u['usd_per_month']:.2f}/month at ${price}/GB-month"
+        for u in usage
+    ]
     return "\n".join(lines)
 
 
@@ -291,9 +300,19 @@ def _register_checkpoint_commands(sub: Any, ck: Any, add: Add, wrap: Wrap) -> No
     gc.add_argument(
         "--keep-every", type=count, default=0, help="also keep every step divisible by K (default: off)"
     )
-    gc.add_argument("--budget-gb", type=amount, default=None)
     gc.add_argument(
-        "--grace-days", type=amount, default=7.0, help="reclaim dead copies and quarantine after this"
+        "--budget-gb",
+        type=amount,
+        default=None,
+        help="keep the --keep-every steps only while the kept checkpoints fit in this (newest first; "
+        "default: no budget)",
+    )
+    gc.add_argument(
+        "--grace-days",
+        type=amount,
+        default=7.0,
+        help="reclaim copies of dead checkpoints (superseded, aborted, corrupt) and quarantined "
+        "directories once this old (default: 7)",
     )
     gc.add_argument("--dry-run", action="store_true", help="show what would go and the bytes freed")
     gc.add_argument("--price-per-gb-month", type=amount, default=0.023, help="for the cost report (USD)")

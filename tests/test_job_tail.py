@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import threading
@@ -120,6 +121,12 @@ def test_the_jobs_whole_output_is_kept_bounded_and_masked_and_rewind_logs_shows_
     assert "topsecret" not in shown.stdout and "reading s3://" in lines[0]
     status = _rewind("status", run_name, "--json", env=env)
     assert json.loads(status.stdout)["runs"][0]["job"]["log_dir"] == str(sup.log_dir), status.stdout
+    # A reader that stops early (`| head -1`) is not an error: no message, exit 0.
+    rewind = f"{shlex.quote(sys.executable)} -m rewind.flows.cli logs {shlex.quote(run_name)}"
+    piped = subprocess.run(["bash", "-o", "pipefail", "-c", f"{rewind} | head -1"], env={**os.environ, **env},
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert piped.returncode == 0 and piped.stderr == "", piped.stderr
+    assert piped.stdout.splitlines() == lines[:1]
 
 
 def test_rewind_logs_follow_shows_lines_as_they_come_until_the_launch_ends(

@@ -302,12 +302,13 @@ def first_step_after_restore(
         details["loss_change"] = {"restore_point": before, "first_step": observed.detail.get("loss")}
     if restored.get("checkpoint_id") is not None and restored["checkpoint_id"] != chosen:
         # the restore point failed as the job read it, and the job fell back: the incident says what ran
+        refused = lineage.get_checkpoint(cat, chosen).step if chosen is not None else None
         notify.log(
             logging.WARNING,
-            "the job loaded checkpoint %s, not the restore point chosen (%s)",
-            restored["checkpoint_id"],
-            chosen,
-        )
+            "the job loaded step %s (checkpoint %s), not the restore point chosen, step %s (checkpoint %s): "
+            "that one failed the job's check of every byte it read",
+            restored.get("step"), restored["checkpoint_id"], refused, chosen,
+        )  # fmt: skip
         fields["restored_checkpoint_id"] = restored["checkpoint_id"]
         last = (inc.details or {}).get("last_step")
         fields["replayed_steps"] = (last if last is not None else restored["step"]) - int(restored["step"])

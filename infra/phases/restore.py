@@ -117,7 +117,9 @@ def restore_point(
     )
     if not p.candidates and tiers:
         raise NoRestorableCheckpoint(
-            f"run {run!r} has no restorable checkpoint on the {', '.join(tiers)} tier", ()
+            f"run {run!r} has no restorable checkpoint with a copy on the {', '.join(tiers)} tier "
+            "(rewind status shows where its copies are)",
+            (),
         )
     # The loader reads the data position through verification, inside the executor: a damaged training
     # state is that copy's failure (recorded, quarantined, an older checkpoint tried), like any other.

@@ -163,6 +163,8 @@ def plan(
         found = _copies(by_id.get(r.id, []), tiers)
         if r.status == S.CORRUPT.value and (not found or copies.is_condemned(r.status, r.status_reason)):
             continue  # condemned for good, or nothing left that could verify
+        if tiers is not None and not found:
+            continue  # not on the tiers asked for: not a candidate there, and not "missing" either
         candidates.append(
             Candidate(r.id, run, r.step, str(r.status), str(r.manifest_digest), r.total_bytes or 0, found)
         )
@@ -171,7 +173,8 @@ def plan(
     exact = step is not None or checkpoint_id is not None
     if exact and not candidates:
         what = f"step {step}" if step is not None else f"checkpoint {checkpoint_id}"
-        raise NotFoundError(f"run {run!r} has no restorable checkpoint at {what}")
+        where = f" with a copy on the {', '.join(tiers)} tier" if tiers else ""
+        raise NotFoundError(f"run {run!r} has no restorable checkpoint at {what}{where}")
     return RestorePlan(run, Path(root).expanduser().resolve(), tuple(candidates), exact)
 
 
