@@ -129,7 +129,7 @@ def recover_training(
     rebuilt = rebuild_environment(found.run, incident_id, shrink_on_crash)
     handoff = {**rebuilt.handoff, **record_restore(found, point, load_s)}
     get_run_logger().info(
-        "restarting %s from step %d (replaying %d steps): %s",
+        "restarting %s from step %d (replaying at least %d steps, to its last reported one): %s",
         found.run, point.step, (found.last_step or point.step) - point.step, rebuilt.decision,
     )  # fmt: skip
     outcome = supervise_training(

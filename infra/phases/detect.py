@@ -338,7 +338,7 @@ def crash_reason(outcome: Outcome) -> str:
         where = f"host {', '.join(outcome.lost_hosts)} lost (node {outcome.lost_node}): "
     if outcome.last_step is None:
         return f"{where}training {outcome.how}; it reported no step (not using the session API?)"
-    return f"{where}training {outcome.how} after step {outcome.last_step}"
+    return f"{where}training {outcome.how}; its last reported step was {outcome.last_step}"
 
 
 def record_failure(cat: Catalog, *, outcome: Outcome, notify: Notifier) -> int:
