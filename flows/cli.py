@@ -337,8 +337,10 @@ def _add_machine_commands(sub: Any, add: Callable[..., argparse.ArgumentParser])
 
 def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("REWIND_LOG_LEVEL", "WARNING"), format="%(name)s: %(message)s")
-    if "REWIND_LOG_LEVEL" not in os.environ:  # "Still processing items" as Prefect flushes events at exit
-        logging.getLogger("EventsWorker").setLevel(logging.ERROR)
+    if "REWIND_LOG_LEVEL" not in os.environ:
+        from rewind.flows import prefect_noise
+
+        prefect_noise.quiet()
     argv = list(sys.argv[1:] if argv is None else argv)
     if bad := _not_utf8(argv):
         print(f"rewind: error: argument {bad} is not valid UTF-8 (names must be text)", file=sys.stderr)
