@@ -135,7 +135,9 @@ def cmd_ckpt_verify(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) 
 def _has_problems(result: dict[str, Any]) -> bool:
     """Something found wrong: a copy damaged or missing, or no copy at all (not mere doubt)."""
     verdicts = [c["verdict"] for c in result["copies"]]
-    return not verdicts or any(v in ("corrupt", "missing") for v in verdicts)
+    return (not verdicts and not result.get("elsewhere")) or any(
+        v in ("corrupt", "missing") for v in verdicts
+    )
 
 
 def _verify_text(results: list[dict[str, Any]]) -> str:
@@ -157,6 +159,10 @@ def _verify_text(results: list[dict[str, Any]]) -> str:
                 f"  {c['tier']:8} {c['verdict'].upper() if c['verdict'] != 'verified' else 'ok'}  {c['where']}"
             )
             lines += [f"    {f['path']}: {f['problem']}: {f['detail']}" for f in c["findings"]]
+        lines += [
+            f"  local    on host {h}: checked there (its directory is not visible here)"
+            for h in r.get("elsewhere", [])
+        ]
     unchecked = sum(r["unchecked"] > 0 for r in results)
     bad = sum(_has_problems(r) for r in results)
     tail = f", {unchecked} not reached before the budget ran out (--budget-s)" if unchecked else ""

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable
 from datetime import datetime
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from sqlalchemy import Select, and_, case, func, or_, select, update
 
+from rewind.infra import config
 from rewind.infra.catalog import lineage
 from rewind.infra.catalog.db import Catalog, changed, chunks
 from rewind.infra.catalog.models import Checkpoint, Replica, Run, utcnow
@@ -38,6 +40,20 @@ class CopyRow(NamedTuple):
     key: str | None
     status: str
     bytes: int | None
+    host: str | None = None
+
+
+def host_for(tier: str) -> str | None:
+    """The host to record for a new copy on ``tier``: this machine for a local one, none for the others."""
+    return config.host_name() if tier == LOCAL else None
+
+
+def elsewhere(tier: str, host: str | None, uri: str) -> bool:
+    """A local copy on another machine that this one cannot see: not missing, and not judged here.
+
+    Only the copy's own host (or a machine that sees its directory, as on a shared checkpoint root) may
+    find it missing or damaged."""
+    return tier == LOCAL and host is not None and host != config.host_name() and not Path(uri).exists()
 
 
 def copies_of(cat: Catalog, checkpoint_ids: Iterable[int]) -> dict[int, list[Replica]]:
@@ -72,6 +88,7 @@ def copy_rows(
         Replica.key,
         Replica.status,
         Replica.bytes,
+        Replica.host,
     ).where(Replica.checkpoint_id.in_(checkpoint_ids.scalar_subquery()))
     if statuses is not None:
         q = q.where(Replica.status.in_(list(statuses)))
@@ -135,14 +152,18 @@ def add(
     """Register a copy (or update the row of the same copy); returns its id."""
     now = utcnow()
     with cat.session() as s:
-        row = s.scalar(
-            select(Replica).where(
-                Replica.checkpoint_id == checkpoint_id, Replica.tier == tier, Replica.uri == uri
-            )
+        # the same directory name on another machine is another copy (node-local disks share paths)
+        host = host_for(tier)
+        q = select(Replica).where(
+            Replica.checkpoint_id == checkpoint_id, Replica.tier == tier, Replica.uri == uri
         )
+        if host is not None:
+            q = q.where(or_(Replica.host == host, Replica.host.is_(None)))
+        row = s.scalar(q.limit(1))
         if row is None:
             row = Replica(checkpoint_id=checkpoint_id, tier=tier, uri=uri, key=key, bytes=nbytes)
             s.add(row)
+        row.host = host
         row.key, row.bytes, row.status, row.checked_at, row.detail = key, nbytes, status, now, None
         if status is R.VERIFIED:
             row.verified_at = now
@@ -168,11 +189,18 @@ def set_local(cat: Catalog, checkpoint_id: int, path: str, status: R, nbytes: in
     """Point the checkpoint's one local copy at ``path`` (a fresh copy fetched from another tier)."""
     with cat.session() as s:
         s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(path=path))
-        row = s.scalar(select(Replica).where(Replica.checkpoint_id == checkpoint_id, Replica.tier == LOCAL))
+        here = or_(Replica.host == config.host_name(), Replica.host.is_(None))  # another host's copy stays
+        row = s.scalar(
+            select(Replica)
+            .where(Replica.checkpoint_id == checkpoint_id, Replica.tier == LOCAL, here)
+            .limit(1)
+        )
         rid = row.id if row is not None else None
     if rid is None:
         return add(cat, checkpoint_id, LOCAL, path, key=None, nbytes=nbytes, status=status)
     record(cat, rid, status, uri=path)
+    with cat.session() as s:  # fetched onto this machine: its copy is here now
+        s.execute(update(Replica).where(Replica.id == rid).values(host=host_for(LOCAL)))
     return rid
 
 

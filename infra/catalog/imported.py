@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import select, update
 
-from rewind.infra.catalog import lineage
+from rewind.infra.catalog import copies, lineage
 from rewind.infra.catalog.db import Catalog, chunks
 from rewind.infra.catalog.models import LIVE_STATUSES, Checkpoint, CheckpointFile, Replica, aware, utcnow
 from rewind.infra.catalog.models import CheckpointStatus as S
@@ -100,7 +100,8 @@ def insert(
         )
         s.add(
             Replica(
-                checkpoint_id=ck.id, tier=copy.tier, uri=copy.uri, key=copy.key, status=copy.status.value,
+                checkpoint_id=ck.id, tier=copy.tier, uri=copy.uri, key=copy.key, host=copies.host_for(copy.tier),
+                status=copy.status.value,
                 bytes=m.total_bytes, checked_at=utcnow(), verified_at=utcnow() if verified else None,
             )
         )  # fmt: skip

@@ -15,6 +15,7 @@ from sqlalchemy import and_, exists, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
+from rewind.infra import config
 from rewind.infra.catalog.db import Catalog, changed
 from rewind.infra.catalog.models import (
     LIVE_STATUSES,
@@ -184,6 +185,7 @@ def commit(
                 checkpoint_id=checkpoint_id,
                 tier="local",
                 uri=uri,
+                host=config.host_name(),
                 status=ReplicaStatus.PENDING.value,
                 bytes=manifest.total_bytes,
             )

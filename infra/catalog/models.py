@@ -163,6 +163,8 @@ class Replica(Base):
     uri: Mapped[str] = mapped_column(Text)
     # Where the copy lies below ``uri`` (``<run>/step-<N>`` unless that name held another timeline).
     key: Mapped[str | None] = mapped_column(Text)
+    # local: the machine that wrote (or fetched) it; NULL for shared/offsite copies, reachable from anywhere.
+    host: Mapped[str | None] = mapped_column(String(255))
     status: Mapped[ReplicaStatus] = mapped_column(
         _enum(ReplicaStatus, "status"), default=ReplicaStatus.PENDING
     )

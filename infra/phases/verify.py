@@ -83,6 +83,7 @@ class VerifyResult:
             ],
             "findings": [f.as_dict() for f in self.findings],
             "unchecked": self.check.unchecked,
+            "elsewhere": list(self.check.elsewhere),
         }
 
     def raise_for_verdict(self) -> None:

@@ -183,7 +183,9 @@ def _try(
         outcome = SkipOutcome.MISSING
     else:
         outcome = SkipOutcome.CORRUPT if verdicts else SkipOutcome.MISSING
-    return Skip(cand.step, cand.checkpoint_id, outcome, "; ".join(tried) or "no copy left", tuple(found))
+    away = f"no copy here: its local copy is on host {', '.join(cand.elsewhere)}" if cand.elsewhere else ""
+    reason = "; ".join(tried + ([away] if away else [])) or "no copy left"
+    return Skip(cand.step, cand.checkpoint_id, outcome, reason, tuple(found))
 
 
 def _give_up(plan: RestorePlan, skipped: list[Skip]) -> RewindError:

@@ -52,6 +52,7 @@ class Candidate:
     manifest_digest: str
     total_bytes: int
     copies: tuple[Copy, ...]
+    elsewhere: tuple[str, ...] = ()  # hosts holding local copies this machine cannot read
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +99,9 @@ def _copies(rows: list[copies.CopyRow], tiers: Collection[str] | None) -> tuple[
     usable = [
         Copy(r.replica_id, r.tier, r.uri, r.key, r.status)
         for r in rows
-        if r.status in copies.USABLE_VALUES and (tiers is None or r.tier in tiers)
+        if r.status in copies.USABLE_VALUES
+        and (tiers is None or r.tier in tiers)
+        and not copies.elsewhere(r.tier, r.host, r.uri)  # on a host this machine cannot read from
     ]
     usable.sort(key=lambda c: (copies.TIER_ORDER.get(c.tier, 9), _STATUS_RANK.get(c.status, 9)))
     return tuple(usable)
@@ -165,8 +168,14 @@ def plan(
             continue  # condemned for good, or nothing left that could verify
         if tiers is not None and not found:
             continue  # not on the tiers asked for: not a candidate there, and not "missing" either
+        away = tuple(
+            str(c.host) for c in by_id.get(r.id, []) if c.status in copies.USABLE_VALUES
+            and (tiers is None or c.tier in tiers) and copies.elsewhere(c.tier, c.host, c.uri)
+        )  # fmt: skip
         candidates.append(
-            Candidate(r.id, run, r.step, str(r.status), str(r.manifest_digest), r.total_bytes or 0, found)
+            Candidate(
+                r.id, run, r.step, str(r.status), str(r.manifest_digest), r.total_bytes or 0, found, away
+            )
         )
     if target is not None:
         _warn_if_not(target, run, candidates)

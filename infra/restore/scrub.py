@@ -4,7 +4,9 @@ The scrub's counterpart of the restore executor: the same checks (the catalog's
 manifest digest first, then sizes, then, when deep, every byte), the same verdicts
 per copy, the same settling of the checkpoint's status. A damaged local copy is
 moved to ``.quarantine/``; an I/O error leaves a copy unverifiable and the
-checkpoint as it was; a check that passes restores what an earlier one took away.
+checkpoint as it was; a check that passes restores what an earlier one took away. A local copy on
+another host, whose directory this machine cannot see, is left to that host: neither missing nor
+checked here (``elsewhere``).
 
 A scrub spends at most its ``Budget`` (time, and bytes read; one may be shared by
 the scrubs of a whole run): once it is spent, the copies not checked yet are
@@ -49,10 +51,12 @@ class CheckpointCheck:
     status: str  # the checkpoint's status after the check
     deep: bool
     copies: tuple[CopyCheck, ...]
+    # local copies on other machines this one cannot see (their hosts): left to them, judged neither way
+    elsewhere: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
-        return bool(self.copies) and all(c.verdict is Verdict.VERIFIED for c in self.copies)
+        return bool(self.copies or self.elsewhere) and all(c.verdict is Verdict.VERIFIED for c in self.copies)
 
     @property
     def findings(self) -> list[Finding]:
@@ -116,12 +120,16 @@ def scrub(
     run = lineage.get_run_by_id(cat, ck.run_id).name
     results = []
     spent = None
+    away: list[str] = []
     for rep in copies.copies_of(cat, [ck.id])[ck.id]:
         if (
             rep.status == R.DELETED.value
             or _in_quarantine(rep)
             or (tiers is not None and rep.tier not in tiers)
         ):
+            continue
+        if copies.elsewhere(rep.tier, rep.host, rep.uri):  # its own host says whether it is missing
+            away.append(str(rep.host))
             continue
         where = (
             rep.uri if rep.tier == copies.LOCAL else f"{rep.uri}/{rep.key or transfer.copy_key(run, ck.step)}"
@@ -136,7 +144,7 @@ def scrub(
         _record(cat, rep, report)
         results.append(CopyCheck(rep.tier, where, report.verdict, report.findings))
     status = copies.settle(cat, ck.id)
-    check = CheckpointCheck(ck.id, ck.step, status, deep, tuple(results))
+    check = CheckpointCheck(ck.id, ck.step, status, deep, tuple(results), tuple(away))
     if spent is not None:
         log.warning("%s step %d: scrub %s, %d left unchecked", run, ck.step, spent, check.unchecked)
     return check
