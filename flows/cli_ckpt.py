@@ -160,7 +160,7 @@ def _verify_text(results: list[dict[str, Any]]) -> str:
             )
             lines += [f"    {f['path']}: {f['problem']}: {f['detail']}" for f in c["findings"]]
         lines += [
-            f"  local    on host {h}: checked there (its directory is not visible here)"
+            f"  local    on a disk of host {h} not seen here: checked where it is seen"
             for h in r.get("elsewhere", [])
         ]
     unchecked = sum(r["unchecked"] > 0 for r in results)

@@ -7,7 +7,6 @@ checkpoint tier unless ``REWIND_CATALOG_URL`` / ``REWIND_CHECKPOINT_ROOT`` say o
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 
@@ -17,11 +16,6 @@ def home() -> Path:
 
 def catalog_url() -> str:
     return os.environ.get("REWIND_CATALOG_URL") or f"sqlite:///{home() / 'catalog.db'}"
-
-
-def host_name() -> str:
-    """This machine, as the catalog names the host of a local copy (``REWIND_HOST_NAME``, else its hostname)."""
-    return os.environ.get("REWIND_HOST_NAME") or socket.gethostname()
 
 
 def checkpoint_root() -> Path:

@@ -77,6 +77,7 @@ class CopyRef:
     uri: str
     key: str | None
     status: str
+    tier_id: str | None = None  # a local copy's disk
 
 
 @dataclass
@@ -161,7 +162,9 @@ def prove_newest(cat: Catalog, live: list[Live], keep_last: int) -> Proof:
 
 def _refs(rows: list[copies.CopyRow]) -> list[CopyRef]:
     return [
-        CopyRef(r.replica_id, r.tier, r.uri, r.key, r.status) for r in rows if r.status != R.DELETED.value
+        CopyRef(r.replica_id, r.tier, r.uri, r.key, r.status, r.tier_id)
+        for r in rows
+        if r.status != R.DELETED.value
     ]
 
 
@@ -275,6 +278,8 @@ def doomed(cat: Catalog, ref: CopyRef) -> bool:
 
 
 def _delete_one(cat: Catalog, run: str, step: int, ref: CopyRef) -> None:
+    if copies.elsewhere(ref.tier, ref.tier_id, ref.uri):  # another disk's: its own gc reclaims it (dead)
+        return
     if doomed(cat, ref):
         try:
             _delete_copy(ref, run, step)

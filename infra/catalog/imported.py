@@ -69,6 +69,7 @@ def insert(
     progress is refused: its writer is about to commit it.
     """
     written, verified = manifest_time(m), copy.status is R.VERIFIED
+    tier_id, host = copies.place(copy.tier, copy.uri)
     with cat.session() as s:
         lineage.lock_run(s, run_id)
         live = s.scalar(
@@ -100,7 +101,7 @@ def insert(
         )
         s.add(
             Replica(
-                checkpoint_id=ck.id, tier=copy.tier, uri=copy.uri, key=copy.key, host=copies.host_for(copy.tier),
+                checkpoint_id=ck.id, tier=copy.tier, uri=copy.uri, key=copy.key, tier_id=tier_id, host=host,
                 status=copy.status.value,
                 bytes=m.total_bytes, checked_at=utcnow(), verified_at=utcnow() if verified else None,
             )

@@ -15,7 +15,6 @@ from sqlalchemy import and_, exists, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
-from rewind.infra import config
 from rewind.infra.catalog.db import Catalog, changed
 from rewind.infra.catalog.models import (
     LIVE_STATUSES,
@@ -29,6 +28,7 @@ from rewind.infra.catalog.models import (
     utcnow,
 )
 from rewind.infra.errors import ConfigError, Fenced, NotFoundError, RewindError
+from rewind.infra.format import local_tier
 from rewind.infra.format.manifest import Manifest
 
 S = CheckpointStatus
@@ -180,12 +180,14 @@ def commit(
             )
             for f in manifest.files
         )
+        disk = local_tier.of_copy(uri)
         s.add(
             Replica(
                 checkpoint_id=checkpoint_id,
                 tier="local",
                 uri=uri,
-                host=config.host_name(),
+                tier_id=disk.id if disk is not None else None,
+                host=disk.host if disk is not None else None,
                 status=ReplicaStatus.PENDING.value,
                 bytes=manifest.total_bytes,
             )

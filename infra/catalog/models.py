@@ -163,7 +163,9 @@ class Replica(Base):
     uri: Mapped[str] = mapped_column(Text)
     # Where the copy lies below ``uri`` (``<run>/step-<N>`` unless that name held another timeline).
     key: Mapped[str | None] = mapped_column(Text)
-    # local: the machine that wrote (or fetched) it; NULL for shared/offsite copies, reachable from anywhere.
+    # local: the disk that holds it (its root's ``.rewind-tier`` id) and the host that made that disk's
+    # mark; NULL for shared/offsite copies (reachable from anywhere) and for local ones from before 0012.
+    tier_id: Mapped[str | None] = mapped_column(String(64))
     host: Mapped[str | None] = mapped_column(String(255))
     status: Mapped[ReplicaStatus] = mapped_column(
         _enum(ReplicaStatus, "status"), default=ReplicaStatus.PENDING

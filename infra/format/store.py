@@ -22,6 +22,7 @@ from typing import BinaryIO
 
 from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.faults import fault_point
+from rewind.infra.format import local_tier
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import HashingWriter, hash_file, manifest_digest
 from rewind.infra.format.verify import Finding, Problem
@@ -148,7 +149,8 @@ def write_file(path: Path, fill: FileWriter) -> mf.FileEntry:
 
 
 def temp_dir(run_dir: Path, step: int) -> Path:
-    """A fresh ``step-<N>.tmp-<pid>-<id>/`` for a save in flight."""
+    """A fresh ``step-<N>.tmp-<pid>-<id>/`` for a save in flight (the tier's root marked first)."""
+    local_tier.ensure(run_dir.parent)
     run_dir.mkdir(parents=True, exist_ok=True)
     tmp = run_dir / f"step-{step}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()

@@ -127,7 +127,7 @@ def _register(
     else:
         ck_id, action = known.id, "already adopted"
         if not any(
-            r.tier == copies.LOCAL and r.uri == str(path) for r in copies.copies_of(cat, [ck_id])[ck_id]
+            copies.same_copy(r, copies.LOCAL, str(path)) for r in copies.copies_of(cat, [ck_id])[ck_id]
         ):
             copies.add(cat, ck_id, copies.LOCAL, str(path), key=None, nbytes=m.total_bytes, status=R.VERIFIED)
         if pin and not known.pinned:

@@ -84,7 +84,7 @@ def rows_against_storage(
             continue
         if tiers is not None and not any(_on(rep, kind, uri) for kind, uri in tiers):
             continue
-        if copies.elsewhere(rep.tier, rep.host, rep.uri):  # another host's to check
+        if copies.elsewhere(rep.tier, rep.tier_id, rep.uri):  # another disk's to check
             continue
         try:
             where, report = _report(rep, ck, name, deep, ring)

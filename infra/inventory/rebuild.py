@@ -115,7 +115,7 @@ def _place(
         ck_id = imported.insert(cat, run_id, m, digest=digest, path=path, copy=copy, pinned=adopted)
         return Placed(m.run, m.step, place.key, ck_id, "new checkpoint", ""), True
     known = any(
-        r.tier == kind and r.uri == uri and r.status != R.DELETED.value
+        copies.same_copy(r, kind, uri) and r.status != R.DELETED.value
         for r in copies.copies_of(cat, [ck.id])[ck.id]
     )
     if not known or deep:

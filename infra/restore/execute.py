@@ -183,7 +183,11 @@ def _try(
         outcome = SkipOutcome.MISSING
     else:
         outcome = SkipOutcome.CORRUPT if verdicts else SkipOutcome.MISSING
-    away = f"no copy here: its local copy is on host {', '.join(cand.elsewhere)}" if cand.elsewhere else ""
+    away = (
+        f"no copy here: its local copy is on a disk of host {', '.join(cand.elsewhere)} not seen here"
+        if cand.elsewhere
+        else ""
+    )
     reason = "; ".join(tried + ([away] if away else [])) or "no copy left"
     return Skip(cand.step, cand.checkpoint_id, outcome, reason, tuple(found))
 

@@ -101,7 +101,7 @@ def _copies(rows: list[copies.CopyRow], tiers: Collection[str] | None) -> tuple[
         for r in rows
         if r.status in copies.USABLE_VALUES
         and (tiers is None or r.tier in tiers)
-        and not copies.elsewhere(r.tier, r.host, r.uri)  # on a host this machine cannot read from
+        and not copies.elsewhere(r.tier, r.tier_id, r.uri)  # on a host this machine cannot read from
     ]
     usable.sort(key=lambda c: (copies.TIER_ORDER.get(c.tier, 9), _STATUS_RANK.get(c.status, 9)))
     return tuple(usable)
@@ -169,8 +169,8 @@ def plan(
         if tiers is not None and not found:
             continue  # not on the tiers asked for: not a candidate there, and not "missing" either
         away = tuple(
-            str(c.host) for c in by_id.get(r.id, []) if c.status in copies.USABLE_VALUES
-            and (tiers is None or c.tier in tiers) and copies.elsewhere(c.tier, c.host, c.uri)
+            str(c.host or c.tier_id) for c in by_id.get(r.id, []) if c.status in copies.USABLE_VALUES
+            and (tiers is None or c.tier in tiers) and copies.elsewhere(c.tier, c.tier_id, c.uri)
         )  # fmt: skip
         candidates.append(
             Candidate(

@@ -5,8 +5,8 @@ manifest digest first, then sizes, then, when deep, every byte), the same verdic
 per copy, the same settling of the checkpoint's status. A damaged local copy is
 moved to ``.quarantine/``; an I/O error leaves a copy unverifiable and the
 checkpoint as it was; a check that passes restores what an earlier one took away. A local copy on
-another host, whose directory this machine cannot see, is left to that host: neither missing nor
-checked here (``elsewhere``).
+another host's disk (``infra/format/local_tier.py``) is left to a machine that sees that disk: neither
+missing nor checked here (``elsewhere``, by the host that marked the disk).
 
 A scrub spends at most its ``Budget`` (time, and bytes read; one may be shared by
 the scrubs of a whole run): once it is spent, the copies not checked yet are
@@ -56,7 +56,7 @@ class CheckpointCheck:
 
     @property
     def ok(self) -> bool:
-        return bool(self.copies or self.elsewhere) and all(c.verdict is Verdict.VERIFIED for c in self.copies)
+        return bool(self.copies) and all(c.verdict is Verdict.VERIFIED for c in self.copies)
 
     @property
     def findings(self) -> list[Finding]:
@@ -128,8 +128,8 @@ def scrub(
             or (tiers is not None and rep.tier not in tiers)
         ):
             continue
-        if copies.elsewhere(rep.tier, rep.host, rep.uri):  # its own host says whether it is missing
-            away.append(str(rep.host))
+        if copies.elsewhere(rep.tier, rep.tier_id, rep.uri):  # only a machine that sees its disk judges it
+            away.append(str(rep.host or rep.tier_id))
             continue
         where = (
             rep.uri if rep.tier == copies.LOCAL else f"{rep.uri}/{rep.key or transfer.copy_key(run, ck.step)}"
