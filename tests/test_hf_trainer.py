@@ -16,6 +16,7 @@ import pytest
 from rewind.infra.catalog import incidents, jobs, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.states import CheckpointStatus
+from tests.integrity_support import flip
 from tests.trainproc import REPO, assert_same_weights
 
 pytest.importorskip("transformers")
@@ -59,17 +60,26 @@ def test_a_trainer_job_killed_after_a_checkpoint_is_recovered_bit_exact(
     first = jobs.launches(cat, run_name)[0]
     assert max(r.step or 0 for r in jobs.progress(cat, first.id)) >= 20  # the callback's progress rows
 
+    # The newest checkpoint is damaged before the recovery: the flow proves its manifest and chooses it;
+    # the job, checking every byte before Trainer reads one, refuses it and resumes from step 10.
+    (step20,) = [c for c in lineage.checkpoints(cat, run_name, 20)]
+    flip(Path(step20.path) / "model.safetensors")
     recovered = summary(recover_training(protected["incident_id"], return_state=True))
     assert recovered["status"] == "recovered", recovered
     inc = incidents.get_incident(cat, protected["incident_id"])
-    restored = lineage.get_checkpoint(cat, inc.restored_checkpoint_id)
-    assert restored.step == 20, restored.step
+    assert inc.details["restore_point_refused"] == step20.id, inc.details
+    assert lineage.get_checkpoint(cat, inc.restored_checkpoint_id).step == 10
     assert_same_weights(out / "final.safetensors", reference)
 
-    kept = lineage.checkpoints(cat, run_name)
-    assert sorted(c.step for c in kept) == [10, 20, 30, 40]
-    assert all(c.status == CheckpointStatus.VERIFIED and not c.pinned for c in kept)
+    kept = [c for c in lineage.checkpoints(cat, run_name) if c.status == CheckpointStatus.VERIFIED]
+    assert sorted(c.step for c in kept) == [10, 20, 30, 40] and not any(c.pinned for c in kept)
     assert not list((out / "trainer").glob("checkpoint-*"))  # taken over, nothing left behind
+    # Rewind's to keep or delete: retention frees the disk, as for its own checkpoints.
+    gc = subprocess.run([sys.executable, "-m", "rewind.flows.cli", "gc", run_name, "--keep-last", "1"],
+                        env=os.environ, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert gc.returncode == 0, gc.stderr
+    left = sorted(p.name for p in (Path(rewind_env["REWIND_CHECKPOINT_ROOT"]) / run_name).glob("step-*"))
+    assert left == ["step-40"], left
 
 
 def test_a_nan_loss_from_trainer_is_an_anomaly(rewind_env, run_name):

@@ -280,19 +280,24 @@ def sweep_temp(run_dir: Path) -> list[Path]:
 QUARANTINE = ".quarantine"
 
 
+OWNER = "rewind"  # a manifest's writer.owner when Rewind took an adopted directory over (it may delete it)
+
+
 def owned(path: Path, root: Path) -> bool:
     """Is ``path`` a checkpoint directory Rewind wrote, and so may move or delete?
 
-    Not when its manifest says it was adopted (the user's own directory); otherwise when it
-    lies under the local tier's ``root``, or its manifest names a Rewind engine as its writer.
+    Not when its manifest says it was adopted (the user's own directory), unless Rewind took it over
+    (``owner: rewind``: a library's checkpoint moved into the local tier); otherwise when it lies under
+    the local tier's ``root``, or its manifest names a Rewind engine as its writer.
     """
     if not path.is_dir():
         return False
     try:
-        engine: str | None = mf.read(path).writer.get("engine", "")
+        wrote = mf.read(path).writer
+        engine: str | None = wrote.get("engine", "")
     except (OSError, mf.ManifestError):
-        engine = None  # damaged or gone: only where it lies can tell
-    if engine is not None and engine.startswith("adopted:"):
+        wrote, engine = {}, None  # damaged or gone: only where it lies can tell
+    if engine is not None and engine.startswith("adopted:") and wrote.get("owner") != OWNER:
         return False
     return path.resolve().is_relative_to(root.resolve()) or (engine or "").startswith("rewind.")
 

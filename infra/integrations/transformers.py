@@ -23,6 +23,7 @@ not be exact); a data window the supervisor asks to skip is not skipped (Trainer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
@@ -39,12 +40,14 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 from rewind.infra import config
 from rewind.infra.catalog import lineage, models
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.errors import ConfigError, NotFoundError
+from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, NotFoundError, is_transient
 from rewind.infra.faults import fault_point
+from rewind.infra.format.verify import verify_files
 from rewind.infra.health.signals import LossWatch
 from rewind.infra.inventory.adopt import adopt
 from rewind.infra.inventory.takeover import take_over
-from rewind.infra.restore.foreign import verified_directory
+from rewind.infra.restore import execute, plan
+from rewind.infra.restore.execute import Restored
 from rewind.infra.training.progress import ProgressWriter
 from rewind.infra.training.session import Handoff, TrainingAnomaly
 
@@ -73,25 +76,64 @@ class RewindCallback(TrainerCallback):
         self.heartbeat_s = heartbeat_s
         self.start_step = 0
         self._writer: ProgressWriter | None = None
+        self._held = contextlib.ExitStack()  # the restore point's lease, until Trainer has read it
+        self._stepped = False
 
     # -- before train() ----------------------------------------------------------------------------
 
     def resume_point(self) -> str | None:
-        """The directory to give ``Trainer.train(resume_from_checkpoint=...)``: every byte checked."""
+        """The directory to give ``Trainer.train(resume_from_checkpoint=...)``: every byte checked.
+
+        The recovery's chosen restore point first (an older one when its every copy fails), else the
+        newest that proves itself; ``None`` on a run with no checkpoint. A failure is told to the supervisor
+        (a failed restore, not a job that cannot start) before it is raised."""
+        writer = self._start_writer("restoring")
+        try:
+            done = self._restore()
+        except Exception as exc:
+            if writer is not None:
+                why = {"reason": f"{type(exc).__name__}: {exc}"[:1000], "transient": is_transient(exc)}
+                writer.note(restore_failed=why)
+                writer.finish(models.RankState.FAILED)
+            self._held.close()
+            raise
+        if done is None:
+            return None
+        self.start_step = done.step
+        if writer is not None:
+            restored = {
+                "checkpoint_id": done.checkpoint_id,
+                "step": done.step,
+                "bytes_read": done.manifest.total_bytes,
+            }
+            writer.note(start_step=done.step, restored=restored)
+        log.info("resuming %s from step %d (%s)", self.run, done.step, done.directory)
+        return str(done.directory)
+
+    def _restore(self) -> Restored[None] | None:
+        target = self.handoff.restore
         try:
             run = lineage.get_run(self.catalog, self.run)
         except NotFoundError:
+            if target is not None:
+                raise
             return None  # a fresh run
         if not lineage.restorable(self.catalog, run.id):
+            if target is not None:  # the recovery chose a restore point: starting over would lose the run
+                raise NoRestorableCheckpoint(f"run {self.run!r} has no checkpoint left to restore", ())
             log.warning("%s has no checkpoint left to restore: training starts from the beginning", self.run)
             return None
-        target = self.handoff.restore
-        done = verified_directory(
-            self.catalog, self.run, step=target.step if target else None, root=self.root
-        )
-        self.start_step = done.step
-        log.info("resuming %s from step %d (%s)", self.run, done.step, done.directory)
-        return str(done.directory)
+        p = plan.plan(self.catalog, self.run, root=self.root, target=target)
+        # held until Trainer has read it (its first step): retention must not delete it under the read
+        return self._held.enter_context(execute.restoring(self.catalog, p, verify_files))
+
+    def _start_writer(self, busy: str) -> ProgressWriter | None:
+        if self._writer is None and self.handoff.launch_id is not None:
+            self._writer = ProgressWriter(
+                self.catalog, self.handoff.launch_id, 0, interval_s=self.heartbeat_s
+            )
+            self._writer.start(busy)
+        return self._writer
 
     # -- Trainer's events --------------------------------------------------------------------------
 
@@ -103,18 +145,32 @@ class RewindCallback(TrainerCallback):
             log.warning(
                 "the supervisor asked to skip samples %d..%d: Trainer cannot, not skipped", *self.handoff.skip
             )
-        if self.handoff.launch_id is not None and state.is_world_process_zero:
-            self._writer = ProgressWriter(
-                self.catalog, self.handoff.launch_id, 0, interval_s=self.heartbeat_s
-            )
-            self._writer.start("starting")
-            self._writer.note(start_step=state.global_step, total_steps=state.max_steps)
+        writer = self._start_writer("starting")
+        if writer is not None:
+            writer.busy("starting")
+            writer.note(start_step=state.global_step, total_steps=state.max_steps)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        if self._writer is not None:
-            self._writer.report(state.global_step, _last_loss(state), None)
+        if not self._stepped:
+            self._stepped = True
+            self._held.close()  # Trainer has read the restore point by now
+        if self._writer is None:
+            return
+        self._writer.report(state.global_step, _last_loss(state), None)
+        # Trainer saves and evaluates after this event: busy, so a long save is not taken for a hang
+        if control.should_save:
+            self._writer.busy("saving")
+        elif control.should_evaluate:
+            self._writer.busy("evaluating")
+        elif state.global_step == self.start_step + 1:
+            self._writer.busy(None)  # the first step is done: no longer starting
+
+    def on_evaluate(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        if self._writer is not None and not control.should_save:
             self._writer.busy(None)
 
     def on_log(
@@ -140,12 +196,10 @@ class RewindCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         written = Path(args.output_dir or "trainer_output") / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
-        if self._writer is not None:
-            self._writer.busy("saving")
         try:
             fault_point("hf.taken_over", state.global_step)
             kept = take_over(written, self.root / self.run, state.global_step)
-            got = adopt(self.catalog, kept, run=self.run, step=state.global_step, fmt=FORMAT, pin=False)
+            got = adopt(self.catalog, kept, run=self.run, step=state.global_step, fmt=FORMAT, owned=True)
             fault_point("hf.committed", state.global_step)
             log.info("%s step %d: checkpoint %d committed (%s)", self.run, got.step, got.checkpoint_id, kept)
         finally:
@@ -155,6 +209,7 @@ class RewindCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
+        self._held.close()
         if self._writer is not None:
             self._writer.finish(models.RankState.FINISHED)
             self._writer = None

@@ -153,13 +153,21 @@ def _existing(path: Path, run: str) -> tuple[mf.Manifest, str] | None:
 
 
 def adopt(
-    cat: Catalog, path: Path, *, run: str, step: int | None = None, fmt: str | None = None, pin: bool = True
+    cat: Catalog,
+    path: Path,
+    *,
+    run: str,
+    step: int | None = None,
+    fmt: str | None = None,
+    owned: bool = False,
 ) -> Adopted:
     """Hash, write the manifest, register. Running it again on the same directory changes nothing.
 
-    ``pin``: a directory another tool keeps is pinned (retention never deletes it); one Rewind took over
-    into its own tier (``rewind.integrations.transformers``) is not: retention treats it as its own.
+    A directory another tool keeps is pinned (retention never deletes it). ``owned``: one Rewind took
+    over into its own tier (``rewind.integrations.transformers``): not pinned, its manifest says
+    ``owner: rewind``, and retention, gc and quarantine treat it as Rewind's own.
     """
+    pin = not owned
     path = path.expanduser().resolve()
     if not path.is_dir():
         raise ConfigError(f"{path} is not a directory")
@@ -182,13 +190,13 @@ def adopt(
             parent_digest=parent_digest,
             created_at=datetime.now(UTC).isoformat(),
             layout={"world_size": _world(fmt, files), "tp": 1, "pp": 1, "dp": _world(fmt, files)},
-            writer=writer(f"adopted:{fmt}"),
+            writer={**writer(f"adopted:{fmt}"), **({"owner": store.OWNER} if owned else {})},
         )
         raw = m.to_bytes()
         try:
             _write_manifest(path, raw)
         except FileExistsError:  # another adoption of this directory got there first: take its result
-            return adopt(cat, path, run=run, pin=pin)
+            return adopt(cat, path, run=run, owned=owned)
         digest = manifest_digest(raw)
     ck_id, action = _register(cat, run_id, m, digest, path, pin)
     kind = m.writer.get("engine", "adopted:?").removeprefix("adopted:")

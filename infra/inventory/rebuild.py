@@ -31,7 +31,7 @@ from rewind.infra.catalog import copies, imported, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.errors import RewindError, TransientError
-from rewind.infra.format import files
+from rewind.infra.format import files, store
 from rewind.infra.format import keyring as kr
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import manifest_digest
@@ -110,7 +110,7 @@ def _place(
     ck = imported.by_digest(cat, run_id, digest)
     if ck is None:
         path = str(local_dir if kind == LOCAL else config.checkpoint_root() / m.run / f"step-{m.step}")
-        adopted = m.writer.get("engine", "").startswith("adopted:")  # its pin comes back with it
+        adopted = kept_by_its_tool(m)  # its pin comes back with it
         copy = imported.FirstCopy(kind, uri, key, status)
         ck_id = imported.insert(cat, run_id, m, digest=digest, path=path, copy=copy, pinned=adopted)
         return Placed(m.run, m.step, place.key, ck_id, "new checkpoint", ""), True
@@ -135,13 +135,18 @@ class _Lineage:
 
     def note(self, run_id: int, ck_id: int, m: mf.Manifest) -> None:
         self.parents[run_id][ck_id] = (m.parent_step, m.parent_digest)  # a parent may come later
-        if m.writer.get("engine", "").startswith("adopted:"):
+        if kept_by_its_tool(m):
             self.adopted.add(ck_id)
 
     def settle(self, cat: Catalog) -> None:
         for run_id, of_run in self.parents.items():
             imported.link_parents(cat, run_id, of_run)
             imported.retire_abandoned(cat, run_id, list(of_run), exempt=self.adopted)
+
+
+def kept_by_its_tool(m: mf.Manifest) -> bool:
+    """Adopted and still the other tool's (pinned, outside the run's timeline), not taken over by Rewind."""
+    return str(m.writer.get("engine", "")).startswith("adopted:") and m.writer.get("owner") != store.OWNER
 
 
 def _one(
