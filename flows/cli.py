@@ -382,9 +382,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # what was sent is kept: a re-run resumes it, nothing half-done is registered
         print("rewind: interrupted", file=sys.stderr, flush=True)
         return 130
-    except BrokenPipeError:  # `rewind logs RUN | head`: the reader has what it wanted
+    except BrokenPipeError:  # the reader went away (`| head`): as a shell reports a process SIGPIPE ended
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
-        return 0
+        return 128 + signal.SIGPIPE
     except Exception as exc:
         from rewind.infra import stopping
 

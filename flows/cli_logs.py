@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -23,10 +24,14 @@ def cmd_logs(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
         raise ConfigError(f"launch {chosen.launch_id} of {args.run} kept no output of node {args.node}")
     several = len(nodes) > 1
     followers = [_Follower(node, path, several) for node, path in nodes]
-    for f in followers:
-        f.show_all()
-    if args.follow:
-        _follow(followers, _ended(catalog, chosen.launch_id))
+    try:
+        for f in followers:
+            f.show_all()
+        if args.follow:
+            _follow(followers, _ended(catalog, chosen.launch_id))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `rewind logs RUN | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nothing left to flush at exit
     return 0
 
 

@@ -18,9 +18,13 @@ WORKER_THREAD_TIMEOUT = (
 )
 
 
+STILL_PROCESSING = "Still processing items:"
+
+
 class _Unactionable(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (isinstance(record.msg, str) and record.msg.startswith(WORKER_THREAD_TIMEOUT))
+        text = record.msg if isinstance(record.msg, str) else ""
+        return not (text.startswith(WORKER_THREAD_TIMEOUT) or text.startswith(STILL_PROCESSING))
 
 
 _FILTER = _Unactionable()
@@ -31,4 +35,6 @@ def quiet() -> None:
     logger = logging.getLogger("prefect.task_runs")
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)
-    logging.getLogger("EventsWorker").setLevel(logging.ERROR)
+    events = logging.getLogger("EventsWorker")  # its other warnings (a full queue dropping events) stay
+    if _FILTER not in events.filters:
+        events.addFilter(_FILTER)

@@ -21,9 +21,9 @@ ENGINE_EXIT = "Engine execution exited with unexpected exception"
 class RunFailed(Exception):
     """The failure a run reported itself, with what it found."""
 
-    def __init__(self, message: str, summary: Mapping[str, Any]) -> None:
+    def __init__(self, message: str, summary: Mapping[str, Any] | None = None) -> None:
         super().__init__(message)
-        self.summary = dict(summary)
+        self.summary = dict(summary or {})
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (RunFailed, (str(self), self.summary))

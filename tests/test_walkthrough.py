@@ -75,6 +75,7 @@ def test_the_walk_through_protects_a_users_own_script_as_typed(walk: Shell) -> N
 
     def finished() -> dict | None:
         r = httpx.post(f"{server.api}/flow_runs/filter", json={}, timeout=5, auth=server.auth)
+        assert r.status_code == 200, r.text[:500]
         done = [fr for fr in r.json() if fr["state_type"] in FINAL and fr["parameters"].get("run") == "demo"]
         return done[0] if done else None
 

@@ -145,7 +145,7 @@ def _protect_kill_and_recover(
     # The crashed run's failure is its state's message, not a traceback from Prefect's engine.
     said = (pool.home / "worker.log").read_text()
     assert "Finished in state Failed('crash, incident" in said, said[-3000:]
-    assert "Traceback" not in said and "Engine execution exited" not in said, said[-3000:]
+    assert "Engine execution exited" not in said and "dict cannot be resolved" not in said, said[-3000:]
     assert_same_weights(out / "final.safetensors", reference[1])
 
 

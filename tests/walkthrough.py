@@ -4,7 +4,7 @@ A user's fresh account: HOME is a new directory, no ``REWIND_*`` or ``PREFECT_*`
 (so REWIND_HOME is ``~/.rewind`` and Prefect's client home ``~/.prefect``). What a test changes is
 said once, here: the port (free, not 4200, through Prefect's own ``PREFECT_SERVER_API_PORT``), the
 Postgres database's name (one per test session), ``.venv/bin/`` (this interpreter's bin directory),
-and quiet, local-only Prefect settings in the environment (no telemetry; faster polling).
+the Postgres server and user (the test session's), and quiet, local-only Prefect settings in the environment (no telemetry; faster polling).
 """
 
 from __future__ import annotations
@@ -58,7 +58,15 @@ class Shell:
     def substitute(self, line: str) -> str:
         line = re.sub(r"(?<![\w/])\.venv/bin/", f"{Path(sys.executable).parent}/", line)
         line = line.replace("127.0.0.1:4200", f"127.0.0.1:{self.port}")
-        return re.sub(r"(postgresql\+psycopg://[^\s/]+/)rewind\b", rf"\g<1>{self.database}", line)
+        # the docs' Postgres, as this test session reaches it (REWIND_TEST_PG_ADMIN), in a database of its own
+        return re.sub(r"postgresql\+psycopg://[^\s/]+/rewind\b", lambda _: self.database_url, line)
+
+    @property
+    def database_url(self) -> str:
+        from tests.conftest import ADMIN_URL
+
+        base = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1)
+        return f"{base}/{self.database}"
 
     def type(
         self, line: str, cwd: Path | None = None, timeout_s: float = 240

@@ -317,7 +317,9 @@ def _job(run: str, launch: Launch | None, ranks: list[RankProgress], now: dateti
         "ranks": len(ranks),
         "last_report_age_s": round(now.timestamp() - max(beats), 3) if beats else None,
         # each rank's process as it reported itself: what to `kill` to drill a crash by hand
-        "processes": [{"rank": p.rank, "node": p.node, "pid": p.pid} for p in sorted(ranks, key=_by_rank)],
+        "processes": []
+        if launch.ended_at is not None  # an ended launch's PIDs may name other processes by now
+        else [{"rank": p.rank, "node": p.node, "pid": p.pid} for p in sorted(ranks, key=_by_rank)],
         "log_dir": str(config.job_log_dir(run, launch.id)),  # on the machine that supervised it
     }
 

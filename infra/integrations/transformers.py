@@ -15,10 +15,13 @@ one the recovery chose, so Trainer unpickles only bytes the catalog recorded; ``
 Under a supervisor (``protect-training``), each step is reported as progress and a NaN/Inf or spiking
 logged loss is an anomaly, as for ``TrainingSession``.
 
+Put it first in ``callbacks``: a callback after it finds no ``checkpoint-N`` in ``on_save``.
+
 Limits: single-process jobs (``args.world_size == 1``; under torchrun each rank's take-over would need a
 barrier Trainer does not expose); not with ``load_best_model_at_end`` (Trainer would look for the best
 checkpoint under ``output_dir``) or ``save_only_model`` (the optimizer would not be saved, so a resume could
-not be exact); a data window the supervisor asks to skip is not skipped (Trainer has no global position).
+not be exact) or ``push_to_hub`` of each checkpoint (the upload would read a folder that moved); not
+under hyperparameter search (its trials save elsewhere); a data window the supervisor asks to skip is not skipped (Trainer has no global position).
 """
 
 from __future__ import annotations
@@ -225,6 +228,12 @@ def _check(args: TrainingArguments) -> None:
     if args.save_only_model:
         raise ConfigError("save_only_model=True leaves the optimizer and scheduler out: a resume from such a "
                           "checkpoint is not exact; leave it off")  # fmt: skip
+    if args.push_to_hub and getattr(args.hub_strategy, "value", args.hub_strategy) in (
+        "checkpoint",
+        "all_checkpoints",
+    ):
+        raise ConfigError("push_to_hub with hub_strategy checkpoint/all_checkpoints uploads the checkpoint "
+                          "folder that RewindCallback moves into Rewind's tier; use hub_strategy 'end'")  # fmt: skip
     if str(args.save_strategy) in ("no", "SaveStrategy.NO"):
         log.warning("save_strategy is 'no': Trainer never saves, so Rewind has nothing to protect")
 
