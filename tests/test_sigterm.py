@@ -16,7 +16,10 @@ def test_rewind_serve_stops_on_sigterm_within_5_s(prefect_api, rewind_env):
     Path(rewind_env["REWIND_HOME"]).mkdir(parents=True, exist_ok=True)
     with rewind_serve(prefect_api, rewind_env, "--allow-unauthenticated-api") as proc:  # the harness: no auth
         wait_until(
-            lambda: proc.poll() is not None or "being served" in log.read_text(errors="replace"),
+            lambda: (
+                proc.poll() is not None
+                or "deployments served from this process" in log.read_text(errors="replace")
+            ),
             120,
             "rewind serve to serve its deployments",
         )
