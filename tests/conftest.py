@@ -122,7 +122,7 @@ def s3(tmp_path_factory):  # type: ignore[no-untyped-def]
     server.start()
     server.client().create_bucket(Bucket=BUCKET)
     yield server
-    server.stop()
+    server.stop(timeout=5)  # `weed mini` sometimes ignores SIGTERM for 20 s; its data is the test's to drop
 
 
 @pytest.fixture
