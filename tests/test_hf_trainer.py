@@ -95,3 +95,27 @@ def test_a_nan_loss_from_trainer_is_an_anomaly(rewind_env, run_name):
     with pytest.raises(TrainingAnomaly, match="step 7"):
         cb.on_log(None, state, TrainerControl(), logs={"loss": math.nan})
     assert cb.resume_point() is None  # a run with no checkpoint: a fresh start
+
+
+def test_a_take_over_killed_half_way_leaves_nothing_that_stays(tmp_path):
+    """Killed before its adoption, a take-over leaves a temporary directory (swept like a killed save's) or a
+    step directory with no manifest (replaced by the next take-over of that step, not kept beside it)."""
+    from rewind.infra.format import local_tier, store
+    from rewind.infra.inventory.takeover import take_over
+
+    run_dir = tmp_path / "tier" / "run"
+    (run_dir / "step-20").mkdir(parents=True)
+    (run_dir / "step-20" / "optimizer.pt").write_bytes(b"half")  # renamed in, never adopted
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (run_dir / f"step-20.tmp-{dead.pid}-0123456789ab").mkdir()  # moved in by a process now gone
+    trainer = tmp_path / "out" / "checkpoint-20"
+    trainer.mkdir(parents=True)
+    (trainer / "model.safetensors").write_bytes(b"weights")
+
+    kept = take_over(trainer, run_dir, 20)
+    assert kept == run_dir / "step-20" and sorted(p.name for p in kept.iterdir()) == ["model.safetensors"]
+    assert not trainer.exists()
+    assert [p.name for p in store.sweep_temp(run_dir)] == [f"step-20.tmp-{dead.pid}-0123456789ab"]
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step-20"]
+    assert local_tier.read(run_dir.parent) is not None  # the tier's disk is marked, as a save marks it

@@ -45,6 +45,7 @@ from rewind.infra.catalog import lineage, models
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, NotFoundError, is_transient
 from rewind.infra.faults import fault_point
+from rewind.infra.format import store
 from rewind.infra.format.verify import verify_files
 from rewind.infra.health.signals import LossWatch
 from rewind.infra.inventory.adopt import adopt
@@ -91,6 +92,7 @@ class RewindCallback(TrainerCallback):
         newest that proves itself; ``None`` on a run with no checkpoint. A failure is told to the supervisor
         (a failed restore, not a job that cannot start) before it is raised."""
         writer = self._start_writer("restoring")
+        store.sweep_temp(self.root / self.run)  # what a take-over killed half-way left
         try:
             done = self._restore()
         except Exception as exc:
