@@ -34,7 +34,7 @@ from typing import NamedTuple
 from sqlalchemy import exists, select
 
 from rewind.infra import config, progress
-from rewind.infra.catalog import copies, leases, lineage, serving
+from rewind.infra.catalog import copies, disks, leases, lineage, serving
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint, CheckpointStatus, Replica, utcnow
 from rewind.infra.catalog.models import ReplicaStatus as R
@@ -278,7 +278,7 @@ def doomed(cat: Catalog, ref: CopyRef) -> bool:
 
 
 def _delete_one(cat: Catalog, run: str, step: int, ref: CopyRef) -> None:
-    if copies.elsewhere(ref.tier, ref.tier_id, ref.uri):  # another disk's: its own gc reclaims it (dead)
+    if disks.elsewhere(ref.tier, ref.tier_id, ref.uri):  # another disk's: its own gc reclaims it (dead)
         return
     if doomed(cat, ref):
         try:

@@ -14,12 +14,11 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Select, and_, case, func, or_, select, update
 
-from rewind.infra.catalog import lineage
+from rewind.infra.catalog import disks, lineage
 from rewind.infra.catalog.db import Catalog, changed, chunks
 from rewind.infra.catalog.models import Checkpoint, Replica, Run, utcnow
 from rewind.infra.catalog.models import CheckpointStatus as S
 from rewind.infra.catalog.models import ReplicaStatus as R
-from rewind.infra.format import local_tier
 
 LOCAL = "local"
 TIER_ORDER = {LOCAL: 0, "shared": 1, "offsite": 2}  # nearest first
@@ -41,38 +40,6 @@ class CopyRow(NamedTuple):
     bytes: int | None
     tier_id: str | None = None
     host: str | None = None
-
-
-def place(tier: str, uri: str) -> tuple[str | None, str | None]:
-    """What to record of where a copy lies: a local copy's disk (tier id, and the host that marked it);
-    nothing for the others, which every machine reaches the same way."""
-    if tier != LOCAL:
-        return None, None
-    found = local_tier.of_copy(uri)
-    return (found.id, found.host) if found is not None else (None, None)
-
-
-def elsewhere(tier: str, tier_id: str | None, uri: str) -> bool:
-    """A local copy on a disk this machine does not see (another host's, where the same path is another
-    disk or none): not missing, and not judged here. Only a machine that sees that disk (its host, or any
-    on a shared checkpoint root) may find it missing or damaged."""
-    if tier != LOCAL or tier_id is None:
-        return False
-    seen = local_tier.of_copy(uri)
-    return seen is None or seen.id != tier_id
-
-
-def same_copy(row: Replica, tier: str, uri: str) -> bool:
-    """Is ``row`` the copy at ``uri`` on ``tier`` as this machine sees it (on a local tier: on this disk)?"""
-    if row.tier != tier or row.uri != uri:
-        return False
-    return tier != LOCAL or row.tier_id is None or row.tier_id == place(tier, uri)[0]
-
-
-def _this_disk(uri: str) -> Any:
-    """Rows of copies on the disk that holds ``uri`` here (or of unknown disk, from before 0012)."""
-    seen = local_tier.of_copy(uri)
-    return or_(Replica.tier_id.is_(None), Replica.tier_id == (seen.id if seen is not None else ""))
 
 
 def copies_of(cat: Catalog, checkpoint_ids: Iterable[int]) -> dict[int, list[Replica]]:
@@ -173,12 +140,12 @@ def add(
     now = utcnow()
     with cat.session() as s:
         # the same directory name on another disk is another copy (node-local disks share paths)
-        tier_id, host = place(tier, uri)
+        tier_id, host = disks.place(tier, uri)
         q = select(Replica).where(
             Replica.checkpoint_id == checkpoint_id, Replica.tier == tier, Replica.uri == uri
         )
         if tier == LOCAL:
-            q = q.where(_this_disk(uri))
+            q = q.where(disks.this_disk(uri))
         row = s.scalar(q.limit(1))
         if row is None:
             row = Replica(checkpoint_id=checkpoint_id, tier=tier, uri=uri, key=key, bytes=nbytes)
@@ -211,14 +178,14 @@ def set_local(cat: Catalog, checkpoint_id: int, path: str, status: R, nbytes: in
         s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(path=path))
         row = s.scalar(  # this disk's copy; another disk's copy of it keeps its own row
             select(Replica)
-            .where(Replica.checkpoint_id == checkpoint_id, Replica.tier == LOCAL, _this_disk(path))
+            .where(Replica.checkpoint_id == checkpoint_id, Replica.tier == LOCAL, disks.this_disk(path))
             .limit(1)
         )
         rid = row.id if row is not None else None
     if rid is None:
         return add(cat, checkpoint_id, LOCAL, path, key=None, nbytes=nbytes, status=status)
     record(cat, rid, status, uri=path)
-    tier_id, host = place(LOCAL, path)
+    tier_id, host = disks.place(LOCAL, path)
     with cat.session() as s:  # a row from before 0012 learns its disk
         s.execute(update(Replica).where(Replica.id == rid).values(tier_id=tier_id, host=host))
     return rid
@@ -236,7 +203,7 @@ def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str) -> None:
                 Replica.tier == LOCAL,
                 Replica.uri == old_uri,
                 Replica.status != R.DELETED.value,
-                _this_disk(old_uri),
+                disks.this_disk(old_uri),
             )
             .values(uri=new_uri, detail=reason)
         )
@@ -384,7 +351,10 @@ def vacate(cat: Catalog, uri: str, reason: str) -> None:
         s.execute(
             update(Replica)
             .where(
-                Replica.tier == LOCAL, Replica.uri == uri, Replica.status != R.DELETED.value, _this_disk(uri)
+                Replica.tier == LOCAL,
+                Replica.uri == uri,
+                Replica.status != R.DELETED.value,
+                disks.this_disk(uri),
             )
             .values(status=R.DELETED.value, detail=reason, checked_at=utcnow())
         )

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import select, update
 
-from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog import disks, lineage
 from rewind.infra.catalog.db import Catalog, chunks
 from rewind.infra.catalog.models import LIVE_STATUSES, Checkpoint, CheckpointFile, Replica, aware, utcnow
 from rewind.infra.catalog.models import CheckpointStatus as S
@@ -69,7 +69,7 @@ def insert(
     progress is refused: its writer is about to commit it.
     """
     written, verified = manifest_time(m), copy.status is R.VERIFIED
-    tier_id, host = copies.place(copy.tier, copy.uri)
+    tier_id, host = disks.place(copy.tier, copy.uri)
     with cat.session() as s:
         lineage.lock_run(s, run_id)
         live = s.scalar(

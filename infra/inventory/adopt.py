@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from rewind.infra.catalog import copies, imported, lineage
+from rewind.infra.catalog import copies, disks, imported, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.checkpoint.state import writer
@@ -127,7 +127,7 @@ def _register(
     else:
         ck_id, action = known.id, "already adopted"
         if not any(
-            copies.same_copy(r, copies.LOCAL, str(path)) for r in copies.copies_of(cat, [ck_id])[ck_id]
+            disks.same_copy(r, copies.LOCAL, str(path)) for r in copies.copies_of(cat, [ck_id])[ck_id]
         ):
             copies.add(cat, ck_id, copies.LOCAL, str(path), key=None, nbytes=m.total_bytes, status=R.VERIFIED)
         if pin and not known.pinned:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rewind.infra import config
-from rewind.infra.catalog import copies
+from rewind.infra.catalog import copies, disks
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint, Replica
 from rewind.infra.catalog.models import ReplicaStatus as R
@@ -84,7 +84,7 @@ def rows_against_storage(
             continue
         if tiers is not None and not any(_on(rep, kind, uri) for kind, uri in tiers):
             continue
-        if copies.elsewhere(rep.tier, rep.tier_id, rep.uri):  # another disk's to check
+        if disks.elsewhere(rep.tier, rep.tier_id, rep.uri):  # another disk's to check
             continue
         try:
             where, report = _report(rep, ck, name, deep, ring)

@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from rewind.infra import config
-from rewind.infra.catalog import copies, imported, lineage
+from rewind.infra.catalog import copies, disks, imported, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.errors import RewindError, TransientError
@@ -115,7 +115,7 @@ def _place(
         ck_id = imported.insert(cat, run_id, m, digest=digest, path=path, copy=copy, pinned=adopted)
         return Placed(m.run, m.step, place.key, ck_id, "new checkpoint", ""), True
     known = any(
-        copies.same_copy(r, kind, uri) and r.status != R.DELETED.value
+        disks.same_copy(r, kind, uri) and r.status != R.DELETED.value
         for r in copies.copies_of(cat, [ck.id])[ck.id]
     )
     if not known or deep:

@@ -16,7 +16,7 @@ from typing import Any
 
 from sqlalchemy import Select, select
 
-from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog import copies, disks, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint
 from rewind.infra.catalog.models import CheckpointStatus as S
@@ -95,16 +95,21 @@ class RestorePlan:
         ]
 
 
-def _copies(rows: list[copies.CopyRow], tiers: Collection[str] | None) -> tuple[Copy, ...]:
-    usable = [
-        Copy(r.replica_id, r.tier, r.uri, r.key, r.status)
-        for r in rows
-        if r.status in copies.USABLE_VALUES
-        and (tiers is None or r.tier in tiers)
-        and not copies.elsewhere(r.tier, r.tier_id, r.uri)  # on a host this machine cannot read from
-    ]
+def _copies(
+    rows: list[copies.CopyRow], tiers: Collection[str] | None
+) -> tuple[tuple[Copy, ...], tuple[str, ...]]:
+    """The usable copies this machine can read, nearest first, and the hosts of those on disks it cannot."""
+    usable: list[Copy] = []
+    away: list[str] = []
+    for r in rows:
+        if r.status not in copies.USABLE_VALUES or (tiers is not None and r.tier not in tiers):
+            continue
+        if disks.elsewhere(r.tier, r.tier_id, r.uri):  # on another host's disk
+            away.append(str(r.host or r.tier_id))
+        else:
+            usable.append(Copy(r.replica_id, r.tier, r.uri, r.key, r.status))
     usable.sort(key=lambda c: (copies.TIER_ORDER.get(c.tier, 9), _STATUS_RANK.get(c.status, 9)))
-    return tuple(usable)
+    return tuple(usable), tuple(away)
 
 
 def _candidates(
@@ -163,15 +168,11 @@ def plan(
     by_id = copies.copy_rows(cat, ids, statuses=copies.USABLE_VALUES)
     candidates = []
     for r in rows:
-        found = _copies(by_id.get(r.id, []), tiers)
+        found, away = _copies(by_id.get(r.id, []), tiers)
         if r.status == S.CORRUPT.value and (not found or copies.is_condemned(r.status, r.status_reason)):
             continue  # condemned for good, or nothing left that could verify
         if tiers is not None and not found:
             continue  # not on the tiers asked for: not a candidate there, and not "missing" either
-        away = tuple(
-            str(c.host or c.tier_id) for c in by_id.get(r.id, []) if c.status in copies.USABLE_VALUES
-            and (tiers is None or c.tier in tiers) and copies.elsewhere(c.tier, c.tier_id, c.uri)
-        )  # fmt: skip
         candidates.append(
             Candidate(
                 r.id, run, r.step, str(r.status), str(r.manifest_digest), r.total_bytes or 0, found, away

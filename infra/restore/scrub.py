@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rewind.infra import config
-from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog import copies, disks, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint, Replica
 from rewind.infra.catalog.models import ReplicaStatus as R
@@ -128,7 +128,7 @@ def scrub(
             or (tiers is not None and rep.tier not in tiers)
         ):
             continue
-        if copies.elsewhere(rep.tier, rep.tier_id, rep.uri):  # only a machine that sees its disk judges it
+        if disks.elsewhere(rep.tier, rep.tier_id, rep.uri):  # only a machine that sees its disk judges it
             away.append(str(rep.host or rep.tier_id))
             continue
         where = (

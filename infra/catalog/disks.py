@@ -1,0 +1,48 @@
+"""Which disk a local copy lies on, as the catalog records it and as this machine sees it.
+
+Node-local disks share paths, so a local copy row keeps its disk's id (``infra/format/local_tier.py``), and
+a machine judges only the copies on disks it sees: the rest are ``elsewhere`` (docs/design.md, 2.2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import or_
+
+from rewind.infra.catalog.models import Replica
+from rewind.infra.format import local_tier
+
+LOCAL = "local"
+
+
+def place(tier: str, uri: str) -> tuple[str | None, str | None]:
+    """What to record of where a copy lies: a local copy's disk (tier id, and the host that marked it);
+    nothing for the others, which every machine reaches the same way."""
+    if tier != LOCAL:
+        return None, None
+    found = local_tier.of_copy(uri)
+    return (found.id, found.host) if found is not None else (None, None)
+
+
+def elsewhere(tier: str, tier_id: str | None, uri: str) -> bool:
+    """A local copy on a disk this machine does not see (another host's, where the same path is another
+    disk or none): not missing, and not judged here. Only a machine that sees that disk (its host, or any
+    on a shared checkpoint root) may find it missing or damaged."""
+    if tier != LOCAL or tier_id is None:
+        return False
+    seen = local_tier.of_copy(uri)
+    return seen is None or seen.id != tier_id
+
+
+def same_copy(row: Replica, tier: str, uri: str) -> bool:
+    """Is ``row`` the copy at ``uri`` on ``tier`` as this machine sees it (on a local tier: on this disk)?"""
+    if row.tier != tier or row.uri != uri:
+        return False
+    return tier != LOCAL or row.tier_id is None or row.tier_id == place(tier, uri)[0]
+
+
+def this_disk(uri: str) -> Any:
+    """Rows of copies on the disk that holds ``uri`` here (or of unknown disk, from before 0012)."""
+    seen = local_tier.of_copy(uri)
+    return or_(Replica.tier_id.is_(None), Replica.tier_id == (seen.id if seen is not None else ""))
