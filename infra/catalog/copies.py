@@ -19,6 +19,7 @@ from rewind.infra.catalog.db import Catalog, changed, chunks
 from rewind.infra.catalog.models import Checkpoint, Replica, Run, utcnow
 from rewind.infra.catalog.models import CheckpointStatus as S
 from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.format.local_tier import LocalTier
 
 LOCAL = "local"
 TIER_ORDER = {LOCAL: 0, "shared": 1, "offsite": 2}  # nearest first
@@ -134,18 +135,27 @@ def worth_checking(cat: Catalog, run_id: int) -> list[Checkable]:
 
 
 def add(
-    cat: Catalog, checkpoint_id: int, tier: str, uri: str, *, key: str | None, nbytes: int, status: R
+    cat: Catalog,
+    checkpoint_id: int,
+    tier: str,
+    uri: str,
+    *,
+    key: str | None,
+    nbytes: int,
+    status: R,
+    disk: LocalTier | None = None,
 ) -> int:
-    """Register a copy (or update the row of the same copy); returns its id."""
+    """Register a copy (or update the row of the same copy); returns its id. ``disk``: the local disk
+    that holds it, as the process that wrote it there said (another host's); else as seen here."""
     now = utcnow()
     with cat.session() as s:
         # the same directory name on another disk is another copy (node-local disks share paths)
-        tier_id, host = disks.place(tier, uri)
+        tier_id, host = (disk.id, disk.host) if disk is not None else disks.place(tier, uri)
         q = select(Replica).where(
             Replica.checkpoint_id == checkpoint_id, Replica.tier == tier, Replica.uri == uri
         )
         if tier == LOCAL:
-            q = q.where(disks.this_disk(uri))
+            q = q.where(disks.this_disk(uri) if disk is None else Replica.tier_id == disk.id)
         row = s.scalar(q.limit(1))
         if row is None:
             row = Replica(checkpoint_id=checkpoint_id, tier=tier, uri=uri, key=key, bytes=nbytes)

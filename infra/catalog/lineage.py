@@ -141,9 +141,12 @@ def commit(
     stall_s: float | None,
     uri: str,
     writer: str | None = None,
+    also_on: Sequence[tuple[str, local_tier.LocalTier]] = (),
 ) -> None:
     """``writing -> committed`` with its manifest digest, files and local copy, in one transaction; with
-    ``writer``, only while that process is the run's writer (else ``Fenced``, and nothing is committed)."""
+    ``writer``, only while that process is the run's writer (else ``Fenced``, and nothing is committed).
+    ``also_on``: the copies (directory, disk) on other hosts' disks of a checkpoint spread over them,
+    each holding its disk's share."""
     now = utcnow()
     with cat.session() as s:
         guard = [Checkpoint.id == checkpoint_id, Checkpoint.status == S.WRITING.value]
@@ -181,17 +184,19 @@ def commit(
             for f in manifest.files
         )
         disk = local_tier.of_copy(uri)
-        s.add(
-            Replica(
-                checkpoint_id=checkpoint_id,
-                tier="local",
-                uri=uri,
-                tier_id=disk.id if disk is not None else None,
-                host=disk.host if disk is not None else None,
-                status=ReplicaStatus.PENDING.value,
-                bytes=manifest.total_bytes,
+        for where, on in [(uri, disk), *also_on]:
+            share = manifest.files_on(on.id if on is not None else None)
+            s.add(
+                Replica(
+                    checkpoint_id=checkpoint_id,
+                    tier="local",
+                    uri=where,
+                    tier_id=on.id if on is not None else None,
+                    host=on.host if on is not None else None,
+                    status=ReplicaStatus.PENDING.value,
+                    bytes=sum(f.size for f in share),
+                )
             )
-        )
 
 
 def transition(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from rewind.infra.catalog import leases, lineage
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint import assemble, spread
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.engine import SaveMode
 from rewind.infra.checkpoint.recording import recorded_save
@@ -55,6 +56,7 @@ from rewind.infra.faults import fault_point
 from rewind.infra.format import dcp as verified_dcp
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import payload, store, tree
+from rewind.infra.format.local_tier import LocalTier
 from rewind.infra.format.verify import Finding, Problem
 from rewind.infra.restore import execute as restore_exec
 from rewind.infra.restore import plan as restore_plan
@@ -164,7 +166,9 @@ class ShardedCheckpointer:
         self._stager = ShellStager()
         self._runner = BackgroundRunner(f"rewind-{run}-rank{self.rank}", exit_timeout_s)
         self.last_stall_s: float | None = None
-        if self.rank == 0:
+        self.disks = spread.discover(self.root)  # the hosts' own disks, or one disk for every rank
+        self.sources: list[assemble.Sources] = []  # rank 0: where the last restore's bytes came from
+        if self.disks.leads(self.rank):
             store.sweep_temp(self.run_dir)
         dist.barrier()
 
@@ -221,7 +225,7 @@ class ShardedCheckpointer:
 
     def _persist(self, step: int, share: RankShare, metrics: dict[str, float], stall: float | None) -> None:
         layout = layout_of(self.world)
-        kw: dict[str, Any] = {"layout": layout, "metrics": metrics, "group": self._group}
+        kw: dict[str, Any] = {"layout": layout, "metrics": metrics, "group": self._group, "disks": self.disks}
         if self._lead is None:
             save(self.run_dir, self.run, step, share, **kw)
             return
@@ -237,10 +241,10 @@ class ShardedCheckpointer:
                 ))  # fmt: skip
                 row.append(ck_id)
 
-            def commit(final: Path, digest: str) -> None:
+            def commit(final: Path, digest: str, also_on: Sequence[tuple[str, LocalTier]]) -> None:
                 lineage.commit(
                     cat, row[0], mf.read(final), digest=digest, stall_s=stall, uri=str(final),
-                    writer=leases.writer_name(),
+                    writer=leases.writer_name(), also_on=also_on,
                 )  # fmt: skip
                 leases.touch_writer(cat, run_id)
 
@@ -278,11 +282,18 @@ class ShardedCheckpointer:
             return self._lead_restore(state, target)
         return self._follow_restore(state)
 
-    def _attempt(self, directory: Path, manifest: mf.Manifest, state: StateTree) -> Any:
-        """One collective try: every rank loads, every verdict is gathered; rank 0 raises the worst."""
+    def _attempt(self, directory: Path, manifest: mf.Manifest, raw: bytes, state: StateTree) -> Any:
+        """One collective try: every rank loads, every verdict is gathered; rank 0 raises the worst.
+
+        Spread over hosts' disks, each rank loads its own disk's copy, completed from the others' first
+        (``assemble``); ``directory`` is rank 0's choice, used by the ranks on its disk."""
         mine: Any = None
         error: BaseException | None = None
         try:
+            if self.disks.spread:
+                own = self.disks.leader(self.rank) == self.disks.leader(0)
+                here = directory if own else store.step_dir(self.run_dir, manifest.step)
+                directory, self.sources = assemble.complete(here, raw, manifest, self.disks)
             mine = load(directory, manifest, state() if callable(state) else state)
         except Exception as exc:  # every rank must reach the gather below, whatever went wrong
             error = exc
@@ -300,15 +311,20 @@ class ShardedCheckpointer:
 
         def load_everywhere(directory: Path, manifest: mf.Manifest) -> Any:
             tried.append(manifest.step)
-            dist.broadcast_object_list([("try", str(directory), manifest)], src=0)
-            return self._attempt(directory, manifest, state)
+            raw = (directory / mf.MANIFEST_NAME).read_bytes() if self.disks.spread else b""
+            if raw and mf.parse(raw) != manifest:  # changed since the plan held it to the catalog
+                raise CorruptCheckpoint(
+                    str(directory), [Finding(Problem.MANIFEST, mf.MANIFEST_NAME, "changed")]
+                )
+            dist.broadcast_object_list([("try", str(directory), (manifest, raw))], src=0)
+            return self._attempt(directory, manifest, raw, state)
 
         if self._lead is None:
             raise ConfigError("only rank 0 leads a restore")
         cat = self._lead[0]
         p = restore_plan.plan(cat, self.run, root=self.root, target=target)
         try:
-            done = restore_exec.execute(cat, p, load_everywhere)
+            done = restore_exec.execute(cat, p, load_everywhere, partial=self.disks.spread)
         except NoRestorableCheckpoint as exc:
             self.skipped = exc.skipped
             if tried:  # DCP loads in place: a failed attempt leaves the state partly loaded
@@ -335,9 +351,9 @@ class ShardedCheckpointer:
         while True:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=0)
-            kind, value, manifest = box[0]
+            kind, value, sent = box[0]
             if kind == "try":
-                last = self._attempt(Path(value), manifest, state)
+                last = self._attempt(Path(value), sent[0], sent[1], state)
             elif kind == "done":
                 restored, mine = last
                 return int(value), restored, mine

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -17,12 +17,15 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from rewind.infra.checkpoint import spread
+from rewind.infra.checkpoint.spread import Disks
 from rewind.infra.checkpoint.state import environment, writer
 from rewind.infra.errors import ConfigError, RankFailed
 from rewind.infra.faults import fault_point
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import store, tree
 from rewind.infra.format.digest import hash_file
+from rewind.infra.format.local_tier import LocalTier
 
 RANK_STATE = "rank-{rank}.json"
 SHARED_STATE = "state.json"
@@ -59,10 +62,11 @@ def failed_share(exc: BaseException) -> RankShare:
 @dataclass(frozen=True, slots=True)
 class LeadHooks:
     """Rank 0's catalog side of a save, run inside the protocol so every rank hears of its failure:
-    ``begin`` before any rank writes, ``commit(final, digest)`` before the outcome is announced."""
+    ``begin`` before any rank writes, ``commit(final, digest, also_on)`` before the outcome is announced."""
 
     begin: Callable[[], None]
-    commit: Callable[[Path, str], None]
+    # (committed directory, manifest digest, the copies on other disks: (directory, disk))
+    commit: Callable[[Path, str, Sequence[tuple[str, LocalTier]]], None]
 
 
 def save(
@@ -76,18 +80,22 @@ def save(
     parent: tuple[int, str | None] | None = None,
     group: dist.ProcessGroup | None = None,
     lead: LeadHooks | None = None,
+    disks: Disks | None = None,
 ) -> tuple[Path, str]:
     """Collective over ``group`` (default: the whole world): every rank calls it with its own share.
     Returns the committed directory and its manifest digest, on every rank; raises ``RankFailed`` on
     every rank otherwise. Nothing is committed unless every rank wrote and hashed its files for the
-    same step, and a failure of rank 0's catalog work (``lead``) reaches every rank."""
+    same step, and a failure of rank 0's catalog work (``lead``) reaches every rank. ``disks``: where
+    the ranks' roots lie; spread over several, each rank writes into its own (``spread``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     box: list[Any] = [_open(run_dir, step, lead) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
     kind, value, lead_step = box[0]
     if kind == "error":
         raise RankFailed(f"sharded save of step {step} failed on rank 0 before any rank wrote: {value}")
-    tmp = Path(value)
+    tmp = run_dir / Path(value).name  # this rank's disk: rank 0's directory, or its namesake on another disk
+    if rank != 0:
+        tmp.mkdir(parents=True, exist_ok=True)
     error: str | None = share.error and f"rank {rank}: {share.error}"
     if error is None and lead_step != step:  # a rank out of step with rank 0: never mix two steps
         error = f"rank {rank} is saving step {step}, rank 0 step {lead_step}"
@@ -103,16 +111,102 @@ def save(
             error = f"rank {rank}: {type(exc).__name__}: {exc}"
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, (error, entries), group=group)
+    facts = _Facts(run, step, layout, metrics, parent)
+    if disks is not None and disks.spread:
+        digest = _close_spread(tmp, gathered, facts, disks=disks, group=group, lead=lead)
+        return store.step_dir(run_dir, step), digest
     outcome: list[Any] = [None]
     if rank == 0:
-        outcome[0] = _close(
-            tmp, run, step, gathered, layout=layout, metrics=metrics, parent=parent, lead=lead
-        )
+        outcome[0] = _close(tmp, gathered, facts, lead=lead)
     dist.broadcast_object_list(outcome, src=0, group=group)
     kind, value = outcome[0]
     if kind == "error":
         raise RankFailed(f"sharded save of step {step} failed: {value}")
     return store.step_dir(run_dir, step), value
+
+
+@dataclass(frozen=True, slots=True)
+class _Facts:
+    """What rank 0's manifest says of a save besides its files."""
+
+    run: str
+    step: int
+    layout: dict[str, int]
+    metrics: dict[str, float] | None
+    parent: tuple[int, str | None] | None
+
+
+def _close_spread(
+    tmp: Path,
+    gathered: list[Any],
+    facts: _Facts,
+    *,
+    disks: Disks,
+    group: dist.ProcessGroup | None,
+    lead: LeadHooks | None,
+) -> str:
+    """The commit of a save spread over disks: rank 0 prepares the manifest, every other disk's leader
+    commits its copy, then rank 0 commits its own and the catalog's row; the digest, on every rank."""
+    rank = dist.get_rank()
+    box: list[Any] = [_prepare_spread(tmp, gathered, facts, disks) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    kind, value = box[0]
+    other_leader = rank != 0 and disks.leads(rank) and disks.leader(rank) != disks.leader(0)
+    if kind == "error":
+        if other_leader:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise RankFailed(f"sharded save of step {facts.step} failed: {value}")
+    mine: tuple[str | None, str | None] = (None, None)
+    if other_leader:
+        try:
+            mine = (None, str(spread.commit_share(tmp, value)))
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            mine = (f"rank {rank} ({disks.of_rank[rank].host}): {type(exc).__name__}: {exc}", None)
+    reports: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reports, mine, group=group)
+    outcome: list[Any] = [_finish_spread(tmp, value, reports, disks, lead) if rank == 0 else None]
+    dist.broadcast_object_list(outcome, src=0, group=group)
+    kind, digest = outcome[0]
+    if kind == "error":
+        spread.undo(Path(mine[1]) if mine[1] else None)
+        raise RankFailed(f"sharded save of step {facts.step} failed: {digest}")
+    return str(digest)
+
+
+def _prepare_spread(tmp: Path, gathered: list[Any], facts: _Facts, disks: Disks) -> tuple[str, Any]:
+    """Rank 0: every rank's files under one manifest that places them on their disks, or why not."""
+    try:
+        errors = [e for e, _ in gathered if e]
+        if errors:
+            raise RankFailed("; ".join(errors))
+        own = [[e for e in es if e.path not in spread.COMMON] for _, es in gathered]
+        files = [e for _, es in gathered for e in es]
+        manifest = _manifest(tmp, files, facts, placement=disks.placement(own), disks=disks.hosts())
+        return "go", spread.prepare(tmp, manifest)
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        return "error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankFailed) else str(exc)
+
+
+def _finish_spread(
+    tmp: Path, prepared: spread.Prepared, reports: list[Any], disks: Disks, lead: LeadHooks | None
+) -> tuple[str, str]:
+    """Rank 0, once every other disk's copy is renamed in: its own copy and the catalog's commit."""
+    final: Path | None = None
+    try:
+        errors = [e for e, _ in reports if e]
+        if errors:
+            raise RankFailed("; ".join(errors))
+        done = store.commit(tmp, mf.parse(prepared.raw), prepared.raw)
+        final = done.path
+        if lead is not None:
+            also = [(path, disks.of_rank[r]) for r, (_, path) in enumerate(reports) if path]
+            lead.commit(final, done.digest, also)
+        return "ok", done.digest
+    except Exception as exc:
+        shutil.rmtree(final or tmp, ignore_errors=True)
+        return "error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankFailed) else str(exc)
 
 
 def _open(run_dir: Path, step: int, lead: LeadHooks | None) -> tuple[str, str, int]:
@@ -125,26 +219,16 @@ def _open(run_dir: Path, step: int, lead: LeadHooks | None) -> tuple[str, str, i
         return "error", f"{type(exc).__name__}: {exc}", step
 
 
-def _close(
-    tmp: Path,
-    run: str,
-    step: int,
-    gathered: list[Any],
-    *,
-    layout: dict[str, int],
-    metrics: dict[str, float] | None,
-    parent: tuple[int, str | None] | None,
-    lead: LeadHooks | None,
-) -> tuple[str, str]:
+def _close(tmp: Path, gathered: list[Any], facts: _Facts, *, lead: LeadHooks | None) -> tuple[str, str]:
     """Rank 0: commit every rank's files (and the catalog row) or remove them; the outcome to announce."""
     try:
         errors = [e for e, _ in gathered if e]
         if errors:
             raise RankFailed("; ".join(errors))
         files = [e for _, es in gathered for e in es]
-        digest = _commit(tmp, run, step, files, layout=layout, metrics=metrics, parent=parent)
+        digest = store.commit(tmp, _manifest(tmp, files, facts)).digest
         if lead is not None:
-            lead.commit(store.step_dir(tmp.parent, step), digest)
+            lead.commit(store.step_dir(tmp.parent, facts.step), digest, ())
         return "ok", digest
     except Exception as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -168,30 +252,30 @@ def _write_rank(
     return entries
 
 
-def _commit(
+def _manifest(
     tmp: Path,
-    run: str,
-    step: int,
     files: list[mf.FileEntry],
+    facts: _Facts,
     *,
-    layout: dict[str, int],
-    metrics: dict[str, float] | None,
-    parent: tuple[int, str | None] | None,
-) -> str:
-    """Rank 0: every rank's files plus DCP's metadata under one manifest, committed; its digest."""
+    placement: dict[str, str] | None = None,
+    disks: dict[str, str] | None = None,
+) -> mf.Manifest:
+    """Rank 0: every rank's files plus DCP's metadata under one manifest (the directory fsynced)."""
     d = hash_file(tmp / ".metadata")
     files = [*files, mf.FileEntry(".metadata", d.size, d.xxh3, d.crc32c)]
     store.fsync_dir(tmp)
-    manifest = mf.Manifest(
-        run=run,
-        step=step,
+    parent = facts.parent
+    return mf.Manifest(
+        run=facts.run,
+        step=facts.step,
         files=tuple(sorted(files, key=lambda e: e.path)),
         parent_step=None if parent is None else parent[0],
         parent_digest=None if parent is None else parent[1],
         writer=writer("rewind.ShardedCheckpointer"),
         created_at=datetime.now(UTC).isoformat(),
-        layout=layout,
+        layout=facts.layout,
         environment=environment(),
-        metrics=metrics or {},
+        metrics=facts.metrics or {},
+        placement=placement or {},
+        disks=disks or {},
     )
-    return store.commit(tmp, manifest).digest

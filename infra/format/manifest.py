@@ -9,7 +9,11 @@ an HMAC-SHA256, so a manifest stays checkable where the catalog is not at hand.
 
 Format 2 added ``key_id``; format 3 added ``writer`` (what wrote the checkpoint) and
 ``parent_digest`` (the parent's manifest digest, so lineage can be rebuilt from storage
-alone, exactly, even where two timelines share a step). Formats 1 and 2 are still read.
+alone, exactly, even where two timelines share a step). Format 4 adds ``placement``: a checkpoint
+whose ranks wrote to their own hosts' disks names the disk of each file that lies on one disk only
+(``placement``, path -> disk id) and the host of each disk (``disks``); every other file is on every
+disk's copy. Only such checkpoints are written as format 4 (an older Rewind refuses them as too new
+rather than calling a partial copy damaged). Formats 1 to 3 are still read.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from rewind.infra.format.digest import DIGEST_ALGORITHM, manifest_digest
 MANIFEST_NAME = "manifest.json"
 MAX_BYTES = 64 << 20  # a manifest larger than this is refused unread: no real one comes near it
 FORMAT = "rewind.checkpoint/3"
-READABLE_FORMATS = ("rewind.checkpoint/1", "rewind.checkpoint/2", FORMAT)
+PLACED_FORMAT = "rewind.checkpoint/4"  # with ``placement``: files spread over hosts' disks
+READABLE_FORMATS = ("rewind.checkpoint/1", "rewind.checkpoint/2", FORMAT, PLACED_FORMAT)
 
 
 class ManifestError(MalformedFile):
@@ -62,14 +67,29 @@ class Manifest:
     parent_digest: str | None = None
     # What wrote it: {"engine": "rewind.Checkpointer" | "rewind.ShardedCheckpointer" | "adopted:<format>", ...}
     writer: dict[str, str] = field(default_factory=dict)
+    # Files on one disk only: path -> disk id (``local_tier``); the rest are on every disk's copy.
+    placement: dict[str, str] = field(default_factory=dict)
+    disks: dict[str, str] = field(default_factory=dict)  # disk id -> the host it belongs to
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    def files_on(self, disk: str | None) -> tuple[FileEntry, ...]:
+        """The files a copy on ``disk`` holds: all of them, unless the checkpoint is spread over disks
+        and ``disk`` is one of them (then its own files and the ones every disk holds)."""
+        if disk is None or disk not in self.disks:
+            return self.files
+        return tuple(f for f in self.files if self.placement.get(f.path, disk) == disk)
+
+    def partial_on(self, disk: str | None) -> bool:
+        return len(self.files_on(disk)) < len(self.files)
+
     def body(self) -> dict[str, Any]:
+        placed = {"placement": self.placement, "disks": self.disks} if self.placement else {}
         return {
-            "format": FORMAT,
+            **placed,
+            "format": PLACED_FORMAT if self.placement else FORMAT,
             "digest": DIGEST_ALGORITHM,
             "run": self.run,
             "step": self.step,
@@ -117,7 +137,8 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise ManifestError(f"manifest is not valid JSON ({str(exc)[:200]})") from exc
     found = body.get("format") if isinstance(body, dict) else None
     version = str(found).removeprefix("rewind.checkpoint/")
-    if found not in READABLE_FORMATS and version.isdigit() and int(version) > int(FORMAT.rsplit("/", 1)[1]):
+    newest = int(PLACED_FORMAT.rsplit("/", 1)[1])
+    if found not in READABLE_FORMATS and version.isdigit() and int(version) > newest:
         raise ManifestTooNew(f"manifest format is {found!r}, newer than this Rewind reads: upgrade it")
     if found not in READABLE_FORMATS:
         raise ManifestError(f"manifest format is {found!r}, expected one of {READABLE_FORMATS}")
@@ -154,11 +175,22 @@ def parse(raw: bytes) -> Manifest:
             metrics=dict(body.get("metrics") or {}),
             parent_digest=None if parent_digest is None else str(parent_digest),
             writer={str(k): str(v) for k, v in dict(body.get("writer") or {}).items()},
+            **_placement(body, seen),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, ManifestError):
             raise
         raise ManifestError(f"manifest is missing or mistypes a field ({exc!r})") from exc
+
+
+def _placement(body: dict[str, Any], listed: set[str]) -> dict[str, dict[str, str]]:
+    """Format 4's placement, checked: every placed file is listed, every disk named has a host."""
+    placement = {str(k): str(v) for k, v in dict(body.get("placement") or {}).items()}
+    disks = {str(k): str(v) for k, v in dict(body.get("disks") or {}).items()}
+    for path, disk in placement.items():
+        if path not in listed or disk not in disks:
+            raise ManifestError(f"manifest places {path!r} on disk {disk!r}, which it does not list")
+    return {"placement": placement, "disks": disks}
 
 
 def read_bounded(f: BinaryIO) -> bytes:

@@ -27,7 +27,7 @@ from typing import BinaryIO
 from rewind.infra import progress
 from rewind.infra.errors import CorruptCheckpoint, Refused
 from rewind.infra.faults import fault_point
-from rewind.infra.format import files
+from rewind.infra.format import files, local_tier
 from rewind.infra.format import keyring as kr
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import Hasher, HashingReader, manifest_matches
@@ -293,11 +293,12 @@ def check_copy(
     if manifest is None:
         return Report(directory, None, tuple(findings), deep)
     holds = files.capacity(directory)
-    checking = progress.phase(f"verify {_label(directory)}", manifest.total_bytes)
+    listed_here = held_here(directory, manifest)
+    checking = progress.phase(f"verify {_label(directory)}", sum(e.size for e in listed_here))
     with checking if deep else contextlib.nullcontext():
         findings = [
             f
-            for e in manifest.files
+            for e in listed_here
             if (f := check_entry(directory, e, deep, holds=holds, budget=budget)) is not None
         ]
     listed = {e.path for e in manifest.files} | {mf.MANIFEST_NAME}
@@ -307,6 +308,22 @@ def check_copy(
             if rel not in listed:
                 findings.append(Finding(Problem.UNLISTED, rel, "present on disk, not in the manifest"))
     return Report(directory, manifest, tuple(findings), deep)
+
+
+def held_here(directory: Path, manifest: mf.Manifest) -> tuple[mf.FileEntry, ...]:
+    """The files the copy in ``directory`` must hold: every file, or, for a copy on one of the disks a
+    spread checkpoint was written to, that disk's own files and the shared ones, plus any other of the
+    manifest's files it holds too (received from another disk: held to the manifest like the rest)."""
+    if not manifest.placement:
+        return manifest.files
+    tier = local_tier.of_copy(directory)
+    own = manifest.files_on(tier.id if tier is not None else None)
+    return tuple(e for e in manifest.files if e in own or os.path.lexists(directory / e.path))
+
+
+def partial(directory: Path, manifest: mf.Manifest) -> bool:
+    """Whether the copy in ``directory`` holds only its disk's share of a spread checkpoint."""
+    return len(held_here(directory, manifest)) < len(manifest.files)
 
 
 def _label(directory: Path) -> str:

@@ -48,6 +48,7 @@ from rewind.infra.format import keyring as kr
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import store
 from rewind.infra.format.verify import Finding, Problem, Verdict, check_copy, require, verdict_of
+from rewind.infra.format.verify import partial as is_partial
 from rewind.infra.restore.plan import Candidate, Copy, RestorePlan
 from rewind.infra.tiers import open_tier, transfer
 from rewind.infra.tiers.base import UNREADABLE_ERRORS, DiskWriteError
@@ -65,6 +66,7 @@ class SkipOutcome(StrEnum):
     MISSING = "missing"  # no copy left (or the checkpoint was deleted since the plan)
     UNLOADABLE = "unloadable"  # its bytes were right but it could not be loaded
     MISMATCH = "mismatch"  # a state object refused it: it does not fit this job
+    INCOMPLETE = "incomplete"  # spread over hosts' disks, and some disk's files are not at hand
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,10 +120,20 @@ def _fail(
     return detail
 
 
-def _open(cat: Catalog, plan: RestorePlan, cand: Candidate, copy: Copy, ring: kr.Keyring) -> _Opened:
+class ShareOnly(Exception):
+    """A local copy holding only its disk's share of a checkpoint spread over hosts' disks, where every
+    file is needed (by a loader that reads them all, or a sharded restore whose other disks' shares are
+    not at hand): passed over for the next copy, recorded as nothing (it is not damaged)."""
+
+
+def _open(
+    cat: Catalog, plan: RestorePlan, cand: Candidate, copy: Copy, ring: kr.Keyring, partial: bool
+) -> _Opened:
     if copy.local:
         directory = Path(copy.uri)
         manifest = require(check_copy(directory, cand.manifest_digest, deep=False, keyring=ring))
+        if not partial and is_partial(directory, manifest):
+            raise ShareOnly(f"local copy at {directory} holds one host's share of the checkpoint")
         return _Opened(directory, manifest, copy.replica_id, False)
 
     def displace(final: Path) -> None:  # what is there did not prove itself: kept, out of the way
@@ -139,16 +151,28 @@ def _open(cat: Catalog, plan: RestorePlan, cand: Candidate, copy: Copy, ring: kr
 
 
 def _try(
-    cat: Catalog, plan: RestorePlan, cand: Candidate, load: Loader[T], ring: kr.Keyring, quick: bool
+    cat: Catalog,
+    plan: RestorePlan,
+    cand: Candidate,
+    load: Loader[T],
+    ring: kr.Keyring,
+    *,
+    quick: bool,
+    partial: bool,
 ) -> tuple[_Opened, T, Copy] | Skip:
     tried: list[str] = []
     verdicts: list[Verdict] = []
     found: list[Finding] = []
+    shares = 0  # copies holding one disk's share, not completed
     for copy in cand.copies:
         opened: _Opened | None = None
         try:
-            opened = _open(cat, plan, cand, copy, ring)
+            opened = _open(cat, plan, cand, copy, ring, partial)
             value = load(opened.directory, opened.manifest)
+        except ShareOnly as exc:
+            tried.append(str(exc))
+            shares += 1
+            continue
         except StateMismatch as exc:  # every byte matched; the job refused the state
             return Skip(cand.step, cand.checkpoint_id, SkipOutcome.MISMATCH, str(exc), tuple(exc.findings))
         except UnloadableCheckpoint as exc:
@@ -181,6 +205,8 @@ def _try(
         outcome = SkipOutcome.UNVERIFIABLE
     elif verdicts and all(v is Verdict.MISSING for v in verdicts):
         outcome = SkipOutcome.MISSING
+    elif shares and not verdicts:
+        outcome = SkipOutcome.INCOMPLETE
     else:
         outcome = SkipOutcome.CORRUPT if verdicts else SkipOutcome.MISSING
     away = (
@@ -210,6 +236,12 @@ def _give_up(plan: RestorePlan, skipped: list[Skip]) -> RewindError:
             + detail,
             tuple(skipped),
         )
+    if any(s.outcome is SkipOutcome.INCOMPLETE for s in skipped):  # a host's disk may come back
+        return CheckpointUnverifiable(
+            f"run {plan.run!r}: no checkpoint could be completed from the disks at hand (a host holding"
+            " its files is gone, and no other tier holds a whole copy); refusing to start over: " + detail,
+            tuple(skipped),
+        )
     mismatched = [s for s in skipped if s.outcome is SkipOutcome.MISMATCH]
     if mismatched:  # a state object refused one: never start over on that (the job may have changed)
         return StateMismatch(
@@ -231,12 +263,15 @@ def restoring(
     who: str | None = None,
     keyring: kr.Keyring | None = None,
     quick: bool = False,
+    partial: bool = False,
 ) -> Iterator[Restored[T]]:
     """Restore the first candidate that proves itself; its lease is held until the ``with`` block ends.
 
     ``quick``: ``load`` reads no bytes (a recovery hands the directory to a job that hashes every byte
     as it loads): a local copy is held to the catalog's manifest digest and its sizes only, and is not
-    recorded as verified for it."""
+    recorded as verified for it. ``partial``: ``load`` completes a local copy that holds one host's share
+    of a checkpoint spread over hosts' disks (the sharded checkpointer); otherwise such a copy is passed
+    over for the next."""
     ring = keyring if keyring is not None else kr.from_env()
     started = time.perf_counter()
     skipped: list[Skip] = []
@@ -249,7 +284,7 @@ def restoring(
                 break
             continue
         try:
-            got = _try(cat, plan, cand, load, ring, quick)
+            got = _try(cat, plan, cand, load, ring, quick=quick, partial=partial)
         except BaseException:
             leases.release(cat, lease)
             raise
@@ -282,7 +317,8 @@ def execute(
     *,
     who: str | None = None,
     keyring: kr.Keyring | None = None,
+    partial: bool = False,
 ) -> Restored[T]:
     """:func:`restoring` for callers that are done with the checkpoint once ``load`` returned."""
-    with restoring(cat, plan, load, who=who, keyring=keyring) as restored:
+    with restoring(cat, plan, load, who=who, keyring=keyring, partial=partial) as restored:
         return restored

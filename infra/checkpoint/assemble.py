@@ -1,0 +1,145 @@
+"""Before a spread checkpoint loads: every disk's copy completed from the others', over the process group.
+
+Each disk's leader says which of the manifest's files its copy holds (present, of the manifest's size;
+their bytes are hashed as DCP reads them). A file some disk lacks is sent by the lowest rank holding it
+as a byte tensor, and every rank lacking it keeps it only once its bytes hash to the manifest's entry
+(nothing received is unpickled). A disk with no copy yet (a spare host) gets a whole one, manifest
+last. When some file is on no disk at hand (its host is gone), no disk is completed: ``ShareOnly`` on
+every rank, and the restore tries the next copy (the shared tier's, downloaded by rank 0, whose disk
+then holds every file for the others).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rewind.infra.checkpoint.spread import Disks
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import store
+from rewind.infra.format.digest import hash_bytes
+from rewind.infra.restore.execute import ShareOnly
+
+
+@dataclass(frozen=True, slots=True)
+class Sources:
+    """Where one disk's copy got the checkpoint's bytes: already on the disk, or sent by another rank."""
+
+    host: str
+    local_bytes: int
+    peer_bytes: int
+
+
+def _held(directory: Path, manifest: mf.Manifest) -> set[str]:
+    """The manifest's files this copy holds as regular files of the right size (an empty set: no copy)."""
+    if not (directory / mf.MANIFEST_NAME).is_file():
+        return set()
+    held = set()
+    for e in manifest.files:
+        try:
+            st = (directory / e.path).lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and st.st_size == e.size:
+            held.add(e.path)
+    return held
+
+
+def _same_checkpoint(directory: Path, raw: bytes) -> bool:
+    try:
+        return (directory / mf.MANIFEST_NAME).read_bytes() == raw
+    except OSError:
+        return False
+
+
+def _receive(target: Path, entry: mf.FileEntry, data: torch.Tensor) -> None:
+    """Keep a file sent by another rank, once its bytes are the manifest's (written aside, then renamed)."""
+    raw = data.numpy().tobytes()
+    got = hash_bytes(raw)
+    if (got.size, got.xxh3) != (entry.size, entry.xxh3):
+        raise OSError(f"{entry.path} as sent by another rank differs from the manifest's entry")
+    path = target / mf.safe_relative(entry.path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    store.write_file(tmp, store.bytes_writer(raw))
+    os.replace(tmp, path)
+
+
+def _send(path: Path | None, entry: mf.FileEntry, src: int) -> tuple[torch.Tensor, str | None]:
+    """Collective: the bytes of one file from rank ``src`` to every rank; the sender's failure to read
+    it (it then sends zeros, which no receiver keeps), else None."""
+    data, error = torch.zeros(entry.size, dtype=torch.uint8), None
+    if path is not None:
+        try:
+            raw = path.read_bytes()
+            if len(raw) != entry.size:
+                raise OSError(f"{path} is {len(raw)} bytes, the manifest says {entry.size}")
+            data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        except OSError as exc:
+            error = f"{path}: {exc.strerror or exc}"
+    dist.broadcast(data, src=src)
+    return data, error
+
+
+def complete(directory: Path, raw: bytes, manifest: mf.Manifest, disks: Disks) -> tuple[Path, list[Sources]]:
+    """Collective: this rank's disk's copy of the checkpoint whose manifest bytes are ``raw``, completed;
+    (the directory to load from, each disk's sources, by leader; on rank 0 only, else empty).
+
+    ``directory``: this rank's copy (rank 0: the one its restore plan chose; the others: their root's).
+    A file sent that is not the manifest's (or not readable by its sender) fails the restore on every
+    rank, judging no copy: ``OSError``."""
+    rank = dist.get_rank()
+    leads = disks.leads(rank)
+    if leads and directory.exists() and not _same_checkpoint(directory, raw):
+        store.quarantine(directory, "displaced")  # another checkpoint under the same step: kept aside
+    held = _held(directory, manifest) if leads else None
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, held)
+    have = {r: h for r, h in enumerate(every) if h is not None}
+    lost = [e.path for e in manifest.files if not any(e.path in h for h in have.values())]
+    if lost:
+        raise ShareOnly(
+            f"step {manifest.step}: {len(lost)} file(s) are on no disk at hand ({', '.join(lost[:3])})"
+        )
+    fresh = leads and not held
+    target = store.temp_dir(directory.parent, manifest.step) if fresh else directory
+    got, errors = 0, []
+    for e in manifest.files:
+        lacking = [r for r, h in have.items() if e.path not in h]
+        if not lacking:
+            continue
+        src = min(r for r, h in have.items() if e.path in h)
+        data, error = _send(directory / e.path if rank == src else None, e, src)
+        errors += [error] if error else []
+        if rank in lacking and not errors:
+            try:
+                _receive(target, e, data)
+                got += e.size
+            except OSError as exc:
+                errors.append(str(exc))
+    _agree(errors, target if fresh else None)
+    if fresh:  # a disk without a copy: now a whole one
+        store.commit(target, manifest, raw)
+    local = sum(e.size for e in manifest.files if e.path in (held or ()))
+    report: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(report, Sources(disks.of_rank[rank].host, local, got) if leads else None)
+    return directory, [s for s in report if s is not None] if rank == 0 else []
+
+
+def _agree(errors: list[str], fresh: Path | None) -> None:
+    """Collective: every rank fails if any rank's sending or keeping failed (a half-made copy removed)."""
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, errors)
+    failed = [e for es in every for e in es]
+    if failed:
+        if fresh is not None:
+            shutil.rmtree(fresh, ignore_errors=True)
+        raise OSError(f"completing the disks' copies failed: {'; '.join(failed[:3])}")

@@ -1,0 +1,97 @@
+"""Checkpoints spread over hosts' own disks: which disk each rank writes to, and the commit on every disk.
+
+Each rank writes its shards to the checkpoint root it sees; on hosts with node-local disks (the same
+path, another disk on every host) the ranks of one host share a disk and no host holds another's
+files. At start every rank tells the others its disk (``local_tier``'s mark at its root); when they
+differ the checkpoint is spread: rank 0's manifest names the disk of each rank's files
+(``placement``), and every disk's copy holds the manifest and the files every rank needs (DCP's
+``.metadata``, the shared state). Commit order: every disk's copy is renamed into place, then rank 0
+commits its own and the catalog row naming every copy. Nothing is committed unless every disk's copy
+is; a disk's copy renamed before rank 0 failed is removed again.
+
+Restore (:mod:`rewind.infra.checkpoint.assemble`) completes each disk's copy from the others' before
+loading."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from rewind.infra.format import local_tier, store
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.local_tier import LocalTier
+
+COMMON = (".metadata", "state.json")  # on every disk's copy: every rank reads them
+
+
+@dataclass(frozen=True, slots=True)
+class Disks:
+    """The disk of every rank's checkpoint root, by rank."""
+
+    of_rank: tuple[LocalTier, ...]
+
+    @property
+    def spread(self) -> bool:
+        return len({d.id for d in self.of_rank}) > 1
+
+    def leader(self, rank: int) -> int:
+        """The lowest rank writing to ``rank``'s disk: it alone writes the files a disk's copy shares."""
+        disk = self.of_rank[rank].id
+        return next(r for r, d in enumerate(self.of_rank) if d.id == disk)
+
+    def leads(self, rank: int) -> bool:
+        return self.leader(rank) == rank
+
+    def placement(self, files_by_rank: Sequence[Sequence[mf.FileEntry]]) -> dict[str, str]:
+        """path -> disk id of every file a rank wrote (those not ``COMMON``)."""
+        return {e.path: self.of_rank[r].id for r, es in enumerate(files_by_rank) for e in es}
+
+    def hosts(self) -> dict[str, str]:
+        return {d.id: d.host for d in self.of_rank}
+
+
+def discover(root: Path, group: dist.ProcessGroup | None = None) -> Disks:
+    """Collective: every rank's disk (its root marked first if it has no mark)."""
+    mine = local_tier.ensure(root)
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (mine.id, mine.host), group=group)
+    return Disks(tuple(LocalTier(i, h) for i, h in every))
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """What rank 0 hands every other disk's leader once each rank's files are down: the manifest's bytes
+    and the shared files' bytes (their entries are the manifest's)."""
+
+    raw: bytes
+    common: dict[str, bytes]
+
+
+def prepare(tmp: Path, manifest: mf.Manifest) -> Prepared:
+    """Rank 0: the manifest signed, and the shared files it wrote, to be copied onto every other disk."""
+    common = {e.path: (tmp / e.path).read_bytes() for e in manifest.files if e.path in COMMON}
+    return Prepared(manifest.to_bytes(), common)
+
+
+def commit_share(tmp: Path, prepared: Prepared) -> Path:
+    """Another disk's leader: the shared files written beside this disk's ranks' files, each held to the
+    manifest's entry, then the manifest and the rename. The committed directory."""
+    manifest = mf.parse(prepared.raw)
+    want = {e.path: e for e in manifest.files}
+    for name, data in prepared.common.items():
+        got = store.write_file(tmp / mf.safe_relative(name), store.bytes_writer(data))
+        if (got.size, got.xxh3) != (want[name].size, want[name].xxh3):
+            raise OSError(f"{name} differs from the manifest's entry after it was written to {tmp}")
+    store.fsync_dir(tmp)
+    return store.commit(tmp, manifest, prepared.raw).path
+
+
+def undo(path: Path | None) -> None:
+    """Remove a disk's copy the catalog will never name (rank 0 failed to commit after it was renamed)."""
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,83 @@
+"""Ranks of a job whose hosts have their own disks, on one machine: each rank's checkpoint root is the
+disk its argument names (``a,a,b,b``: ranks 0-1 on disk a, 2-3 on disk b), as node-local disks at one
+path would be on real hosts. Saves (``save``) or restores (``load``) through ``ShardedCheckpointer``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from tests.dist_worker import _full, _model, _wrap
+
+RUN = "spread"
+
+
+def main(mode: str, workdir: str, layout: str) -> None:
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.checkpoint.sharded import ShardedCheckpointer
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    work = Path(workdir)
+    root = work / "disks" / layout.split(",")[rank]
+    catalog = Catalog(f"sqlite:///{work / 'catalog.db'}") if rank == 0 else None
+    model = _wrap(_model(), "ddp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ck = ShardedCheckpointer(RUN, root=root, catalog=catalog)
+    if mode == "save":
+        for step in (1, 2):
+            torch.manual_seed(100 + rank * 10 + step)
+            model(torch.randn(4, 32)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            msd, osd = get_state_dict(model, opt)
+            ck.save(step, {"model": msd, "optim": osd}, {"rank": rank, "step": step})
+        name = "expected"
+    else:
+
+        def state() -> dict[str, object]:
+            for p in model.parameters():  # optimizer state exists only after a step: one that changes nothing
+                p.grad = torch.zeros_like(p)
+            lrs = [g["lr"] for g in opt.param_groups]
+            for g in opt.param_groups:
+                g["lr"] = 0.0
+            opt.step()
+            opt.zero_grad()
+            for g, lr in zip(opt.param_groups, lrs, strict=True):
+                g["lr"] = lr
+            msd, osd = get_state_dict(model, opt)
+            return {"model": msd, "optim": osd}
+
+        try:
+            got = ck.restore_latest(state)
+        except Exception as exc:
+            if rank == 0:
+                (work / "refused.txt").write_text(f"{type(exc).__name__}: {exc}")
+            raise SystemExit(3) from exc
+        assert got is not None
+        step, restored, mine = got
+        set_state_dict(model, opt, model_state_dict=restored["model"], optim_state_dict=restored["optim"])
+        assert mine == {"rank": rank, "step": step}, mine
+        name = "loaded"
+        if rank == 0:
+            sources = [{"host": s.host, "local": s.local_bytes, "peer": s.peer_bytes} for s in ck.sources]
+            (work / "sources.json").write_text(json.dumps({"step": step, "disks": sources}))
+    full = _full(model, opt)
+    if rank == 0:
+        save_file(full, str(work / f"{name}.safetensors"))
+    ck.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,101 @@
+"""A checkpoint spread over hosts' own disks (4 ranks, 2 per disk, on one machine; gloo): each disk holds
+its ranks' files and what every rank reads, the catalog names both copies, each copy verifies as its
+disk's share; a restore on the same disks reads every byte from the disks (the other disk's share sent
+over the process group), bit-exact; with one disk gone and nothing else holding its share, the job
+refuses to start over."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.format import local_tier
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.verify import Verdict, check_copy, partial
+from tests.spread_worker import RUN
+from tests.torchrun_support import torchrun
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _job(mode: str, work: Path, layout: str, *, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run(
+        [*torchrun(4), "-m", "tests.spread_worker", mode, str(work), layout],
+        cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert (r.returncode == 0) == ok, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _equal(a: Path, b: Path) -> bool:
+    x, y = load_file(str(a)), load_file(str(b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> Path:
+    """Steps 1 and 2 saved by ranks 0-1 on disk a and 2-3 on disk b (the catalog names each copy by its
+    path: every test saves its own)."""
+    _job("save", tmp_path, "a,a,b,b")
+    return tmp_path
+
+
+def _shares(saved: Path) -> None:
+    a, b = (saved / "disks" / d / RUN / "step-2" for d in "ab")
+    ma = mf.read(a)
+    assert mf.parse((b / mf.MANIFEST_NAME).read_bytes()) == ma  # one manifest, on both disks
+    disk_a, disk_b = local_tier.read(a.parent.parent), local_tier.read(b.parent.parent)
+    assert disk_a and disk_b and disk_a.id != disk_b.id
+    own_a = {"rank-0.json", "rank-1.json"} | {f"__{r}_0.distcp" for r in (0, 1)}
+    own_b = {"rank-2.json", "rank-3.json"} | {f"__{r}_0.distcp" for r in (2, 3)}
+    assert {p for p, d in ma.placement.items() if d == disk_a.id} <= own_a
+    assert {p for p, d in ma.placement.items() if d == disk_b.id} <= own_b
+    assert {"rank-2.json", "rank-3.json"} <= set(ma.placement) and ma.disks[disk_b.id] == disk_b.host
+    listed_a = {p.name for p in a.iterdir()}
+    assert not listed_a & own_b and {"rank-2.json", "rank-3.json"} <= {p.name for p in b.iterdir()}
+    assert {".metadata", "state.json"} <= listed_a & {p.name for p in b.iterdir()}
+    for copy in (a, b):  # a share is whole for its disk: not missing the other disk's files
+        report = check_copy(copy, None, deep=True)
+        assert report.verdict is Verdict.VERIFIED, report.findings
+    cat = Catalog(f"sqlite:///{saved / 'catalog.db'}")
+    (ck,) = lineage.checkpoints(cat, RUN, step=2)
+    rows = [r for r in lineage.replicas_of(cat, ck.id) if r.tier == "local"]
+    assert sorted(r.tier_id for r in rows) == sorted([disk_a.id, disk_b.id]), rows
+    assert sum(r.bytes for r in rows) > ma.total_bytes  # each row: its share, the shared files on both
+
+
+def test_each_disk_holds_its_share_and_a_restore_on_the_same_disks_reads_every_byte_from_them(
+    saved: Path,
+) -> None:
+    _shares(saved)
+    work = saved
+    _job("load", work, "a,a,b,b")
+    assert _equal(work / "loaded.safetensors", saved / "expected.safetensors")
+    got = json.loads((work / "sources.json").read_text())
+    total = mf.read(work / "disks" / "a" / RUN / "step-2").total_bytes
+    assert got["step"] == 2 and len(got["disks"]) == 2, got
+    for d in got["disks"]:  # each disk: its own share read in place, the other's sent by its ranks
+        assert d["local"] + d["peer"] == total and 0 < d["peer"] < total, got
+    for d in "ab":  # and now each disk holds a whole copy
+        copy = work / "disks" / d / RUN / "step-2"
+        assert check_copy(copy, None, deep=True).verdict is Verdict.VERIFIED and not partial(
+            copy, mf.read(copy)
+        )
+
+
+def test_with_a_disk_gone_and_no_other_copy_the_job_refuses_to_start_over(saved: Path) -> None:
+    work = saved
+    shutil.rmtree(work / "disks" / "b")  # host b and its disk are gone: ranks 2-3 come back on a spare, c
+    _job("load", work, "a,a,c,c", ok=False)
+    refused = (work / "refused.txt").read_text()
+    assert "refusing to start over" in refused and "no disk at hand" in refused, refused
+    assert not (work / "loaded.safetensors").exists()
