@@ -158,6 +158,7 @@ SLOW_FILES_FIRST = [
     "test_sharded_async.py",  # ~60
     "test_gc_kill.py",  # ~75 (8 gc kills ~45)
     "test_catalog_races.py",  # ~55
+    "test_spread.py",  # ~45 alone (4 ranks on 2 disks: saved, restored twice)
     "test_watch_beside.py",  # ~45
     "test_hf_trainer.py",  # ~35 (a Trainer job killed under protect-training, recovered)
     "test_walkthrough.py",  # ~45 (the docs' walk-through: rewind server, db upgrade, rewind serve, a job)
