@@ -43,6 +43,20 @@ def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch
     return flat
 
 
+def init_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """Give the optimizer its state to load into: one zero-gradient step with lr 0 changes no parameter
+    (the learning rates are put back after it)."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in opt.param_groups]
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    opt.step()
+    opt.zero_grad()
+    for g, lr in zip(opt.param_groups, lrs, strict=True):
+        g["lr"] = lr
+
+
 def main(mode: str, kind: str, workdir: str) -> None:
     from rewind.infra.checkpoint import sharded
     from rewind.infra.format import manifest as mf
@@ -70,13 +84,7 @@ def main(mode: str, kind: str, workdir: str) -> None:
         if rank == 0:
             save_file(full, str(root / "expected.safetensors"))
     else:
-        # Initialise optimizer state (one zero-gradient step with lr 0 leaves parameters unchanged).
-        for p in model.parameters():
-            p.grad = torch.zeros_like(p)
-        for g in opt.param_groups:
-            g["lr"] = 0.0
-        opt.step()
-        opt.zero_grad()
+        init_optimizer_state(model, opt)
         msd, osd = get_state_dict(model, opt)
         directory = root / "ckpt" / "step-3"
         restored, mine = sharded.load(directory, mf.read(directory), {"model": msd, "optim": osd})

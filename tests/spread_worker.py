@@ -14,7 +14,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from tests.dist_worker import _full, _model, _wrap
+from tests.dist_worker import _full, _model, _wrap, init_optimizer_state
 
 RUN = "spread"
 
@@ -43,15 +43,7 @@ def main(mode: str, workdir: str, layout: str) -> None:
     else:
 
         def state() -> dict[str, object]:
-            for p in model.parameters():  # optimizer state exists only after a step: one that changes nothing
-                p.grad = torch.zeros_like(p)
-            lrs = [g["lr"] for g in opt.param_groups]
-            for g in opt.param_groups:
-                g["lr"] = 0.0
-            opt.step()
-            opt.zero_grad()
-            for g, lr in zip(opt.param_groups, lrs, strict=True):
-                g["lr"] = lr
+            init_optimizer_state(model, opt)
             msd, osd = get_state_dict(model, opt)
             return {"model": msd, "optim": osd}
 

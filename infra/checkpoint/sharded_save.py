@@ -18,17 +18,16 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from rewind.infra.checkpoint import spread
-from rewind.infra.checkpoint.spread import Disks
+from rewind.infra.checkpoint.spread import SHARED_STATE, Disks
 from rewind.infra.checkpoint.state import environment, writer
 from rewind.infra.errors import ConfigError, RankFailed
 from rewind.infra.faults import fault_point
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import store, tree
+from rewind.infra.format import payload, store, tree
 from rewind.infra.format.digest import hash_file
 from rewind.infra.format.local_tier import LocalTier
 
 RANK_STATE = "rank-{rank}.json"
-SHARED_STATE = "state.json"
 
 
 def rank_state_file(rank: int) -> str:
@@ -261,8 +260,8 @@ def _manifest(
     disks: dict[str, str] | None = None,
 ) -> mf.Manifest:
     """Rank 0: every rank's files plus DCP's metadata under one manifest (the directory fsynced)."""
-    d = hash_file(tmp / ".metadata")
-    files = [*files, mf.FileEntry(".metadata", d.size, d.xxh3, d.crc32c)]
+    d = hash_file(tmp / payload.DCP_METADATA)
+    files = [*files, mf.FileEntry(payload.DCP_METADATA, d.size, d.xxh3, d.crc32c)]
     store.fsync_dir(tmp)
     parent = facts.parent
     return mf.Manifest(

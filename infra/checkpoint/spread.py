@@ -22,11 +22,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rewind.infra.format import local_tier, store
+from rewind.infra.format import local_tier, payload, store
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.local_tier import LocalTier
 
-COMMON = (".metadata", "state.json")  # on every disk's copy: every rank reads them
+SHARED_STATE = "state.json"  # the state tree's non-tensor values, written by rank 0
+COMMON = (payload.DCP_METADATA, SHARED_STATE)  # on every disk's copy: every rank reads them
 
 
 @dataclass(frozen=True, slots=True)

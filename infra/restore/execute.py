@@ -201,14 +201,7 @@ def _try(
             "step %d: %s copy at %s: %s: %s", cand.step, copy.tier, copy.where(), verdict.value, detail
         )
     copies.settle(cat, cand.checkpoint_id)
-    if Verdict.UNVERIFIABLE in verdicts:
-        outcome = SkipOutcome.UNVERIFIABLE
-    elif verdicts and all(v is Verdict.MISSING for v in verdicts):
-        outcome = SkipOutcome.MISSING
-    elif shares and not verdicts:
-        outcome = SkipOutcome.INCOMPLETE
-    else:
-        outcome = SkipOutcome.CORRUPT if verdicts else SkipOutcome.MISSING
+    outcome = _outcome(verdicts, shares)
     away = (
         f"no copy here: its local copy is on a disk of host {', '.join(cand.elsewhere)} not seen here"
         if cand.elsewhere
@@ -216,6 +209,18 @@ def _try(
     )
     reason = "; ".join(tried + ([away] if away else [])) or "no copy left"
     return Skip(cand.step, cand.checkpoint_id, outcome, reason, tuple(found))
+
+
+def _outcome(verdicts: list[Verdict], shares: int) -> SkipOutcome:
+    """Why a candidate none of whose copies served was passed over (``shares``: copies that held one
+    disk's share, not completed)."""
+    if Verdict.UNVERIFIABLE in verdicts:
+        return SkipOutcome.UNVERIFIABLE
+    if verdicts and all(v is Verdict.MISSING for v in verdicts):
+        return SkipOutcome.MISSING
+    if shares and not verdicts:
+        return SkipOutcome.INCOMPLETE
+    return SkipOutcome.CORRUPT if verdicts else SkipOutcome.MISSING
 
 
 def _give_up(plan: RestorePlan, skipped: list[Skip]) -> RewindError:
