@@ -33,7 +33,7 @@ from rewind.infra.format import keyring as kr
 from rewind.infra.format import payload
 from rewind.infra.format.verify import check_copy, require
 from rewind.infra.replication import replicate
-from rewind.infra.tiers import open_tier, transfer
+from rewind.infra.tiers import fetch, open_tier
 from tests.gc_worker import flat
 from tests.s3_support import BUCKET
 
@@ -105,7 +105,7 @@ class Setup:
         else:
             key = copies.effective_key(rep, self.run, ck.step)
             scratch = self.tmp / "scratch" / uuid.uuid4().hex[:8] / self.run
-            pulled = transfer.pull(
+            pulled = fetch.pull(
                 open_tier(rep.uri), key, str(ck.manifest_digest), scratch, keyring=kr.from_env()
             )
             directory, manifest = pulled.path, pulled.manifest

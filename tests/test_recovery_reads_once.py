@@ -77,6 +77,37 @@ def test_a_recovery_loads_the_checkpoint_the_incident_names_reading_its_bytes_on
     }
 
 
+def test_with_only_a_shared_copy_left_the_flow_reads_its_state_and_the_job_fetches_the_rest_once(
+    prefect_api: str, rewind_env: dict[str, str], reference: Any, run_name: str, tmp_path: Path
+) -> None:
+    """The local copies gone, the restore point on the shared tier only: the flow does not download it
+    (the job may run on other hosts, and would read it again); it proves the manifest there and reads the
+    training state; the job fetches every byte, hashing it, and ends bit-exact."""
+    import shutil
+
+    from rewind.flows.training import recover_training, summary
+    from rewind.infra.replication import replicate
+    from rewind.infra.tiers import open_tier
+
+    cat = Catalog()
+    out = tmp_path / "out"
+    result = _killed_at_25(cat, run_name, out)
+    (tmp_path / "shared").mkdir()
+    shared = open_tier(str(tmp_path / "shared"))
+    for ck in lineage.restorable(cat, lineage.get_run(cat, run_name).id):
+        replicate(cat, ck, shared)
+        shutil.rmtree(ck.path)  # the local disk lost them
+
+    recovered = summary(recover_training(result["incident_id"], return_state=True))
+    assert recovered["status"] == "recovered", recovered
+    assert_same_weights(out / "final.safetensors", reference[1])
+    inc = incidents.get_incident(cat, result["incident_id"])
+    chosen = lineage.get_checkpoint(cat, inc.restored_checkpoint_id)
+    tensors = sum(f.size for f in lineage.files_of(cat, chosen.id) if f.path.endswith(".safetensors"))
+    assert inc.details["restore_bytes_read_by_flow"] <= chosen.total_bytes - tensors, inc.details
+    assert inc.details["restored_by_job"]["bytes_read"] >= chosen.total_bytes, inc.details
+
+
 def test_when_every_restore_point_fails_as_the_job_reads_it_the_job_refuses_to_start_over(
     prefect_api: str, rewind_env: dict[str, str], run_name: str, tmp_path: Path
 ) -> None:

@@ -92,9 +92,17 @@ def restored(cat: Catalog, *, recovery: Recovery, point: RestorePoint, load_s: f
     return handoff
 
 
-def _skip_window(cat: Catalog, recovery: Recovery, point: RestorePoint) -> list[int] | None:
+def _skip_window(cat: Catalog, recovery: Recovery, point: RestorePoint) -> list[int | None] | None:
     """[from, to) of the data that produced the anomaly: from the restore point to where the bad step ended."""
-    start, end = point.data.total, recovery.anomaly_position
+    end = recovery.anomaly_position
+    if point.data is None and end is not None:  # its state is on the job's hosts: the job knows where it is
+        incidents.update_incident(
+            cat,
+            recovery.incident_id,
+            details={"skipped_samples": [None, end], "skipped_steps": [point.step + 1, recovery.bad_step]},
+        )
+        return [None, end]
+    start = point.data.total if point.data is not None else 0
     if end is None or end <= start:
         details: dict[str, Any] = {"skipped_samples": None, "skip": "the job reported no data position"}
         incidents.update_incident(cat, recovery.incident_id, details=details)

@@ -2,7 +2,9 @@
 
 ``restore_point`` plans (``restore.plan``) and executes (``restore.execute``) a restore
 into the local tier, held to the catalog (every byte hashed, or, for a job that hashes every byte as
-it loads, the manifest, the sizes and the training state); ``roll_back`` then makes the
+it loads, the manifest, the sizes and the training state: then a copy on another tier is only peeked at,
+and a checkpoint whose copies are all on the disks of the job's hosts, which this machine cannot see, is
+chosen on the catalog's word, for the job to prove on those hosts); ``roll_back`` then makes the
 restore point the run's head (newer checkpoints retired), so the next launch resumes from
 it. What was skipped as damaged is announced like a failed verification; the restore is
 announced as ``rewind.restore.completed`` with a markdown summary.
@@ -20,6 +22,7 @@ from typing import Any
 from rewind.infra import config, progress
 from rewind.infra.catalog import lineage
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import CheckpointStatus
 from rewind.infra.errors import CorruptCheckpoint, NoRestorableCheckpoint
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import payload
@@ -59,13 +62,13 @@ class RestorePoint:
     step: int
     checkpoint_id: int
     manifest_digest: str
-    path: Path
+    path: str  # the copy chosen: a local directory, another tier's copy, or the hosts whose disks hold it
     source: str  # the tier of the copy used
     fetched: bool  # downloaded into the local tier for this restore
     seconds: float
     skipped: tuple[Skip, ...]
     retired_checkpoint_ids: tuple[int, ...]
-    data: DataPosition
+    data: DataPosition | None  # None: not read (its copies are on other hosts' disks)
     proof: Proof
     bytes_read: int  # of the checkpoint's data, by this phase (hashed or downloaded)
 
@@ -80,13 +83,17 @@ class RestorePoint:
             "step": self.step,
             "checkpoint_id": self.checkpoint_id,
             "manifest_digest": self.manifest_digest,
-            "path": str(self.path),
+            "path": self.path,
             "source": self.source,
             "fetched": self.fetched,
             "seconds": round(self.seconds, 3),
             "skipped": [{"step": s.step, "outcome": s.outcome, "why": s.reason} for s in self.skipped],
             "retired_checkpoint_ids": list(self.retired_checkpoint_ids),
-            "data": {"epoch": self.data.epoch, "consumed": self.data.consumed, "total": self.data.total},
+            "data": (
+                None
+                if self.data is None
+                else {"epoch": self.data.epoch, "consumed": self.data.consumed, "total": self.data.total}
+            ),
             "proof": self.proof.value,
             "bytes_read": self.bytes_read,
         }
@@ -121,6 +128,11 @@ def restore_point(
             "(rewind status shows where its copies are)",
             (),
         )
+    away = _on_other_hosts(p) if proof is Proof.MANIFEST else None
+    if away is not None:
+        point = _catalogs_word(cat, p.run, away, roll_back=roll_back, reason=reason)
+        _announce(notify, point)
+        return point
     # The loader reads the data position through verification, inside the executor: a damaged training
     # state is that copy's failure (recorded, quarantined, an older checkpoint tried), like any other.
     load = _every_byte if proof is Proof.BYTES else _position
@@ -129,10 +141,7 @@ def restore_point(
             progress.tallied() as read,
             execute.restoring(cat, p, load, quick=proof is Proof.MANIFEST) as done,
         ):
-            retired: list[int] = []
-            if roll_back:
-                why = reason or f"rolled back to step {done.step}"
-                retired = lineage.supersede_after(cat, lineage.get_run(cat, run).id, done.step, why)
+            retired = _roll_back(cat, run, done.step, reason) if roll_back else []
     except CorruptCheckpoint as exc:  # the step the caller chose is damaged on every copy
         if p.exact and p.candidates:
             chosen = p.candidates[0]
@@ -144,11 +153,38 @@ def restore_point(
     _announce_skipped(notify, run, done.skipped)
     digest = lineage.get_checkpoint(cat, done.checkpoint_id).manifest_digest
     point = RestorePoint(
-        run, done.step, done.checkpoint_id, str(digest), done.directory, done.source, done.fetched,
+        run, done.step, done.checkpoint_id, str(digest), done.where, done.source, done.fetched,
         done.seconds, done.skipped, tuple(retired), done.value, proof, read.bytes,
     )  # fmt: skip
     _announce(notify, point)
     return point
+
+
+def _roll_back(cat: Catalog, run: str, step: int, reason: str) -> list[int]:
+    why = reason or f"rolled back to step {step}"
+    return lineage.supersede_after(cat, lineage.get_run(cat, run).id, step, why)
+
+
+def _on_other_hosts(p: plan.RestorePlan) -> plan.Candidate | None:
+    """The newest candidate, when no copy of it is readable here but its local copies are on other hosts'
+    disks (a job's node-local tiers, seen from the machine that supervises it)."""
+    first = p.candidates[0] if p.candidates else None
+    if first is None or first.copies or not first.elsewhere or first.status == CheckpointStatus.CORRUPT:
+        return None
+    return first
+
+
+def _catalogs_word(
+    cat: Catalog, run: str, cand: plan.Candidate, *, roll_back: bool, reason: str
+) -> RestorePoint:
+    """The restore point chosen on the catalog's record alone: the job, on the hosts holding its copies,
+    hashes every byte as it loads (and falls back to an older checkpoint should they fail)."""
+    retired = _roll_back(cat, run, cand.step, reason) if roll_back else []
+    where = f"the disks of host(s) {', '.join(sorted(set(cand.elsewhere)))}"
+    return RestorePoint(
+        run, cand.step, cand.checkpoint_id, cand.manifest_digest, where, "local", False, 0.0, (),
+        tuple(retired), None, Proof.MANIFEST, 0,
+    )  # fmt: skip
 
 
 def _announce_skipped(notify: Notifier, run: str, skipped: tuple[Skip, ...]) -> None:
@@ -182,7 +218,15 @@ def _announce(notify: Notifier, point: RestorePoint) -> None:
         "every byte verified" if point.proof is Proof.BYTES or point.fetched else "manifest verified",
         point.seconds, len(point.skipped),
     )  # fmt: skip
-    how = f"downloaded from the {point.source} tier" if point.fetched else "the local copy"
+    how = (
+        f"downloaded from the {point.source} tier"
+        if point.fetched
+        else "its manifest checked here, the job fetches it"
+        if point.data is not None and point.source != "local"
+        else "on its hosts' own disks, for the job to prove"
+        if point.data is None
+        else "the local copy"
+    )
     lines = [
         f"# Restore of `{point.run}`",
         "",

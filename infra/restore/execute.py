@@ -8,7 +8,10 @@ delete it) and its copies are tried nearest first:
   anything is used;
 - a copy on another tier is downloaded into the local tier first: its manifest is
   held to the catalog's digest before any data is fetched, every file must hash to
-  its entry, and only then is the manifest written and the directory renamed in.
+  its entry, and only then is the manifest written and the directory renamed in;
+- ``quick`` (a recovery, whose job fetches and hashes every byte itself, wherever it runs): a copy on
+  another tier is not downloaded: its manifest is held to the catalog's digest and only the training
+  state is read (into a scratch directory, removed afterwards).
 
 What a check finds is recorded against that copy (a damaged local copy is moved
 to ``.quarantine/``); the checkpoint is corrupt only when no copy is left that
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -46,11 +51,11 @@ from rewind.infra.errors import (
 )
 from rewind.infra.format import keyring as kr
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import store
+from rewind.infra.format import payload, store
 from rewind.infra.format.verify import Finding, Problem, Verdict, check_copy, require, verdict_of
 from rewind.infra.format.verify import partial as is_partial
 from rewind.infra.restore.plan import Candidate, Copy, RestorePlan
-from rewind.infra.tiers import open_tier, transfer
+from rewind.infra.tiers import fetch, open_tier, transfer
 from rewind.infra.tiers.base import UNREADABLE_ERRORS, DiskWriteError
 
 log = logging.getLogger("rewind.restore")
@@ -94,14 +99,16 @@ class Restored(Generic[T]):
     value: T  # what the loader returned
     skipped: tuple[Skip, ...]
     seconds: float
+    where: str  # the copy as a person finds it: the local directory, or another tier's copy only peeked at
 
 
 @dataclass(frozen=True, slots=True)
 class _Opened:
     directory: Path
     manifest: mf.Manifest
-    local_replica_id: int
+    local_replica_id: int | None  # None: no local copy (a peek at another tier's)
     fetched: bool
+    scratch: bool = False  # a peek's directory: removed once the restore is done with it
 
 
 def _fail(
@@ -126,9 +133,31 @@ class ShareOnly(Exception):
     not at hand): passed over for the next copy, recorded as nothing (it is not damaged)."""
 
 
+def _peek(cand: Candidate, copy: Copy, ring: kr.Keyring) -> _Opened:
+    """Another tier's copy, its manifest proven and its training state read, the rest left there."""
+    key = copy.key or transfer.copy_key(cand.run, cand.step)
+    scratch = Path(tempfile.mkdtemp(prefix="rewind-peek-"))
+    try:
+        manifest = fetch.peek(
+            open_tier(copy.uri), key, cand.manifest_digest, scratch, keyring=ring, paths={payload.STATE_FILE}
+        )
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    return _Opened(scratch, manifest, None, False, scratch=True)
+
+
+def _drop(opened: _Opened | None) -> None:
+    """A peek's scratch directory removed (nothing else is)."""
+    if opened is not None and opened.scratch:
+        shutil.rmtree(opened.directory, ignore_errors=True)
+
+
 def _open(
-    cat: Catalog, plan: RestorePlan, cand: Candidate, copy: Copy, ring: kr.Keyring, partial: bool
+    cat: Catalog, plan: RestorePlan, cand: Candidate, copy: Copy, ring: kr.Keyring, partial: bool, quick: bool
 ) -> _Opened:
+    if quick and not copy.local:
+        return _peek(cand, copy, ring)
     if copy.local:
         directory = Path(copy.uri)
         manifest = require(check_copy(directory, cand.manifest_digest, deep=False, keyring=ring))
@@ -142,9 +171,7 @@ def _open(
 
     key = copy.key or transfer.copy_key(cand.run, cand.step)
     tier = open_tier(copy.uri)
-    done = transfer.pull(
-        tier, key, cand.manifest_digest, plan.root / cand.run, keyring=ring, displace=displace
-    )
+    done = fetch.pull(tier, key, cand.manifest_digest, plan.root / cand.run, keyring=ring, displace=displace)
     copies.record(cat, copy.replica_id, R.VERIFIED, f"downloaded into {done.path}")
     rid = copies.set_local(cat, cand.checkpoint_id, str(done.path), R.PENDING, done.manifest.total_bytes)
     return _Opened(done.path, done.manifest, rid, True)
@@ -167,15 +194,17 @@ def _try(
     for copy in cand.copies:
         opened: _Opened | None = None
         try:
-            opened = _open(cat, plan, cand, copy, ring, partial)
+            opened = _open(cat, plan, cand, copy, ring, partial, quick)
             value = load(opened.directory, opened.manifest)
         except ShareOnly as exc:
             tried.append(str(exc))
             shares += 1
             continue
         except StateMismatch as exc:  # every byte matched; the job refused the state
+            _drop(opened)
             return Skip(cand.step, cand.checkpoint_id, SkipOutcome.MISMATCH, str(exc), tuple(exc.findings))
         except UnloadableCheckpoint as exc:
+            _drop(opened)
             copies.condemn(cat, cand.checkpoint_id, "; ".join(str(f) for f in exc.findings))
             return Skip(cand.step, cand.checkpoint_id, SkipOutcome.UNLOADABLE, str(exc), tuple(exc.findings))
         except CorruptCheckpoint as exc:
@@ -185,11 +214,13 @@ def _try(
         except UNREADABLE_ERRORS as exc:
             verdict, findings = Verdict.UNVERIFIABLE, [Finding(Problem.UNREADABLE, copy.where(), str(exc))]
         else:
-            if not quick or opened.fetched:  # a download hashed every byte; a quick open proved the manifest
+            if opened.local_replica_id is not None and (not quick or opened.fetched):
+                # a download hashed every byte; a quick open proved the manifest
                 copies.record(cat, opened.local_replica_id, R.VERIFIED, None, uri=str(opened.directory))
                 copies.settle(cat, cand.checkpoint_id)
             return opened, value, copy
-        if opened is None:  # the copy itself failed (or its download did)
+        _drop(opened)
+        if opened is None or opened.local_replica_id is None:  # the copy itself failed (or its download did)
             where = Path(copy.uri) if copy.local else None
             detail = _fail(cat, copy.replica_id, where, verdict, findings, plan.root)
         else:  # the local directory it produced failed while being loaded
@@ -308,8 +339,10 @@ def restoring(
             yield Restored(
                 cand.checkpoint_id, cand.step, opened.directory, opened.manifest, copy.tier,
                 opened.fetched, value, tuple(skipped), time.perf_counter() - started,
+                copy.where() if opened.scratch else str(opened.directory),
             )  # fmt: skip
         finally:
+            _drop(opened)
             leases.release(cat, lease)
         return
     raise _give_up(plan, skipped)

@@ -33,11 +33,10 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 from rewind.infra import progress
 from rewind.infra.errors import CorruptCheckpoint
-from rewind.infra.format import files, store
+from rewind.infra.format import files
 from rewind.infra.format import keyring as kr
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import CHUNK, Hasher, hash_bytes, manifest_matches
@@ -45,10 +44,8 @@ from rewind.infra.format.verify import Budget, Finding, Problem, Report, check_m
 from rewind.infra.tiers.base import (
     NotCopied,
     ObjectNotFound,
-    SourceFailed,
     Tier,
     TierUnavailable,
-    disk_write_error,
 )
 
 log = logging.getLogger("rewind.transfer")
@@ -89,7 +86,7 @@ def alternate_key(run: str, step: int, digest: str) -> str:
     return f"{copy_key(run, step)}.{digest[:16]}"
 
 
-def _read(tier: Tier, key: str) -> bytes:
+def read_manifest(tier: Tier, key: str) -> bytes:
     """A manifest from a tier, never more than ``manifest.MAX_BYTES`` of it held (ManifestError beyond, and
     for what is not a regular file)."""
     try:
@@ -108,7 +105,7 @@ def candidate_keys(run: str, step: int, digest: str) -> tuple[str, str]:
 def holds(tier: Tier, key: str, digest: str) -> bool | None:
     """Does ``key`` hold this checkpoint's manifest (True), another one (False), or none (None)?"""
     try:
-        raw = _read(tier, f"{key}/{mf.MANIFEST_NAME}")
+        raw = read_manifest(tier, f"{key}/{mf.MANIFEST_NAME}")
     except ObjectNotFound:
         return None
     except mf.ManifestError:
@@ -145,7 +142,7 @@ def reuse_index(tier: Tier, sources: Sequence[Reuse]) -> dict[FileId, list[str]]
     index: dict[FileId, list[str]] = {}
     for src in sources:
         try:
-            raw = _read(tier, f"{src.key}/{mf.MANIFEST_NAME}")
+            raw = read_manifest(tier, f"{src.key}/{mf.MANIFEST_NAME}")
             if not manifest_matches(raw, src.digest):
                 log.warning("%s/%s: manifest is not the catalog's; not reused", tier.uri, src.key)
                 continue
@@ -327,7 +324,7 @@ def check_remote(
     """
     where = Path(f"{tier.uri}/{key}")
     try:
-        raw = _read(tier, f"{key}/{mf.MANIFEST_NAME}")
+        raw = read_manifest(tier, f"{key}/{mf.MANIFEST_NAME}")
     except ObjectNotFound:
         return Report(
             where, None, (Finding(Problem.ABSENT, ".", f"no manifest on the {tier.name} tier"),), deep
@@ -343,71 +340,3 @@ def check_remote(
     with reading if deep else contextlib.nullcontext():
         found = tuple(_file_findings(tier, key, manifest, deep, budget))
     return Report(where, manifest, found, deep)
-
-
-def pull(
-    tier: Tier,
-    key: str,
-    expected: str,
-    run_dir: Path,
-    *,
-    keyring: kr.Keyring,
-    displace: store.Displace | None = None,
-) -> store.Committed:
-    """Download the copy at ``key`` into ``run_dir`` with the commit protocol.
-
-    The manifest is held to the catalog's digest before any data is fetched, and
-    every file must hash to its entry before the manifest is written locally; only
-    then is a directory already at ``step-<N>/`` handed to ``displace``.
-    ``CorruptCheckpoint`` (with findings) when the copy is not the recorded one; ``DiskWriteError`` when
-    writing ``run_dir`` fails (disk full, read-only): the local disk's fault, not the copy's. An error
-    reading the copy is raised as the tier raised it.
-    """
-    try:
-        raw = _read(tier, f"{key}/{mf.MANIFEST_NAME}")
-    except ObjectNotFound as exc:
-        where = f"{tier.uri}/{key}"
-        raise CorruptCheckpoint(where, [Finding(Problem.ABSENT, ".", "no manifest on the tier")]) from exc
-    except mf.ManifestError as exc:
-        raise CorruptCheckpoint(
-            f"{tier.uri}/{key}", [Finding(Problem.MANIFEST, mf.MANIFEST_NAME, str(exc))]
-        ) from exc
-    manifest, findings = check_manifest(raw, expected, keyring)
-    if manifest is None:
-        raise CorruptCheckpoint(f"{tier.uri}/{key}", findings)
-
-    def stream(entry: mf.FileEntry) -> Callable[[BinaryIO], None]:
-        def fill(out: BinaryIO) -> None:
-            """The object's bytes into ``out``, one byte past its entry's size at most (a longer one shows)."""
-            try:
-                body = tier.open(f"{key}/{entry.path}")
-            except ObjectNotFound as exc:
-                finding = Finding(Problem.MISSING, entry.path, f"not on the {tier.name} tier")
-                raise CorruptCheckpoint(f"{tier.uri}/{key}", [finding]) from exc
-            except files.NotAFile as exc:
-                raise CorruptCheckpoint(f"{tier.uri}/{key}", [not_a_file(entry, exc)]) from exc
-            except OSError as exc:
-                raise SourceFailed(exc) from exc
-            with body:
-                left = entry.size + 1
-                while left > 0:
-                    try:
-                        chunk = body.read(min(CHUNK, left))
-                    except OSError as exc:
-                        raise SourceFailed(exc) from exc
-                    if not chunk:
-                        break
-                    left -= len(chunk)
-                    out.write(chunk)  # an OSError here is the local disk's
-
-        return fill
-
-    where = f"{tier.uri}/{key}"
-    streams = [(e.path, stream(e)) for e in manifest.files]
-    try:
-        with progress.phase(f"fetch {key} from {tier.uri}", manifest.total_bytes):
-            return store.write_checkpoint(run_dir, manifest, streams, copy_of=raw, displace=displace)
-    except SourceFailed as failed:
-        raise failed.error from None  # reading the copy failed: as the tier said it
-    except OSError as exc:  # everything else that touches a disk here writes the local one
-        raise disk_write_error(exc, f"the local disk at {run_dir}", where) from exc

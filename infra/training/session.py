@@ -83,7 +83,8 @@ class Handoff:
     world_size: int = 1
     lr_scale: float = 1.0
     global_batch: int | None = None
-    skip: tuple[int, int] | None = None  # [from, to) positions of a data window to step over
+    skip: tuple[int | None, int] | None = None  # [from, to) of a data window to step over (from: None when
+    # the supervisor could not read the restore point's position; the job is there)
     spike_factor: float | None = None  # the spec's loss-spike threshold, when the job sets none itself
     decision: str | None = None
     restore: RestoreTarget | None = None  # the restore point the recovery chose: loaded, not searched for
@@ -101,7 +102,7 @@ class Handoff:
             world_size=int(h.get("world_size", os.environ.get("WORLD_SIZE", "1"))),
             lr_scale=float(h.get("lr_scale", 1.0)),
             global_batch=h.get("global_batch"),
-            skip=(int(skip[0]), int(skip[1])) if skip else None,
+            skip=(None if skip[0] is None else int(skip[0]), int(skip[1])) if skip else None,
             spike_factor=h.get("spike_factor"),
             decision=h.get("decision"),
             restore=RestoreTarget.from_dict(h.get("restore")),
@@ -314,7 +315,7 @@ class TrainingSession:
             return
         if self.loader is None:
             log.warning(
-                "the supervisor asked to skip samples %d..%d, but this job gave the session no loader", *skip
+                "the supervisor asked to skip samples %s..%d, but this job gave the session no loader", *skip
             )
             return
         at, skip_to = _position(self.loader), getattr(self.loader, "skip_to", None)
@@ -324,7 +325,7 @@ class TrainingSession:
                 f"{type(self.loader).__name__} has no global position to skip in: use ResumableLoader"
             )
         if at < skip[1]:
-            log.warning("skipping samples %d..%d (a bad data window) from %d", skip[0], skip[1], at)
+            log.warning("skipping samples %d..%d (a bad data window)", at, skip[1])
             skip_to(skip[1])
 
     # -- the loop -----------------------------------------------------------------------
