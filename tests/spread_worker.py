@@ -59,7 +59,7 @@ def main(mode: str, workdir: str, layout: str) -> None:
         assert mine == {"rank": rank, "step": step}, mine
         name = "loaded"
         if rank == 0:
-            sources = [{"host": s.host, "local": s.local_bytes, "peer": s.peer_bytes} for s in ck.sources]
+            sources = [s.as_dict() for s in ck.sources]
             (work / "sources.json").write_text(json.dumps({"step": step, "disks": sources}))
     full = _full(model, opt)
     if rank == 0:

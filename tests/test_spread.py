@@ -27,10 +27,16 @@ from tests.torchrun_support import torchrun
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _job(mode: str, work: Path, layout: str, *, ok: bool = True) -> subprocess.CompletedProcess[str]:
+def _job(
+    mode: str, work: Path, layout: str, *, ok: bool = True, shared: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("REWIND_SHARED_URI", None)
+    if shared is not None:
+        env["REWIND_SHARED_URI"] = str(shared)
     r = subprocess.run(
         [*torchrun(4), "-m", "tests.spread_worker", mode, str(work), layout],
-        cwd=REPO, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        cwd=REPO, capture_output=True, text=True, timeout=240, env=env,
     )  # fmt: skip
     assert (r.returncode == 0) == ok, r.stdout[-3000:] + r.stderr[-3000:]
     return r
@@ -99,3 +105,35 @@ def test_with_a_disk_gone_and_no_other_copy_the_job_refuses_to_start_over(saved:
     refused = (work / "refused.txt").read_text()
     assert "refusing to start over" in refused and "no disk at hand" in refused, refused
     assert not (work / "loaded.safetensors").exists()
+
+
+def test_each_host_sends_its_share_to_the_shared_tier_and_a_lost_disks_files_come_from_there(
+    tmp_path: Path,
+) -> None:
+    """Saved with a shared tier: each disk's leader sends its own files, the last one the manifest; the
+    shared copy is registered verified. With disk b gone, ranks 2-3 come back on a spare disk c: disk a's
+    share is read in place, disk b's files are fetched from the shared tier (only those), and disk c gets
+    everything from its peers; bit-exact."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    _job("save", tmp_path, "a,a,b,b", shared=shared)
+    a = tmp_path / "disks" / "a" / RUN / "step-2"
+    ma = mf.read(a)
+    copy = shared / RUN / "step-2"
+    assert (copy / mf.MANIFEST_NAME).read_bytes() == (a / mf.MANIFEST_NAME).read_bytes()
+    assert check_copy(copy, None, deep=True).verdict is Verdict.VERIFIED and not partial(copy, ma)
+    cat = Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
+    (ck,) = lineage.checkpoints(cat, RUN, step=2)
+    rows = [r for r in lineage.replicas_of(cat, ck.id) if r.tier == "shared"]
+    assert [(r.status, r.key) for r in rows] == [("verified", f"{RUN}/step-2")], rows
+
+    shutil.rmtree(tmp_path / "disks" / "b")  # host b and its disk are gone
+    _job("load", tmp_path, "a,a,c,c")
+    assert _equal(tmp_path / "loaded.safetensors", tmp_path / "expected.safetensors")
+    got = json.loads((tmp_path / "sources.json").read_text())
+    disk_a = local_tier.read(tmp_path / "disks" / "a")
+    assert disk_a
+    share_b = sum(e.size for e in ma.files if ma.placement.get(e.path) not in (None, disk_a.id))
+    a_got, c_got = got["disks"]  # by disk leader: rank 0 (disk a), rank 2 (disk c)
+    assert got["step"] == 2 and a_got["remote"] == share_b and a_got["local"] == ma.total_bytes - share_b, got
+    assert c_got == {**c_got, "local": 0, "peer": ma.total_bytes, "remote": 0}, got

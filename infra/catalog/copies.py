@@ -269,18 +269,32 @@ def condemn(cat: Catalog, checkpoint_id: int, reason: str) -> bool:
     return won == 1
 
 
+def _without_copy(tier: str, uri: str, run: str | None) -> Select[Any]:
+    has_copy = select(Replica.checkpoint_id).where(
+        Replica.tier == tier, Replica.uri == uri, Replica.status == R.VERIFIED.value
+    )
+    q = select(Checkpoint).where(
+        Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value]), Checkpoint.id.not_in(has_copy)
+    )
+    if run is not None:
+        q = q.join(Run, Run.id == Checkpoint.run_id).where(Run.name == run)
+    return q
+
+
 def without_copy(cat: Catalog, tier: str, uri: str, run: str | None = None) -> list[Checkpoint]:
     """Restorable checkpoints with no verified copy on the tier rooted at ``uri`` yet, oldest first."""
     with cat.session() as s:
-        has_copy = select(Replica.checkpoint_id).where(
-            Replica.tier == tier, Replica.uri == uri, Replica.status == R.VERIFIED.value
-        )
-        q = select(Checkpoint).where(
-            Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value]), Checkpoint.id.not_in(has_copy)
-        )
-        if run is not None:
-            q = q.join(Run, Run.id == Checkpoint.run_id).where(Run.name == run)
-        return list(s.scalars(q.order_by(Checkpoint.id)))
+        return list(s.scalars(_without_copy(tier, uri, run).order_by(Checkpoint.id)))
+
+
+def sent_by_their_hosts(cat: Catalog, tier: str, uri: str, run: str | None = None) -> set[int]:
+    """Of ``without_copy``: the checkpoints whose every usable copy is on other hosts' disks (node-local
+    tiers this machine cannot read): their hosts send them (``share_push``), nothing here can."""
+    ids = _without_copy(tier, uri, run).with_only_columns(Checkpoint.id)
+    rows = copy_rows(cat, ids, statuses=USABLE_VALUES)
+    return {
+        ck for ck, rs in rows.items() if rs and all(disks.elsewhere(r.tier, r.tier_id, r.uri) for r in rs)
+    }
 
 
 def reuse_sources(cat: Catalog, ck: Checkpoint, tier: str, uri: str, limit: int = 3) -> list[tuple[str, str]]:

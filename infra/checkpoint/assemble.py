@@ -4,9 +4,11 @@ Each disk's leader says which of the manifest's files its copy holds (present, o
 their bytes are hashed as DCP reads them). A file some disk lacks is sent by the lowest rank holding it
 as a byte tensor, and every rank lacking it keeps it only once its bytes hash to the manifest's entry
 (nothing received is unpickled). A disk with no copy yet (a spare host) gets a whole one, manifest
-last. When some file is on no disk at hand (its host is gone), no disk is completed: ``ShareOnly`` on
-every rank, and the restore tries the next copy (the shared tier's, downloaded by rank 0, whose disk
-then holds every file for the others).
+last. A file on no disk at hand (its host is gone) is fetched by rank 0 from another tier's copy of the
+checkpoint (``Remote``: the shared tier's, nearest first), held to its entry, and sent on from there:
+each file comes from the nearest place that has it, this disk, a peer's, another tier. When a file is on
+no disk and no other tier gives it, no disk is completed: ``ShareOnly`` on every rank, and the restore
+tries the next copy.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,14 +30,26 @@ from rewind.infra.format import store
 from rewind.infra.format.digest import hash_bytes
 from rewind.infra.restore.execute import ShareOnly
 
+Remote = Callable[[mf.FileEntry], bytes]  # rank 0: one file's bytes from another tier's copy, proven
+
 
 @dataclass(frozen=True, slots=True)
 class Sources:
-    """Where one disk's copy got the checkpoint's bytes: already on the disk, or sent by another rank."""
+    """Where one disk's copy got the checkpoint's bytes: already on the disk, sent by another rank, or
+    fetched from another tier."""
 
     host: str
     local_bytes: int
     peer_bytes: int
+    remote_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "local": self.local_bytes,
+            "peer": self.peer_bytes,
+            "remote": self.remote_bytes,
+        }
 
 
 def _held(directory: Path, manifest: mf.Manifest) -> set[str]:
@@ -60,11 +75,16 @@ def _same_checkpoint(directory: Path, raw: bytes) -> bool:
 
 
 def _receive(target: Path, entry: mf.FileEntry, data: torch.Tensor) -> None:
-    """Keep a file sent by another rank, once its bytes are the manifest's (written aside, then renamed)."""
+    """Keep a file sent by another rank, once its bytes are the manifest's."""
     raw = data.numpy().tobytes()
     got = hash_bytes(raw)
     if (got.size, got.xxh3) != (entry.size, entry.xxh3):
         raise OSError(f"{entry.path} as sent by another rank differs from the manifest's entry")
+    _keep(target, entry, raw)
+
+
+def _keep(target: Path, entry: mf.FileEntry, raw: bytes) -> None:
+    """Write a file whose bytes were held to its entry into ``target`` (written aside, then renamed)."""
     path = target / mf.safe_relative(entry.path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -89,13 +109,15 @@ def _send(path: Path | None, entry: mf.FileEntry, src: int) -> tuple[torch.Tenso
     return data, error
 
 
-def complete(directory: Path, raw: bytes, manifest: mf.Manifest, disks: Disks) -> tuple[Path, list[Sources]]:
+def complete(
+    directory: Path, raw: bytes, manifest: mf.Manifest, disks: Disks, remote: Remote | None = None
+) -> tuple[Path, list[Sources]]:
     """Collective: this rank's disk's copy of the checkpoint whose manifest bytes are ``raw``, completed;
     (the directory to load from, each disk's sources, by leader; on rank 0 only, else empty).
 
     ``directory``: this rank's copy (rank 0: the one its restore plan chose; the others: their root's).
-    A file sent that is not the manifest's (or not readable by its sender) fails the restore on every
-    rank, judging no copy: ``OSError``."""
+    ``remote`` (rank 0): fetches a file no disk at hand holds. A file sent that is not the manifest's (or
+    not readable by its sender) fails the restore on every rank, judging no copy: ``OSError``."""
     rank = dist.get_rank()
     leads = disks.leads(rank)
     if leads and directory.exists() and not _same_checkpoint(directory, raw):
@@ -104,20 +126,18 @@ def complete(directory: Path, raw: bytes, manifest: mf.Manifest, disks: Disks) -
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, held)
     have = {r: h for r, h in enumerate(every) if h is not None}
-    lost = [e.path for e in manifest.files if not any(e.path in h for h in have.values())]
-    if lost:
-        raise ShareOnly(
-            f"step {manifest.step}: {len(lost)} file(s) are on no disk at hand ({', '.join(lost[:3])})"
-        )
     fresh = leads and not held
     target = store.temp_dir(directory.parent, manifest.step) if fresh else directory
+    lost = [e for e in manifest.files if not any(e.path in h for h in have.values())]
+    fetched = _fetch_lost(target, lost, remote if rank == 0 else None, fresh, manifest.step)
+    have[0] = have[0] | {e.path for e in lost}
     got, errors = 0, []
     for e in manifest.files:
         lacking = [r for r, h in have.items() if e.path not in h]
         if not lacking:
             continue
         src = min(r for r, h in have.items() if e.path in h)
-        data, error = _send(directory / e.path if rank == src else None, e, src)
+        data, error = _send(target / e.path if rank == src else None, e, src)
         errors += [error] if error else []
         if rank in lacking and not errors:
             try:
@@ -130,8 +150,34 @@ def complete(directory: Path, raw: bytes, manifest: mf.Manifest, disks: Disks) -
         store.commit(target, manifest, raw)
     local = sum(e.size for e in manifest.files if e.path in (held or ()))
     report: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(report, Sources(disks.of_rank[rank].host, local, got) if leads else None)
+    mine = Sources(disks.of_rank[rank].host, local, got, fetched) if leads else None
+    dist.all_gather_object(report, mine)
     return directory, [s for s in report if s is not None] if rank == 0 else []
+
+
+def _fetch_lost(target: Path, lost: list[mf.FileEntry], remote: Remote | None, fresh: bool, step: int) -> int:
+    """Collective: the files on no disk at hand, fetched by rank 0 (``remote``) into its disk's copy; the
+    bytes fetched. ``ShareOnly`` on every rank when rank 0 cannot fetch them all."""
+    if not lost:
+        return 0
+    why, fetched = "", 0
+    if dist.get_rank() == 0:
+        try:
+            if remote is None:
+                raise OSError("no other tier holds a copy")
+            for e in lost:
+                _keep(target, e, remote(e))
+                fetched += e.size
+        except Exception as exc:  # every rank must learn it
+            why = str(exc) or type(exc).__name__
+    box: list[Any] = [why]
+    dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        if fresh:
+            shutil.rmtree(target, ignore_errors=True)
+        names = ", ".join(e.path for e in lost[:3])
+        raise ShareOnly(f"step {step}: {len(lost)} file(s) are on no disk at hand ({names}): {box[0]}")
+    return fetched
 
 
 def _agree(errors: list[str], fresh: Path | None) -> None:

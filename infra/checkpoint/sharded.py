@@ -20,6 +20,8 @@ which records it against the copy and, if need be, tries the next one.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,7 +31,7 @@ import torch.distributed as dist
 
 from rewind.infra.catalog import leases, lineage
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.checkpoint import assemble, spread
+from rewind.infra.checkpoint import assemble, remotes, share_push, spread
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.engine import SaveMode
 from rewind.infra.checkpoint.recording import recorded_save
@@ -63,6 +65,8 @@ from rewind.infra.restore import plan as restore_plan
 from rewind.infra.restore.execute import Skip
 
 StateTree = dict[str, Any] | Callable[[], dict[str, Any]]
+log = logging.getLogger("rewind.sharded")
+LAUNCHER_ENV = "REWIND_LAUNCHER"  # the launcher a supervisor started the job with (``local``, ``slurm``)
 
 
 def _unwrap(directory: Path, exc: BaseException) -> BaseException:
@@ -168,9 +172,26 @@ class ShardedCheckpointer:
         self.last_stall_s: float | None = None
         self.disks = spread.discover(self.root)  # the hosts' own disks, or one disk for every rank
         self.sources: list[assemble.Sources] = []  # rank 0: where the last restore's bytes came from
+        self._pusher = self._share_pusher(catalog if self.rank else self.catalog, exit_timeout_s)
         if self.disks.leads(self.rank):
             store.sweep_temp(self.run_dir)
         dist.barrier()
+
+    def _share_pusher(self, cat: Catalog | None, exit_timeout_s: float) -> share_push.SharePusher | None:
+        """A disk's leader sends its share to the shared tier itself when nothing else can read its disk:
+        the checkpoint is spread over hosts' disks, or the job runs on a scheduler's hosts. ``cat``: where
+        it registers a copy it completes (another rank's: the session's, under a supervisor only)."""
+        self._exit_timeout_s = exit_timeout_s
+        remote_hosts = os.environ.get(LAUNCHER_ENV, "local") != "local"
+        if not self.disks.leads(self.rank) or not (self.disks.spread or remote_hosts):
+            return None
+        return share_push.SharePusher.from_env(cat)
+
+    def _pushed(self, step: int) -> None:
+        if self._pusher is not None:
+            disk = self.disks.of_rank[self.rank].id
+            directory = store.step_dir(self.run_dir, step)
+            self._pusher.submit(share_push.Share(self.run, step, directory, disk, with_common=self.rank == 0))
 
     def save(
         self,
@@ -228,6 +249,7 @@ class ShardedCheckpointer:
         kw: dict[str, Any] = {"layout": layout, "metrics": metrics, "group": self._group, "disks": self.disks}
         if self._lead is None:
             save(self.run_dir, self.run, step, share, **kw)
+            self._pushed(step)
             return
         cat, run_id = self._lead
         with contextlib.ExitStack() as stack:
@@ -252,6 +274,7 @@ class ShardedCheckpointer:
                 self.run_dir, self.run, step, share, parent=self._parent, lead=LeadHooks(begin, commit), **kw
             )
             self._parent_id, self._parent = row[0], (step, digest)
+        self._pushed(step)
 
     def wait(self) -> None:
         """Block until this rank's in-flight background save ended; raise if it failed."""
@@ -262,6 +285,12 @@ class ShardedCheckpointer:
         writer lease)."""
         try:
             self._runner.close()
+            if self._pusher is not None and not self._pusher.wait(self._exit_timeout_s):
+                log.warning(
+                    "%s: a share still on its way to the shared tier after %.0f s",
+                    self.run,
+                    self._exit_timeout_s,
+                )
         finally:
             if self._lead is not None:
                 leases.release_writer(*self._lead)
@@ -282,7 +311,14 @@ class ShardedCheckpointer:
             return self._lead_restore(state, target)
         return self._follow_restore(state)
 
-    def _attempt(self, directory: Path, manifest: mf.Manifest, raw: bytes, state: StateTree) -> Any:
+    def _attempt(
+        self,
+        directory: Path,
+        manifest: mf.Manifest,
+        raw: bytes,
+        state: StateTree,
+        remote: assemble.Remote | None = None,
+    ) -> Any:
         """One collective try: every rank loads, every verdict is gathered; rank 0 raises the worst.
 
         Spread over hosts' disks, each rank loads its own disk's copy, completed from the others' first
@@ -293,7 +329,7 @@ class ShardedCheckpointer:
             if self.disks.spread:
                 own = self.disks.leader(self.rank) == self.disks.leader(0)
                 here = directory if own else store.step_dir(self.run_dir, manifest.step)
-                directory, self.sources = assemble.complete(here, raw, manifest, self.disks)
+                directory, self.sources = assemble.complete(here, raw, manifest, self.disks, remote)
             mine = load(directory, manifest, state() if callable(state) else state)
         except Exception as exc:  # every rank must reach the gather below, whatever went wrong
             error = exc
@@ -317,7 +353,7 @@ class ShardedCheckpointer:
                     str(directory), [Finding(Problem.MANIFEST, mf.MANIFEST_NAME, "changed")]
                 )
             dist.broadcast_object_list([("try", str(directory), (manifest, raw))], src=0)
-            return self._attempt(directory, manifest, raw, state)
+            return self._attempt(directory, manifest, raw, state, remotes.files_of(p, manifest, raw))
 
         if self._lead is None:
             raise ConfigError("only rank 0 leads a restore")

@@ -240,6 +240,7 @@ class Supervisor:
             progress.LAUNCH_ENV: str(self.launch_id),
             progress.TOKEN_ENV: self.token,
             "REWIND_LR_SCALE": repr(float(h["lr_scale"])),
+            "REWIND_LAUNCHER": str(self.spec.launcher),  # on a scheduler's hosts, each sends its own files on
         }
         if h.get("global_batch") is not None:
             env["REWIND_GLOBAL_BATCH"] = str(h["global_batch"])

@@ -25,6 +25,7 @@ from rewind.infra.tiers import open_tier
 from rewind.infra.tiers.base import Tier
 
 MiB = 1 << 20
+log = logging.getLogger("rewind.replicate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +111,14 @@ def _env_int(name: str) -> int | None:
 
 
 def pending(cat: Catalog, *, tier: Tier, run: str | None = None) -> list[int]:
-    """Ids of restorable checkpoints (of ``run``, or every run) without a verified copy on ``tier``."""
+    """Ids of restorable checkpoints (of ``run``, or every run) without a verified copy on ``tier`` that this
+    machine can send (those lying only on other hosts' own disks are sent by those hosts)."""
     if run is not None:
         lineage.get_run(cat, run)  # an unknown run is an error, not "nothing to do"
-    return [ck.id for ck in copies.without_copy(cat, tier.name, tier.uri, run)]
+    away = copies.sent_by_their_hosts(cat, tier.name, tier.uri, run)
+    if away:
+        log.info("%d checkpoint(s) lie only on their hosts' own disks: those hosts send them", len(away))
+    return [ck.id for ck in copies.without_copy(cat, tier.name, tier.uri, run) if ck.id not in away]
 
 
 def replicate_checkpoint(cat: Catalog, *, checkpoint_id: int, tier: Tier, notify: Notifier) -> ReplicaMade:

@@ -234,6 +234,19 @@ def _place_all(
     return done
 
 
+def push_files(
+    source: Path, tier: Tier, key: str, files: Sequence[mf.FileEntry], streams: int = FILE_STREAMS
+) -> int:
+    """Place ``files`` of the copy at ``source`` under ``key`` (no manifest): one host's share of a
+    checkpoint spread over hosts' disks. Each is checked as it lands; the bytes sent."""
+    return _place_all(tier, source, key, files, {}, None, streams).sent
+
+
+def holds_files(tier: Tier, key: str, manifest: mf.Manifest) -> bool:
+    """Does ``key`` hold every file of ``manifest``, of its size (and CRC32C where the tier keeps one)?"""
+    return all(_stat_matches(tier, f"{key}/{e.path}", e) is None for e in manifest.files)
+
+
 def push(
     source: Path,
     raw: bytes,
