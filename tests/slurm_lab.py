@@ -2,6 +2,10 @@
 address, hostname and slurmd; slurmctld and munged in the root namespace. Needs root and Debian's
 ``slurmctld slurmd slurm-client munge`` (``.ci/run`` installs them).
 
+Each host has its own disk at one path, ``Lab.node_local``: every slurmd (and so every job step) runs in a
+mount namespace of its own where that path is its host's directory under ``disks/``, as node-local NVMe is
+on real hosts; this machine (the login node) sees its own, empty one there. ``wipe_disk`` loses a host's.
+
 Every packet for the lab's addresses stays on the machine: an ``unreachable`` route for the lab's /16 is
 added before the bridge exists and removed after it is gone, and no namespace has a default route.
 
@@ -83,6 +87,20 @@ class Lab:
         return self.root / "slurm.conf"
 
     @property
+    def node_local(self) -> Path:
+        """The path of every host's own disk (each host sees its own directory there)."""
+        return self.root / "node-local"
+
+    def disk(self, name: str) -> Path:
+        """Host ``name``'s own disk, as this machine reaches it."""
+        return self.root / "disks" / name
+
+    def wipe_disk(self, name: str) -> None:
+        """Host ``name``'s disk gone (emptied: a new disk when the host comes back)."""
+        shutil.rmtree(self.disk(name))
+        self.disk(name).mkdir()
+
+    @property
     def env(self) -> dict[str, str]:
         """What a Slurm client (srun, salloc, scontrol) needs to talk to this cluster."""
         return {"SLURM_CONF": str(self.conf)}
@@ -130,8 +148,10 @@ class Lab:
     def _files(self) -> None:
         names = [f"{self.subnet}.0.1 {self.controller}"] + [f"{h.address} {h.name}" for h in self.members]
         (self.root / "hosts").write_text("127.0.0.1 localhost\n" + "\n".join(names) + "\n")
-        for d in ("munge", "spool", "state", "log"):
+        for d in ("munge", "spool", "state", "log", "node-local"):
             (self.root / d).mkdir()
+        for h in self.members:
+            self.disk(h.name).mkdir(parents=True)
         (self.root / "munge").chmod(0o755)  # munged refuses a socket directory without world-execute
         nodes = "\n".join(
             f"NodeName={h.name} NodeAddr={h.address} NodeHostname={h.name} CPUs=2 State=UNKNOWN"
@@ -170,7 +190,11 @@ class Lab:
         )
 
     def _slurmd(self, h: Host) -> None:
-        script = f"hostname {h.name} && mount --bind {self.root / 'hosts'} /etc/hosts && exec slurmd -D -N {h.name} -f {self.conf}"
+        script = (
+            f"hostname {h.name} && mount --bind {self.root / 'hosts'} /etc/hosts"
+            f" && mount --bind {self.disk(h.name)} {self.node_local}"
+            f" && exec slurmd -D -N {h.name} -f {self.conf}"
+        )
         h.pid = self._daemon(
             f"slurmd-{h.name}",
             ["nsenter", f"--net=/run/netns/{h.netns}", "unshare", "--uts", "--mount", "--propagation", "private",

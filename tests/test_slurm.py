@@ -1,15 +1,19 @@
 """Real hosts under a real scheduler: a job of 2 hosts x 2 ranks under Slurm (hosts are network namespaces
-with their own addresses and slurmd, see tests/slurm_lab.py) loses a host; the scheduler's word makes it one
-incident, and the job comes back on the host left and a spare, the lost host left out, no sample skipped or
-repeated, its final weights those of an uninterrupted run.
+with their own addresses, slurmd and disk, see tests/slurm_lab.py) loses a host; the scheduler's word makes
+it one incident, and the job comes back on the host left and a spare, the lost host left out, no sample
+skipped or repeated, its final weights those of an uninterrupted run. Checkpoints go to each host's own
+disk (the same path, another disk on every host) and each host sends its share to the shared tier: the
+lost host's files come from there, the survivor's from its own disk, the spare's from its peers. A crash
+that loses no host comes back on the same hosts and reads every byte from their own disks.
 
-The ranks reach the catalog through the filesystem (SQLite): the lab's hosts share this machine's disk but
-not its loopback, where Postgres listens."""
+The ranks reach the catalog through the filesystem (SQLite): the lab's hosts share this machine's
+filesystem (the catalog, the shared tier) but not its loopback, where Postgres listens."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rewind.infra.catalog import incidents, jobs
+from rewind.infra.catalog import incidents, jobs, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.training.data import epoch_order
 from tests import slurm_lab
@@ -51,7 +55,9 @@ def slurm_env(lab: slurm_lab.Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("SLURM_CONF", str(lab.conf))
     monkeypatch.setenv("REWIND_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("REWIND_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
-    monkeypatch.setenv("REWIND_CHECKPOINT_ROOT", str(tmp_path / "ckpt"))
+    monkeypatch.setenv("REWIND_CHECKPOINT_ROOT", str(lab.node_local / tmp_path.name))  # each host's own disk
+    (tmp_path / "shared").mkdir()
+    monkeypatch.setenv("REWIND_SHARED_URI", str(tmp_path / "shared"))
     lab.wait_idle()
     return tmp_path
 
@@ -60,7 +66,7 @@ def _local_run(home: Path, *, stop_at: int | None = None) -> Path:
     """The same job on 4 ranks on this machine, unsupervised; with ``stop_at``, stopped after that step's
     checkpoint and started again (it resumes from it): the restart the relaunch must equal, bit for bit."""
     env = {**os.environ, "REWIND_HOME": str(home), "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
+           "REWIND_SHARED_URI": "", "OMP_NUM_THREADS": "1"}  # fmt: skip
     for steps in ([stop_at] if stop_at else []) + [STEPS]:
         cfg = config(home, "reference", steps=steps)
         done = subprocess.run([*torchrun(WORLD), "examples/any_job.py", str(cfg)], cwd=REPO, env=env,
@@ -113,7 +119,8 @@ def _hurt(lab: slurm_lab.Lab, fault: str, hosts: list[str]) -> str:
     if fault == "network-isolation":
         lab.cut_link(victim)  # its ranks live on, cut off: a real partition
     else:
-        lab.kill_host(victim)  # the machine is gone: slurmd, torchrun's agent, its ranks
+        lab.kill_host(victim)  # the machine is gone: slurmd, torchrun's agent, its ranks, its disk
+        lab.wipe_disk(victim)
     return victim
 
 
@@ -179,3 +186,59 @@ def test_a_lost_host_comes_back_on_a_spare_host_without_losing_a_sample(
     final = load_file(str(slurm_env / "out" / "final.safetensors"))
     restarted = _restarted(tmp_path_factory, resumed)
     assert final.keys() == restarted.keys() and all(torch.equal(final[k], restarted[k]) for k in final)
+    # Where the restore point's bytes came from: the survivor's share from its own disk, the lost host's
+    # from the shared tier (each host sent its own), the spare's from its peers.
+    read = inc.details["restore_read_from"]
+    total = lineage.get_checkpoint(cat, inc.restored_checkpoint_id).total_bytes
+    by_host = {h["host"]: h for h in read["hosts"]}
+    assert set(by_host) == {survivor, spare}, read
+    assert 0 < by_host[survivor]["local"] < total and by_host[survivor]["remote"] > 0, read
+    assert by_host[spare]["local"] == 0 and by_host[spare]["peer"] == total, read
+    assert read["bytes"]["shared"] == total - by_host[survivor]["local"], read
+    _only_the_relaunch_committed(cat, run_name, resumed, inc.restored_checkpoint_id)
+
+
+def _only_the_relaunch_committed(cat: Catalog, run: str, resumed: int, restored_id: int) -> None:
+    """Every live checkpoint past the restore point descends from it: nothing the first launch left running
+    (a cut-off host's ranks) committed one."""
+    live = {c.id: c for c in lineage.checkpoints(cat, run) if c.status in ("committed", "verified")}
+    for c in live.values():
+        if c.step <= resumed:
+            continue
+        up = c
+        while up.parent_id is not None and up.id != restored_id and up.parent_id in live:
+            up = live[up.parent_id]
+        assert up.id == restored_id, (
+            f"step {c.step} (checkpoint {c.id}) does not descend from the restore point"
+        )
+
+
+@pytest.mark.timeout(600)
+def test_a_crash_without_a_lost_host_comes_back_on_the_same_hosts_reading_only_their_disks(
+    prefect_api: str, lab: slurm_lab.Lab, slurm_env: Path, run_name: str
+) -> None:
+    from rewind.flows.training import recover_training, summary
+
+    cfg = config(slurm_env, run_name, step_time_s=0.1)
+    t, result = protect(run_name, cfg, nnodes=NODES, nproc_per_node=PER_NODE, launcher="slurm",
+                        global_batch=WORLD * BATCH, lr=0.01, heartbeat_timeout_s=60)  # fmt: skip
+    launch = _launch_at(run_name, 12, 1)
+    hosts = launch.handoff["hosts"]
+    cat = Catalog()
+    victim = next(r for r in jobs.progress(cat, launch.id) if r.rank == WORLD - 1)  # a rank on host 2
+    os.kill(victim.pid, signal.SIGKILL)  # the process, not the host: the hosts' namespaces share this machine's pids
+    t.join(timeout=300)
+    assert not t.is_alive() and result["status"] == "crash", result
+    inc = incidents.get_incident(cat, result["incident_id"])
+    assert not inc.details.get("lost_hosts"), inc.details
+
+    recovered = summary(recover_training(result["incident_id"], shrink_on_crash=False, return_state=True))
+    assert recovered["status"] == "recovered", recovered
+    inc = incidents.get_incident(cat, result["incident_id"])
+    assert jobs.launches(cat, run_name)[-1].handoff["hosts"] == hosts  # the same hosts, in the same order
+    read = inc.details["restore_read_from"]
+    total = lineage.get_checkpoint(cat, inc.restored_checkpoint_id).total_bytes
+    assert [h["host"] for h in read["hosts"]] == hosts, read
+    for h in read["hosts"]:  # each host's disk: its own share in place, the other host's share from it
+        assert h["local"] > 0 and h["local"] + h["peer"] == total and h["remote"] == 0, read
+    assert not read["bytes"].get("shared"), read  # not one byte from the shared tier

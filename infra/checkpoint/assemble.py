@@ -52,6 +52,22 @@ class Sources:
         }
 
 
+def read_from(sources: list[Sources], total: int, tier: str, fetched: bool) -> dict[str, Any]:
+    """Where a restore's bytes came from, for the record (bytes per place: ``local`` on the disk that loads
+    them, ``peer`` sent by another host's ranks, or the tier a copy was fetched from), and per host.
+    ``tier``/``fetched``: the copy the restore plan used (a whole copy fetched from that tier, or not)."""
+    if not sources:  # one disk for every rank: the copy the plan used
+        return {"bytes": {tier if fetched else "local": total}, "hosts": []}
+    hosts = [s.as_dict() for s in sources]
+    if fetched:  # rank 0's disk got the whole copy from the tier before it served the others
+        first = hosts[0]
+        hosts[0] = {**first, "local": 0, "remote": first["remote"] + first["local"]}
+    remote_tier = tier if fetched else "shared"
+    totals = {"local": sum(h["local"] for h in hosts), "peer": sum(h["peer"] for h in hosts)}
+    totals[remote_tier] = totals.get(remote_tier, 0) + sum(h["remote"] for h in hosts)
+    return {"bytes": totals, "hosts": hosts}
+
+
 def _held(directory: Path, manifest: mf.Manifest) -> set[str]:
     """The manifest's files this copy holds as regular files of the right size (an empty set: no copy)."""
     if not (directory / mf.MANIFEST_NAME).is_file():

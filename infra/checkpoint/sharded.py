@@ -172,6 +172,7 @@ class ShardedCheckpointer:
         self.last_stall_s: float | None = None
         self.disks = spread.discover(self.root)  # the hosts' own disks, or one disk for every rank
         self.sources: list[assemble.Sources] = []  # rank 0: where the last restore's bytes came from
+        self.read_from: dict[str, Any] = {}  # rank 0: the same, for the record (``assemble.read_from``)
         self._pusher = self._share_pusher(catalog if self.rank else self.catalog, exit_timeout_s)
         if self.disks.leads(self.rank):
             store.sweep_temp(self.run_dir)
@@ -378,6 +379,9 @@ class ShardedCheckpointer:
         dist.broadcast_object_list([("done", done.step, None)], src=0)
         self._parent_id, self.skipped = done.checkpoint_id, done.skipped
         self.restored_checkpoint_id = done.checkpoint_id
+        self.read_from = assemble.read_from(
+            self.sources, done.manifest.total_bytes, done.source, done.fetched
+        )
         self._parent = (done.step, lineage.get_checkpoint(cat, done.checkpoint_id).manifest_digest)
         restored, mine = done.value
         return done.step, restored, mine

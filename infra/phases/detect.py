@@ -291,6 +291,8 @@ def first_step_after_restore(
         "first_step_after_restore_at": observed.at,
         "resumed_at_step": observed.detail.get("from_step"),
         "restored_by_job": restored or None,  # what the job loaded, and the bytes it read to load it
+        # where those bytes came from: the hosts' own disks (local), other hosts' ranks (peer), a tier
+        "restore_read_from": restored.get("read_from"),
         # topology rebuild time: from the launch to every rank's process group passing its smoke test
         "group_ready_s": ready - launched if ready is not None else None,
     }

@@ -159,6 +159,7 @@ class TrainingSession:
         self.restored_from: str | None = None  # the checkpoint directory restored (single process)
         self.restored_checkpoint_id: int | None = None  # the checkpoint restored (rank 0 when distributed)
         self.skipped: tuple[Any, ...] = ()  # what the restore passed over, and why (rank 0)
+        self.read_from: dict[str, Any] = {}  # where the restore's bytes came from (rank 0, distributed)
         self._writer: ProgressWriter | None = None
         self._ckpt: Checkpointer | ShardedCheckpointer | None = None
 
@@ -207,6 +208,7 @@ class TrainingSession:
                 "checkpoint_id": self.restored_checkpoint_id,
                 "step": self.start_step,
                 "bytes_read": read.bytes,
+                "read_from": self.read_from or None,  # rank 0, distributed: bytes by place and host
             }
             self._writer.note(start_step=self.start_step, received=self._received(), restored=restored)
             self._writer.busy("starting")  # until the first step: compiling, warming up
@@ -301,6 +303,7 @@ class TrainingSession:
         )
         self.skipped = sck.skipped
         self.restored_checkpoint_id = sck.restored_checkpoint_id
+        self.read_from = sck.read_from
         if restored is None:
             return 0
         step, tree, mine = restored
