@@ -126,7 +126,7 @@ def recover_training(
     else:
         point = restore_checkpoint(found.run, proof="manifest")
     load_s = time.time() - t0
-    rebuilt = rebuild_environment(found.run, incident_id, shrink_on_crash)
+    rebuilt = rebuild_environment(found.run, incident_id, shrink_on_crash, point.checkpoint_id)
     handoff = {**rebuilt.handoff, **record_restore(found, point, load_s)}
     get_run_logger().info(
         "restarting %s from step %d (replaying at least %d steps, to its last reported one): %s",

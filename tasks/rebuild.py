@@ -10,8 +10,12 @@ from rewind.tasks.common import RETRY, catalog, notifier
 
 
 @task(name="rebuild-environment", **RETRY)
-def rebuild_environment(run: str, incident_id: int, shrink_on_crash: bool = True) -> Rebuilt:
-    """The spec and handoff of the relaunch: fewer ranks for a crash that cost devices, else the same."""
+def rebuild_environment(
+    run: str, incident_id: int, shrink_on_crash: bool = True, checkpoint_id: int | None = None
+) -> Rebuilt:
+    """The spec and handoff of the relaunch: fewer ranks for a crash that cost devices, else the same; on a
+    scheduler, hosts holding the restore point (``checkpoint_id``) on their own disks first."""
     return phase.rebuild_environment(
-        catalog(), run=run, incident_id=incident_id, notify=notifier(), shrink_on_crash=shrink_on_crash
-    )
+        catalog(), run=run, incident_id=incident_id, notify=notifier(), shrink_on_crash=shrink_on_crash,
+        checkpoint_id=checkpoint_id,
+    )  # fmt: skip

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import or_
+from sqlalchemy import or_, select
 
-from rewind.infra.catalog.models import Replica
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import Replica, ReplicaStatus
 from rewind.infra.format import local_tier
 
 LOCAL = "local"
@@ -46,3 +47,20 @@ def this_disk(uri: str) -> Any:
     """Rows of copies on the disk that holds ``uri`` here (or of unknown disk, from before 0012)."""
     seen = local_tier.of_copy(uri)
     return or_(Replica.tier_id.is_(None), Replica.tier_id == (seen.id if seen is not None else ""))
+
+
+def hosts_holding(cat: Catalog, checkpoint_id: int) -> list[str]:
+    """The hosts whose own disks hold a sound copy of the checkpoint (written and hashed, or verified since),
+    as the catalog recorded them: where a relaunch reads it without the network."""
+    with cat.session() as s:
+        rows = s.scalars(
+            select(Replica.host)
+            .where(
+                Replica.checkpoint_id == checkpoint_id,
+                Replica.tier == LOCAL,
+                Replica.host.is_not(None),
+                Replica.status.in_([ReplicaStatus.VERIFIED.value, ReplicaStatus.PENDING.value]),
+            )
+            .order_by(Replica.id)
+        )
+        return list(dict.fromkeys(str(h) for h in rows))

@@ -24,11 +24,20 @@ SHRINKS = ("crash", "gpu")  # failures that cost devices; a hang or a NaN does n
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hosts:
-    """What the scheduler offers a relaunch: the failed launch's hosts, those lost, and how many are usable."""
+    """What the scheduler offers a relaunch: the failed launch's hosts, those lost, and how many are usable;
+    and what the catalog knows: the hosts whose own disks hold a copy of the restore point."""
 
     previous: tuple[str, ...]
     lost: tuple[str, ...]
     usable: int  # hosts up now, the lost ones left out
+    holding: tuple[str, ...] = ()  # hosts whose own disks hold a verified (or committed) copy of it
+
+    def preferred(self) -> list[str]:
+        """The hosts a relaunch asks for first: those holding the restore point on their own disks (the
+        failed launch's first, in its order: node 0 keeps the rendezvous on a surviving host), then the
+        rest of the failed launch's survivors; never a lost one."""
+        up = [h for h in dict.fromkeys([*self.previous, *self.holding]) if h not in self.lost]
+        return [h for h in up if h in self.holding] + [h for h in up if h not in self.holding]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +135,9 @@ def plan(
     )
     if hosts is not None and hosts.lost:
         what += f"; leaving out lost host(s) {', '.join(hosts.lost)}" + (" for a spare" if spare else "")
+    holding = [h for h in hosts.preferred() if h in hosts.holding] if hosts is not None else []
+    if holding:
+        what += f"; preferring host(s) {', '.join(holding)}, whose own disks hold the restore point"
     if kind == "gpu" and devices is not None and devices.every:
         what += f"; leaving out sick GPU(s) {', '.join(map(str, devices.left_out))}"
     note = "" if full.model else " (no model shape reported: data-parallel only)"
@@ -142,7 +154,7 @@ def plan(
         handoff["gpus"], handoff["exclude_gpus"] = list(devices.every), list(devices.left_out)
     if hosts is not None:
         handoff["exclude_hosts"] = list(hosts.lost)
-        handoff["prefer_hosts"] = [h for h in hosts.previous if h not in hosts.lost]
+        handoff["prefer_hosts"] = hosts.preferred()
     return Relaunch(
         current.resized(nnodes=nnodes, nproc_per_node=nproc), handoff, decision, before, chosen.layout
     )

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rewind.infra.catalog import incidents, jobs
+from rewind.infra.catalog import disks, incidents, jobs
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.errors import NotFoundError
 from rewind.infra.launch import rebuild
@@ -38,23 +38,35 @@ def _spec(cat: Catalog, run: str, details: Mapping[str, Any]) -> JobSpec:
     return spec
 
 
-def _hosts(full: JobSpec, details: Mapping[str, Any]) -> rebuild.Hosts | None:
-    """For a job on a scheduler: the hosts it ran on, those lost, and how many the scheduler has now."""
+def _hosts(
+    cat: Catalog, full: JobSpec, details: Mapping[str, Any], checkpoint_id: int | None
+) -> rebuild.Hosts | None:
+    """For a job on a scheduler: the hosts it ran on, those lost, how many the scheduler has now, and
+    those whose own disks hold the restore point (``checkpoint_id``)."""
     launcher = launcher_for(full.launcher)
     if launcher.kind is LauncherKind.LOCAL:
         return None
     lost = tuple(details.get("lost_hosts") or ())
+    holding = disks.hosts_holding(cat, checkpoint_id) if checkpoint_id is not None else ()
     return rebuild.Hosts(
-        previous=tuple(details.get("hosts") or ()), lost=lost, usable=launcher.usable(frozenset(lost))
-    )
+        previous=tuple(details.get("hosts") or ()), lost=lost, usable=launcher.usable(frozenset(lost)),
+        holding=tuple(holding),
+    )  # fmt: skip
 
 
 def rebuild_environment(
-    cat: Catalog, *, run: str, incident_id: int, notify: Notifier, shrink_on_crash: bool = True
+    cat: Catalog,
+    *,
+    run: str,
+    incident_id: int,
+    notify: Notifier,
+    shrink_on_crash: bool = True,
+    checkpoint_id: int | None = None,
 ) -> Rebuilt:
     """The spec and handoff of the relaunch: fewer ranks for a crash that cost devices, else the same.
 
-    Planned from the run's spec (its full size), the launch that failed, and the failure; the
+    Planned from the run's spec (its full size), the launch that failed, and the failure; on a
+    scheduler, hosts whose own disks hold the restore point (``checkpoint_id``) are asked for first. The
     decision, the layout before and after, and what the job is told (world size, global batch,
     learning-rate scale) are recorded on the incident.
     """
@@ -65,7 +77,7 @@ def rebuild_environment(
     size = jobs.get_launch(cat, launch_id).spec if launch_id else full.as_dict()
     # The failed launch's size; everything else (its environment included) from the run's spec.
     current = full.resized(nnodes=int(size["nnodes"]), nproc_per_node=int(size["nproc_per_node"]))
-    hosts = _hosts(full, details)
+    hosts = _hosts(cat, full, details, checkpoint_id)
     # a group that failed its smoke test cost no devices: the same layout again
     shrink = shrink_on_crash and details.get("failed_phase") != "rebuild"
     failed = jobs.get_launch(cat, launch_id).handoff if launch_id else {}
