@@ -160,6 +160,14 @@ def test_a_lost_host_comes_back_on_a_spare_host_without_losing_a_sample(
         assert inc.details["lost_hosts"] == [victim], inc.details
         assert inc.details["lost_node"] == hosts.index(victim), inc.details
         assert len(incidents.incidents_of(cat, run_name)) == 1  # one incident for one host
+        # Both signals measured: a killed host's peers fail their collectives and exit within seconds, long
+        # before the scheduler's node timeout; a cut-off host's peers hang, and the scheduler tells first.
+        seen = inc.details["detection"]
+        after = seen["seconds_after_last_progress"]
+        print(f"detection of {fault}: {seen}")
+        assert after["scheduler"] is not None and seen["first"] == (
+            "scheduler" if fault == "network-isolation" else "exit"
+        ), seen
 
         spare = next(h.name for h in lab.members if h.name not in hosts)
         recovered = summary(recover_training(result["incident_id"], return_state=True))
@@ -226,7 +234,9 @@ def test_a_crash_without_a_lost_host_comes_back_on_the_same_hosts_reading_only_t
     hosts = launch.handoff["hosts"]
     cat = Catalog()
     victim = next(r for r in jobs.progress(cat, launch.id) if r.rank == WORLD - 1)  # a rank on host 2
-    os.kill(victim.pid, signal.SIGKILL)  # the process, not the host: the hosts' namespaces share this machine's pids
+    os.kill(
+        victim.pid, signal.SIGKILL
+    )  # the process, not the host: the hosts' namespaces share this machine's pids
     t.join(timeout=300)
     assert not t.is_alive() and result["status"] == "crash", result
     inc = incidents.get_incident(cat, result["incident_id"])

@@ -157,6 +157,7 @@ class Supervisor:
         self.launcher = launcher_for(spec.launcher)
         self.placement: Placement | None = None
         self.lost_hosts: dict[str, int] = {}  # host -> node, as the scheduler reported them
+        self.lost_at: dict[str, float] = {}  # host -> when the scheduler was first seen calling it lost
         self.host_check_s, self._next_host_check = host_check_s, 0.0
         self.handoff = {
             "world_size": spec.world_size,
@@ -349,6 +350,7 @@ class Supervisor:
         for host in sorted(lost - set(self.lost_hosts)):
             node = self.placement.hosts.index(host)
             self.lost_hosts[host] = node
+            self.lost_at[host] = now
             why = f"host {host} (node {node}) lost: the scheduler reports it not responding or down"
             out.append(Observation(Seen.HOST_LOST, now, None, {"host": host, "node": node, "reason": why}))
         return out

@@ -25,10 +25,12 @@ from rewind.infra.health import nvml
 from rewind.infra.health.nvml import GpuHealth
 from rewind.infra.health.signals import describe_exit
 from rewind.infra.launch import observe
+from rewind.infra.launch.detection import Detection, last_progress
 from rewind.infra.launch.observe import Observation, Seen, first_failure
 from rewind.infra.launch.spec import JobSpec
 from rewind.infra.launch.supervisor import Supervisor, redacted
 from rewind.infra.phases.beside import BesideVerifier, Verified
+from rewind.infra.phases.first_step import first_step_after_restore
 from rewind.infra.phases.notify import INCIDENT_KIND_LABEL, Notifier, artifact_key, run_event
 from rewind.infra.training import progress
 from rewind.infra.training.progress import RankState
@@ -70,6 +72,7 @@ class Outcome:
     log_dir: str | None = None  # where the launch's whole output is kept (``joblog``), one file per node
     sick_gpus: tuple[int, ...] = ()  # NVML indices of the GPUs found unhealthy, when a GPU stopped the job
     gpus: tuple[int, ...] = ()  # every GPU NVML saw then
+    detection: Mapping[str, Any] | None = None  # when each signal told of the failure (``Detection``)
 
     @property
     def finished(self) -> bool:
@@ -210,6 +213,18 @@ class _Watch:
             return K.FAILED_TO_START
         return K.FINISHED if code == 0 else K.CRASH
 
+    def _detection(self, sup: Supervisor, ranks: list[progress.RankState]) -> Detection:
+        """When each signal was seen: exits before Rewind's own stop, the scheduler, the heartbeat."""
+        stop_at = self.stop.at if self.stop is not None else None
+        failed = [
+            e.at for e in self.exits if e.detail["exit_code"] != 0 and (stop_at is None or e.at <= stop_at)
+        ]
+        hang = self.stop is not None and self.stop.kind is Seen.HANG
+        return Detection(
+            last_progress(ranks, sup.lost_hosts), min(failed, default=None), min(sup.lost_at.values(), default=None),
+            self.stop.at if hang and self.stop is not None else None,
+        )  # fmt: skip
+
     def outcome(self, sup: Supervisor, code: int, launch_id: int) -> Outcome:
         if self.beside.pending:
             self.notify.log(
@@ -259,6 +274,7 @@ class _Watch:
             verified_step=self.verified_step,
             restore_failed=str(restore["reason"]) if restore is not None else None,
             group_failed=str(group["reason"]) if group is not None else None,
+            detection=self._detection(sup, ranks).as_dict() if code != 0 or stop is not None else None,
         )
         self.notify.log(
             logging.INFO,
@@ -269,53 +285,6 @@ class _Watch:
             f"after step {out.last_step}" if out.last_step is not None else "before its first step",
         )
         return out
-
-
-def first_step_after_restore(
-    cat: Catalog,
-    *,
-    incident_id: int,
-    observed: Observation,
-    launched: float,
-    died_at: float | None,
-    notify: Notifier,
-) -> None:
-    """The relaunch's first step completes the incident: relaunch seconds, RTO, and what the job loaded
-    (a job that had to fall back from the restore point chosen corrects the incident's record)."""
-    fields: dict[str, Any] = {"rebuild_s": observed.at - launched}
-    ready = observed.detail.get("group_ready_at")
-    if died_at is not None:
-        fields["rto_s"] = observed.at - died_at
-    restored = observed.detail.get("restored") or {}
-    details: dict[str, Any] = {
-        "first_step_after_restore_at": observed.at,
-        "resumed_at_step": observed.detail.get("from_step"),
-        "restored_by_job": restored or None,  # what the job loaded, and the bytes it read to load it
-        # where those bytes came from: the hosts' own disks (local), other hosts' ranks (peer), a tier
-        "restore_read_from": restored.get("read_from"),
-        # topology rebuild time: from the launch to every rank's process group passing its smoke test
-        "group_ready_s": ready - launched if ready is not None else None,
-    }
-    inc = incidents.get_incident(cat, incident_id)
-    chosen = inc.restored_checkpoint_id
-    loaded = restored.get("checkpoint_id") or chosen
-    if loaded is not None:  # how the loss came back: the restore point's, then the first step's
-        before = (lineage.get_checkpoint(cat, int(loaded)).metrics or {}).get("loss")
-        details["loss_change"] = {"restore_point": before, "first_step": observed.detail.get("loss")}
-    if restored.get("checkpoint_id") is not None and restored["checkpoint_id"] != chosen:
-        # the restore point failed as the job read it, and the job fell back: the incident says what ran
-        refused = lineage.get_checkpoint(cat, chosen).step if chosen is not None else None
-        notify.log(
-            logging.WARNING,
-            "the job loaded step %s (checkpoint %s), not the restore point chosen, step %s (checkpoint %s): "
-            "that one failed the job's check of every byte it read",
-            restored.get("step"), restored["checkpoint_id"], refused, chosen,
-        )  # fmt: skip
-        fields["restored_checkpoint_id"] = restored["checkpoint_id"]
-        last = (inc.details or {}).get("last_step")
-        fields["replayed_steps"] = (last if last is not None else restored["step"]) - int(restored["step"])
-        details["restore_point_refused"] = chosen
-    incidents.update_incident(cat, incident_id, details=details, **fields)
 
 
 def crash_reason(outcome: Outcome) -> str:
@@ -362,6 +331,7 @@ def record_failure(cat: Catalog, *, outcome: Outcome, notify: Notifier) -> int:
             "anomaly_position": outcome.anomaly_position,
             "failed_phase": "rebuild" if outcome.group_failed else None, "log_dir": outcome.log_dir,
             "sick_gpus": list(outcome.sick_gpus), "gpus": list(outcome.gpus),
+            "detection": dict(outcome.detection) if outcome.detection else None,
         },
     )  # fmt: skip
     _report(notify, incident_id, outcome, reason)
