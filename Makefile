@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # The CPU build of torch; a range in pyproject.toml lets users keep their own build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test test-heavy lint bench drills clean
+.PHONY: install demo test test-heavy test-host-drills lint bench drills clean
 
 install: $(VENV)/.installed
 
@@ -29,6 +29,12 @@ test-heavy: install
 	REWIND_TEST_KILLS=40 REWIND_TEST_GC_KILLS=20 REWIND_TEST_PROGRESS_MB=2200 \
 		$(BIN)/python -m pytest -q -n 2 --timeout 1500 \
 		tests/test_resume.py tests/test_async_save.py tests/test_progress.py tests/test_gc_kill.py
+
+# The host-loss and network-isolation drills against the Slurm lab (tests/slurm_lab.py; root, Debian's
+# slurmctld slurmd slurm-client munge): each runs the drill end to end (about 4 minutes in all).
+test-host-drills: install
+	REWIND_TEST_HOST_DRILLS=1 REWIND_REQUIRE_SLURM=1 $(BIN)/python -m pytest -q -n 0 --timeout 1800 \
+		tests/test_slurm.py -k host_drill
 
 lint: install
 	$(BIN)/ruff check .

@@ -171,7 +171,7 @@ def _loop(
     model.train()
     batches = iter(loader)
     step = s.start_step
-    log = _LossLog(args.loss_log)
+    log = LossLog(args.loss_log)
     log.write({"event": "resumed", "from_step": s.start_step})
     for step in s.steps(args.steps):
         began = time.monotonic()
@@ -197,7 +197,7 @@ def _loop(
     return step
 
 
-class _LossLog:
+class LossLog:
     """One JSON line per event, flushed as written (a drill reads the curve after a crash)."""
 
     def __init__(self, path: Path | None) -> None:

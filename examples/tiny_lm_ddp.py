@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from torch.nn import functional as F
 
-from rewind.examples.tiny_lm import parser, warmup_cosine
+from rewind.examples.tiny_lm import LossLog, parser, warmup_cosine
 from rewind.examples.tiny_lm_model import CharDataset, TinyLM, corpus
 from rewind.infra.checkpoint.engine import SaveMode
 from rewind.infra.training.data import ResumableLoader
@@ -131,7 +132,10 @@ def _train(args: Any, device: torch.device) -> None:
 def _loop(args: Any, s: TrainingSession, model: Any, opt: Any, sched: Any, loader: Any, device: torch.device,
           rank: int, world: int) -> None:  # fmt: skip
     batches = iter(loader)
+    log = LossLog(args.loss_log if rank == 0 else None)  # the curve a drill reads: rank 0's
+    log.write({"event": "resumed", "from_step": s.start_step})
     for step in s.steps(args.steps):
+        began = time.monotonic()
         x, y = (t.to(device, non_blocking=True) for t in next(batches))
         logits = model(x)
         loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
@@ -145,6 +149,9 @@ def _loop(args: Any, s: TrainingSession, model: Any, opt: Any, sched: Any, loade
         value = loss.item()
         if rank == 0:
             print(f"step={step} loss={value!r}", flush=True)
+        log.write({"step": step, "loss": value})
+        if (pad := args.step_time_s - (time.monotonic() - began)) > 0:
+            time.sleep(pad)  # the pace of a bigger model, not synchronisation
         s.report(step, value)
         if args.checkpoint_every and step % args.checkpoint_every == 0:
             _dump(model, opt, f"saved-{step}")

@@ -65,6 +65,7 @@ def start_protected(configuration: dict[str, Any]) -> str:
     else:
         # the drill's own directory: never one whose folders a job's imports could pick up by accident
         kw = {"cwd": str(state), "env": {"OMP_NUM_THREADS": "1"}, "heartbeat_timeout_s": hang_s}
+        kw.update({k: j[k] for k in ("nnodes", "nproc_per_node", "launcher") if j.get(k)})
 
     def go() -> None:
         try:
@@ -207,7 +208,11 @@ def run_one(
     state = drill_job.home() / "drills" / run
     state.mkdir(parents=True, exist_ok=True)
     pool = ThreadPoolExecutor(1, thread_name_prefix="drill-reference")  # its own process, beside the drill
-    ref_job = {k: v for k, v in job_cfg.items() if k in ("steps", "every", "seed")}
+    ref_job = {
+        k: v
+        for k, v in job_cfg.items()
+        if k in ("steps", "every", "seed", "module", "nnodes", "nproc_per_node")
+    }
     pending = pool.submit(
         drill_job.reference_curve, ref_job, dict(os.environ), spec
     )  # copied before a fault is armed
@@ -269,6 +274,8 @@ def _record(
         details={"journal_status": journal.get("status"), "deviated": journal.get("deviated"),
                  "wall_s": round(time.monotonic() - t0, 2), "job": None if spec else job_cfg,
                  "job_spec": spec, "error": error, "expected_failure_at": expected,
+                 "topology_rebuild_s": m["topology_rebuild_s"], "detection": m["detection"],
+                 "restore_read_from": m["restore_read_from"],
                  "activities": _outputs(journal),
                  "own_catalog_incident": {"id": inc.id, "kind": inc.kind, "reason": inc.reason}
                  if inc is not None and own else None},
@@ -276,6 +283,7 @@ def _record(
     return {"id": drill_id, "scenario": scenario, "outcome": "passed" if verdict.passed else "failed",
             "failed_phase": verdict.failed_phase, "reason": verdict.reason, "rto_s": m["rto_s"],
             "rpo_steps": m["rpo_steps"], "run": run, "phases": m["phases"],
+            "topology_rebuild_s": m["topology_rebuild_s"],
             "as_expected": verdict.failed_phase == expected if expected else verdict.passed}  # fmt: skip
 
 

@@ -110,7 +110,6 @@ class SharePusher:
         self._waiting: Share | None = None
         self._busy = False
         self._thread: threading.Thread | None = None
-        self.done: list[Pushed] = []
 
     @classmethod
     def from_env(cls, catalog: Catalog | None) -> SharePusher | None:
@@ -144,7 +143,10 @@ class SharePusher:
             try:
                 got = push(share, open_tier(self.uri), self.catalog)
                 if got is not None:
-                    self.done.append(got)
+                    log.info(
+                        "%s step %d: this host's share sent to %s/%s (%d bytes)%s", share.run, share.step,
+                        self.uri, got.key, got.sent, "; the copy is complete there" if got.committed else "",
+                    )  # fmt: skip
             except Exception as exc:  # the job goes on; the shared tier holds no copy of this step
                 log.warning(
                     "%s step %d: this host's share not sent to %s: %s", share.run, share.step, self.uri, exc

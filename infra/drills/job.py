@@ -57,10 +57,15 @@ def command(configuration: dict[str, Any], run: str, out: Path, log: Path) -> li
         return [fill(a, run, out, log) for a in spec["command"]]
     j = job_of(configuration)
     return [
-        "python", "-m", "rewind.examples.tiny_lm", "--run", run, "--steps", str(j["steps"]),
-        "--checkpoint-every", str(j["every"]), "--seed", str(j["seed"]), "--out", str(out),
+        "python", "-m", str(j.get("module") or "rewind.examples.tiny_lm"), "--run", run, "--steps",
+        str(j["steps"]), "--checkpoint-every", str(j["every"]), "--seed", str(j["seed"]), "--out", str(out),
         "--step-time-s", str(j["step_time_s"]), "--loss-log", str(log), *j.get("extra", []),
     ]  # fmt: skip
+
+
+def world_of(job: dict[str, Any]) -> int:
+    """The ranks of the example job a scenario asks for (``nnodes`` x ``nproc_per_node``; one by default)."""
+    return int(job.get("nnodes") or 1) * int(job.get("nproc_per_node") or 1)
 
 
 def reference_curve(
@@ -92,6 +97,7 @@ def reference_curve(
                 )
             else:
                 cmd = without_poison(command({"job": {**job, "step_time_s": 0.0}}, "reference", out, log))
+                cmd += ["--nproc", str(world_of(job))] if world_of(job) > 1 else []  # torchrun, here
                 cwd, extra = tmp, {}
             if cmd[0] in ("python", "python3"):
                 cmd[0] = sys.executable

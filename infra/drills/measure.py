@@ -94,4 +94,8 @@ def measure(
         "rpo_s": round(rpo_s, 4) if rpo_s is not None else None,
         "loss_max_deviation": max(devs) if devs else None,
         "loss_curve": {"steps": curve_steps, "loss": curve_loss, "reference": ref} if curve_steps else None,
+        # inside relaunch: from the launch to every rank's process group passing its smoke test
+        "topology_rebuild_s": d.get("group_ready_s"),
+        "detection": d.get("detection"),  # when each signal told of the failure
+        "restore_read_from": d.get("restore_read_from"),  # where the restore point's bytes came from
     }

@@ -4,7 +4,6 @@ after hurting them (``{"type": "python", "module": "rewind.infra.drills.probes",
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from rewind.infra.catalog import incidents, jobs, lineage
@@ -12,15 +11,17 @@ from rewind.infra.catalog.db import Catalog
 from rewind.infra.drills import slo
 from rewind.infra.drills.context import newest, run_of, state_dir
 from rewind.infra.errors import NotFoundError
-from rewind.infra.format.verify import check_copy
+from rewind.infra.restore.scrub import scrub
 
 POLL_S = 0.2
 
 
 def newest_checkpoint_verifies(configuration: dict[str, Any] | None = None) -> bool:
-    """The newest restorable checkpoint's local copy proves itself, every byte (true when there is none yet)."""
+    """The newest restorable checkpoint proves itself, every byte, on every copy this machine can reach (true
+    when there is none yet; copies on other hosts' own disks are theirs to judge, and at least one copy must
+    be reachable here: the local one, or the shared or off-site one its hosts sent)."""
     ck = newest(run_of(configuration))
-    return ck is None or check_copy(Path(ck.path), ck.manifest_digest, deep=True).ok
+    return ck is None or scrub(Catalog(), ck, deep=True).ok
 
 
 def offsite_copies_verified(configuration: dict[str, Any] | None = None) -> bool:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rewind.infra.errors import ConfigError, RewindError, TransientError
+from rewind.infra.launch import slurm
 from rewind.infra.launch.process import stop_group
 from rewind.infra.net import LOOPBACK, free_port
 
@@ -77,14 +78,32 @@ def postgres_owner() -> str | None:
     return "postgres"
 
 
+SLURM_HOSTS = 3  # a host drill's job runs on two hosts and comes back on a spare
+
+
+def slurm_missing() -> str | None:
+    """Why the Slurm host drills cannot run here: no Slurm client, no cluster answering, too few hosts up."""
+    if shutil.which("sinfo") is None:
+        return "no Slurm client (sinfo) on PATH"
+    try:
+        up = [h for h, state in slurm.node_states().items() if not slurm.gone(state)]
+    except (ConfigError, TransientError) as exc:
+        return f"no Slurm cluster answers ({exc})"
+    if len(up) < SLURM_HOSTS:
+        return f"the Slurm cluster has {len(up)} host(s) up; a host drill needs {SLURM_HOSTS} (a job of 2 and a spare)"
+    return None
+
+
 def missing(component: str) -> str | None:
-    """Why ``component`` (``seaweedfs`` or ``postgres``) cannot be started here, or None when it can."""
+    """Why ``component`` (``seaweedfs``, ``postgres`` or ``slurm``) cannot be used here, or None when it can."""
     try:
         if component == "seaweedfs":
             weed_binary()
         elif component == "postgres":
             postgres_bin()
             postgres_owner()
+        elif component == "slurm":
+            return slurm_missing()
         else:
             return f"unknown component {component!r}"
     except ConfigError as exc:

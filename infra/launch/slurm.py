@@ -52,6 +52,34 @@ def node_states(names: tuple[str, ...] | None = None) -> dict[str, str]:
     return dict(line.split() for line in _run(*cmd).splitlines() if len(line.split()) == 2)
 
 
+def set_node_state(name: str, state: str, *, reason: str | None = None) -> None:
+    """``scontrol update`` of one node's state (an operator's right): ``down`` takes it from the scheduler,
+    ending the job steps there, and ``resume`` gives it back."""
+    cmd = ["scontrol", "update", f"nodename={name}", f"state={state}"]
+    _run(*cmd, *([f"reason={reason}"] if reason else []))
+
+
+def steps_on(allocation: str, host: str) -> list[str]:
+    """The ids (``job.step``) of the allocation's job steps running on ``host`` and nowhere else."""
+    out = _run("squeue", "-h", "-s", "-j", allocation, "-o", "%i %N")
+    found = [line.split() for line in out.splitlines() if len(line.split()) == 2]
+    return [sid for sid, nodes in found if hostnames(nodes) == (host,) and sid.split(".")[-1].isdigit()]
+
+
+def signal_step(step: str, signal_name: str) -> None:
+    """Signal every task of one job step (``job.step``)."""
+    _run("scancel", f"--signal={signal_name}", step)
+
+
+def controller_address() -> str:
+    """The controller's address as the hosts reach it (``SlurmctldHost``'s address, else its name)."""
+    found = re.search(r"^SlurmctldHost\[0\]\s*=\s*(\S+)", _run("scontrol", "show", "config"), re.M)
+    if not found:
+        raise ConfigError("scontrol show config names no SlurmctldHost")
+    name, _, addr = found.group(1).partition("(")
+    return addr.rstrip(")") or name
+
+
 def gone(state: str) -> bool:
     return state.endswith("*") or state.rstrip("~#!%$@^-").startswith(_GONE)
 

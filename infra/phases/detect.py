@@ -225,6 +225,15 @@ class _Watch:
             self.stop.at if hang and self.stop is not None else None,
         )  # fmt: skip
 
+    @staticmethod
+    def _died_at(sup: Supervisor, ended: Observation | None, seen: Detection) -> float:
+        """When the job failed: when its end (or what stopped it) was seen, or, for a lost host, when that
+        host last made progress (a scheduler's word comes seconds later: detection is part of the RTO)."""
+        at = ended.at if ended is not None else time.time()
+        if sup.lost_hosts and seen.last_progress_at is not None:
+            return min(at, seen.last_progress_at)
+        return at
+
     def outcome(self, sup: Supervisor, code: int, launch_id: int) -> Outcome:
         if self.beside.pending:
             self.notify.log(
@@ -248,13 +257,14 @@ class _Watch:
         restore = next((r.detail["restore_failed"] for r in ranks if r.detail.get("restore_failed")), None)
         broken = [r for r in ranks if r.detail.get("group_failed")]  # the first to fail is the cause
         group = min(broken, key=lambda r: r.beat_at).detail["group_failed"] if broken else None
+        seen = self._detection(sup, ranks)
         out = Outcome(
             run=self.run,
             launch_id=launch_id,
             kind=self._kind(code, started, restore, group),
             exit_code=code,
             how=describe_exit(code),
-            died_at=ended.at if ended is not None else time.time(),
+            died_at=self._died_at(sup, ended, seen),
             last_step=max((r.step for r in ranks if r.step is not None), default=None),
             first_step_at=self.first_step_at,
             spec=redacted(sup.spec),
@@ -274,7 +284,7 @@ class _Watch:
             verified_step=self.verified_step,
             restore_failed=str(restore["reason"]) if restore is not None else None,
             group_failed=str(group["reason"]) if group is not None else None,
-            detection=self._detection(sup, ranks).as_dict() if code != 0 or stop is not None else None,
+            detection=seen.as_dict() if code != 0 or stop is not None else None,
         )
         self.notify.log(
             logging.INFO,
