@@ -121,10 +121,11 @@ def recover_training(
     if found.anomaly:  # the newest checkpoint before the anomaly, the ones after it retired
         why = f"after the {found.kind} at step {found.bad_step}"
         point = restore_checkpoint(
-            found.run, roll_back=True, before_step=found.bad_step, reason=why, proof="manifest"
-        )
+            found.run, roll_back=True, before_step=found.bad_step, reason=why, proof="manifest",
+            lost_hosts=list(found.lost_hosts),
+        )  # fmt: skip
     else:
-        point = restore_checkpoint(found.run, proof="manifest")
+        point = restore_checkpoint(found.run, proof="manifest", lost_hosts=list(found.lost_hosts))
     load_s = time.time() - t0
     rebuilt = rebuild_environment(found.run, incident_id, shrink_on_crash, point.checkpoint_id)
     handoff = {**rebuilt.handoff, **record_restore(found, point, load_s)}

@@ -17,6 +17,7 @@ def restore_checkpoint(
     reason: str = "",
     before_step: int | None = None,
     proof: str = phase.Proof.BYTES.value,
+    lost_hosts: list[str] | None = None,
 ) -> phase.RestorePoint:
     """Make a verified local copy of the restore point (fetched from a replica if need be), every byte checked.
 
@@ -35,5 +36,6 @@ def restore_checkpoint(
             roll_back=roll_back,
             reason=reason,
             proof=phase.Proof(proof),
+            lost_hosts=lost_hosts or (),
         )
     return point

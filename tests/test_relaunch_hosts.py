@@ -54,4 +54,4 @@ def test_the_catalog_names_the_hosts_whose_disks_hold_a_sound_copy(rewind_env, r
         cat, ck.id, "shared", "/shared", key=f"{run_name}/step-10", nbytes=1, status=ReplicaStatus.VERIFIED
     )
     held = disks.hosts_holding(cat, ck.id)
-    assert {"h2", "h4"} <= set(held) and "h3" not in held, held  # a corrupt copy holds nothing
+    assert set(held) == {"h2", "h4"}, held  # a corrupt copy holds nothing; a disk seen here names no host

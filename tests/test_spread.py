@@ -137,3 +137,32 @@ def test_each_host_sends_its_share_to_the_shared_tier_and_a_lost_disks_files_com
     a_got, c_got = got["disks"]  # by disk leader: rank 0 (disk a), rank 2 (disk c)
     assert got["step"] == 2 and a_got["remote"] == share_b and a_got["local"] == ma.total_bytes - share_b, got
     assert c_got == {**c_got, "local": 0, "peer": ma.total_bytes, "remote": 0}, got
+
+
+def test_files_another_timeline_left_on_the_shared_tier_never_complete_a_copy(saved: Path) -> None:
+    """A push cut short left files of the right sizes under the step's name (another checkpoint's bytes,
+    no manifest). Disk a's share alone must not make the copy whole: only a mark from every disk, naming
+    this checkpoint's digest, does; then disk b's push replaces what does not prove to be its files."""
+    from rewind.infra.checkpoint import share_push
+    from rewind.infra.format import keyring as kr
+    from rewind.infra.tiers import open_tier
+    from rewind.infra.tiers.transfer import check_remote
+
+    shared = saved / "shared"
+    a, b = (saved / "disks" / d / RUN / "step-2" for d in "ab")
+    disk_a, disk_b = (local_tier.read(saved / "disks" / d) for d in "ab")
+    assert disk_a and disk_b
+    ma = mf.read(a)
+    stale = shared / RUN / "step-2"
+    stale.mkdir(parents=True)
+    for e in ma.files:
+        if ma.placement.get(e.path) == disk_b.id:
+            (stale / e.path).write_bytes(b"\0" * e.size)  # the right size, not the right bytes
+    tier = open_tier(str(shared))
+    first = share_push.push(share_push.Share(RUN, 2, a, disk_a.id, with_common=True), tier, None)
+    assert not first.complete and not (stale / mf.MANIFEST_NAME).exists(), first
+    second = share_push.push(share_push.Share(RUN, 2, b, disk_b.id, with_common=False), tier, None)
+    assert second.complete and second.sent > 0, second
+    (ck,) = lineage.checkpoints(Catalog(f"sqlite:///{saved / 'catalog.db'}"), RUN, step=2)
+    report = check_remote(tier, f"{RUN}/step-2", str(ck.manifest_digest), deep=True, keyring=kr.from_env())
+    assert report.verdict is Verdict.VERIFIED, report.findings

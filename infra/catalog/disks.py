@@ -51,10 +51,11 @@ def this_disk(uri: str) -> Any:
 
 def hosts_holding(cat: Catalog, checkpoint_id: int) -> list[str]:
     """The hosts whose own disks hold a sound copy of the checkpoint (written and hashed, or verified since),
-    as the catalog recorded them: where a relaunch reads it without the network."""
+    as the catalog recorded them: where a relaunch reads it without the network. Only disks this machine
+    does not see count (node-local ones): a root it sees is shared, or its own, and names no host."""
     with cat.session() as s:
-        rows = s.scalars(
-            select(Replica.host)
+        rows = s.execute(
+            select(Replica.host, Replica.tier_id, Replica.uri)
             .where(
                 Replica.checkpoint_id == checkpoint_id,
                 Replica.tier == LOCAL,
@@ -62,5 +63,5 @@ def hosts_holding(cat: Catalog, checkpoint_id: int) -> list[str]:
                 Replica.status.in_([ReplicaStatus.VERIFIED.value, ReplicaStatus.PENDING.value]),
             )
             .order_by(Replica.id)
-        )
-        return list(dict.fromkeys(str(h) for h in rows))
+        ).all()
+    return list(dict.fromkeys(str(r.host) for r in rows if elsewhere(LOCAL, r.tier_id, r.uri)))

@@ -52,17 +52,20 @@ class Sources:
         }
 
 
-def read_from(sources: list[Sources], total: int, tier: str, fetched: bool) -> dict[str, Any]:
+def read_from(
+    sources: list[Sources], total: int, tier: str, fetched: bool, remote_tier: str = "shared"
+) -> dict[str, Any]:
     """Where a restore's bytes came from, for the record (bytes per place: ``local`` on the disk that loads
     them, ``peer`` sent by another host's ranks, or the tier a copy was fetched from), and per host.
-    ``tier``/``fetched``: the copy the restore plan used (a whole copy fetched from that tier, or not)."""
+    ``tier``/``fetched``: the copy the restore plan used (a whole copy fetched from that tier, or not);
+    ``remote_tier``: the tier single lost files were fetched from."""
     if not sources:  # one disk for every rank: the copy the plan used
         return {"bytes": {tier if fetched else "local": total}, "hosts": []}
     hosts = [s.as_dict() for s in sources]
     if fetched:  # rank 0's disk got the whole copy from the tier before it served the others
         first = hosts[0]
         hosts[0] = {**first, "local": 0, "remote": first["remote"] + first["local"]}
-    remote_tier = tier if fetched else "shared"
+    remote_tier = tier if fetched else remote_tier
     totals = {"local": sum(h["local"] for h in hosts), "peer": sum(h["peer"] for h in hosts)}
     totals[remote_tier] = totals.get(remote_tier, 0) + sum(h["remote"] for h in hosts)
     return {"bytes": totals, "hosts": hosts}
@@ -159,8 +162,8 @@ def complete(
             try:
                 _receive(target, e, data)
                 got += e.size
-            except OSError as exc:
-                errors.append(str(exc))
+            except Exception as exc:  # every rank must reach the next collective, whatever failed here
+                errors.append(f"{type(exc).__name__}: {exc}")
     _agree(errors, target if fresh else None)
     if fresh:  # a disk without a copy: now a whole one
         store.commit(target, manifest, raw)

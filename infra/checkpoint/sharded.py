@@ -173,6 +173,7 @@ class ShardedCheckpointer:
         self.disks = spread.discover(self.root)  # the hosts' own disks, or one disk for every rank
         self.sources: list[assemble.Sources] = []  # rank 0: where the last restore's bytes came from
         self.read_from: dict[str, Any] = {}  # rank 0: the same, for the record (``assemble.read_from``)
+        self._remote: remotes.RemoteFiles | None = None  # rank 0: the last restore's fetcher of lost files
         self._pusher = self._share_pusher(catalog if self.rank else self.catalog, exit_timeout_s)
         if self.disks.leads(self.rank):
             store.sweep_temp(self.run_dir)
@@ -181,14 +182,22 @@ class ShardedCheckpointer:
     def _share_pusher(self, cat: Catalog | None, exit_timeout_s: float) -> share_push.SharePusher | None:
         """A disk's leader sends its share to the shared tier itself when nothing else can read its disk:
         the checkpoint is spread over hosts' disks, or the job runs on a scheduler's hosts. ``cat``: where
-        it registers a copy it completes (another rank's: the session's, under a supervisor only)."""
+        it registers a copy it completes (another rank's: the session's, under a supervisor only).
+        ``_push`` says, the same on every rank, whether the ranks decide on sending at each save."""
         self._exit_timeout_s = exit_timeout_s
         remote_hosts = os.environ.get(LAUNCHER_ENV, "local") != "local"
-        if not self.disks.leads(self.rank) or not (self.disks.spread or remote_hosts):
+        shared = bool(os.environ.get(share_push.SHARED_ENV, "").strip())
+        self._push = shared and (self.disks.spread or remote_hosts)
+        if not self._push or not self.disks.leads(self.rank):
             return None
         return share_push.SharePusher.from_env(cat)
 
     def _pushed(self, step: int) -> None:
+        """Collective after a commit: the checkpoint goes to the shared tier if every host's sender is free."""
+        if not self._push:
+            return
+        if not share_push.decide(self._pusher is None or self._pusher.idle, group=self._group):
+            return
         if self._pusher is not None:
             disk = self.disks.of_rank[self.rank].id
             directory = store.step_dir(self.run_dir, step)
@@ -318,7 +327,7 @@ class ShardedCheckpointer:
         manifest: mf.Manifest,
         raw: bytes,
         state: StateTree,
-        remote: assemble.Remote | None = None,
+        remote: remotes.RemoteFiles | None = None,
     ) -> Any:
         """One collective try: every rank loads, every verdict is gathered; rank 0 raises the worst.
 
@@ -353,8 +362,10 @@ class ShardedCheckpointer:
                 raise CorruptCheckpoint(
                     str(directory), [Finding(Problem.MANIFEST, mf.MANIFEST_NAME, "changed")]
                 )
+            remote = remotes.files_of(p, manifest, raw)  # before the broadcast: rank 0 never fails alone
+            self._remote = remote
             dist.broadcast_object_list([("try", str(directory), (manifest, raw))], src=0)
-            return self._attempt(directory, manifest, raw, state, remotes.files_of(p, manifest, raw))
+            return self._attempt(directory, manifest, raw, state, remote)
 
         if self._lead is None:
             raise ConfigError("only rank 0 leads a restore")
@@ -379,8 +390,13 @@ class ShardedCheckpointer:
         dist.broadcast_object_list([("done", done.step, None)], src=0)
         self._parent_id, self.skipped = done.checkpoint_id, done.skipped
         self.restored_checkpoint_id = done.checkpoint_id
+        remote_tiers = list(self._remote.fetched) if self._remote is not None else []
         self.read_from = assemble.read_from(
-            self.sources, done.manifest.total_bytes, done.source, done.fetched
+            self.sources,
+            done.manifest.total_bytes,
+            done.source,
+            done.fetched,
+            (remote_tiers or ["shared"])[0],
         )
         self._parent = (done.step, lineage.get_checkpoint(cat, done.checkpoint_id).manifest_digest)
         restored, mine = done.value

@@ -11,7 +11,7 @@ that the detection time of each signal is measured on every incident, not assume
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,11 +42,18 @@ def _after(at: float | None, since: float | None) -> float | None:
     return None if at is None or since is None else round(max(0.0, at - since), 3)
 
 
-def last_progress(ranks: Iterable[RankState], lost_hosts: Iterable[str] = ()) -> float | None:
-    """The failed part's last progress: the newest of the ranks on ``lost_hosts``; with no host lost, the
-    oldest of every rank's newest (the first rank to stop). A rank before its first step: its heartbeat."""
-    rows, lost = list(ranks), set(lost_hosts)
-    at = [(r.step_at if r.step_at is not None else r.beat_at, r.node.split("/")[0]) for r in rows]
+def last_progress(ranks: Iterable[RankState], lost: Mapping[str, int] | None = None) -> float | None:
+    """The failed part's last progress: the newest of the ranks on the lost hosts (``lost``: host -> node
+    index; a rank is on a node by the index its supervisor gave it, else by its host name); with no host
+    lost, the oldest of every rank's newest (the first rank to stop). Before its first step: its heartbeat."""
+    rows, lost = list(ranks), dict(lost or {})
+    at = [(r.step_at if r.step_at is not None else r.beat_at, r.node) for r in rows]
     if lost:
-        return max((t for t, host in at if host in lost), default=None)
+        nodes = {str(i) for i in lost.values()}
+        return max((t for t, node in at if _on(node, set(lost), nodes)), default=None)
     return min((t for t, _ in at), default=None)
+
+
+def _on(node: str, hosts: set[str], indices: set[str]) -> bool:
+    host, _, index = node.partition("/")
+    return index in indices if index else host in hosts

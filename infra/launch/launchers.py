@@ -64,6 +64,11 @@ class Launcher(Protocol):
         """How many hosts a launch could be placed on now, leaving out ``exclude``."""
         ...
 
+    def free(self) -> frozenset[str]:
+        """The hosts the scheduler would give a launch at once (up, no job on them): the only ones a
+        relaunch may ask for by name without waiting."""
+        ...
+
     def cancel(self, placement: Placement, *, signal_name: str | None = None) -> None:
         """Signal every task of the placement (``signal_name``), or end the allocation (None)."""
         ...
@@ -92,6 +97,9 @@ class LocalLauncher:
 
     def usable(self, exclude: frozenset[str]) -> int:
         return 1 << 30  # this machine's nodes are processes: as many as asked
+
+    def free(self) -> frozenset[str]:
+        return frozenset()  # one machine: no host to choose
 
     def cancel(self, placement: Placement, *, signal_name: str | None = None) -> None:
         return None  # the supervisor signals its own children

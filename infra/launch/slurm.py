@@ -120,6 +120,9 @@ class SlurmLauncher:
     def usable(self, exclude: frozenset[str]) -> int:
         return sum(1 for h, s in node_states().items() if h not in exclude and not gone(s))
 
+    def free(self) -> frozenset[str]:
+        return frozenset(h for h, s in node_states().items() if s.rstrip("~#!%$@^-+") == "idle")
+
     def cancel(self, placement: Placement, *, signal_name: str | None = None) -> None:
         if placement.allocation is None:
             return

@@ -47,7 +47,10 @@ def _hosts(
     if launcher.kind is LauncherKind.LOCAL:
         return None
     lost = tuple(details.get("lost_hosts") or ())
-    holding = disks.hosts_holding(cat, checkpoint_id) if checkpoint_id is not None else ()
+    holding: list[str] = []
+    if checkpoint_id is not None:  # only hosts the scheduler would give at once: a name never blocks a grant
+        free = launcher.free()
+        holding = [h for h in disks.hosts_holding(cat, checkpoint_id) if h in free and h not in lost]
     return rebuild.Hosts(
         previous=tuple(details.get("hosts") or ()), lost=lost, usable=launcher.usable(frozenset(lost)),
         holding=tuple(holding),

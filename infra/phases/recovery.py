@@ -40,6 +40,7 @@ class Recovery:
     anomaly_position: int | None  # where the data loader was when it was seen
     flow_started: float
     held_by: str | None = None  # another recovery already acting on the incident: nothing to do
+    lost_hosts: tuple[str, ...] = ()  # hosts the scheduler reported gone (their disks with them)
 
     @property
     def anomaly(self) -> bool:
@@ -60,6 +61,7 @@ def begin(cat: Catalog, *, incident_id: int, claimant: str, max_incidents: int, 
     found = Recovery(
         incident_id, run, IncidentKind(inc.kind), inc.reason or "", float(details["died_at"]), details.get("last_step"),
         details.get("bad_step"), details.get("anomaly_position"), started, None if holder == claimant else holder,
+        tuple(details.get("lost_hosts") or ()),
     )  # fmt: skip
     if found.held_by is not None:
         return found

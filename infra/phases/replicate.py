@@ -21,7 +21,7 @@ from rewind.infra.catalog.db import Catalog
 from rewind.infra.errors import ConfigError
 from rewind.infra.phases.notify import Notifier, run_event
 from rewind.infra.replication import replicate
-from rewind.infra.tiers import open_tier
+from rewind.infra.tiers import open_tier, transfer
 from rewind.infra.tiers.base import Tier
 
 MiB = 1 << 20
@@ -116,9 +116,21 @@ def pending(cat: Catalog, *, tier: Tier, run: str | None = None) -> list[int]:
     if run is not None:
         lineage.get_run(cat, run)  # an unknown run is an error, not "nothing to do"
     away = copies.sent_by_their_hosts(cat, tier.name, tier.uri, run)
-    if away:
-        log.info("%d checkpoint(s) lie only on their hosts' own disks: those hosts send them", len(away))
-    return [ck.id for ck in copies.without_copy(cat, tier.name, tier.uri, run) if ck.id not in away]
+    found = copies.without_copy(cat, tier.name, tier.uri, run)
+    arrived = {ck.id for ck in found if ck.id in away and _arrived(cat, tier, ck)}  # to be registered
+    if len(away) > len(arrived):
+        log.info(
+            "%d checkpoint(s) lie only on their hosts' own disks: those hosts send them",
+            len(away) - len(arrived),
+        )
+    return [ck.id for ck in found if ck.id not in away or ck.id in arrived]
+
+
+def _arrived(cat: Catalog, tier: Tier, ck: Any) -> bool:
+    """Does the tier hold this checkpoint's manifest already (its hosts sent it; nobody registered it)?"""
+    run = lineage.get_run_by_id(cat, ck.run_id).name
+    digest = str(ck.manifest_digest)
+    return any(transfer.holds(tier, key, digest) for key in transfer.candidate_keys(run, ck.step, digest))
 
 
 def replicate_checkpoint(cat: Catalog, *, checkpoint_id: int, tier: Tier, notify: Notifier) -> ReplicaMade:

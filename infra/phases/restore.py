@@ -111,13 +111,15 @@ def restore_point(
     tiers: Collection[str] | None = None,
     root: Path | None = None,
     proof: Proof = Proof.BYTES,
+    lost_hosts: Collection[str] = (),
 ) -> RestorePoint:
     """A verified local copy of the restore point (fetched from another tier if need be).
 
     ``step``: exactly that checkpoint (damaged on every copy: ``CorruptCheckpoint``, announced);
     ``before_step``: the newest one before it; ``tiers``: only copies on these; ``roll_back``:
     retire the checkpoints after it; ``proof``: every byte hashed here, or (a recovery, whose job
-    hashes every byte as it loads) the manifest and sizes only.
+    hashes every byte as it loads) the manifest and sizes only; ``lost_hosts``: hosts gone with their
+    disks (a checkpoint held only there is passed over).
     """
     p = plan.plan(
         cat, run, root=root or config.checkpoint_root(), step=step, before_step=before_step, tiers=tiers
@@ -128,7 +130,7 @@ def restore_point(
             "(rewind status shows where its copies are)",
             (),
         )
-    away = _on_other_hosts(p) if proof is Proof.MANIFEST else None
+    away = _on_other_hosts(p, set(lost_hosts)) if proof is Proof.MANIFEST else None
     if away is not None:
         point = _catalogs_word(cat, p.run, away, roll_back=roll_back, reason=reason)
         _announce(notify, point)
@@ -165,13 +167,16 @@ def _roll_back(cat: Catalog, run: str, step: int, reason: str) -> list[int]:
     return lineage.supersede_after(cat, lineage.get_run(cat, run).id, step, why)
 
 
-def _on_other_hosts(p: plan.RestorePlan) -> plan.Candidate | None:
-    """The newest candidate, when no copy of it is readable here but its local copies are on other hosts'
-    disks (a job's node-local tiers, seen from the machine that supervises it)."""
-    first = p.candidates[0] if p.candidates else None
-    if first is None or first.copies or not first.elsewhere or first.status == CheckpointStatus.CORRUPT:
-        return None
-    return first
+def _on_other_hosts(p: plan.RestorePlan, lost: set[str]) -> plan.Candidate | None:
+    """The newest candidate, when no copy of it is readable here but its local copies are all on other
+    hosts' disks that are not lost (a job's node-local tiers, seen from the machine that supervises it);
+    None when the newest worth trying has a copy here (the executor's way)."""
+    for c in p.candidates:
+        if c.copies:
+            return None
+        if c.status != CheckpointStatus.CORRUPT and c.elsewhere and not set(c.elsewhere) & lost:
+            return c
+    return None
 
 
 def _catalogs_word(

@@ -56,7 +56,7 @@ from rewind.infra.format.verify import Finding, Problem, Verdict, check_copy, re
 from rewind.infra.format.verify import partial as is_partial
 from rewind.infra.restore.plan import Candidate, Copy, RestorePlan
 from rewind.infra.tiers import fetch, open_tier, transfer
-from rewind.infra.tiers.base import UNREADABLE_ERRORS, DiskWriteError
+from rewind.infra.tiers.base import UNREADABLE_ERRORS, DiskWriteError, disk_write_error
 
 log = logging.getLogger("rewind.restore")
 T = TypeVar("T")
@@ -136,7 +136,10 @@ class ShareOnly(Exception):
 def _peek(cand: Candidate, copy: Copy, ring: kr.Keyring) -> _Opened:
     """Another tier's copy, its manifest proven and its training state read, the rest left there."""
     key = copy.key or transfer.copy_key(cand.run, cand.step)
-    scratch = Path(tempfile.mkdtemp(prefix="rewind-peek-"))
+    try:
+        scratch = Path(tempfile.mkdtemp(prefix="rewind-peek-"))
+    except OSError as exc:  # this machine's temporary directory, not the copy
+        raise disk_write_error(exc, f"the temporary directory {tempfile.gettempdir()}", copy.where()) from exc
     try:
         manifest = fetch.peek(
             open_tier(copy.uri), key, cand.manifest_digest, scratch, keyring=ring, paths={payload.STATE_FILE}

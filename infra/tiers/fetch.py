@@ -11,6 +11,7 @@ size its entry records (one byte more shows a longer file).
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import BinaryIO
@@ -111,31 +112,30 @@ def peek(
         if e.path not in paths:
             continue
         target = into / mf.safe_relative(e.path)
-        target.parent.mkdir(parents=True, exist_ok=True)
         try:
+            target.parent.mkdir(parents=True, exist_ok=True)
             with open(target, "xb") as out:
                 _stream(tier, key, e)(out)
         except SourceFailed as failed:
             raise failed.error from None
-    (into / mf.MANIFEST_NAME).write_bytes(raw)
+        except OSError as exc:  # writing the scratch directory: this machine's disk, not the copy
+            raise disk_write_error(exc, f"the local disk at {into}", f"{tier.uri}/{key}") from exc
+    try:
+        (into / mf.MANIFEST_NAME).write_bytes(raw)
+    except OSError as exc:
+        raise disk_write_error(exc, f"the local disk at {into}", f"{tier.uri}/{key}") from exc
     return manifest
 
 
 def fetch_file(tier: Tier, key: str, entry: mf.FileEntry) -> bytes:
     """One file of the copy at ``key``, in memory, once its bytes hash to ``entry`` (a manifest the caller
     already holds to the catalog); ``CorruptCheckpoint`` when they do not, the tier's error when unreadable."""
-    chunks: list[bytes] = []
-
-    class _Sink:
-        def write(self, b: bytes) -> int:
-            chunks.append(bytes(b))
-            return len(b)
-
+    buf = io.BytesIO()
     try:
-        _stream(tier, key, entry)(_Sink())  # type: ignore[arg-type]
+        _stream(tier, key, entry)(buf)
     except SourceFailed as failed:
         raise failed.error from None
-    data = b"".join(chunks)
+    data = buf.getvalue()
     got = hash_bytes(data)
     if (got.size, got.xxh3) != (entry.size, entry.xxh3):
         finding = Finding(

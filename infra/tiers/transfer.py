@@ -42,6 +42,7 @@ from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import CHUNK, Hasher, hash_bytes, manifest_matches
 from rewind.infra.format.verify import Budget, Finding, Problem, Report, check_manifest, not_a_file
 from rewind.infra.tiers.base import (
+    AlreadyExists,
     NotCopied,
     ObjectNotFound,
     Tier,
@@ -199,7 +200,13 @@ def _place(tier: Tier, source: Path, key: str, e: mf.FileEntry, index: dict[File
         tier.delete(target)  # a leftover from an older, different attempt
     if _copy_from(tier, index.get((e.size, e.xxh3, e.crc32c), ()), target, e):
         return Pushed(reused=e.size, files_reused=1)
-    return Pushed(sent=tier.put(target, source / e.path, crc32c=e.crc32c), files_sent=1)
+    try:
+        return Pushed(sent=tier.put(target, source / e.path, crc32c=e.crc32c), files_sent=1)
+    except AlreadyExists:  # placed meanwhile by another sender of the same copy: kept if it is this file
+        again = _held(tier, target, e)
+        if again is None:
+            return Pushed()
+        raise CorruptCheckpoint(f"{tier.uri}/{key}", [again]) from None
 
 
 def _place_all(
@@ -240,11 +247,6 @@ def push_files(
     """Place ``files`` of the copy at ``source`` under ``key`` (no manifest): one host's share of a
     checkpoint spread over hosts' disks. Each is checked as it lands; the bytes sent."""
     return _place_all(tier, source, key, files, {}, None, streams).sent
-
-
-def holds_files(tier: Tier, key: str, manifest: mf.Manifest) -> bool:
-    """Does ``key`` hold every file of ``manifest``, of its size (and CRC32C where the tier keeps one)?"""
-    return all(_stat_matches(tier, f"{key}/{e.path}", e) is None for e in manifest.files)
 
 
 def push(
