@@ -41,6 +41,7 @@ def protect_training(
     global_batch: int | None = None,
     lr: float | None = None,
     launcher: str = "local",
+    warm: bool = False,
 ) -> dict[str, Any] | State:
     """Run a training job under watch: verify every checkpoint it commits; a failure becomes an incident.
 
@@ -68,6 +69,8 @@ def protect_training(
         lr: The job's learning rate at full size (for the rebuild decision).
         launcher: Where the nodes run: "local" (processes of the worker) or "slurm" (an allocation of
             nnodes hosts, one srun per node; a lost host is left out of the relaunch, a spare takes its place).
+        warm: Relaunch from a standby interpreter that already imported the job's modules (a one-process
+            "python -m MODULE" or "python SCRIPT" job on the local launcher): seconds instead of a cold start.
     """
     spec = record_spec(
         run,
@@ -75,6 +78,7 @@ def protect_training(
             "command": command, "cwd": cwd, "env": env or {}, "nnodes": nnodes, "nproc_per_node": nproc_per_node,
             "min_world_size": min_world_size, "heartbeat_timeout_s": heartbeat_timeout_s,
             "loss_spike_factor": loss_spike_factor, "global_batch": global_batch, "lr": lr, "launcher": launcher,
+            "warm": warm,
         },
     )  # fmt: skip
     outcome = supervise_training(run, spec)

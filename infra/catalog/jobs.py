@@ -58,6 +58,14 @@ def set_placement(cat: Catalog, launch_id: int, *, hosts: list[str], allocation:
             row.handoff = {**(row.handoff or {}), "hosts": hosts, "allocation": allocation}
 
 
+def set_warm(cat: Catalog, launch_id: int, nodes: list[bool]) -> None:
+    """Which of the launch's nodes a standby took over (warm), by node: kept with what it was handed."""
+    with cat.session() as s:
+        row = s.get(Launch, launch_id)
+        if row is not None:
+            row.handoff = {**(row.handoff or {}), "warm": nodes}
+
+
 def end_launch(cat: Catalog, launch_id: int, exit_code: int) -> None:
     with cat.session() as s:
         s.execute(update(Launch).where(Launch.id == launch_id).values(exit_code=exit_code, ended_at=utcnow()))

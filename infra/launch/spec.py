@@ -51,6 +51,9 @@ class JobSpec:
     """A loss above this multiple of the running median is an anomaly (None: NaN/Inf only)."""
     launcher: str = "local"
     """Where the nodes run: ``local`` (child processes here) or ``slurm`` (an allocation, one srun per node)."""
+    warm: bool = False
+    """Relaunch from a standby interpreter that already imported the job's modules (``python -m MODULE`` or
+    ``python SCRIPT``, one process, local launcher); otherwise, or when no standby is fit, a cold start."""
 
     def __post_init__(self) -> None:
         if not self.command or not all(isinstance(a, str) for a in self.command):
@@ -69,6 +72,13 @@ class JobSpec:
             raise ConfigError(f"min_world_size {self.min_world_size} must be between 1 and {self.world_size}")
         if self.model is not None and set(self.model) != {"heads", "hidden", "layers"}:
             raise ConfigError("model must give heads, hidden and layers")
+        if self.warm and (
+            self.distributed or self.launcher != LauncherKind.LOCAL or not _warmable(self.command)
+        ):
+            raise ConfigError(
+                "warm relaunch takes a single-process `python -m MODULE` or `python SCRIPT` job on the local "
+                "launcher (no interpreter options)"
+            )
         if self.distributed and not _is_python(self.command[0]):
             raise ConfigError(
                 f"a distributed job starts under torchrun, so its command must start with Python, not {self.command[0]!r}"
@@ -125,6 +135,7 @@ _TYPES: dict[str, tuple[tuple[type, ...], str]] = {
     "heartbeat_timeout_s": (_NUMBER, "a number of seconds"),
     "loss_spike_factor": (_NUMBER, "a number"),
     "launcher": ((str,), "local or slurm"),
+    "warm": ((bool,), "true or false"),
 }
 
 
@@ -167,6 +178,12 @@ def load_file(path: str | os.PathLike[str]) -> JobSpec:
     if raw.get("cwd") and not Path(str(raw["cwd"])).is_dir():
         raise ConfigError(f"job spec {p}: its cwd {raw['cwd']} is not a directory")
     return JobSpec.from_dict(raw)
+
+
+def _warmable(command: tuple[str, ...]) -> bool:
+    from rewind.infra.launch.standby import entry_of
+
+    return entry_of(command) is not None
 
 
 def _is_python(program: str) -> bool:

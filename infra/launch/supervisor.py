@@ -23,7 +23,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rewind.infra import joblog, redact
 from rewind.infra.catalog import jobs, lineage
@@ -32,7 +32,7 @@ from rewind.infra.catalog.models import CheckpointStatus
 from rewind.infra.errors import CatalogUnavailable, ConfigError, TransientError
 from rewind.infra.health import nvml
 from rewind.infra.health.signals import describe_exit
-from rewind.infra.launch import observe
+from rewind.infra.launch import observe, warm
 from rewind.infra.launch.launchers import LauncherKind, Placement, Request, launcher_for
 from rewind.infra.launch.observe import Observation, Seen, first_failure
 from rewind.infra.launch.process import pids_with_env, signal_all
@@ -82,23 +82,50 @@ class _Process:
     """One child process (a job, or a node's agent) in its own session, its output's tail kept for the incident."""
 
     def __init__(
-        self, cmd: list[str], *, cwd: str | None, env: dict[str, str], node: int, host: str, kept: Path | None
+        self,
+        cmd: list[str],
+        *,
+        cwd: str | None,
+        env: dict[str, str],
+        node: int,
+        host: str,
+        kept: Path | None,
+        warm_run: str | None = None,
     ) -> None:
         self.node, self.cmd, self.host = node, cmd, host
         self.ended_at: float | None = None  # when it ended, by this clock: which node failed first
         self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.proc = subprocess.Popen(
-            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1, start_new_session=True,
-        )  # fmt: skip
+        self.proc: subprocess.Popen[str] | warm.Handed
+        self.output: IO[str]
+        self.warm = warm_run is not None and self._hand_over(warm_run, cwd, env)
+        if not self.warm:
+            self.proc = subprocess.Popen(
+                cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1, start_new_session=True,
+            )  # fmt: skip
+            assert self.proc.stdout is not None
+            self.output = self.proc.stdout
         self.log = _kept_log(kept)  # once the process exists: nothing is opened for a command that is not
         self._reader = threading.Thread(target=self._read, daemon=True, name=f"rewind-out-{self.proc.pid}")
         self._reader.start()
         threading.Thread(target=self._wait, daemon=True, name=f"rewind-wait-{self.proc.pid}").start()
 
+    def _hand_over(self, run: str, cwd: str | None, env: dict[str, str]) -> bool:
+        """The launch to the node's standby, its output through a pipe of ours; False: start it cold."""
+        read_end, write_end = os.pipe()
+        try:
+            handed = warm.handoff(run, self.node, self.cmd, cwd, env, write_end)
+        finally:
+            os.close(write_end)  # the job holds its own copy: the pipe ends when the job does
+        if handed is None:
+            os.close(read_end)
+            return False
+        self.proc = handed
+        self.output = os.fdopen(read_end, "r", errors="replace", buffering=1)
+        return True
+
     def _read(self) -> None:
-        out = self.proc.stdout
-        assert out is not None
+        out = self.output
         # children that outlive it may keep the pipe open: not our clock
         pending = ""  # a line longer than a chunk, kept whole (to a bound) so its masking sees all of it
         for chunk in iter(lambda: out.readline(_READ_CHUNK), ""):
@@ -203,13 +230,22 @@ class Supervisor:
         else:
             cmd = process_command(self.spec)
         self.processes = [self._node(place, i, cmd, base) for i in range(len(place.hosts))]
+        if self.spec.warm:  # the next launch's standby, made while this one runs
+            jobs.set_warm(self.cat, self.launch_id, [p.warm for p in self.processes])
+            for p in self.processes:
+                warm_env = {**base, progress.NODE_ENV: str(p.node)}
+                args = (self.run, p.node, p.cmd, self.spec.cwd, warm_env, p.warm)
+                threading.Thread(target=_standby_for, args=args, daemon=True, name="rewind-standby").start()
         return self.launch_id
 
     def _node(self, place: Placement, node: int, cmd: list[str], env: dict[str, str]) -> _Process:
         wrapped = self.launcher.node_command(place, node, cmd)
         env = {**env, progress.NODE_ENV: str(node)}
         kept = self.log_dir / f"node-{node}.log" if self.log_dir else None
-        return _Process(wrapped, cwd=self.spec.cwd, env=env, node=node, host=place.hosts[node], kept=kept)
+        return _Process(
+            wrapped, cwd=self.spec.cwd, env=env, node=node, host=place.hosts[node], kept=kept,
+            warm_run=self.run if self.spec.warm else None,
+        )  # fmt: skip
 
     @property
     def log_dir(self) -> Path | None:
@@ -392,6 +428,9 @@ class Supervisor:
         code = failed.detail["exit_code"] if failed is not None else 0
         if code != 0:
             self._settle()
+        elif self.spec.warm:  # the run is done: its standbys are not needed
+            for p in self.processes:
+                warm.stop(self.run, p.node)
         self._release()
         if self.launch_id is not None:
             self._end_launch(code)
@@ -444,6 +483,18 @@ class Supervisor:
         if len(self.processes) == 1:
             return bounded_tail(list(self.processes[0].tail))
         return bounded_tail([f"[node {p.node}] {line}" for p in self.processes for line in list(p.tail)])
+
+
+def _standby_for(
+    run: str, node: int, cmd: list[str], cwd: str | None, env: dict[str, str], used: bool
+) -> None:
+    """A standby for the node's next launch: a new one when the one there was just used (it is busy with
+    this launch) or none fit answers; never the job's problem if it cannot be made."""
+    try:
+        if used or not warm.ready(run, node, cmd, env):
+            warm.start(run, node, cmd, cwd, env)
+    except Exception as exc:
+        log.warning("no standby for %s node %d (its next launch starts cold): %s", run, node, exc)
 
 
 def redacted(spec: JobSpec) -> dict[str, Any]:
