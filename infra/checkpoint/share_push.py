@@ -9,7 +9,8 @@ disk's *mark* beside the copy (``.shares/<digest>-<disk>``): this disk's files a
 checkpoint whose manifest digest it names. A leader that then finds every disk's mark writes the manifest,
 last, as the commit marker: files left by another timeline's unfinished push never count, since no mark
 with this digest vouches for them. The tier lets one writer create the manifest; whoever has the catalog
-(rank 0, or any rank a supervisor started) and finds the manifest there registers the copy, once.
+(rank 0, or any rank a supervisor started) registers the copy once its manifest is there, waiting a
+bounded while for the other hosts to complete it (the scheduled replication registers one completed later).
 
 Which checkpoints go: the ranks decide together at each save (``decide``): one is sent only when every
 host's sender is free, so every host sends the same checkpoints and none piles up behind a slow shared tier;
@@ -24,6 +25,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ from rewind.infra.tiers.base import AlreadyExists, ObjectNotFound, Tier
 log = logging.getLogger("rewind.share_push")
 SHARED_ENV = "REWIND_SHARED_URI"
 MARKS = ".shares"
+ARRIVAL_S = 120.0  # how long a sender with the catalog waits for the other hosts to complete a copy
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,9 +114,27 @@ def push(share: Share, tier: Tier, catalog: Catalog | None) -> Pushed:
         with contextlib.suppress(AlreadyExists):  # this disk vouched for the same files before (run again)
             tier.put_bytes(_mark(key, digest, share.disk), mark, crc32c=hash_bytes(mark).crc32c)
         there = _marked(tier, key, digest, _disks(manifest, share.disk)) and _commit(tier, key, raw)
+    if not there and catalog is not None:  # another host completes it: whoever has the catalog registers it
+        there = _arrives(tier, key, digest)
     if there and catalog is not None:
         register(catalog, share.run, share.step, raw, tier, key)
     return Pushed(key, sent, there)
+
+
+def _arrives(tier: Tier, key: str, digest: str, timeout_s: float = ARRIVAL_S) -> bool:
+    """Wait (bounded) for the other hosts to complete the copy; True once its manifest is there."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if transfer.holds(tier, key, digest) is True:
+            return True
+        if time.monotonic() > deadline:
+            log.info(
+                "%s: not complete %.0f s after this host's share (another host's still on its way)",
+                key,
+                timeout_s,
+            )
+            return False
+        time.sleep(0.5)
 
 
 def _commit(tier: Tier, key: str, raw: bytes) -> bool:

@@ -120,15 +120,22 @@ def supervise(
         finished = False
         while not finished:
             finished = watch.done(sup.poll(poll_s), sup)
-            if show is not None:
-                try:
-                    show(sup.ranks, watch.verified_step)
-                except Exception as exc:  # showing progress must never stop the job it shows
-                    notify.log(logging.WARNING, "training progress not shown: %s", exc)
+            _show(show, sup, watch, notify)
     except BaseException:  # never leave a job running that nobody watches
         sup.stop(grace_s=10)
         raise
-    return watch.outcome(sup, sup.finish(), launch_id)
+    out = watch.outcome(sup, sup.finish(), launch_id)
+    _show(show, sup, watch, notify)  # the verifications the launch's end waited for: shown too
+    return out
+
+
+def _show(show: Show | None, sup: Supervisor, watch: _Watch, notify: Notifier) -> None:
+    if show is None:
+        return
+    try:
+        show(sup.ranks, watch.verified_step)
+    except Exception as exc:  # showing progress must never stop the job it shows
+        notify.log(logging.WARNING, "training progress not shown: %s", exc)
 
 
 class _Watch:
@@ -242,7 +249,7 @@ class _Watch:
         self._proven(
             self.beside.join()
         )  # the launch is over; what it committed is judged before it is reported
-        ranks = progress.read(self.cat, launch_id)
+        ranks = sup.ranks = progress.read(self.cat, launch_id)
         # read again: a step reported just before the exit may not have been polled
         started = self.first_step_at is not None or observe.first_step(ranks) is not None
         failed, stop = first_failure(self.exits), self.stop
