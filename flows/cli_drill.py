@@ -110,7 +110,7 @@ def cmd_goodput(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> i
                 "--checkpoint-every", str(args.every), "--seed", "0", "--out", str(out),
                 "--step-time-s", str(args.step_time_s), "--loss-log", str(log)]  # fmt: skip
 
-    got = goodput(command, steps=args.steps, failures=args.failures, seed=args.seed)
+    got = goodput(command, steps=args.steps, failures=args.failures, seed=args.seed, warm_relaunch=args.warm)
 
     def text() -> str:
         w, g = got["wall_s"], got["goodput_steps_per_s"]
@@ -121,6 +121,12 @@ def cmd_goodput(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> i
             f"from scratch  {w['from_scratch']:8.2f} s  {g['from_scratch']:.3f} steps/s\n"
             f"goodput: rewind / no failure {got['rewind_vs_no_failure']:.3f}, "
             f"rewind / from scratch {got['rewind_vs_from_scratch']:.3f}"
+            + (
+                f"\nrewind warm   {w['rewind_warm']:8.2f} s  {g['rewind_warm']:.3f} steps/s  "
+                f"(goodput / no failure {got['rewind_warm_vs_no_failure']:.3f})"
+                if args.warm
+                else ""
+            )
         )
 
     emit(args, got, text)
@@ -167,6 +173,9 @@ def register(
     gp.add_argument("--every", type=int, default=10, help="checkpoint every K steps")
     gp.add_argument("--step-time-s", type=float, default=0.1, help="pad each step to this long")
     gp.add_argument("--seed", type=int, default=None, help="where the kills land (default: random, printed)")
+    gp.add_argument(
+        "--warm", action="store_true", help="also resume from a standby interpreter (warm relaunch)"
+    )
     rp = add(
         dr, "report", wrap(cmd_report), "write every drill as one self-contained HTML page", json_flag=True
     )

@@ -15,9 +15,10 @@ import pytest
 from rewind.infra.catalog import incidents, jobs
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.drills import servers
+from rewind.infra.launch.node_process import TAIL_BYTES, TAIL_LINES, bounded_tail
 from rewind.infra.launch.observe import Seen
 from rewind.infra.launch.spec import JobSpec
-from rewind.infra.launch.supervisor import TAIL_BYTES, TAIL_LINES, Supervisor, bounded_tail
+from rewind.infra.launch.supervisor import Supervisor
 
 
 def test_bounded_tail_keeps_the_newest_lines_that_fit_and_hides_url_credentials():
