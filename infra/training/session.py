@@ -21,8 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
@@ -30,7 +29,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from rewind.infra import config, progress
-from rewind.infra.catalog import jobs, lineage, models
+from rewind.infra.catalog import lineage, models
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
 from rewind.infra.checkpoint.sharded import ShardedCheckpointer
@@ -38,8 +37,8 @@ from rewind.infra.checkpoint.state import RNGState
 from rewind.infra.errors import ConfigError, RewindError, is_transient
 from rewind.infra.format import payload
 from rewind.infra.health.signals import LossWatch
-from rewind.infra.restore.plan import RestoreTarget
 from rewind.infra.training import group
+from rewind.infra.training.handoff import Handoff
 from rewind.infra.training.parts import ModelPart, OptimizerPart, RankRNG
 from rewind.infra.training.progress import LAUNCH_ENV, ProgressWriter
 
@@ -73,40 +72,6 @@ class StatefulLoader(Protocol):
 
 def _position(loader: Any) -> int | None:
     return getattr(loader, "position", None) if loader is not None else None
-
-
-@dataclass(frozen=True, slots=True)
-class Handoff:
-    """What the supervisor handed this launch; the defaults when the job was started by hand."""
-
-    launch_id: int | None = None
-    world_size: int = 1
-    lr_scale: float = 1.0
-    global_batch: int | None = None
-    skip: tuple[int | None, int] | None = None  # [from, to) of a data window to step over (from: None when
-    # the supervisor could not read the restore point's position; the job is there)
-    spike_factor: float | None = None  # the spec's loss-spike threshold, when the job sets none itself
-    decision: str | None = None
-    restore: RestoreTarget | None = None  # the restore point the recovery chose: loaded, not searched for
-
-    @classmethod
-    def load(cls, cat: Catalog | None) -> Handoff:
-        raw = os.environ.get(LAUNCH_ENV)
-        if not raw or cat is None:
-            return cls(world_size=int(os.environ.get("WORLD_SIZE", "1")))
-        launch = jobs.get_launch(cat, int(raw))
-        h = dict(launch.handoff or {})
-        skip = h.get("skip")
-        return cls(
-            launch_id=launch.id,
-            world_size=int(h.get("world_size", os.environ.get("WORLD_SIZE", "1"))),
-            lr_scale=float(h.get("lr_scale", 1.0)),
-            global_batch=h.get("global_batch"),
-            skip=(None if skip[0] is None else int(skip[0]), int(skip[1])) if skip else None,
-            spike_factor=h.get("spike_factor"),
-            decision=h.get("decision"),
-            restore=RestoreTarget.from_dict(h.get("restore")),
-        )
 
 
 class TrainingSession:
@@ -162,6 +127,8 @@ class TrainingSession:
         self.read_from: dict[str, Any] = {}  # where the restore's bytes came from (rank 0, distributed)
         self._writer: ProgressWriter | None = None
         self._ckpt: Checkpointer | ShardedCheckpointer | None = None
+        self.last_step: int | None = None  # the newest step reported
+        self._restarts: list[dict[str, Any]] = []
 
     def _open_catalog(self) -> Catalog | None:
         """Rank 0 opens (and if need be creates) the catalog first; other ranks need it only under a supervisor."""
@@ -337,6 +304,34 @@ class TrainingSession:
     def _first(self) -> int:
         return self.start_step + 1
 
+    def train(self, step: Callable[[int, Any], float | None], total: int, *, restarts: int = 0) -> int:
+        """Run ``step(i, batch)`` for every step left, the batches drawn from the session's loader, each
+        returned loss reported (saves when due); the last step run. ``restarts``: an exception a step raises
+        restores the newest checkpoint in this process and the loop goes on from it, at most this many
+        times (one process only; :mod:`rewind.infra.training.restart` says what it does and does not)."""
+        from rewind.infra.training import restart
+
+        return restart.run(self, step, total, restarts)
+
+    def restart_from_newest(self) -> int | None:
+        """In-process restart: the newest checkpoint that proves itself loaded into the live state (model,
+        optimizer, loader position, random generators); its step, or None when there is none."""
+        if not isinstance(self._ckpt, Checkpointer):
+            raise ConfigError("in-process restart takes one process, inside the session's `with` block")
+        got = self._ckpt.restore_latest()
+        if got is None:
+            return None
+        self.start_step, self.restored_checkpoint_id = got.step, got.checkpoint_id
+        self.watch = LossWatch(spike_factor=self.watch.spike_factor)
+        self._seed_watch()  # the losses before the restore point, not the undone steps'
+        return got.step
+
+    def note_restart(self, **facts: Any) -> None:
+        """Tell the supervisor of an in-process restart (kept with the rank's progress, newest last)."""
+        self._restarts.append(facts)
+        if self._writer is not None:
+            self._writer.note(restarts=list(self._restarts))
+
     def steps(self, total: int) -> Iterator[int]:
         """The steps left to run: ``start_step + 1`` to ``total`` (the supervisor shows progress out of ``total``)."""
         if self._writer is not None:
@@ -346,6 +341,7 @@ class TrainingSession:
     def report(self, step: int, loss: float | None = None, *, samples: int | None = None) -> None:
         """Progress for the supervisor; raises ``TrainingAnomaly`` on NaN/Inf or a spike; saves when due."""
         value = None if loss is None else float(loss)
+        self.last_step = step
         position = samples if samples is not None else _position(self.loader)
         if self._writer is not None:
             self._writer.report(step, value, position)

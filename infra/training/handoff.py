@@ -1,0 +1,46 @@
+"""What the supervisor handed a launch (world size, learning-rate scale, batch, data window to skip, the
+restore point), read from the catalog by the job's session; the defaults when the job was started by hand."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from rewind.infra.catalog import jobs
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.restore.plan import RestoreTarget
+from rewind.infra.training.progress import LAUNCH_ENV
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """What the supervisor handed this launch; the defaults when the job was started by hand."""
+
+    launch_id: int | None = None
+    world_size: int = 1
+    lr_scale: float = 1.0
+    global_batch: int | None = None
+    skip: tuple[int | None, int] | None = None  # [from, to) of a data window to step over (from: None when
+    # the supervisor could not read the restore point's position; the job is there)
+    spike_factor: float | None = None  # the spec's loss-spike threshold, when the job sets none itself
+    decision: str | None = None
+    restore: RestoreTarget | None = None  # the restore point the recovery chose: loaded, not searched for
+
+    @classmethod
+    def load(cls, cat: Catalog | None) -> Handoff:
+        raw = os.environ.get(LAUNCH_ENV)
+        if not raw or cat is None:
+            return cls(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        launch = jobs.get_launch(cat, int(raw))
+        h = dict(launch.handoff or {})
+        skip = h.get("skip")
+        return cls(
+            launch_id=launch.id,
+            world_size=int(h.get("world_size", os.environ.get("WORLD_SIZE", "1"))),
+            lr_scale=float(h.get("lr_scale", 1.0)),
+            global_batch=h.get("global_batch"),
+            skip=(None if skip[0] is None else int(skip[0]), int(skip[1])) if skip else None,
+            spike_factor=h.get("spike_factor"),
+            decision=h.get("decision"),
+            restore=RestoreTarget.from_dict(h.get("restore")),
+        )
