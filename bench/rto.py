@@ -3,8 +3,9 @@
 
     .venv/bin/python -m bench.rto [--kills 10] [--seed S] [--goodput-steps 600]
 
-RTO: the example job (``rewind.examples.tiny_lm``, 40 steps, a checkpoint every 10, 0.05 s a step) runs
-under ``protect-training``; it is SIGKILLed at a seeded step between 12 and 28 and ``recover-training``
+RTO: the example job (``rewind.examples.tiny_lm``, 100 steps, a checkpoint every 10, 0.1 s a step) runs
+under ``protect-training``; it is SIGKILLed at a seeded step between 45 and 75 (the warm run's standby
+answering by then: it is made once the job trains) and ``recover-training``
 brings it back; the RTO is the incident's (the failure to the relaunch's first step), with its phases
 (detect, decide, restore, group-ready/relaunch, first step). The same seeded kill steps for both
 policies, alternating warm and cold. Goodput: the same job, 600 steps of 0.1 s with a checkpoint every
@@ -31,7 +32,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-STEPS, EVERY, STEP_S = 40, 10, 0.05
+STEPS, EVERY, STEP_S = 100, 10, 0.1
 
 
 def _isolate(work: Path) -> None:
@@ -105,7 +106,7 @@ def one_recovery(run: str, kill_at: int, warm_relaunch: bool, out: Path) -> dict
 
 def rto(kills: int, seed: int, work: Path) -> dict[str, Any]:
     rng = random.Random(seed)
-    steps = [rng.randint(12, 28) for _ in range(kills)]
+    steps = [rng.randint(45, 75) for _ in range(kills)]
     got: dict[str, list[dict[str, Any]]] = {"warm": [], "cold": []}
     for i, at in enumerate(steps):  # alternating: the machine's drift falls on both alike
         for policy in ("warm", "cold") if i % 2 == 0 else ("cold", "warm"):
