@@ -12,8 +12,9 @@ job is started from its spec; by hand it works the same, unsupervised.
 Config keys: run, steps, checkpoint_every, batch (per rank), lr, seed, out (a
 directory for final.safetensors), fsdp, step_time_s (extra seconds per step: the
 work of a bigger model), checkpoint_format ("plain", the default, or "chunked"), and
-two test seams: poison (a sample index whose loss becomes NaN) and sample_log (a
-directory: the samples each rank took, per step).
+three test seams: poison (a sample index whose loss becomes NaN), sample_log (a
+directory: the samples each rank took, per step) and diverge_lr (a factor on the learning rate
+after a restore: a comeback that is not what the run was).
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def main(path: str) -> int:
                          checkpoint_every=cfg["checkpoint_every"],
                          format=cfg.get("checkpoint_format", "plain")) as s:  # fmt: skip
         for g in opt.param_groups:  # the rate for this many ranks (1.0 unless the job was rebuilt smaller)
-            g["lr"] = cfg["lr"] * s.handoff.lr_scale
+            g["lr"] = cfg["lr"] * s.handoff.lr_scale * (cfg.get("diverge_lr", 1.0) if s.start_step else 1.0)
         s.note(lr=opt.param_groups[0]["lr"], world_size=world, global_batch=cfg["batch"] * world)
         batches = iter(loader)
         for it in s.steps(cfg["steps"]):

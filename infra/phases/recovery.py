@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rewind.infra.catalog import incidents, lineage
+from rewind.infra.catalog import incidents, jobs, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import IncidentKind
 from rewind.infra.errors import Refused
@@ -22,6 +22,7 @@ from rewind.infra.phases import detect
 from rewind.infra.phases.detect import Outcome
 from rewind.infra.phases.notify import Notifier, artifact_key
 from rewind.infra.phases.restore import RestorePoint
+from rewind.infra.training import comeback, progress
 
 ANOMALIES = (IncidentKind.NAN, IncidentKind.LOSS_SPIKE)
 
@@ -91,7 +92,25 @@ def restored(cat: Catalog, *, recovery: Recovery, point: RestorePoint, load_s: f
     handoff: dict[str, Any] = {"restore": point.target.as_dict()}
     if recovery.anomaly:
         handoff["skip"] = _skip_window(cat, recovery, point)
+    held_to = _comeback_before(cat, recovery, point)
+    if held_to:  # the comeback is held to what the run did before the failure
+        handoff["comeback"] = held_to
     return handoff
+
+
+def _comeback_before(cat: Catalog, recovery: Recovery, point: RestorePoint) -> dict[str, Any] | None:
+    """The failed launch's rank 0 losses of the steps past the restore point and its world size (none after
+    an anomaly: the relaunch steps over that data, so its steps are not the same)."""
+    launch = (incidents.get_incident(cat, recovery.incident_id).details or {}).get("launch_id")
+    if recovery.anomaly or launch is None:
+        return None
+    lead = [r for r in progress.read(cat, int(launch)) if r.rank == 0]
+    before = comeback.before_failure(lead[0].detail.get("losses"), point.step) if lead else {}
+    if not before:
+        return None
+    world = (jobs.get_launch(cat, int(launch)).handoff or {}).get("world_size")
+    held = {str(k): v for k, v in before.items()}
+    return {"before": held, "tolerance": comeback.TOLERANCE, "world_size": world}
 
 
 def _skip_window(cat: Catalog, recovery: Recovery, point: RestorePoint) -> list[int | None] | None:
@@ -141,7 +160,10 @@ def finish(
     step = (
         lineage.get_checkpoint(cat, loaded).step if loaded not in (None, point.checkpoint_id) else point.step
     )
-    timeline = _timeline(recovery, step, load_s, outcome)
+    came_back = _comeback_of(cat, outcome)
+    if came_back is not None:
+        incidents.update_incident(cat, recovery.incident_id, details={"comeback": came_back})
+    timeline = _timeline(recovery, step, load_s, outcome) + _comeback_line(came_back)
     notify.markdown(key=artifact_key("rewind", recovery.run, "recovery"), text=timeline)
     if not outcome.finished:
         ended: dict[str, Any] = {"relaunch_outcome": outcome.how}
@@ -153,6 +175,13 @@ def finish(
     incidents.update_incident(cat, recovery.incident_id, details={"finished_at": time.time()})
     incidents.resolve(cat, recovery.incident_id)
     return Finished("recovered", step, outcome.last_step)
+
+
+def _comeback_of(cat: Catalog, outcome: Outcome) -> dict[str, Any] | None:
+    """How the relaunch's losses compared with the same steps before the failure (rank 0's word)."""
+    lead = [r for r in progress.read(cat, outcome.launch_id) if r.rank == 0]
+    found = lead[0].detail.get("comeback") if lead else None
+    return dict(found) if isinstance(found, dict) else None
 
 
 def _timeline(recovery: Recovery, restored_step: int, load_s: float, outcome: Outcome) -> str:
@@ -174,6 +203,20 @@ def _timeline(recovery: Recovery, restored_step: int, load_s: float, outcome: Ou
     replayed = (recovery.last_step or restored_step) - restored_step
     lines += ["", f"Restored step {restored_step}; replayed {replayed} steps; relaunch {outcome.how}."]
     return "\n".join(lines)
+
+
+def _comeback_line(c: Mapping[str, Any] | None) -> str:
+    if not c or not c.get("compared"):
+        return ""
+    how = (
+        f"diverged at step {c['diverged_at']}"
+        if c.get("diverged_at") is not None
+        else f"{c['identical']} identical bit for bit"
+    )
+    return (
+        f"\n\nThe comeback: {c['compared']} step(s) compared with the same steps before the failure, {how}; "
+        f"largest deviation {c['max_abs_deviation']:.3g} ({c['max_rel_deviation']:.2%}) at step {c['worst_step']}."
+    )
 
 
 def as_summary(found: Finished, recovery: Recovery) -> Mapping[str, Any]:

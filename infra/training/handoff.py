@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from rewind.infra.catalog import jobs
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.restore.plan import RestoreTarget
+from rewind.infra.training.comeback import TOLERANCE, Comeback
 from rewind.infra.training.progress import LAUNCH_ENV
 
 
@@ -25,6 +27,7 @@ class Handoff:
     spike_factor: float | None = None  # the spec's loss-spike threshold, when the job sets none itself
     decision: str | None = None
     restore: RestoreTarget | None = None  # the restore point the recovery chose: loaded, not searched for
+    comeback: Comeback | None = None  # the failed launch's losses past the restore point, to be held to
 
     @classmethod
     def load(cls, cat: Catalog | None) -> Handoff:
@@ -43,4 +46,16 @@ class Handoff:
             spike_factor=h.get("spike_factor"),
             decision=h.get("decision"),
             restore=RestoreTarget.from_dict(h.get("restore")),
+            comeback=_comeback(h.get("comeback")),
         )
+
+
+def _comeback(raw: Any) -> Comeback | None:
+    """The failed launch's losses to hold the comeback to; the layout is the same when this launch has the
+    world size that one had."""
+    if not isinstance(raw, dict):
+        return None
+    before = {int(k): float(v) for k, v in dict(raw.get("before") or {}).items()}
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    same = raw.get("world_size") in (None, world)
+    return Comeback(before, float(raw.get("tolerance", TOLERANCE)), same_layout=same) if before else None

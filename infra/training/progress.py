@@ -23,6 +23,7 @@ from typing import Any
 from rewind.infra.catalog import jobs, models
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.errors import TransientError
+from rewind.infra.training import comeback
 
 log = logging.getLogger("rewind.progress")
 LAUNCH_ENV = "REWIND_LAUNCH_ID"
@@ -57,8 +58,12 @@ def node_name() -> str:
 class ProgressWriter:
     """A rank's side of the channel; ``report`` is cheap (memory), a thread does the writing."""
 
-    def __init__(self, cat: Catalog, launch_id: int, rank: int, *, interval_s: float = 1.0) -> None:
+    def __init__(
+        self, cat: Catalog, launch_id: int, rank: int, *, interval_s: float = 1.0, keep_losses: bool = False
+    ) -> None:
         self.cat, self.launch_id, self.rank, self.interval_s = cat, launch_id, rank, interval_s
+        # the newest steps' losses, kept with the progress (rank 0): what a relaunch's comeback is held to
+        self._losses = comeback.RecentLosses() if keep_losses else None
         self._fields: dict[str, Any] = {
             "node": node_name(),
             "pid": os.getpid(),
@@ -80,6 +85,8 @@ class ProgressWriter:
             if step != self._fields.get("step"):
                 self._fields["step_at"] = time.time()
             self._fields.update(step=step, loss=loss, samples=samples)
+            if self._losses is not None and step is not None and loss is not None:
+                self._losses.add(step, loss)
 
     def busy(self, what: str | None) -> None:
         """Enter a phase that may outlast a step (``"restoring"``, ``"starting"``, ``"saving"``), or leave it.
@@ -118,6 +125,8 @@ class ProgressWriter:
     def _write(self) -> None:
         with self._lock:
             fields = {**self._fields, "beat_at": time.time()}
+            if self._losses is not None:
+                fields["detail"] = {**fields["detail"], "losses": self._losses.as_dict()}
         try:
             jobs.report(self.cat, self.launch_id, self.rank, **fields)
         except TransientError as exc:  # the catalog blinked: the next beat tries again

@@ -37,11 +37,12 @@ from rewind.infra.checkpoint.state import RNGState
 from rewind.infra.errors import ConfigError, RewindError, is_transient
 from rewind.infra.format import payload
 from rewind.infra.health.signals import LossWatch
-from rewind.infra.training import group
+from rewind.infra.training import comeback, group
 from rewind.infra.training.handoff import Handoff
 from rewind.infra.training.parts import ModelPart, OptimizerPart, RankRNG
 from rewind.infra.training.progress import LAUNCH_ENV, ProgressWriter
 
+LOSS_SPIKE = "loss_spike"  # the anomaly kind a diverging comeback is told as (the incident rolls it back)
 log = logging.getLogger("rewind.session")
 # checkpoints whose recorded loss the watch starts from after a restore (the run's lineage up to it)
 SEEDS = (models.CheckpointStatus.COMMITTED, models.CheckpointStatus.VERIFIED)
@@ -160,8 +161,9 @@ class TrainingSession:
         self.watch = LossWatch(spike_factor=self.spike_factor or self.handoff.spike_factor or float("inf"))
         if self.handoff.launch_id is not None and self.catalog is not None:
             self._writer = ProgressWriter(
-                self.catalog, self.handoff.launch_id, self.rank, interval_s=self.heartbeat_s
-            )
+                self.catalog, self.handoff.launch_id, self.rank, interval_s=self.heartbeat_s,
+                keep_losses=self.rank == 0,
+            )  # fmt: skip
             self._writer.start("restoring")
         if self.distributed:
             self._smoke_test()
@@ -193,6 +195,7 @@ class TrainingSession:
             raise
         finally:
             if self._writer is not None:
+                comeback.tell_unfinished(self.handoff.comeback if self.rank == 0 else None, self._writer)
                 ok = exc is None and closed is None
                 self._writer.finish(models.RankState.FINISHED if ok else models.RankState.FAILED)
 
@@ -349,18 +352,21 @@ class TrainingSession:
                 self._writer.busy(None)
         if value is not None:
             found = self.watch.observe(step, value)
-            if found is not None:
+            kind, reason = (
+                (found.kind, found.reason) if found is not None else (LOSS_SPIKE, self._compare(step, value))
+            )
+            if reason is not None:
                 if self._writer is not None:
-                    found_at = {
-                        "kind": found.kind,
-                        "step": step,
-                        "reason": found.reason,
-                        "position": position,
-                    }
-                    self._writer.note(anomaly=found_at)
-                raise TrainingAnomaly(found.reason)
+                    self._writer.note(
+                        anomaly={"kind": kind, "step": step, "reason": reason, "position": position}
+                    )
+                raise TrainingAnomaly(reason)
         if self.checkpoint_every and step % self.checkpoint_every == 0:
             self.save(step, metrics={} if value is None else {"loss": value})
+
+    def _compare(self, step: int, loss: float) -> str | None:
+        """Rank 0 after a restore: why the comeback diverged at this step, if it did (``comeback``)."""
+        return comeback.check(self.handoff.comeback if self.rank == 0 else None, step, loss, self._writer)
 
     def save(self, step: int, *, metrics: Mapping[str, float] | None = None) -> None:
         """A checkpoint now (the supervisor knows the rank is busy saving, not hung)."""

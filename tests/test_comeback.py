@@ -1,0 +1,68 @@
+"""The comeback watched: after a restore the relaunch's losses are compared with the same steps' losses
+before the failure (rank 0 keeps its newest 100 with its progress; the recovery hands the ones past the
+restore point over). A bit-exact resume matches every step and the incident says so; a comeback that is
+not what the run was (the test job's learning rate multiplied after a restore) is flagged as an anomaly at
+the step it diverged, and the recovery records it."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rewind.infra.catalog import incidents, jobs
+from rewind.infra.catalog.db import Catalog
+from tests.prefect_support import wait_until
+from tests.test_protect_any_job import config, protect
+
+
+def _killed_after(run: str, step: int, cfg: Path) -> dict[str, Any]:
+    """The single-process job under protect-training, SIGKILLed once past ``step``."""
+    t, result = protect(run, cfg, nproc_per_node=1)
+    cat = Catalog()
+
+    def pid() -> int | None:
+        try:
+            launch = jobs.launches(cat, run)[-1]
+        except Exception:  # not in the catalog yet
+            return None
+        rows = jobs.progress(cat, launch.id)
+        return rows[0].pid if rows and (rows[0].step or 0) >= step else None
+
+    os.kill(wait_until(pid, 120, f"step {step}", interval=0.1), signal.SIGKILL)
+    t.join(timeout=120)
+    assert result["status"] == "crash", result
+    return result
+
+
+@pytest.mark.timeout(300)
+def test_a_bit_exact_comeback_matches_every_step_before_the_failure(
+    prefect_api, rewind_env, run_name, tmp_path
+):  # type: ignore[no-untyped-def]
+    from rewind.flows.training import recover_training, summary
+
+    result = _killed_after(run_name, 25, config(tmp_path, run_name, step_time_s=0.05))
+    assert summary(recover_training(result["incident_id"], return_state=True))["status"] == "recovered"
+    came = incidents.get_incident(Catalog(), result["incident_id"]).details["comeback"]
+    assert came["compared"] >= 5 and came["identical"] == came["compared"], came  # replayed, step for step
+    assert came["max_rel_deviation"] == 0 and came["diverged_at"] is None and came["same_layout"], came
+
+
+@pytest.mark.timeout(300)
+def test_a_comeback_that_diverges_is_an_anomaly_recorded_on_the_incident(
+    prefect_api, rewind_env, run_name, tmp_path
+):  # type: ignore[no-untyped-def]
+    from rewind.flows.training import recover_training, summary
+
+    cfg = config(tmp_path, run_name, step_time_s=0.05, diverge_lr=50.0)  # not the run it was, after a restore
+    result = _killed_after(run_name, 25, cfg)
+    recovered = summary(recover_training(result["incident_id"], return_state=True))
+    assert recovered["status"] == "failed-again", recovered
+    cat = Catalog()
+    came = incidents.get_incident(cat, result["incident_id"]).details["comeback"]
+    assert came["diverged_at"] is not None and came["max_rel_deviation"] > came["tolerance"], came
+    again = incidents.get_incident(cat, recovered["incident_id"])
+    assert again.kind == "loss_spike" and "the comeback diverged at step" in again.reason, again.reason
