@@ -275,7 +275,7 @@ def _record(
                  "wall_s": round(time.monotonic() - t0, 2), "job": None if spec else job_cfg,
                  "job_spec": spec, "error": error, "expected_failure_at": expected,
                  "topology_rebuild_s": m["topology_rebuild_s"], "detection": m["detection"],
-                 "restore_read_from": m["restore_read_from"],
+                 "restore_read_from": m["restore_read_from"], "comeback": m["comeback"],
                  "activities": _outputs(journal),
                  "own_catalog_incident": {"id": inc.id, "kind": inc.kind, "reason": inc.reason}
                  if inc is not None and own else None},

@@ -98,4 +98,5 @@ def measure(
         "topology_rebuild_s": d.get("group_ready_s"),
         "detection": d.get("detection"),  # when each signal told of the failure
         "restore_read_from": d.get("restore_read_from"),  # where the restore point's bytes came from
+        "comeback": d.get("comeback"),  # the replayed steps' losses against the same steps before the failure
     }
