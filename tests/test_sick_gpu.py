@@ -6,7 +6,10 @@ functions, through the supervisor's seam; the job, the supervisor, the catalog a
 
 from __future__ import annotations
 
+import json
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,6 +24,7 @@ from rewind.infra.launch.spec import JobSpec
 from rewind.infra.phases import detect
 from rewind.infra.phases.notify import LogNotifier
 from rewind.infra.phases.rebuild import rebuild_environment
+from tests.prefect_support import wait_until
 
 
 def _nvml(count: int, sick: set[int]) -> SimpleNamespace:
@@ -104,3 +108,43 @@ def test_a_sick_gpu_the_job_cannot_see_does_not_stop_it(rewind_env, run_name):
         gpu_check_s=0.2, gpus=lambda: nvml.read_devices(_nvml(4, {3})),
     )  # fmt: skip
     assert ended.kind == "finished" and ended.sick_gpus == (), ended
+
+
+@pytest.mark.timeout(180)
+def test_an_xid_stops_the_job_at_once_and_the_relaunch_leaves_that_gpu_out(
+    rewind_env, run_name, monkeypatch, tmp_path
+):
+    """GPU 1 of 2 falls off the bus (Xid 79, through NVML's stand-in: REWIND_NVML_STANDIN): the supervisor
+    hears it from the event watch, long before its next health poll (every 30 s here), stops the job, and
+    the relaunch sees GPU 0 only. An Xid a program causes itself (13) stops nothing."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    standin = tmp_path / "nvml.json"
+    standin.write_text(json.dumps({"gpus": [{"name": "NVIDIA H200"}, {"name": "NVIDIA H200"}], "xids": []}))
+    monkeypatch.setenv(nvml.STANDIN_ENV, str(standin))
+    cat, notify = Catalog(), LogNotifier()
+    spec = JobSpec(command=(sys.executable, "-c", JOB))
+    jobs.set_spec(cat, run_name, spec.as_dict())
+
+    def inject() -> None:
+        wait_until(lambda: jobs.launches(cat, run_name) or None, 60, "the launch")
+        for x in ({"gpu": 0, "xid": 13}, {"gpu": 1, "xid": 79}):
+            data = json.loads(standin.read_text())
+            standin.write_text(json.dumps({**data, "xids": [*data["xids"], x]}))
+            injected.append(time.time())
+
+    injected: list[float] = []
+    threading.Thread(target=inject, daemon=True).start()
+    sick = detect.supervise(
+        cat, run=run_name, spec=spec, notify=notify, verify=lambda _ck: True, gpu_check_s=30.0
+    )
+    assert sick.kind == "gpu" and sick.sick_gpus == (1,) and sick.gpus == (0, 1), sick
+    assert sick.died_at - injected[-1] < 5, (sick.died_at, injected)  # the event, not the 30 s poll
+    assert "Xid 79 on GPU 1 (fallen off the bus)" in str(sick.anomaly), sick.anomaly
+    incident = detect.record_failure(cat, outcome=sick, notify=notify)
+    rebuilt = rebuild_environment(cat, run=run_name, incident_id=incident, notify=notify)
+    back = detect.supervise(
+        cat, run=run_name, spec=JobSpec.from_dict(dict(rebuilt.spec)), notify=notify, verify=lambda _ck: True,
+        handoff=rebuilt.handoff, gpu_check_s=30.0,
+    )  # fmt: skip
+    assert back.kind == "finished", back
+    assert (Path(str(back.log_dir)) / "node-0.log").read_text().split() == ["visible", "0"]

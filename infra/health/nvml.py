@@ -7,7 +7,10 @@ a plain message, not a crash.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rewind.infra.errors import RewindError
@@ -93,8 +96,61 @@ def read_devices(nv: Any) -> list[GpuHealth]:
     return out
 
 
+STANDIN_ENV = "REWIND_NVML_STANDIN"  # a JSON file of GPUs (and Xid events) read instead of NVML
+
+
+class StandIn:
+    """NVML's few functions over a JSON file, for machines without a GPU (drills, tests): ``{"gpus":
+    [{"name", "temperature", "ecc"}...], "xids": [{"gpu", "xid"}...]}``; read afresh at every call, so a
+    drill changes what the supervisor sees by writing the file."""
+
+    NVML_TEMPERATURE_GPU, NVML_MEMORY_ERROR_TYPE_UNCORRECTED, NVML_VOLATILE_ECC = 0, 1, 0
+    NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR = 1
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.data = self.read()
+
+    def read(self) -> dict[str, Any]:
+        try:
+            got = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            raise NoNvidiaDriver(f"{STANDIN_ENV}={self.path}: not a readable stand-in ({exc})") from exc
+        return got if isinstance(got, dict) else {}
+
+    def _gpu(self, i: int) -> dict[str, Any]:
+        return dict(self.data.get("gpus", [])[i])
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.data.get("gpus", []))
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetName(self, h: int) -> str:
+        return str(self._gpu(h).get("name", "stand-in GPU"))
+
+    def nvmlDeviceGetTemperature(self, h: int, _kind: int) -> int:
+        return int(self._gpu(h).get("temperature", 40))
+
+    def nvmlDeviceGetTotalEccErrors(self, h: int, _t: int, _c: int) -> int:
+        return int(self._gpu(h).get("ecc", 0))
+
+    def nvmlDeviceGetRetiredPages(self, h: int, _cause: int) -> list[int]:
+        return []
+
+    def nvmlDeviceGetRemappedRows(self, h: int) -> tuple[int, int, int, int]:
+        return (0, 0, 0, 0)
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h: int) -> int:
+        return 0
+
+
 def probe() -> list[GpuHealth]:
     """Health of every GPU on this machine; raises NoNvidiaDriver where there is none."""
+    standin = os.environ.get(STANDIN_ENV)
+    if standin:
+        return read_devices(StandIn(standin))
     try:
         import pynvml as nv
 

@@ -30,6 +30,7 @@ from rewind.infra.errors import CatalogUnavailable, ConfigError, TransientError
 from rewind.infra.health import nvml
 from rewind.infra.health.signals import describe_exit
 from rewind.infra.launch import observe, warm
+from rewind.infra.launch.gpu_watch import GpuWatch
 from rewind.infra.launch.launchers import LauncherKind, Placement, Request, launcher_for
 from rewind.infra.launch.node_process import NodeProcess, bounded_tail
 from rewind.infra.launch.observe import Observation, Seen, first_failure
@@ -62,7 +63,7 @@ class Supervisor:
     ) -> None:
         self.cat, self.run, self.spec = cat, run, spec
         self.gpus = gpus  # this machine's GPUs (NVML; tests hand a stand-in)
-        self._visible: set[str] | None = None  # CUDA_VISIBLE_DEVICES of the launch, None: every GPU
+        self._gpu_watch: GpuWatch | None = None
         self.launcher = launcher_for(spec.launcher)
         self.placement: Placement | None = None
         self.lost_hosts: dict[str, int] = {}  # host -> node, as the scheduler reported them
@@ -85,7 +86,6 @@ class Supervisor:
         self._first_step = False
         self._standbys: list[tuple[str, int, list[str], str | None, dict[str, str], bool]] = []
         self.ranks: list[progress.RankState] = []  # the ranks' rows as last read, for whoever shows progress
-        self._next_gpu = 0.0
         self._ended = 0
 
     # -- starting ------------------------------------------------------------------------
@@ -101,13 +101,11 @@ class Supervisor:
             self.cat, self.run, redacted(self.spec), self.handoff, incident_id=self.incident_id
         )
         self.started_at = time.time()
-        self._next_gpu = time.monotonic() + (self.gpu_check_s or 0)
         place = self._place()
         base = {**os.environ, **self.spec.env, **self._handoff_env()}
         base.update(self._device_env(base))
-        given = base.get("CUDA_VISIBLE_DEVICES")  # the GPUs this launch can use: only their health stops it
-        listed = {d.strip() for d in (given or "").split(",") if d.strip()}
-        self._visible = listed if listed and all(d.isdigit() for d in listed) else None  # UUIDs: every GPU
+        self._gpu_watch = GpuWatch(self.gpus, self.gpu_check_s, self._excluded_gpus())
+        self._gpu_watch.launch_sees(base.get("CUDA_VISIBLE_DEVICES"))  # only these GPUs' health stops it
         if self.spec.distributed:
             cmd = agent_command(self.spec, endpoint=place.endpoint, rdzv_id=f"{self.run}-{self.launch_id}")
         else:
@@ -187,7 +185,7 @@ class Supervisor:
             seen += self._committed(now) + self._progress(now)
         except TransientError as exc:  # the catalog blinked: look again at the next poll
             log.warning("could not read the catalog this poll: %s", exc)
-        seen += self._gpu(now) + self._hosts(now)
+        seen += (self._gpu_watch.observe(now) if self._gpu_watch else []) + self._hosts(now)
         seen += [
             Observation(
                 Seen.EXITED,
@@ -229,23 +227,6 @@ class Supervisor:
             if found is not None:
                 out.append(found)
         return out
-
-    def _gpu(self, now: float) -> list[Observation]:
-        if not self.gpu_check_s or time.monotonic() < self._next_gpu:
-            return []
-        self._next_gpu = time.monotonic() + self.gpu_check_s
-        try:
-            every = self.gpus()
-        except nvml.NoNvidiaDriver:
-            self.gpu_check_s = None  # no driver here: GPU health is not monitored
-            return []
-        mine = [g for g in every if self._visible is None or str(g.index) in self._visible]
-        sick = [g for g in mine if not g.healthy and g.index not in self._excluded_gpus()]
-        if not sick:
-            return []
-        why = "; ".join(f"GPU {g.index} ({g.name}): {', '.join(g.problems)}" for g in sick)
-        detail = {"reason": why, "sick_gpus": [g.index for g in sick], "gpus": [g.index for g in every]}
-        return [Observation(Seen.GPU, now, None, detail)]
 
     def _excluded_gpus(self) -> set[int]:
         return {int(i) for i in self.handoff.get("exclude_gpus") or ()}
@@ -311,6 +292,8 @@ class Supervisor:
         for p in self.processes:
             p.proc.wait()
             p.joined()
+        if self._gpu_watch is not None:
+            self._gpu_watch.close()
         exits = [
             Observation(Seen.EXITED, p.ended_at or time.time(), detail={"node": p.node, "exit_code": p.proc.returncode})
             for p in self.processes
