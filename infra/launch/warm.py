@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -37,10 +38,17 @@ log = logging.getLogger("rewind.warm")
 
 
 def socket_path(run: str, node: int) -> Path:
-    """The standby's socket for ``run``'s node ``node`` (short: a Unix socket path holds 107 bytes)."""
+    """The standby's socket for ``run``'s node ``node`` (short: a Unix socket path holds 107 bytes), in a
+    directory of this user's that nobody else can enter (one made by another user is refused: a launch's
+    environment goes through that socket)."""
     base = Path(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()) / f"rewind-standby-{os.getuid()}"
-    base.mkdir(mode=0o700, exist_ok=True)
-    base.chmod(0o700)
+    with contextlib.suppress(FileExistsError):
+        base.mkdir(mode=0o700)
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise OSError(
+            f"{base} is not a directory of this user's closed to others: no warm relaunch through it"
+        )
     name = hashlib.sha256(f"{config.home()}\0{run}\0{node}".encode()).hexdigest()[:20]
     return base / f"{name}.sock"
 
@@ -110,7 +118,11 @@ def _hello(conn: socket.socket) -> dict[str, Any]:
 
 
 def _connect(run: str, node: int) -> tuple[socket.socket, dict[str, Any]] | None:
-    path = socket_path(run, node)
+    try:
+        path = socket_path(run, node)
+    except OSError as exc:
+        log.warning("%s node %d: %s", run, node, exc)
+        return None
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.settimeout(CONNECT_TIMEOUT_S)
     try:
@@ -170,8 +182,12 @@ def _quit(conn: socket.socket) -> None:
 def stop(run: str, node: int) -> None:
     """The node's standbys quit (its run finished): the one answering is told so, one still importing sees
     the stop mark before it listens, one busy with the last launch finds its socket gone after it."""
-    path = socket_path(run, node)
-    stop_mark(path).touch()
+    try:
+        path = socket_path(run, node)
+        stop_mark(path).touch()
+    except OSError as exc:
+        log.warning("%s node %d: its standbys not told to quit: %s", run, node, exc)
+        return
     found = _connect(run, node)
     if found is not None:
         _quit(found[0])
