@@ -194,7 +194,9 @@ def _serve_one(conn: socket.socket, listener: socket.socket, hello: dict[str, An
         return True
     if launch.get("quit"):
         return False
-    if len(fds) != 1:
+    if len(fds) != 1 or launch.get("command") != hello["command"]:  # only what it was made for
+        for fd in fds:
+            os.close(fd)
         return True
     pid = os.fork()
     if pid == 0:
