@@ -29,6 +29,7 @@ from tests.trainproc import REPO, assert_same_weights
 JOB = (
     "import os, sys, time\n"
     "import json\n"  # an import the standby does ahead
+    "import helper\n"  # the job's own module, beside it
     "print('job', os.getpid(), os.environ.get('X'), os.environ.get('REWIND_LAUNCH_ID'), sys.argv[1:], flush=True)\n"
     "print('to stderr', file=sys.stderr, flush=True)\n"
     "if os.environ.get('REWIND_LAUNCH_ID') == 'sleep': time.sleep(60)\n"
@@ -40,6 +41,7 @@ JOB = (
 def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str], dict[str, str]]:
     monkeypatch.setenv("REWIND_HOME", str(tmp_path / "home"))
     (tmp_path / "job.py").write_text(JOB)
+    (tmp_path / "helper.py").write_text("VALUE = 1\n")
     cmd = [sys.executable, str(tmp_path / "job.py"), "a", "b"]
     env = {**os.environ, "X": "1", "CODE": "3"}
     warm.start("w", 0, cmd, str(tmp_path), env)
@@ -74,6 +76,17 @@ def test_a_standby_made_for_another_environment_is_not_used(script, tmp_path) ->
     handed, out = _handed(cmd, {**env, "X": "2"}, tmp_path)  # a job variable differs: imports may differ
     out.close()
     assert handed is None
+    assert wait_until(lambda: not warm.answering("w", 0) or None, 10, "the stale standby quits")
+
+
+def test_a_standby_whose_job_code_was_edited_is_not_used(script, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cmd, env = script
+    helper = tmp_path / "helper.py"
+    helper.write_text("VALUE = 2  # a fix\n")
+    os.utime(helper, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))  # a newer mtime, whatever the clock
+    handed, out = _handed(cmd, env, tmp_path)
+    out.close()
+    assert handed is None  # a cold start reads the fix; the old copy in the standby is never run
     assert wait_until(lambda: not warm.answering("w", 0) or None, 10, "the stale standby quits")
 
 

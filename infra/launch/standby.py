@@ -11,7 +11,8 @@ arguments, working directory and whole environment, and the file descriptor its 
 environment, the entry run as ``__main__``) and the standby reports the child's pid, then its exit
 status. The fork keeps every import: a relaunch skips the interpreter's start and torch's import. The
 standby serves one launch at a time and outlives each (a zygote); it exits when told to, when idle past
-``REWIND_STANDBY_IDLE_S`` (default 1800), or when its socket is gone. Nothing here computes with torch
+``REWIND_STANDBY_IDLE_S`` (default 1800), when its socket is gone, or, refusing the launch, when a source
+file of the job's it imported was edited since (a fixed bug must not come back from its old copy). Nothing here computes with torch
 before a fork: no thread pool, no CUDA context is made in the standby.
 """
 
@@ -100,6 +101,8 @@ def prepare(command: Sequence[str]) -> list[str]:
             importlib.import_module(lazy)
 
     kind, name = entry_of(command) or ("", "")
+    if kind == "script":  # as `python script.py` would: its directory first on the path
+        sys.path.insert(0, str(Path(name).resolve().parent))
     path = _entry_file(kind, name) if kind else None
     package = name.rpartition(".")[0] or None if kind == "module" else None
     failed = []
@@ -108,7 +111,34 @@ def prepare(command: Sequence[str]) -> list[str]:
             importlib.import_module(module)
         except Exception:  # the job imports it again, and fails there in its own words if it must
             failed.append(module)
+    _remember_sources()
     return failed
+
+
+_IMPORTED: dict[str, int] = {}  # the job's own source files the standby imported -> their mtime then
+
+
+def _remember_sources() -> None:
+    """The files of every module imported that is not Python's own or an installed package's."""
+    installed = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if not path or any(os.path.realpath(path).startswith(p + os.sep) for p in installed):
+            continue
+        with contextlib.suppress(OSError):
+            _IMPORTED[path] = os.stat(path).st_mtime_ns
+
+
+def changed_since_import() -> list[str]:
+    """The job's source files edited (or gone) since the standby imported them."""
+    out = []
+    for path, mtime in _IMPORTED.items():
+        try:
+            if os.stat(path).st_mtime_ns != mtime:
+                out.append(path)
+        except OSError:
+            out.append(path)
+    return out
 
 
 def _run(command: Sequence[str]) -> int:
@@ -120,7 +150,8 @@ def _run(command: Sequence[str]) -> int:
             runpy.run_module(name, run_name="__main__", alter_sys=True)
         else:
             sys.argv = list(command[1:])
-            sys.path.insert(0, str(Path(name).resolve().parent))
+            if sys.path[:1] != [str(Path(name).resolve().parent)]:
+                sys.path.insert(0, str(Path(name).resolve().parent))
             runpy.run_path(name, run_name="__main__")
     except SystemExit as exc:
         if exc.code is None or isinstance(exc.code, int):
@@ -198,6 +229,9 @@ def _serve_one(conn: socket.socket, listener: socket.socket, hello: dict[str, An
         for fd in fds:
             os.close(fd)
         return True
+    if changed_since_import():  # the job's code was edited: a new interpreter must read it
+        os.close(fds[0])
+        return False
     pid = os.fork()
     if pid == 0:
         _become_job(launch, fds[0], listener)
