@@ -7,6 +7,7 @@ functions, through the supervisor's seam; the job, the supervisor, the catalog a
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -129,7 +130,8 @@ def test_an_xid_stops_the_job_at_once_and_the_relaunch_leaves_that_gpu_out(
         wait_until(lambda: jobs.launches(cat, run_name) or None, 60, "the launch")
         for x in ({"gpu": 0, "xid": 13}, {"gpu": 1, "xid": 79}):
             data = json.loads(standin.read_text())
-            standin.write_text(json.dumps({**data, "xids": [*data["xids"], x]}))
+            (tmp_path / "next.json").write_text(json.dumps({**data, "xids": [*data["xids"], x]}))
+            os.replace(tmp_path / "next.json", standin)  # whole, as a driver's report would be
             injected.append(time.time())
 
     injected: list[float] = []

@@ -25,10 +25,17 @@ def _standin(configuration: dict[str, Any] | None) -> Path:
     return state_dir(configuration) / "nvml-standin.json"
 
 
+def _write(path: Path, data: dict[str, Any]) -> None:
+    """Replaced whole (a reader never sees half a file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
 def arm_gpus(count: int = 2, configuration: dict[str, Any] | None = None) -> str:
     """``count`` healthy GPUs, as the supervisor will see them (for the flows this drill runs)."""
     path = _standin(configuration)
-    path.write_text(json.dumps({"gpus": [{"name": "stand-in GPU"} for _ in range(count)], "xids": []}))
+    _write(path, {"gpus": [{"name": "stand-in GPU"} for _ in range(count)], "xids": []})
     os.environ[STANDIN_ENV] = str(path)
     return str(path)
 
@@ -55,7 +62,7 @@ def inject_xid(
         if rows and all((r.step or 0) >= at_step for r in rows):
             path = _standin(configuration)
             data = json.loads(path.read_text())
-            path.write_text(json.dumps({**data, "xids": [*data.get("xids", []), {"gpu": gpu, "xid": xid}]}))
+            _write(path, {**data, "xids": [*data.get("xids", []), {"gpu": gpu, "xid": xid}]})
             return {"gpu": gpu, "xid": xid, "at": time.time()}
         time.sleep(POLL_S)
     raise RewindError(f"{run} did not pass step {at_step} within {timeout_s:g}s")

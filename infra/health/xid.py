@@ -1,6 +1,6 @@
 """Xid errors as they happen, through NVML's event API, where the driver offers it.
 
-A GPU that falls off the bus (Xid 79), loses a page to a double-bit error (48, 94, 95, 63, 64) or whose
+A GPU that falls off the bus (Xid 79), loses memory to a double-bit error (48, 94, 95, 64) or whose
 firmware stops answering (119, 120) is sick now, not at the next health poll: ``XidWatch`` waits on an
 NVML event set (``nvmlDeviceRegisterEvents`` with ``nvmlEventTypeXidCriticalError``, per device where it
 is supported) in a thread of its own and keeps the events until the supervisor drains them. The Xids a
@@ -22,10 +22,9 @@ from rewind.infra.health.nvml import STANDIN_ENV, StandIn
 
 log = logging.getLogger("rewind.xid")
 # Xids of the device itself (NVIDIA's Xid catalogue): the GPU must be left out
-DEVICE_XIDS = frozenset({48, 61, 62, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140})
+DEVICE_XIDS = frozenset({48, 61, 62, 64, 74, 79, 94, 95, 119, 120, 140})
 WHAT = {
-    48: "double-bit ECC error", 63: "row remapping recorded", 64: "row remapping failed",
-    74: "NVLink error", 79: "fallen off the bus", 92: "high single-bit ECC rate",
+    48: "double-bit ECC error", 64: "row remapping failed", 74: "NVLink error", 79: "fallen off the bus",
     94: "contained ECC error", 95: "uncontained ECC error", 119: "GSP timeout", 120: "GSP error",
 }  # fmt: skip
 WAIT_MS = 500
@@ -58,12 +57,16 @@ class XidWatch:
         self._thread.start()
 
     def _loop(self) -> None:
+        warned = False
         while not self._stop.is_set():
             try:
                 got = self._source.wait(WAIT_MS)
-            except Exception as exc:  # the watch ends; the periodic health poll goes on
-                log.warning("Xid events no longer watched: %s", exc)
-                return
+            except Exception as exc:  # a driver error is no reason to stop watching: said once, tried again
+                if not warned:
+                    log.warning("Xid events could not be read (trying again): %s", exc)
+                    warned = True
+                self._stop.wait(1.0)
+                continue
             if got:
                 with self._lock:
                     self._events += got
@@ -74,8 +77,11 @@ class XidWatch:
         return got
 
     def stop(self) -> None:
+        """The thread ended (a wait lasts ``WAIT_MS`` at most), then the event set freed."""
         self._stop.set()
-        self._source.close()
+        self._thread.join(timeout=5 * WAIT_MS / 1000)
+        if not self._thread.is_alive():
+            self._source.close()
 
 
 class _NvmlEvents:
@@ -86,12 +92,14 @@ class _NvmlEvents:
 
         nv.nvmlInit()
         self.nv, self.set = nv, nv.nvmlEventSetCreate()
-        self.index: dict[Any, int] = {}
+        self.index: dict[
+            int | None, int
+        ] = {}  # a device handle's address -> its index (a lost GPU has no PCI info)
         for i in range(nv.nvmlDeviceGetCount()):
             h = nv.nvmlDeviceGetHandleByIndex(i)
             try:
                 nv.nvmlDeviceRegisterEvents(h, nv.nvmlEventTypeXidCriticalError, self.set)
-                self.index[nv.nvmlDeviceGetPciInfo(h).busId] = i
+                self.index[_address(h)] = i
             except nv.NVMLError as exc:  # not supported on this device or driver: its health poll stays
                 log.info("GPU %d: Xid events not supported (%s)", i, exc)
         if not self.index:
@@ -102,14 +110,19 @@ class _NvmlEvents:
             data = self.nv.nvmlEventSetWait(self.set, ms)
         except self.nv.NVMLError_Timeout:
             return []
-        bus = self.nv.nvmlDeviceGetPciInfo(data.device).busId
-        return [XidEvent(self.index.get(bus, -1), int(data.eventData), time.time())]
+        return [XidEvent(self.index.get(_address(data.device), -1), int(data.eventData), time.time())]
 
     def close(self) -> None:
         try:
             self.nv.nvmlEventSetFree(self.set)
         finally:
             self.nv.nvmlShutdown()
+
+
+def _address(handle: Any) -> int | None:
+    import ctypes
+
+    return ctypes.cast(handle, ctypes.c_void_p).value
 
 
 class _StandInEvents:
@@ -120,7 +133,10 @@ class _StandInEvents:
 
     def wait(self, ms: int) -> list[XidEvent]:
         time.sleep(ms / 1000)  # the file has no way to wake a waiter: it is read at the driver's pace
-        xids = StandIn(self.path).read().get("xids", [])
+        try:
+            xids = StandIn(self.path).read().get("xids", [])
+        except Exception:  # a file being replaced: read at the next wait
+            return []
         new, self.seen = xids[self.seen :], len(xids)
         return [XidEvent(int(x["gpu"]), int(x["xid"]), time.time()) for x in new]
 

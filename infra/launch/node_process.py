@@ -88,7 +88,8 @@ class NodeProcess:
         """The launch to the node's standby, its output through a pipe of ours; False: start it cold."""
         read_end, write_end = os.pipe()
         try:
-            handed = warm.handoff(run, self.node, self.cmd, cwd, env, write_end)
+            # no cwd in the spec: this supervisor's, as a cold start has, not the standby's
+            handed = warm.handoff(run, self.node, self.cmd, cwd or os.getcwd(), env, write_end)
         finally:
             os.close(write_end)  # the job holds its own copy: the pipe ends when the job does
         if handed is None:

@@ -93,7 +93,10 @@ def _imports_of(path: Path, package: str | None) -> list[str]:
 
 
 def prepare(command: Sequence[str]) -> list[str]:
-    """Import torch and what the entry imports; the modules that failed to import (left to the job)."""
+    """Import torch and what the entry imports; the modules that failed to import (left to the job).
+    A module that asks ``torch.cuda.is_available()`` at import is answered through NVML, without a CUDA
+    context (one made before a fork is unusable in the child): ``PYTORCH_NVML_BASED_CUDA_CHECK``."""
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
     import torch  # noqa: F401  (the import a relaunch is spared)
 
     for lazy in LAZY:  # what torch imports on first use (an optimizer's first construction: ~0.7 s)
@@ -113,6 +116,11 @@ def prepare(command: Sequence[str]) -> list[str]:
             failed.append(module)
     _remember_sources()
     return failed
+
+
+def _cuda_made() -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 _IMPORTED: dict[str, int] = {}  # the job's own source files the standby imported -> their mtime then
@@ -158,6 +166,9 @@ def _run(command: Sequence[str]) -> int:
             return int(exc.code or 0)
         print(exc.code, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 128 + signal.SIGINT
     except BaseException:
         traceback.print_exc()
         return 1
@@ -175,12 +186,13 @@ def _die_with(parent: int) -> None:
         os._exit(137)
 
 
-def _become_job(launch: dict[str, Any], out: int, listener: socket.socket) -> None:
+def _become_job(launch: dict[str, Any], out: int, closing: list[socket.socket], standby: int) -> None:
     """The forked child: a session of its own, the launch's output, directory and environment; never returns."""
     code = 1
     try:
-        listener.close()
-        _die_with(os.getppid())
+        for sock in closing:  # the listener and the supervisor's connection are the standby's, not the job's
+            sock.close()
+        _die_with(standby)
         os.setsid()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         null = os.open(os.devnull, os.O_RDONLY)
@@ -192,13 +204,35 @@ def _become_job(launch: dict[str, Any], out: int, listener: socket.socket) -> No
             os.chdir(launch["cwd"])
         os.environ.clear()
         os.environ.update(launch["env"])
-        random.seed()  # a fresh seed per launch, as a new interpreter would draw
+        _reseed()
         code = _run(launch["command"])
+        _shutdown()
     finally:
         with contextlib.suppress(Exception):
             sys.stdout.flush()
             sys.stderr.flush()
         os._exit(code)
+
+
+def _reseed() -> None:
+    """Fresh seeds per launch, as a new interpreter would draw them (Python's, and NumPy's global one)."""
+    random.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            numpy.random.seed()
+
+
+def _shutdown() -> None:
+    """What an interpreter does at its end: wait for the job's non-daemon threads (an async save finishing),
+    then run its exit handlers."""
+    import atexit
+    import threading
+
+    for t in threading.enumerate():
+        if t is not threading.main_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
 
 
 def _send(conn: socket.socket, message: dict[str, Any]) -> None:
@@ -232,9 +266,10 @@ def _serve_one(conn: socket.socket, listener: socket.socket, hello: dict[str, An
     if changed_since_import():  # the job's code was edited: a new interpreter must read it
         os.close(fds[0])
         return False
+    standby = os.getpid()
     pid = os.fork()
     if pid == 0:
-        _become_job(launch, fds[0], listener)
+        _become_job(launch, fds[0], [listener, conn], standby)
     os.close(fds[0])
     with contextlib.suppress(OSError):
         _send(conn, {"pid": pid})
@@ -254,6 +289,9 @@ def serve(path: Path, command: Sequence[str]) -> int:
     failed = prepare(command)
     if stop_mark(path).exists():
         return 0
+    if _cuda_made():
+        print("the job's imports made a CUDA context: a fork could not use it; no standby", file=sys.stderr)
+        return 3
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.unlink(missing_ok=True)

@@ -12,6 +12,7 @@ how a node, or the whole launch, is stopped, workers included.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -26,7 +27,7 @@ from rewind.infra import joblog, redact
 from rewind.infra.catalog import jobs, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
-from rewind.infra.errors import CatalogUnavailable, ConfigError, TransientError
+from rewind.infra.errors import CatalogUnavailable, ConfigError, RewindError, TransientError
 from rewind.infra.health import nvml
 from rewind.infra.health.signals import describe_exit
 from rewind.infra.launch import observe, warm
@@ -114,7 +115,12 @@ class Supervisor:
         if (
             self.spec.warm
         ):  # the next launch's standbys, made once this one trains (not competing with its start)
-            jobs.set_warm(self.cat, self.launch_id, [p.warm for p in self.processes])
+            try:
+                jobs.set_warm(self.cat, self.launch_id, [p.warm for p in self.processes])
+            except RewindError as exc:  # a record for people: the job runs and is watched all the same
+                log.warning(
+                    "launch %s: which nodes a standby took over not recorded: %s", self.launch_id, exc
+                )
             self._standbys = [
                 (self.run, p.node, p.cmd, self.spec.cwd, {**base, progress.NODE_ENV: str(p.node)}, p.warm)
                 for p in self.processes
@@ -267,6 +273,8 @@ class Supervisor:
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM every process of the launch (workers too), SIGKILL what is left after ``grace_s``."""
+        if self._gpu_watch is not None:
+            self._gpu_watch.close()
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.ended() is None for p in self.processes):
@@ -281,6 +289,10 @@ class Supervisor:
             return
         workers = pids_with_env(**{progress.TOKEN_ENV: self.token})
         signal_all([p.proc.pid for p in self.processes if p.ended() is None] + workers, sig)
+        for p in self.processes:  # a warm job's processes carry its standby's environment: its session, then
+            if p.warm:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.proc.pid, sig)
         if self.placement is not None and self.launcher.kind is not LauncherKind.LOCAL:
             try:  # the ranks on other hosts: through the scheduler
                 self.launcher.cancel(self.placement, signal_name="TERM" if sig == signal.SIGTERM else "KILL")
@@ -302,8 +314,8 @@ class Supervisor:
         code = failed.detail["exit_code"] if failed is not None else 0
         if code != 0:
             self._settle()
-        elif self.spec.warm:  # the run is done: its standbys are not needed
-            for p in self.processes:
+        if self.spec.warm and (code == 0 or not self._first_step):
+            for p in self.processes:  # the run is done, or a launch died before training: a cold start next
                 warm.stop(self.run, p.node)
         self._release()
         if self.launch_id is not None:

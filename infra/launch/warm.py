@@ -22,7 +22,6 @@ import os
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -65,7 +64,8 @@ def start(run: str, node: int, command: Sequence[str], cwd: str | None, env: Map
     log.mkdir(parents=True, exist_ok=True)
     with open(log / f"{_safe(run)}-node{node}.log", "ab") as out:
         subprocess.Popen(
-            [sys.executable, "-m", "rewind.infra.launch.standby", str(socket_path(run, node)), "--", *command],
+            # the job's own interpreter (its packages, its torch): rewind must be installed there too
+            [command[0], "-m", "rewind.infra.launch.standby", str(socket_path(run, node)), "--", *command],
             # no launch's variables: the supervisor stopping a launch finds its processes by them
             cwd=cwd, env={k: v for k, v in env.items() if k not in PER_LAUNCH}, stdin=subprocess.DEVNULL,
             stdout=out, stderr=subprocess.STDOUT,

@@ -5,11 +5,14 @@ past the restore point to the relaunch (``comeback`` in the handoff). The same d
 numbers gives the same losses on a bit-exact resume; after a layout change (another world size, a
 rescaled rate: rank 0 sees other samples) they differ step by step. Each step that has a loss from before
 is compared: the largest deviation (absolute, and relative to the loss before) is kept, with how many
-steps were identical bit for bit. On the same layout a step whose relative deviation passes
-``TOLERANCE`` is a divergence; on another layout, the mean loss over the steps compared (at least
+steps were identical bit for bit. On the same layout ``IN_A_ROW`` steps in a row whose relative
+deviation passes ``TOLERANCE`` (and is more than ``FLOOR``) are a divergence; on another layout, the mean loss over the steps compared (at least
 ``RESHAPED_MIN_STEPS``) passing ``RESHAPED_TOLERANCE`` of the mean before. A divergence is an anomaly of
-the job (the restore point or the new layout is not what the run was). The comparison covers the first
-``WINDOW`` steps after the restore at most.
+the job (the restore point or the new layout is not what the run was), told without a data position:
+the recovery rolls back, and skips no data. Only a job whose loader replays the same samples at the same
+steps is compared (a loader with a global position, restored: ``ResumableLoader``); any other's
+batches after a restore are not the ones before. The comparison covers the first ``WINDOW`` steps
+after the restore at most.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from typing import Any, Protocol
 KEPT = 100  # losses of the newest steps a rank 0 keeps with its progress
 WINDOW = 100  # steps after a restore compared with the same steps before the failure
 TOLERANCE = 0.05  # same layout: relative deviation of a step's loss beyond which the comeback diverged
+IN_A_ROW = 3  # ... on this many steps in a row (one odd step is noise, e.g. a nondeterministic kernel)
+FLOOR = 1e-6  # deviations this small are never a divergence, however small the loss
+KIND = "loss_spike"  # the anomaly kind a divergence is told as (the recovery rolls it back, skipping no data)
 RESHAPED_TOLERANCE = 0.25  # another layout: the same, of the mean loss over the steps compared
 RESHAPED_MIN_STEPS = 10  # ... judged once this many steps were compared (one step's batch differs anyway)
 
@@ -73,6 +79,7 @@ class Comeback:
     max_rel: float = 0.0
     worst_step: int | None = None
     diverged_at: int | None = field(default=None)
+    off: int = 0  # steps in a row beyond the tolerance
 
     def observe(self, step: int, loss: float) -> str | None:
         """Compare one step; the reason, when it diverged beyond the tolerance (once)."""
@@ -86,11 +93,12 @@ class Comeback:
         rel = _rel(loss, was)
         if rel > self.max_rel or self.worst_step is None:
             self.max_abs, self.max_rel, self.worst_step = dev, rel, step
-        if self.same_layout and rel > self.tolerance:
+        self.off = self.off + 1 if rel > self.tolerance and dev > FLOOR else 0
+        if self.same_layout and self.off >= IN_A_ROW:
             self.diverged_at = step
             return (
                 f"the comeback diverged at step {step}: loss {loss:.6g} against {was:.6g} at the same step before "
-                f"the failure ({rel:.1%} off, tolerance {self.tolerance:.1%})"
+                f"the failure ({rel:.1%} off; {self.off} steps in a row past the tolerance {self.tolerance:.1%})"
             )
         mean_rel = _rel(self.sum_after, self.sum_before)
         if not self.same_layout and self.compared >= RESHAPED_MIN_STEPS and mean_rel > RESHAPED_TOLERANCE:

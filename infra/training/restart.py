@@ -44,6 +44,7 @@ def run(session: TrainingSession, step: Step, total: int, restarts: int) -> int:
 
     done, used = session.start_step, 0
     while True:
+        failed: Exception | None = None
         try:
             for i, batch in zip(session.steps(total), _batches(session), strict=False):
                 session.report(i, step(i, batch))
@@ -54,8 +55,10 @@ def run(session: TrainingSession, step: Step, total: int, restarts: int) -> int:
         except Exception as exc:
             if used >= restarts:
                 raise
-            used += 1
-            done = _restore(session, exc, used)
+            failed = exc
+        used += 1  # out of the handler: the failed step's frames (its activations) are let go first
+        done = _restore(session, failed, used)
+        failed = None
 
 
 def _batches(session: TrainingSession) -> Iterator[Any]:

@@ -42,7 +42,6 @@ from rewind.infra.training.handoff import Handoff
 from rewind.infra.training.parts import ModelPart, OptimizerPart, RankRNG
 from rewind.infra.training.progress import LAUNCH_ENV, ProgressWriter
 
-LOSS_SPIKE = "loss_spike"  # the anomaly kind a diverging comeback is told as (the incident rolls it back)
 log = logging.getLogger("rewind.session")
 # checkpoints whose recorded loss the watch starts from after a restore (the run's lineage up to it)
 SEEDS = (models.CheckpointStatus.COMMITTED, models.CheckpointStatus.VERIFIED)
@@ -303,10 +302,6 @@ class TrainingSession:
 
     # -- the loop -----------------------------------------------------------------------
 
-    @property
-    def _first(self) -> int:
-        return self.start_step + 1
-
     def train(self, step: Callable[[int, Any], float | None], total: int, *, restarts: int = 0) -> int:
         """Run ``step(i, batch)`` for every step left, the batches drawn from the session's loader, each
         returned loss reported (saves when due); the last step run. ``restarts``: an exception a step raises
@@ -325,8 +320,13 @@ class TrainingSession:
         if got is None:
             return None
         self.start_step, self.restored_checkpoint_id = got.step, got.checkpoint_id
+        for part in (
+            p for p in self.parts.values() if hasattr(p, "zero_grad")
+        ):  # the failed step's gradients
+            part.zero_grad(set_to_none=True)
         self.watch = LossWatch(spike_factor=self.watch.spike_factor)
         self._seed_watch()  # the losses before the restore point, not the undone steps'
+        self._skip_window()  # a bad data window the supervisor handed over stays stepped over
         return got.step
 
     def note_restart(self, **facts: Any) -> None:
@@ -339,7 +339,7 @@ class TrainingSession:
         """The steps left to run: ``start_step + 1`` to ``total`` (the supervisor shows progress out of ``total``)."""
         if self._writer is not None:
             self._writer.note(total_steps=total)
-        return iter(range(self._first, total + 1))
+        return iter(range(self.start_step + 1, total + 1))
 
     def report(self, step: int, loss: float | None = None, *, samples: int | None = None) -> None:
         """Progress for the supervisor; raises ``TrainingAnomaly`` on NaN/Inf or a spike; saves when due."""
@@ -348,25 +348,31 @@ class TrainingSession:
         position = samples if samples is not None else _position(self.loader)
         if self._writer is not None:
             self._writer.report(step, value, position)
-            if step == self._first:
+            if step == self.start_step + 1:
                 self._writer.busy(None)
         if value is not None:
             found = self.watch.observe(step, value)
-            kind, reason = (
-                (found.kind, found.reason) if found is not None else (LOSS_SPIKE, self._compare(step, value))
-            )
+            seen = (found.kind, found.reason) if found is not None else None
+            kind, reason = seen or (comeback.KIND, self._compare(step, value))
             if reason is not None:
-                if self._writer is not None:
-                    self._writer.note(
-                        anomaly={"kind": kind, "step": step, "reason": reason, "position": position}
-                    )
+                if (
+                    self._writer is not None
+                ):  # a diverging comeback says no position: no data is skipped for it
+                    at = {
+                        "kind": kind,
+                        "step": step,
+                        "reason": reason,
+                        "position": position if found else None,
+                    }
+                    self._writer.note(anomaly=at)
                 raise TrainingAnomaly(reason)
         if self.checkpoint_every and step % self.checkpoint_every == 0:
             self.save(step, metrics={} if value is None else {"loss": value})
 
     def _compare(self, step: int, loss: float) -> str | None:
         """Rank 0 after a restore: why the comeback diverged at this step, if it did (``comeback``)."""
-        return comeback.check(self.handoff.comeback if self.rank == 0 else None, step, loss, self._writer)
+        replays = self.rank == 0 and _position(self.loader) is not None  # the same samples at the same steps
+        return comeback.check(self.handoff.comeback if replays else None, step, loss, self._writer)
 
     def save(self, step: int, *, metrics: Mapping[str, float] | None = None) -> None:
         """A checkpoint now (the supervisor knows the rank is busy saving, not hung)."""
