@@ -68,3 +68,33 @@ def test_a_comeback_that_diverges_is_an_anomaly_recorded_on_the_incident(
     assert came["diverged_at"] is not None and came["max_rel_deviation"] > came["tolerance"], came
     again = incidents.get_incident(cat, recovered["incident_id"])
     assert again.kind == "loss_spike" and "the comeback diverged at step" in again.reason, again.reason
+
+
+def test_on_a_new_layout_only_a_blown_up_loss_is_a_divergence() -> None:
+    from rewind.infra.training.comeback import RESHAPED_MIN_STEPS, Comeback
+
+    before = {s: 1.0 for s in range(1, 31)}
+    shifted = Comeback(dict(before), same_layout=False)  # other samples on rank 0: half, then twice the loss
+    assert all(shifted.observe(s, 0.5 if s % 2 else 2.0) is None for s in range(1, 31))
+    assert shifted.diverged_at is None and shifted.compared == 30
+
+    blown = Comeback(dict(before), same_layout=False)
+    reasons = [blown.observe(s, 5.0) for s in range(1, 31)]
+    assert blown.diverged_at == RESHAPED_MIN_STEPS and "new layout" in (reasons[RESHAPED_MIN_STEPS - 1] or "")
+
+    negative = Comeback({s: -1.0 for s in range(1, 31)}, same_layout=False)  # a log-likelihood
+    assert all(negative.observe(s, -0.2) is None for s in range(1, 31))
+    nan = Comeback(dict(before), same_layout=False)
+    assert [nan.observe(s, float("nan")) for s in range(1, RESHAPED_MIN_STEPS + 1)][-1] is not None
+
+
+def test_the_losses_kept_for_a_comeback_leave_out_nan_and_inf() -> None:
+    import json
+
+    from rewind.infra.training.comeback import RecentLosses
+
+    kept = RecentLosses(kept=3)
+    for step, loss in [(1, 1.0), (2, float("nan")), (3, float("inf")), (4, 0.5), (5, 0.25), (6, 0.125)]:
+        kept.add(step, loss)
+    assert kept.as_dict() == {"4": 0.5, "5": 0.25, "6": 0.125}
+    json.dumps(kept.as_dict(), allow_nan=False)  # what Postgres's JSON accepts

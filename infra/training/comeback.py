@@ -6,8 +6,11 @@ numbers gives the same losses on a bit-exact resume; after a layout change (anot
 rescaled rate: rank 0 sees other samples) they differ step by step. Each step that has a loss from before
 is compared: the largest deviation (absolute, and relative to the loss before) is kept, with how many
 steps were identical bit for bit. On the same layout ``IN_A_ROW`` steps in a row whose relative
-deviation passes ``TOLERANCE`` (and is more than ``FLOOR``) are a divergence; on another layout, the mean loss over the steps compared (at least
-``RESHAPED_MIN_STEPS``) passing ``RESHAPED_TOLERANCE`` of the mean before. A divergence is an anomaly of
+deviation passes ``TOLERANCE`` (and is more than ``FLOOR``) are a divergence. On another layout rank 0's
+loss is over other samples, and with a small batch its mean can sit well off the run's before (half of it
+or twice it) on a sound restore: only a blow-up is a divergence there, the mean loss over the steps
+compared (at least ``RESHAPED_MIN_STEPS``) ``RESHAPED_FACTOR`` times the mean before or more (what a lost
+optimizer state or a wrong shard does to a run); smaller deviations are recorded, never acted on. A divergence is an anomaly of
 the job (the restore point or the new layout is not what the run was), told without a data position:
 the recovery rolls back, and skips no data. Only a job whose loader replays the same samples at the same
 steps is compared (a loader with a global position, restored: ``ResumableLoader``); any other's
@@ -28,12 +31,16 @@ TOLERANCE = 0.05  # same layout: relative deviation of a step's loss beyond whic
 IN_A_ROW = 3  # ... on this many steps in a row (one odd step is noise, e.g. a nondeterministic kernel)
 FLOOR = 1e-6  # deviations this small are never a divergence, however small the loss
 KIND = "loss_spike"  # the anomaly kind a divergence is told as (the recovery rolls it back, skipping no data)
-RESHAPED_TOLERANCE = 0.25  # another layout: the same, of the mean loss over the steps compared
+RESHAPED_FACTOR = 4.0  # another layout: the mean loss over the steps compared this many times the mean before
 RESHAPED_MIN_STEPS = 10  # ... judged once this many steps were compared (one step's batch differs anyway)
 
 
 class RecentLosses:
-    """The newest ``KEPT`` steps' losses, as reported (a step reported again replaces its loss)."""
+    """The newest ``KEPT`` steps' finite losses, as reported (a step reported again replaces its loss).
+
+    NaN and Inf are left out: nothing is compared with them, and JSON in Postgres has no spelling for them
+    (a progress row carrying one would be refused, and with it the anomaly it tells).
+    """
 
     def __init__(self, kept: int = KEPT) -> None:
         self.kept = kept
@@ -41,6 +48,8 @@ class RecentLosses:
 
     def add(self, step: int, loss: float) -> None:
         self._losses.pop(step, None)
+        if not math.isfinite(loss):
+            return
         self._losses[step] = loss
         while len(self._losses) > self.kept:
             self._losses.popitem(last=False)
@@ -100,14 +109,21 @@ class Comeback:
                 f"the comeback diverged at step {step}: loss {loss:.6g} against {was:.6g} at the same step before "
                 f"the failure ({rel:.1%} off; {self.off} steps in a row past the tolerance {self.tolerance:.1%})"
             )
-        mean_rel = _rel(self.sum_after, self.sum_before)
-        if not self.same_layout and self.compared >= RESHAPED_MIN_STEPS and mean_rel > RESHAPED_TOLERANCE:
+        if not self.same_layout and self.compared >= RESHAPED_MIN_STEPS and self._blown_up():
             self.diverged_at = step
             return (
                 f"the comeback diverged by step {step} on its new layout: mean loss over {self.compared} steps "
-                f"{mean_rel:.1%} off the same steps before the failure (tolerance {RESHAPED_TOLERANCE:.0%})"
+                f"{self.sum_after / self.compared:.6g} against {self.sum_before / self.compared:.6g} over the same "
+                f"steps before the failure ({RESHAPED_FACTOR:g} times or more is a divergence)"
             )
         return None
+
+    def _blown_up(self) -> bool:
+        if not math.isfinite(self.sum_after):
+            return True
+        if self.sum_before <= 0:  # a loss that goes negative (a log-likelihood) has no factor to judge by
+            return False
+        return self.sum_after >= RESHAPED_FACTOR * self.sum_before and self.sum_after - self.sum_before > FLOOR
 
     @property
     def done(self) -> bool:
