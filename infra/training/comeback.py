@@ -123,7 +123,9 @@ class Comeback:
             return True
         if self.sum_before <= 0:  # a loss that goes negative (a log-likelihood) has no factor to judge by
             return False
-        return self.sum_after >= RESHAPED_FACTOR * self.sum_before and self.sum_after - self.sum_before > FLOOR
+        return (
+            self.sum_after >= RESHAPED_FACTOR * self.sum_before and self.sum_after - self.sum_before > FLOOR
+        )
 
     @property
     def done(self) -> bool:
