@@ -115,10 +115,20 @@ def _zombie(pid: int) -> bool:
 
 @pytest.mark.timeout(300)
 def test_a_crashed_job_comes_back_warm_from_its_standby_bit_exact(
-    prefect_api: str, rewind_env: dict[str, str], reference: Any, run_name: str, tmp_path: Path
+    prefect_api: str,
+    rewind_env: dict[str, str],
+    reference: Any,
+    run_name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from rewind.flows.training import protect_training, recover_training, summary
 
+    # the job waits in its step-30 save (once: the relaunch passes) until the test has seen the standby
+    # answer and killed it: on a slow machine the 60 steps could end before the standby has imported torch
+    monkeypatch.setenv("REWIND_FAULT", "hold:save.before_catalog@30")
+    monkeypatch.setenv("REWIND_FAULT_ONCE", str(tmp_path / "fired"))
+    monkeypatch.setenv("REWIND_FAULT_RELEASE", str(tmp_path / "release"))
     cat, out = Catalog(), tmp_path / "out"
     cmd = command(run_name, out, steps=60, every=10, extra=["--step-time-s", "0.05"])
     result: dict[str, Any] = {}
@@ -128,6 +138,7 @@ def test_a_crashed_job_comes_back_warm_from_its_standby_bit_exact(
         )
     )
     t.start()
+    wait_until(lambda: (tmp_path / "release.held").exists() or None, 120, "the job held at step 30")
     wait_until(lambda: warm.answering(run_name, 0) or None, 120, "the standby answers")
     pid = wait_until(lambda: _pid_past(cat, run_name, 25), 120, "the job past step 25", interval=0.1)
     os.kill(pid, signal.SIGKILL)
