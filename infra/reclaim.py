@@ -75,6 +75,8 @@ def reclaimable(cat: Catalog, gc: GcPlan) -> dict[str, Reclaim]:
 
 def _directory(ref: CopyRef, run: str, step: int) -> Path | None:
     """Where a filesystem copy lies (None: a local directory Rewind did not write, and never deletes)."""
+    if ref.tier == copies.MEMORY:
+        return Path(ref.uri)
     if ref.tier == copies.LOCAL:
         path = Path(ref.uri)
         return path if store.owned(path, config.checkpoint_root()) else None

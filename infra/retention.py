@@ -43,6 +43,7 @@ from rewind.infra.faults import fault_point
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import store
 from rewind.infra.format.verify import Budget, Verdict
+from rewind.infra.memory import keeper
 from rewind.infra.restore.scrub import QUARANTINE, scrub
 from rewind.infra.tiers import open_tier, transfer
 
@@ -344,6 +345,10 @@ def _remove_tree(path: Path) -> None:
 
 
 def _delete_copy(ref: CopyRef, run: str, step: int) -> None:
+    if ref.tier == copies.MEMORY:  # this node's memory tier is Rewind's own; another node's goes with its row
+        if not disks.elsewhere(ref.tier, ref.tier_id, ref.uri):
+            keeper.remove(ref.uri)
+        return
     if ref.tier == copies.LOCAL:
         path = Path(ref.uri)
         if store.owned(path, config.checkpoint_root()):  # never a directory Rewind did not write

@@ -32,6 +32,10 @@ os.environ.update(
 # thread per process (as torchrun sets for its workers) instead of one per core, so the processes do
 # not contend for the cores they share. Every job a test starts inherits it, references included.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The memory tier (on by default for a job supervised on this machine) is off for the tests that are not
+# about it: their assertions name the tier a restore reads, and /dev/shm is shared by both workers. The
+# memory tier's tests turn it on with a private directory (tests/test_memory_tier.py).
+os.environ["REWIND_MEMORY_ROOT"] = "off"
 
 ADMIN_URL = os.environ.get("REWIND_TEST_PG_ADMIN", "postgresql://postgres@127.0.0.1:5432/postgres")
 

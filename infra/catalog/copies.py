@@ -21,8 +21,8 @@ from rewind.infra.catalog.models import CheckpointStatus as S
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.format.local_tier import LocalTier
 
-LOCAL = "local"
-TIER_ORDER = {LOCAL: 0, "shared": 1, "offsite": 2}  # nearest first
+LOCAL, MEMORY = disks.LOCAL, disks.MEMORY
+TIER_ORDER = {MEMORY: 0, LOCAL: 1, "shared": 2, "offsite": 3}  # nearest first
 USABLE = (R.PENDING, R.VERIFIED, R.UNVERIFIABLE)  # a copy worth trying
 GONE = (R.CORRUPT, R.MISSING, R.DELETED)
 CONTENT_REASON = "content: "  # a checkpoint condemned for its content: no copy can save it
@@ -154,7 +154,7 @@ def add(
         q = select(Replica).where(
             Replica.checkpoint_id == checkpoint_id, Replica.tier == tier, Replica.uri == uri
         )
-        if tier == LOCAL:
+        if tier in disks.DIRECTORY_TIERS:
             q = q.where(disks.this_disk(uri) if disk is None else Replica.tier_id == disk.id)
         row = s.scalar(q.limit(1))
         if row is None:
@@ -238,7 +238,8 @@ def settle(cat: Catalog, checkpoint_id: int) -> str:
         lineage.lock_run(s, ck.run_id)  # retention counts verified checkpoints under the same lock
         s.refresh(ck)
         reps = s.scalars(select(Replica).where(Replica.checkpoint_id == checkpoint_id)).all()
-        alive = [r for r in reps if r.status != R.DELETED.value]
+        # a volatile copy (memory) restores while it lasts, but never proves a checkpoint nor condemns it
+        alive = [r for r in reps if r.status != R.DELETED.value and r.tier not in disks.VOLATILE_TIERS]
         one_good = any(r.status == R.VERIFIED.value for r in alive)
         none_left = all(r.status in (R.CORRUPT.value, R.MISSING.value) for r in alive)
         if one_good and ck.status in (S.COMMITTED.value, S.CORRUPT.value) and not condemned(ck):
@@ -360,11 +361,11 @@ def location_in_use(cat: Catalog, replica_id: int) -> bool:
             )
         )
         if (
-            rep.tier != LOCAL
+            rep.tier not in disks.DIRECTORY_TIERS
         ):  # a tier root holds every copy on it: only the same key (or none recorded) can clash
             q = q.where(or_(Replica.key == mine, Replica.key.is_(None)))
         others = s.execute(q).all()
-    if rep.tier == LOCAL:
+    if rep.tier in disks.DIRECTORY_TIERS:
         return bool(others)
     return any(_effective_key(k, r, st) == mine for k, st, r in others)
 

@@ -15,12 +15,15 @@ from rewind.infra.catalog.models import Replica, ReplicaStatus
 from rewind.infra.format import local_tier
 
 LOCAL = "local"
+MEMORY = "memory"  # a node's memory tier (infra/memory): directories on tmpfs, marked like a local disk
+DIRECTORY_TIERS = (LOCAL, MEMORY)  # tiers whose copies are directories on one host's own storage
+VOLATILE_TIERS = (MEMORY,)  # gone with the host's power: never the copy that keeps a checkpoint restorable
 
 
 def place(tier: str, uri: str) -> tuple[str | None, str | None]:
     """What to record of where a copy lies: a local copy's disk (tier id, and the host that marked it);
     nothing for the others, which every machine reaches the same way."""
-    if tier != LOCAL:
+    if tier not in DIRECTORY_TIERS:
         return None, None
     found = local_tier.of_copy(uri)
     return (found.id, found.host) if found is not None else (None, None)
@@ -30,7 +33,7 @@ def elsewhere(tier: str, tier_id: str | None, uri: str) -> bool:
     """A local copy on a disk this machine does not see (another host's, where the same path is another
     disk or none): not missing, and not judged here. Only a machine that sees that disk (its host, or any
     on a shared checkpoint root) may find it missing or damaged."""
-    if tier != LOCAL or tier_id is None:
+    if tier not in DIRECTORY_TIERS or tier_id is None:
         return False
     seen = local_tier.of_copy(uri)
     return seen is None or seen.id != tier_id
@@ -40,7 +43,7 @@ def same_copy(row: Replica, tier: str, uri: str) -> bool:
     """Is ``row`` the copy at ``uri`` on ``tier`` as this machine sees it (on a local tier: on this disk)?"""
     if row.tier != tier or row.uri != uri:
         return False
-    return tier != LOCAL or row.tier_id is None or row.tier_id == place(tier, uri)[0]
+    return tier not in DIRECTORY_TIERS or row.tier_id is None or row.tier_id == place(tier, uri)[0]
 
 
 def this_disk(uri: str) -> Any:

@@ -231,6 +231,17 @@ def restorable(cat: Catalog, run_id: int) -> list[Checkpoint]:
         )
 
 
+def newest_restorable(cat: Catalog, run_id: int) -> Checkpoint | None:
+    """The run's newest committed or verified checkpoint (one row, however long the run)."""
+    with cat.session() as s:
+        return s.scalars(
+            select(Checkpoint)
+            .where(Checkpoint.run_id == run_id, Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value]))
+            .order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+            .limit(1)
+        ).first()
+
+
 def checkpoints_at(cat: Catalog, run_id: int, step: int, statuses: Iterable[S]) -> list[Checkpoint]:
     with cat.session() as s:
         return list(

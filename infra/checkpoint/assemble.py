@@ -60,7 +60,7 @@ def read_from(
     ``tier``/``fetched``: the copy the restore plan used (a whole copy fetched from that tier, or not);
     ``remote_tier``: the tier single lost files were fetched from."""
     if not sources:  # one disk for every rank: the copy the plan used
-        return {"bytes": {tier if fetched else "local": total}, "hosts": []}
+        return {"bytes": {tier: total}, "hosts": []}  # the copy's own tier, or the one it was fetched from
     hosts = [s.as_dict() for s in sources]
     if fetched:  # rank 0's disk got the whole copy from the tier before it served the others
         first = hosts[0]

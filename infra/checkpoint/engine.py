@@ -66,6 +66,8 @@ class RestoreResult:
     load_s: float
     skipped: tuple[Skip, ...] = ()
     bytes_read: int = 0  # hashed (and fetched) to restore it: each byte of the restore point once
+    source: str = "local"  # the tier of the copy read (memory, local), or the one it was fetched from
+    fetched: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,8 +259,9 @@ class Checkpointer:
         self._parent_id, self._parent_step = done.checkpoint_id, done.step
         self._parent_digest = lineage.get_checkpoint(self._cat, done.checkpoint_id).manifest_digest
         result = RestoreResult(
-            done.step, done.checkpoint_id, str(done.directory), done.seconds, done.skipped, read.bytes
-        )
+            done.step, done.checkpoint_id, str(done.directory), done.seconds, done.skipped, read.bytes,
+            done.source, done.fetched,
+        )  # fmt: skip
         log.info(
             "restored step %d from the %s copy %s in %.3fs",
             done.step,

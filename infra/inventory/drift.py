@@ -82,6 +82,8 @@ def rows_against_storage(
     for rep, ck, name in copies.every_copy(cat, run):
         if rep.status in KNOWN_BAD or ck.manifest_digest is None or store.QUARANTINE in Path(rep.uri).parts:
             continue
+        if rep.tier in disks.VOLATILE_TIERS:  # a memory copy: its node's agent keeps it, or it is gone
+            continue
         if tiers is not None and not any(_on(rep, kind, uri) for kind, uri in tiers):
             continue
         if disks.elsewhere(rep.tier, rep.tier_id, rep.uri):  # another disk's to check
@@ -126,7 +128,9 @@ def targets(cat: Catalog, uri: str | None, tier: str | None, run: str | None) ->
     if uri is not None:
         return [(tier_kind(uri, tier), open_for_scan(uri, must_exist=not uri.startswith("s3://")).uri)]
     found = {(LOCAL, str(config.checkpoint_root()))}
-    found |= {(r.tier, r.uri) for r, _, _ in copies.every_copy(cat, run) if r.tier != LOCAL}
+    found |= {
+        (r.tier, r.uri) for r, _, _ in copies.every_copy(cat, run) if r.tier not in disks.DIRECTORY_TIERS
+    }
     for configured in (os.environ.get("REWIND_SHARED_URI"), os.environ.get("REWIND_OFFSITE_URI")):
         if configured:  # a tier with copies no row names yet (a catalog restored from an old backup)
             found.add((tier_kind(configured), open_for_scan(configured).uri))

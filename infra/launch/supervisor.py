@@ -33,6 +33,7 @@ from rewind.infra.health.signals import describe_exit
 from rewind.infra.launch import observe, warm
 from rewind.infra.launch.gpu_watch import GpuWatch
 from rewind.infra.launch.launchers import LauncherKind, Placement, Request, launcher_for
+from rewind.infra.launch.memory_agent import MemoryAgent
 from rewind.infra.launch.node_process import NodeProcess, bounded_tail
 from rewind.infra.launch.observe import Observation, Seen, first_failure
 from rewind.infra.launch.process import pids_with_env, signal_all
@@ -87,6 +88,7 @@ class Supervisor:
         self._first_step = False
         self._standbys: list[tuple[str, int, list[str], str | None, dict[str, str], bool]] = []
         self.ranks: list[progress.RankState] = []  # the ranks' rows as last read, for whoever shows progress
+        self._memory: MemoryAgent | None = None  # this node's memory agent (a job on this machine only)
         self._ended = 0
 
     # -- starting ------------------------------------------------------------------------
@@ -111,6 +113,9 @@ class Supervisor:
             cmd = agent_command(self.spec, endpoint=place.endpoint, rdzv_id=f"{self.run}-{self.launch_id}")
         else:
             cmd = process_command(self.spec)
+        if self.launcher.kind is LauncherKind.LOCAL:  # before the job: it holds what the job commits
+            # not the launch's environment: the agent is not one of the job's processes, found by its token
+            self._memory = MemoryAgent.start(self.run, {**os.environ, **self.spec.env})
         self.processes = [self._node(place, i, cmd, base) for i in range(len(place.hosts))]
         if (
             self.spec.warm
@@ -211,6 +216,8 @@ class Supervisor:
         for ck in lineage.restorable(self.cat, lineage.get_run(self.cat, self.run).id):
             if ck.id not in self._seen_ckpts and ck.status == CheckpointStatus.COMMITTED:
                 self._seen_ckpts.add(ck.id)
+                if self._memory is not None:
+                    self._memory.offer(ck.id)
                 out.append(Observation(Seen.COMMITTED, now, ck.step, {"checkpoint_id": ck.id}))
         return out
 
@@ -318,6 +325,8 @@ class Supervisor:
             for p in self.processes:  # the run is done, or a launch died before training: a cold start next
                 warm.stop(self.run, p.node)
         self._release()
+        if self._memory is not None:  # a finished run has nothing to come back to; a failed one, its memory
+            self._memory.close(release=code == 0)
         if self.launch_id is not None:
             self._end_launch(code)
         return code

@@ -112,15 +112,24 @@ class _Opened:
 
 
 def _fail(
-    cat: Catalog, replica_id: int, directory: Path | None, verdict: Verdict, findings: list, root: Path
+    cat: Catalog,
+    replica_id: int,
+    directory: Path | None,
+    verdict: Verdict,
+    findings: list,
+    root: Path,
+    tier: str = copies.LOCAL,
 ) -> str:
-    """Record a failed copy; a damaged local copy is moved aside so nothing can mistake it for good.
+    """Record a failed copy; a damaged local copy is moved aside so nothing can mistake it for good, a
+    damaged memory copy removed (it is Rewind's own, and memory is scarce).
 
     Only directories under the local tier's root are moved: an adopted directory is the user's.
     """
     detail = "; ".join(str(f) for f in findings if f.fatal)[:2000] or verdict.value
     moved = None
-    if verdict is Verdict.CORRUPT and directory is not None and store.owned(directory, root):
+    if verdict is Verdict.CORRUPT and directory is not None and tier == copies.MEMORY:
+        shutil.rmtree(directory, ignore_errors=True)
+    elif verdict is Verdict.CORRUPT and directory is not None and store.owned(directory, root):
         with contextlib.suppress(OSError):
             moved = str(store.quarantine(directory, "corrupt"))
     copies.record(cat, replica_id, R(verdict.value), detail, uri=moved)
@@ -225,7 +234,7 @@ def _try(
         _drop(opened)
         if opened is None or opened.local_replica_id is None:  # the copy itself failed (or its download did)
             where = Path(copy.uri) if copy.local else None
-            detail = _fail(cat, copy.replica_id, where, verdict, findings, plan.root)
+            detail = _fail(cat, copy.replica_id, where, verdict, findings, plan.root, copy.tier)
         else:  # the local directory it produced failed while being loaded
             detail = _fail(cat, opened.local_replica_id, opened.directory, verdict, findings, plan.root)
         tried.append(f"{copy.tier} {verdict.value} ({detail})")

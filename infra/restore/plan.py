@@ -30,14 +30,15 @@ _STATUS_RANK = {R.VERIFIED.value: 0, R.PENDING.value: 1, R.UNVERIFIABLE.value: 2
 @dataclass(frozen=True, slots=True)
 class Copy:
     replica_id: int
-    tier: str  # local | shared | offsite
-    uri: str  # local: the directory; otherwise the tier's root
+    tier: str  # memory | local | shared | offsite
+    uri: str  # memory, local: the directory; otherwise the tier's root
     key: str | None  # below ``uri`` for a remote copy
     status: str
 
     @property
     def local(self) -> bool:
-        return self.tier == copies.LOCAL
+        """A directory this machine reads in place: on its local tier or in its memory tier."""
+        return self.tier in disks.DIRECTORY_TIERS
 
     def where(self) -> str:
         return self.uri if self.local else f"{self.uri.rstrip('/')}/{self.key}"

@@ -72,7 +72,7 @@ def _check(
     rep: Replica, run: str, step: int, digest: str, deep: bool, ring: kr.Keyring, budget: Budget
 ) -> Report:
     budget.check()
-    if rep.tier == copies.LOCAL:
+    if rep.tier in disks.DIRECTORY_TIERS:
         return check_copy(Path(rep.uri), digest, deep=deep, keyring=ring, budget=budget)
     key = rep.key or transfer.copy_key(run, step)
     try:
@@ -132,7 +132,9 @@ def scrub(
             away.append(str(rep.host or rep.tier_id))
             continue
         where = (
-            rep.uri if rep.tier == copies.LOCAL else f"{rep.uri}/{rep.key or transfer.copy_key(run, ck.step)}"
+            rep.uri
+            if rep.tier in disks.DIRECTORY_TIERS
+            else f"{rep.uri}/{rep.key or transfer.copy_key(run, ck.step)}"
         )
         try:
             report = _check(rep, run, ck.step, str(ck.manifest_digest), deep, ring, budget)

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from rewind.infra import config, progress
 from rewind.infra.catalog import lineage, models
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint import assemble
 from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
 from rewind.infra.checkpoint.sharded import ShardedCheckpointer
 from rewind.infra.checkpoint.state import RNGState
@@ -176,7 +177,7 @@ class TrainingSession:
                 "checkpoint_id": self.restored_checkpoint_id,
                 "step": self.start_step,
                 "bytes_read": read.bytes,
-                "read_from": self.read_from or None,  # rank 0, distributed: bytes by place and host
+                "read_from": self.read_from or None,  # bytes by tier (and by host, spread over hosts' disks)
             }
             self._writer.note(start_step=self.start_step, received=self._received(), restored=restored)
             self._writer.busy("starting")  # until the first step: compiling, warming up
@@ -264,6 +265,8 @@ class TrainingSession:
             self.skipped = ck.skipped
             self.restored_from = got.path if got is not None else None
             self.restored_checkpoint_id = got.checkpoint_id if got is not None else None
+            if got is not None:
+                self.read_from = assemble.read_from([], got.bytes_read, got.source, got.fetched)
             return got.step if got is not None else 0
         sck = ShardedCheckpointer(self.run, root=self.root, catalog=self.catalog, mode=self.mode)
         self._ckpt = sck

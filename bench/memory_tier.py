@@ -1,0 +1,114 @@
+"""Restore from the memory tier against restore from the local disk: the same checkpoint, the same path.
+
+One single-process checkpoint (``--mib`` of float32 in 16 tensors) is saved to the local tier on disk and
+copied into a memory tier on /dev/shm by the memory agent's own function (``keeper.keep``); then it is
+restored through the one restore path (``restore.execute``, every byte hashed against the catalog's
+digest as it is read into tensors), from the memory copy and from the local copy, alternating, median of
+``--repeats``. The local copy is measured twice: with its pages evicted from the page cache first
+(``posix_fadvise(DONTNEED)``: what a restore reads when the cache did not keep the checkpoint, e.g. a
+machine whose memory the job filled) and as the page cache left it (a crash right after the save). Writes
+``memory_tier_restore_ratio_vs_local`` (evicted), ``memory_tier_restore_ratio_vs_local_cached`` and
+``memory_tier_keep_s`` (the agent's copy into memory, off the job's path) to bench/results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+
+
+def _evict(directory: Path) -> None:
+    for p in directory.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _restore_s(run: str, root: Path, tier: str, evict: Path | None) -> float:
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.format import payload
+    from rewind.infra.restore import execute, plan
+
+    cat = Catalog()
+    if evict is not None:
+        _evict(evict)
+    started = time.perf_counter()
+    done = execute.execute(cat, plan.plan(cat, run, root=root, tiers=(tier,)), payload.read_states)
+    seconds = time.perf_counter() - started
+    assert done.source == tier, done.source
+    return seconds
+
+
+def measure(mib: int, repeats: int, work: Path) -> dict[str, Any]:
+    import torch
+
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.checkpoint.engine import Checkpointer
+    from rewind.infra.memory import keeper, place
+
+    cfg = place.config()
+    assert cfg is not None, "no memory tier on this machine"
+    n = mib * (1 << 20) // 4 // 16
+    state = {f"w{i}": torch.randn(n) for i in range(16)}
+    cat, root = Catalog(), work / "ckpt"
+    ck = Checkpointer("bench", states={"model": state}, root=root, catalog=cat)
+    ck.save(1)
+    saved = ck.last_saved
+    assert saved is not None
+    kept = keeper.keep(cat, saved.checkpoint_id, cfg)
+    assert kept is not None
+    times: dict[str, list[float]] = {"memory": [], "local": [], "local_cached": []}
+    for i in range(repeats):
+        order = ["memory", "local", "local_cached"] if i % 2 == 0 else ["local_cached", "local", "memory"]
+        for what in order:
+            tier = "memory" if what == "memory" else "local"
+            evict = Path(saved.path) if what == "local" else None
+            times[what].append(_restore_s("bench", root, tier, evict))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "memory_tier_restore_ratio_vs_local": round(med["memory"] / med["local"], 3),
+        "memory_tier_restore_ratio_vs_local_cached": round(med["memory"] / med["local_cached"], 3),
+        "memory_tier_keep_s": round(kept.seconds, 3),
+        "memory_tier": {"bytes": kept.nbytes, "repeats": repeats,
+                        **{f"restore_{k}_s": round(v, 3) for k, v in med.items()}},
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mib", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="rewind-bench-memory-", dir=HERE))
+    memory = Path("/dev/shm") / f"rewind-bench-{os.getpid()}"
+    os.environ.update({"REWIND_HOME": str(work / "home"), "REWIND_MEMORY_ROOT": str(memory)})
+    for k in ("REWIND_CATALOG_URL", "REWIND_CHECKPOINT_ROOT", "REWIND_MEMORY_BUDGET"):
+        os.environ.pop(k, None)
+    try:
+        results = measure(args.mib, args.repeats, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
+    print(json.dumps(results, indent=2))
+    out = HERE / "results.json"
+    merged = json.loads(out.read_text()) if out.exists() else {}
+    out.write_text(json.dumps(merged | results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Where a node's memory tier lies and how much it may hold, from the environment.
+
+``REWIND_MEMORY_ROOT``: its directory, on a memory filesystem (default ``/dev/shm/rewind-<uid>``, POSIX
+shared memory on Linux; ``off`` turns the tier off). ``REWIND_MEMORY_BUDGET``: the most bytes it holds
+(a size such as ``8GiB``; default a quarter of the machine's memory, at most half the memory filesystem:
+a container's /dev/shm may be 64 MB). ``REWIND_MEMORY_KEEP``: the newest
+checkpoints of each run it holds (default 1: a crash restores the newest; older ones are on disk).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rewind.infra import sizes
+from rewind.infra.errors import ConfigError
+
+SHM = Path("/dev/shm")
+ROOT_ENV, BUDGET_ENV, KEEP_ENV = "REWIND_MEMORY_ROOT", "REWIND_MEMORY_BUDGET", "REWIND_MEMORY_KEEP"
+OFF = "off"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MemoryConfig:
+    root: Path
+    budget_bytes: int
+    keep: int
+
+
+def root() -> Path | None:
+    """The memory tier's directory on this node; None when it is off or the machine has no /dev/shm."""
+    raw = os.environ.get(ROOT_ENV, "").strip()
+    if raw.lower() == OFF:
+        return None
+    if raw:
+        return Path(raw).expanduser()
+    return SHM / f"rewind-{os.getuid()}" if SHM.is_dir() and os.access(SHM, os.W_OK) else None
+
+
+def machine_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def default_budget(where: Path) -> int:
+    fs = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
+    st = os.statvfs(fs)
+    return min(machine_memory() // 4, st.f_blocks * st.f_frsize // 2)
+
+
+def config() -> MemoryConfig | None:
+    """The memory tier as the environment sets it (None: off); a bad setting is refused in one line."""
+    where = root()
+    if where is None:
+        return None
+    raw_budget = os.environ.get(BUDGET_ENV, "").strip()
+    budget = sizes.parse(raw_budget, what=BUDGET_ENV) if raw_budget else default_budget(where)
+    raw_keep = os.environ.get(KEEP_ENV, "").strip() or "1"
+    if not raw_keep.isdigit() or int(raw_keep) < 1:
+        raise ConfigError(f"{KEEP_ENV}: {raw_keep!r} is not a whole number of checkpoints (1 or more)")
+    return MemoryConfig(root=where, budget_bytes=budget, keep=int(raw_keep))

@@ -1,0 +1,141 @@
+"""The memory tier: a node's newest committed checkpoint held in shared memory (tmpfs) by an agent beside
+the job. A crashed job resumes from it reading nothing from disk (counted); a damaged memory copy is
+refused and removed, and the local copy used; a run's older memory copies are let go within the count and
+the budget; a memory copy never makes a checkpoint verified (it is volatile)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from rewind.infra.catalog import copies, incidents, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.memory import keeper, place
+from tests.prefect_support import wait_until
+from tests.test_protect_any_job import config, protect, ranks_at
+
+
+@pytest.fixture
+def memory_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private memory tier on the machine's shared memory (/dev/shm), removed afterwards."""
+    if not place.SHM.is_dir():
+        pytest.skip("this machine has no /dev/shm")
+    root = place.SHM / f"rewind-test-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv(place.ROOT_ENV, str(root))
+    monkeypatch.delenv(place.BUDGET_ENV, raising=False)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _memory_copies(cat: Catalog, run: str) -> dict[int, list[copies.Replica]]:
+    return {
+        ck.step: [r for r in lineage.replicas_of(cat, ck.id) if r.tier == copies.MEMORY]
+        for ck in lineage.checkpoints(cat, run)
+    }
+
+
+def _job(run: str, cat: Catalog, root: Path) -> tuple[torch.nn.Module, Checkpointer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    return model, Checkpointer(run, states={"model": model}, root=root, catalog=cat)
+
+
+def _saved(ck: Checkpointer, step: int) -> int:
+    """The id of the checkpoint ``step`` saved (synchronously)."""
+    ck.save(step)
+    assert ck.last_saved is not None and ck.last_saved.step == step
+    return ck.last_saved.checkpoint_id
+
+
+def test_a_damaged_memory_copy_is_refused_removed_and_the_local_copy_used(
+    rewind_env, run_name, tmp_path, memory_root
+):  # type: ignore[no-untyped-def]
+    cat, cfg = Catalog(), place.config()
+    assert cfg is not None
+    _model, ck = _job(run_name, cat, tmp_path / "ckpt")
+    saved = _saved(ck, 1)
+    kept = keeper.keep(cat, saved, cfg)
+    assert kept is not None and kept.directory.is_relative_to(memory_root) and kept.nbytes > 0
+    assert lineage.get_checkpoint(cat, saved).status == "committed"  # volatile: proves nothing
+    biggest = max((p for p in kept.directory.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    data = bytearray(biggest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    biggest.write_bytes(bytes(data))
+
+    _, again = _job(run_name, cat, tmp_path / "ckpt")
+    got = again.restore_latest()
+    assert got is not None and got.source == "local" and got.step == 1
+    [mem] = _memory_copies(cat, run_name)[1]
+    assert mem.status == R.CORRUPT.value and not kept.directory.exists()
+
+
+def test_older_memory_copies_are_let_go_by_count_and_budget(
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+):  # type: ignore[no-untyped-def]
+    cat = Catalog()
+    _model, ck = _job(run_name, cat, tmp_path / "ckpt")
+    cfg = place.config()
+    assert cfg is not None
+    first = keeper.keep(cat, _saved(ck, 1), cfg)
+    second = keeper.keep(cat, _saved(ck, 2), cfg)
+    assert first is not None and second is not None and second.evicted == (first.checkpoint_id,)
+    held = _memory_copies(cat, run_name)
+    assert [r.status for r in held[1]] == [R.DELETED.value] and not first.directory.exists()
+    assert [r.status for r in held[2]] == [R.VERIFIED.value] and second.directory.is_dir()
+
+    monkeypatch.setenv(place.KEEP_ENV, "5")
+    monkeypatch.setenv(place.BUDGET_ENV, str(int(second.nbytes * 1.5)))  # room for one copy
+    small = place.config()
+    assert small is not None
+    third = keeper.keep(cat, _saved(ck, 3), small)
+    assert third is not None and third.evicted == (second.checkpoint_id,)
+    monkeypatch.setenv(place.BUDGET_ENV, str(second.nbytes // 2))
+    tiny = place.config()
+    assert tiny is not None and keeper.keep(cat, _saved(ck, 4), tiny) is None  # too large to hold
+    assert third.directory.is_dir()
+
+
+@pytest.mark.timeout(300)
+def test_a_crashed_job_resumes_from_the_memory_tier_reading_nothing_from_disk(
+    prefect_api,
+    rewind_env,
+    run_name,
+    tmp_path,
+    memory_root,
+):  # type: ignore[no-untyped-def]
+    from rewind.flows.training import recover_training, summary
+
+    cat = Catalog()
+    cfg = config(tmp_path, run_name, step_time_s=0.3)  # a checkpoint every 10 steps: 3 s apart
+    t, result = protect(run_name, cfg)
+    ranks_at(run_name, 1)
+
+    def held_at_20() -> int | None:
+        steps = [
+            s for s, rs in _memory_copies(cat, run_name).items() if any(r.status == "verified" for r in rs)
+        ]
+        return max(steps) if steps and max(steps) >= 20 else None
+
+    step = wait_until(held_at_20, 120, "a memory copy of step 20", interval=0.05)
+    pids = ranks_at(run_name, step)
+    os.kill(pids[1], signal.SIGKILL)
+    t.join(timeout=120)
+    assert result["status"] == "crash", result
+    recovered = summary(recover_training(result["incident_id"], return_state=True))
+    assert recovered["status"] == "recovered" and recovered["restored_step"] == step, recovered
+    inc = incidents.get_incident(cat, result["incident_id"])
+    read = inc.details["restore_read_from"]["bytes"]
+    assert set(read) == {"memory"} and read["memory"] > 0, read  # nothing read from the disk
+    assert (
+        tmp_path / "out" / "final.safetensors"
+    ).is_file()  # every byte it read was hashed against the catalog's
+    assert not any(r for rs in _memory_copies(cat, run_name).values() for r in rs if r.status == "verified")
