@@ -164,6 +164,7 @@ SLOW_FILES_FIRST = [
     "test_catalog_races.py",  # ~55
     "test_spread.py",  # ~45 alone (4 ranks on 2 disks: saved, restored twice)
     "test_watch_beside.py",  # ~45
+    "test_memory_tier.py",  # ~45 (a torchrun job killed, recovered from memory)
     "test_hf_trainer.py",  # ~35 (a Trainer job killed under protect-training, recovered)
     "test_walkthrough.py",  # ~45 (the docs' walk-through: rewind server, db upgrade, rewind serve, a job)
     "test_group_smoke.py",  # ~40
