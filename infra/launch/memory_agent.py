@@ -42,13 +42,15 @@ class MemoryAgent:
 
     def _say(self, line: str) -> None:
         stdin: IO[str] | None = self.proc.stdin
-        if stdin is None or stdin.closed or self.proc.poll() is not None:
+        if stdin is None or stdin.closed:
             return
         try:
             stdin.write(line + "\n")
             stdin.flush()
-        except (BrokenPipeError, OSError, ValueError) as exc:
-            log.warning("memory agent gone: %s", exc)
+        except (BrokenPipeError, OSError, ValueError) as exc:  # said once: its stdin is closed after
+            log.warning("memory agent gone (exit %s): %s; no more copies into memory", self.proc.poll(), exc)
+            with contextlib.suppress(OSError, ValueError):
+                stdin.close()
 
     def offer(self, checkpoint_id: int) -> None:
         self._say(str(checkpoint_id))
