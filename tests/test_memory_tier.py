@@ -139,3 +139,20 @@ def test_a_crashed_job_resumes_from_the_memory_tier_reading_nothing_from_disk(
         tmp_path / "out" / "final.safetensors"
     ).is_file()  # every byte it read was hashed against the catalog's
     assert not any(r for rs in _memory_copies(cat, run_name).values() for r in rs if r.status == "verified")
+
+
+def test_a_memory_tier_path_that_is_a_link_is_never_written_through(
+    rewind_env, run_name, tmp_path, memory_root
+):  # type: ignore[no-untyped-def]
+    from rewind.infra.errors import ConfigError
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    memory_root.symlink_to(elsewhere)  # /dev/shm is everyone's: a path made first by someone else
+    cat, cfg = Catalog(), place.config()
+    assert cfg is not None
+    _model, ck = _job(run_name, cat, tmp_path / "ckpt")
+    with pytest.raises(ConfigError, match="not a directory of this user's"):
+        keeper.keep(cat, _saved(ck, 1), cfg)
+    assert not any(elsewhere.iterdir())
+    memory_root.unlink()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import logging
+import os
 import shutil
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ from rewind.infra.catalog import copies, disks, held, leases, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint
 from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.errors import ConfigError
 from rewind.infra.format import keyring as kr
 from rewind.infra.format import local_tier
 from rewind.infra.format import manifest as mf
@@ -47,8 +50,12 @@ class Kept:
 
 
 def mark(cfg: MemoryConfig) -> local_tier.LocalTier:
-    """The memory tier's mark (made on first use), its directory closed to other users."""
+    """The memory tier's mark (made on first use), its directory closed to other users. A path another
+    user made first (/dev/shm is everyone's), or a symbolic link, is refused: never written through."""
     cfg.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(cfg.root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise ConfigError(f"the memory tier {cfg.root} is not a directory of this user's: not used")
     cfg.root.chmod(0o700)
     return local_tier.ensure(cfg.root)
 
