@@ -40,13 +40,13 @@ from rewind.infra.training.data import ResumableLoader
 from rewind.infra.training.session import TrainingSession
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _device() -> torch.device:
+def rank_device() -> torch.device:
     """This rank's device: its own GPU (LOCAL_RANK) when there are GPUs, else the CPU."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -54,7 +54,7 @@ def _device() -> torch.device:
     return torch.device("cpu")
 
 
-def _full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     flat = {f"model/{k}": v.detach().clone().contiguous() for k, v in msd.items()}
     for name, st in osd.get("state", {}).items():
@@ -64,17 +64,17 @@ def _full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str,
     return flat
 
 
-def _dump(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str) -> None:
+def dump_state(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str) -> None:
     where = os.environ.get("TINY_LM_DUMP_DIR")
     if where:
-        full = _full_state(model, opt)  # collective
+        full = full_state(model, opt)  # collective
         if dist.get_rank() == 0:
             Path(where).mkdir(parents=True, exist_ok=True)
             save_file(full, str(Path(where) / f"{name}.safetensors"))
 
 
 def train(args: Any) -> int:
-    device = _device()
+    device = rank_device()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     _train(args, device)
     gc.collect()  # the DDP model and its reducer freed while the group still exists
@@ -114,7 +114,7 @@ def _train(args: Any, device: torch.device) -> None:
                 flush=True,
             )
         if s.start_step:
-            _dump(model, opt, f"restored-{s.start_step}")
+            dump_state(model, opt, f"restored-{s.start_step}")
             if rank == 0:
                 print(
                     f"rewind: resumed run {args.run} at step {s.start_step} on {world} ranks "
@@ -154,7 +154,7 @@ def _loop(args: Any, s: TrainingSession, model: Any, opt: Any, sched: Any, loade
             time.sleep(pad)  # the pace of a bigger model, not synchronisation
         s.report(step, value)
         if args.checkpoint_every and step % args.checkpoint_every == 0:
-            _dump(model, opt, f"saved-{step}")
+            dump_state(model, opt, f"saved-{step}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch.distributed.run",
         f"--nproc-per-node={args.nproc}",
         "--master-addr=127.0.0.1",
-        f"--master-port={_free_port()}",
+        f"--master-port={free_port()}",
         "--max-restarts=0",
         "-m",
         "rewind.examples.tiny_lm_ddp",

@@ -60,6 +60,7 @@ from rewind.infra.format import manifest as mf
 from rewind.infra.format import payload, store, tree
 from rewind.infra.format.local_tier import LocalTier
 from rewind.infra.format.verify import Finding, Problem
+from rewind.infra.health.layout import Layout, ModelShape
 from rewind.infra.restore import execute as restore_exec
 from rewind.infra.restore import plan as restore_plan
 from rewind.infra.restore.execute import Skip
@@ -120,8 +121,11 @@ def load(
     return restored, mine
 
 
-def layout_of(world: int) -> dict[str, int]:
-    return {"world_size": world, "tp": 1, "pp": 1, "dp": world}
+def layout_of(world: int, given: Layout | None = None, shape: ModelShape | None = None) -> dict[str, Any]:
+    """What a checkpoint records of how it was saved: the layout the job reported (data-parallel when it
+    reported none) and, where known, the model's shape (for the layout planner of a later rebuild)."""
+    used = given if given is not None and given.world_size == world else Layout(tp=1, pp=1, dp=world)
+    return {**used.as_dict(), **({"model": shape.as_dict()} if shape is not None else {})}
 
 
 class ShardedCheckpointer:
@@ -139,12 +143,17 @@ class ShardedCheckpointer:
         catalog: Any = None,
         mode: SaveMode | str = SaveMode.SYNC,
         exit_timeout_s: float = 300.0,
+        layout: Layout | None = None,
+        model_shape: ModelShape | None = None,
     ) -> None:
         self.run = run
         self.root = Path(root).expanduser().resolve()
         self.run_dir = self.root / run
         self.mode = SaveMode(mode)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if layout is not None and layout.world_size != self.world:
+            raise ConfigError(f"layout {layout} is {layout.world_size} ranks; this job has {self.world}")
+        self.layout = layout_of(self.world, layout, model_shape)  # recorded with every checkpoint
         self.catalog = (catalog or Catalog()) if self.rank == 0 else None
         # Rank 0 leads: it alone holds the catalog and the run's id.
         self._lead = (
@@ -255,7 +264,7 @@ class ShardedCheckpointer:
             return failed_share(exc)
 
     def _persist(self, step: int, share: RankShare, metrics: dict[str, float], stall: float | None) -> None:
-        layout = layout_of(self.world)
+        layout = self.layout
         kw: dict[str, Any] = {"layout": layout, "metrics": metrics, "group": self._group, "disks": self.disks}
         if self._lead is None:
             save(self.run_dir, self.run, step, share, **kw)

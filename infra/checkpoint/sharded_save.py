@@ -74,7 +74,7 @@ def save(
     step: int,
     share: RankShare,
     *,
-    layout: dict[str, int],
+    layout: dict[str, Any],
     metrics: dict[str, float] | None = None,
     parent: tuple[int, str | None] | None = None,
     group: dist.ProcessGroup | None = None,
@@ -130,7 +130,7 @@ class _Facts:
 
     run: str
     step: int
-    layout: dict[str, int]
+    layout: dict[str, Any]
     metrics: dict[str, float] | None
     parent: tuple[int, str | None] | None
 

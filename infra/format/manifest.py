@@ -61,7 +61,7 @@ class Manifest:
     files: tuple[FileEntry, ...]
     parent_step: int | None = None
     created_at: str = ""
-    layout: dict[str, int] = field(default_factory=lambda: {"world_size": 1, "tp": 1, "pp": 1, "dp": 1})
+    layout: dict[str, Any] = field(default_factory=lambda: {"world_size": 1, "tp": 1, "pp": 1, "dp": 1})
     environment: dict[str, str] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     parent_digest: str | None = None

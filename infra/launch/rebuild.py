@@ -5,9 +5,11 @@ failed (its actual size) and the failure. A crash or a sick GPU costs the job
 its devices: a lost node's agent takes the node (one node fewer), any other
 crash one rank per node fewer, never below ``min_world_size``; a sick GPU is left out by its index
 (the relaunch sees only the others), and a machine with no healthy GPU left is not relaunched onto. The layout
-planner picks TP x PP x DP for what is left (data-parallel only when the job
-reported no model shape, as the decision says). Learning-rate scale and global
-batch are relative to the spec's full size, so successive shrinks compound right.
+planner picks TP x PP x DP for what is left, from the layout the restore point was saved with (its
+session reported it, with the model's shape) or the failed launch was handed; keeping the old TP may
+leave a device idle. Without a model shape TP and PP are kept or set to 1, as the decision says.
+Learning-rate scale and global batch are relative to the spec's full size, so successive shrinks
+compound right.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from rewind.infra.errors import Refused
 from rewind.infra.health import layout
-from rewind.infra.launch.spec import JobSpec
+from rewind.infra.launch.spec import JobSpec, first_layout
 
 SHRINKS = ("crash", "gpu")  # failures that cost devices; a hang or a NaN does not
 
@@ -96,6 +98,51 @@ def _without_sick(current: JobSpec, devices: Devices) -> tuple[int, int] | None:
     return size
 
 
+def known_layout(world: int, *records: layout.Layout | None) -> layout.Layout | None:
+    """The first record made for ``world`` devices; else the first whose TP x PP divides ``world`` (its DP the
+    rest); None where nothing was recorded."""
+    found = [r for r in records if r is not None]
+    exact = [r for r in found if r.world_size == world]
+    fits = [layout.Layout(r.tp, r.pp, world // (r.tp * r.pp)) for r in found if not world % (r.tp * r.pp)]
+    return next(iter(exact + fits), None)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Recorded:
+    """What the run's records say of its layout: as its restore point saved it (the job's session
+    reported it), as the failed launch was handed it, and the model's shape (the checkpoint's, else the
+    spec's)."""
+
+    saved: layout.Layout | None = None
+    handed: layout.Layout | None = None
+    shape: layout.ModelShape | None = None
+
+
+def _layouts(full: JobSpec, current: JobSpec, rec: Recorded) -> tuple[layout.Layout, layout.Layout]:
+    """The layout the failed launch ran, and the run's full-size one (what batch and rate are relative
+    to); data-parallel where nothing recorded a layout."""
+    first = first_layout(full)
+    before = known_layout(current.world_size, rec.saved, rec.handed, first)
+    before = before or layout.Layout(tp=1, pp=1, dp=current.world_size)
+    base = known_layout(full.world_size, first, before) or layout.Layout(tp=1, pp=1, dp=full.world_size)
+    return before, base
+
+
+def _choose(
+    full: JobSpec, current: JobSpec, nnodes: int, nproc: int, rec: Recorded
+) -> tuple[layout.Layout, layout.Plan]:
+    """The planner's choice on at most ``nnodes`` x ``nproc`` devices (whole nodes, fewer ranks per node
+    where keeping the TP needs it, never below ``min_world_size`` where anything else fits)."""
+    before, base = _layouts(full, current, rec)
+    sizes = [nnodes * p for p in range(1, nproc + 1)]
+    sizes = [n for n in sizes if n >= current.min_world_size] or sizes
+    chosen = layout.plan(
+        nnodes * nproc, rec.shape or layout.ModelShape.from_dict(full.model), before,
+        global_batch=full.global_batch or base.dp, lr=full.lr or 1.0, sizes=sizes, base=base,
+    )  # fmt: skip
+    return before, chosen
+
+
 def plan(
     full: JobSpec,
     current: JobSpec,
@@ -105,48 +152,39 @@ def plan(
     shrink: bool,
     hosts: Hosts | None = None,
     devices: Devices | None = None,
+    recorded: Recorded | None = None,
 ) -> Relaunch:
     """The relaunch after a failure of ``kind`` of the launch that ran ``current``; with ``hosts``, a lost
     host is left out and replaced by a spare where the scheduler has one (then nothing shrinks); with
     ``devices`` after a sick GPU, that GPU is left out (``exclude_gpus`` in the handoff) and the job runs
-    on the healthy ones."""
-    before = layout.Layout(tp=1, pp=1, dp=current.world_size)
+    on the healthy ones. The layout is planned from ``recorded`` (the restore point's, the failed launch's)."""
+    rec = recorded or Recorded()
     spare = hosts is not None and lost_node is not None and hosts.usable >= current.nnodes
     if kind == "gpu" and devices is not None and devices.every:
         size = _without_sick(current, devices) if shrink else None
     else:
         size = _smaller(current, lost_node) if shrink and kind in SHRINKS and not spare else None
     nnodes, nproc = size or (current.nnodes, current.nproc_per_node)
-    shape = layout.ModelShape(**full.model) if full.model else layout.ModelShape(heads=1, hidden=1, layers=1)
-    base_batch, base_lr = full.global_batch or full.world_size, full.lr or 1.0
-    chosen = layout.plan(
-        nnodes * nproc,
-        shape,
-        layout.Layout(tp=1, pp=1, dp=full.world_size),
-        global_batch=base_batch,
-        lr=base_lr,
-    )
-    lr_scale = chosen.layout.dp / full.world_size
+    before, chosen = _choose(full, current, nnodes, nproc, rec)
+    after = chosen.layout
+    nproc = after.world_size // nnodes
+    lr_scale = chosen.lr / (full.lr or 1.0)
+    changed = size is not None or after != before
     what = (
-        f"relaunch on {chosen.layout.world_size} ranks ({nnodes} node(s) x {nproc}), resharded from the newest "
-        "verified checkpoint"
-        if size
+        f"relaunch on {after.world_size} ranks ({nnodes} node(s) x {nproc}) as {after}, resharded from the "
+        "newest verified checkpoint"
+        if changed
         else "restart with the same layout; resume from the newest verified checkpoint"
     )
-    if hosts is not None and hosts.lost:
-        what += f"; leaving out lost host(s) {', '.join(hosts.lost)}" + (" for a spare" if spare else "")
-    holding = [h for h in hosts.preferred() if h in hosts.holding] if hosts is not None else []
-    if holding:
-        what += f"; preferring host(s) {', '.join(holding)}, whose own disks hold the restore point"
-    if kind == "gpu" and devices is not None and devices.every:
-        what += f"; leaving out sick GPU(s) {', '.join(map(str, devices.left_out))}"
-    note = "" if full.model else " (no model shape reported: data-parallel only)"
-    decision = f"{what}: {chosen.reason}{note}" if size else what
+    what += _placement_note(hosts, spare, kind, devices)
+    note = "" if rec.shape or full.model else " (no model shape reported: TP and PP kept or 1)"
+    decision = f"{what}: {chosen.reason}{note}" if changed else what
     handoff: dict[str, Any] = {
-        "world_size": chosen.layout.world_size,
+        "world_size": after.world_size,
+        "layout": after.as_dict(),
         "lr_scale": lr_scale,
         "global_batch": chosen.global_batch if full.global_batch else None,
-        "lr": base_lr * lr_scale if full.lr else None,
+        "lr": chosen.lr if full.lr else None,
         "spike_factor": full.loss_spike_factor,
         "decision": decision,
     }
@@ -156,5 +194,17 @@ def plan(
         handoff["exclude_hosts"] = list(hosts.lost)
         handoff["prefer_hosts"] = hosts.preferred()
     return Relaunch(
-        current.resized(nnodes=nnodes, nproc_per_node=nproc), handoff, decision, before, chosen.layout
+        current.resized(nnodes=nnodes, nproc_per_node=nproc, layout=after), handoff, decision, before, after
     )
+
+
+def _placement_note(hosts: Hosts | None, spare: bool, kind: str, devices: Devices | None) -> str:
+    what = ""
+    if hosts is not None and hosts.lost:
+        what += f"; leaving out lost host(s) {', '.join(hosts.lost)}" + (" for a spare" if spare else "")
+    holding = [h for h in hosts.preferred() if h in hosts.holding] if hosts is not None else []
+    if holding:
+        what += f"; preferring host(s) {', '.join(holding)}, whose own disks hold the restore point"
+    if kind == "gpu" and devices is not None and devices.every:
+        what += f"; leaving out sick GPU(s) {', '.join(map(str, devices.left_out))}"
+    return what

@@ -18,6 +18,7 @@ from typing import Any
 
 from rewind.infra import yaml_file
 from rewind.infra.errors import ConfigError
+from rewind.infra.health.layout import Layout
 from rewind.infra.launch.launchers import LauncherKind
 
 
@@ -44,7 +45,11 @@ class JobSpec:
     lr: float | None = None
     """The job's base learning rate at its full size, for the rebuild decision."""
     model: dict[str, int] | None = None
-    """``{"heads", "hidden", "layers"}`` for the layout planner; without it, rebuilds are data-parallel only."""
+    """``{"heads", "hidden", "layers"}`` for the layout planner, where the job's session does not report it
+    with its checkpoints; without either, a rebuild keeps the old TP and PP or falls back to 1."""
+    layout: dict[str, int] | None = None
+    """``{"tp", "pp"}`` the first launch is handed (``REWIND_LAYOUT``, ``session.handoff.layout``); DP is the
+    rest of the world size. A relaunch is handed the planner's choice instead."""
     heartbeat_timeout_s: float | None = None
     """A rank whose step does not advance for this long is hung (None: hangs are not watched)."""
     loss_spike_factor: float | None = None
@@ -72,6 +77,8 @@ class JobSpec:
             raise ConfigError(f"min_world_size {self.min_world_size} must be between 1 and {self.world_size}")
         if self.model is not None and set(self.model) != {"heads", "hidden", "layers"}:
             raise ConfigError("model must give heads, hidden and layers")
+        if self.layout is not None:
+            _check_layout(self.layout, self.world_size)
         if self.warm and (
             self.distributed or self.launcher != LauncherKind.LOCAL or not _warmable(self.command)
         ):
@@ -92,14 +99,17 @@ class JobSpec:
     def distributed(self) -> bool:
         return self.torchrun if self.torchrun is not None else self.world_size > 1
 
-    def resized(self, *, nnodes: int, nproc_per_node: int) -> JobSpec:
+    def resized(self, *, nnodes: int, nproc_per_node: int, layout: Layout | None = None) -> JobSpec:
+        """The same job on another size; its layout the one given, else its own where that still fits."""
         world = nnodes * nproc_per_node
+        kept = self.layout if self.layout and not world % (self.layout["tp"] * self.layout["pp"]) else None
         return replace(
             self,
             nnodes=nnodes,
             nproc_per_node=nproc_per_node,
             min_world_size=min(self.min_world_size, world),
             torchrun=self.distributed,  # a job checkpointed by ranks stays under torchrun, even on one
+            layout={"tp": layout.tp, "pp": layout.pp} if layout else kept,
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -154,6 +164,23 @@ def _check_types(spec: JobSpec) -> None:
         not isinstance(spec.model, dict) or not all(type(v) is int for v in spec.model.values())
     ):
         raise ConfigError("job spec field model must give heads, hidden and layers as whole numbers")
+
+
+def _check_layout(layout: Any, world: int) -> None:
+    if not isinstance(layout, dict) or set(layout) != {"tp", "pp"} or not all(
+        type(v) is int and v >= 1 for v in layout.values()
+    ):
+        raise ConfigError("job spec field layout must give tp and pp as whole numbers >= 1")
+    if world % (layout["tp"] * layout["pp"]):
+        raise ConfigError(f"layout tp x pp ({layout['tp']} x {layout['pp']}) must divide the world size {world}")
+
+
+def first_layout(spec: JobSpec) -> Layout | None:
+    """The layout the spec's first launch is handed: its TP and PP, DP the rest of the world size."""
+    if spec.layout is None:
+        return None
+    tp, pp = spec.layout["tp"], spec.layout["pp"]
+    return Layout(tp=tp, pp=pp, dp=spec.world_size // (tp * pp))
 
 
 def _check_endpoint(endpoint: str) -> None:

@@ -29,6 +29,8 @@ from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
 from rewind.infra.errors import CatalogUnavailable, ConfigError, RewindError, TransientError
 from rewind.infra.health import nvml
+from rewind.infra.health.layout import ENV as LAYOUT_ENV
+from rewind.infra.health.layout import Layout
 from rewind.infra.health.signals import describe_exit
 from rewind.infra.launch import observe, warm
 from rewind.infra.launch.gpu_watch import GpuWatch
@@ -37,7 +39,7 @@ from rewind.infra.launch.memory_agent import MemoryAgent
 from rewind.infra.launch.node_process import NodeProcess, bounded_tail
 from rewind.infra.launch.observe import Observation, Seen, first_failure
 from rewind.infra.launch.process import pids_with_env, signal_all
-from rewind.infra.launch.spec import JobSpec, agent_command, process_command
+from rewind.infra.launch.spec import JobSpec, agent_command, first_layout, process_command
 from rewind.infra.training import progress
 
 log = logging.getLogger("rewind.supervisor")
@@ -78,6 +80,8 @@ class Supervisor:
             "spike_factor": spec.loss_spike_factor,
             **(handoff or {}),
         }
+        if "layout" not in self.handoff and (first := first_layout(spec)) is not None:
+            self.handoff["layout"] = first.as_dict()
         self.incident_id, self.gpu_check_s = incident_id, gpu_check_s
         self.launch_id: int | None = None
         self.token = uuid.uuid4().hex  # what the launch's processes are found by (ids repeat across catalogs)
@@ -180,6 +184,8 @@ class Supervisor:
         }
         if h.get("global_batch") is not None:
             env["REWIND_GLOBAL_BATCH"] = str(h["global_batch"])
+        if (given := Layout.from_dict(h.get("layout"))) is not None:
+            env[LAYOUT_ENV] = given.env_value()
         return env
 
     # -- watching ------------------------------------------------------------------------

@@ -7,9 +7,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from rewind.infra.catalog import disks, incidents, jobs
+from rewind.infra.catalog import disks, incidents, jobs, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.errors import NotFoundError
+from rewind.infra.health import layout
 from rewind.infra.launch import rebuild
 from rewind.infra.launch.launchers import LauncherKind, launcher_for
 from rewind.infra.launch.spec import JobSpec
@@ -57,6 +58,19 @@ def _hosts(
     )  # fmt: skip
 
 
+def _recorded(cat: Catalog, checkpoint_id: int | None, failed: Mapping[str, Any]) -> rebuild.Recorded:
+    """The layout and model shape the restore point was saved with (as the job's session reported them),
+    and the layout the failed launch was handed."""
+    saved: Mapping[str, Any] = {}
+    if checkpoint_id is not None:
+        saved = lineage.get_checkpoint(cat, checkpoint_id).layout or {}
+    return rebuild.Recorded(
+        saved=layout.Layout.from_dict(saved),
+        handed=layout.Layout.from_dict(failed.get("layout")),
+        shape=layout.ModelShape.from_dict(saved.get("model")),
+    )
+
+
 def rebuild_environment(
     cat: Catalog,
     *,
@@ -68,8 +82,9 @@ def rebuild_environment(
 ) -> Rebuilt:
     """The spec and handoff of the relaunch: fewer ranks for a crash that cost devices, else the same.
 
-    Planned from the run's spec (its full size), the launch that failed, and the failure; on a
-    scheduler, hosts whose own disks hold the restore point (``checkpoint_id``) are asked for first. The
+    Planned from the run's spec (its full size), the launch that failed, and the failure; the TP x PP x
+    DP from the layout the restore point (``checkpoint_id``) was saved with; on a scheduler, hosts whose
+    own disks hold the restore point are asked for first. The
     decision, the layout before and after, and what the job is told (world size, global batch,
     learning-rate scale) are recorded on the incident.
     """
@@ -97,6 +112,7 @@ def rebuild_environment(
         shrink=shrink,
         hosts=hosts,
         devices=devices,
+        recorded=_recorded(cat, checkpoint_id, failed or {}),
     )
     incidents.update_incident(
         cat,

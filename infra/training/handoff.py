@@ -1,5 +1,5 @@
-"""What the supervisor handed a launch (world size, learning-rate scale, batch, data window to skip, the
-restore point), read from the catalog by the job's session; the defaults when the job was started by hand."""
+"""What the supervisor handed a launch (world size and layout, learning-rate scale, batch, data window to
+skip, the restore point), read from the catalog by the job's session; the defaults when the job was started by hand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from typing import Any
 
 from rewind.infra.catalog import jobs
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.health.layout import ENV as LAYOUT_ENV
+from rewind.infra.health.layout import Layout
 from rewind.infra.restore.plan import RestoreTarget
 from rewind.infra.training.comeback import TOLERANCE, Comeback
 from rewind.infra.training.progress import LAUNCH_ENV
@@ -28,6 +30,7 @@ class Handoff:
     decision: str | None = None
     restore: RestoreTarget | None = None  # the restore point the recovery chose: loaded, not searched for
     comeback: Comeback | None = None  # the failed launch's losses past the restore point, to be held to
+    layout: Layout | None = None  # the TP x PP x DP to build (the spec's first, then the planner's)
 
     @classmethod
     def load(cls, cat: Catalog | None) -> Handoff:
@@ -47,7 +50,15 @@ class Handoff:
             decision=h.get("decision"),
             restore=RestoreTarget.from_dict(h.get("restore")),
             comeback=_comeback(h.get("comeback")),
+            layout=Layout.from_dict(h.get("layout")),
         )
+
+
+def handed_layout() -> Layout | None:
+    """The TP x PP x DP this launch was handed (``REWIND_LAYOUT``), for a job to build its device mesh from
+    before it builds its model; None when the job was started by hand (it uses its own settings)."""
+    raw = os.environ.get(LAYOUT_ENV, "").strip()
+    return Layout.parse(raw) if raw else None
 
 
 def _comeback(raw: Any) -> Comeback | None:

@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from rewind.infra.health.layout import Layout, ModelShape
+
 
 class ModelPart:
     def __init__(self, model: torch.nn.Module) -> None:
@@ -42,6 +44,28 @@ class OptimizerPart:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+def mesh_layout(part: Any, world: int) -> Layout | None:
+    """TP as the model's parameters show it (a DTensor device mesh with a dimension named ``tp``); None
+    where no parameter is tensor-parallel. Pipeline stages do not show in a parameter: the job says PP."""
+    model = getattr(part, "model", part)
+    for param in model.parameters() if isinstance(model, torch.nn.Module) else ():
+        mesh = getattr(param, "device_mesh", None)
+        names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+        if mesh is not None and "tp" in names:
+            tp = mesh.size(names.index("tp"))
+            return Layout(tp=tp, pp=1, dp=world // tp) if tp > 1 and not world % tp else None
+    return None
+
+
+def shape_of(model: Any) -> ModelShape | None:
+    """Heads, hidden size and layers from a Hugging Face style ``config`` (wrappers looked through)."""
+    inner = getattr(model, "module", model)
+    cfg = getattr(inner, "config", None)
+    found = [getattr(cfg, k, None) for k in ("num_attention_heads", "hidden_size", "num_hidden_layers")]
+    heads, hidden, layers = (v if type(v) is int and v >= 1 else 0 for v in found)
+    return ModelShape(heads=heads, hidden=hidden, layers=layers) if heads and hidden and layers else None
 
 
 class RankRNG:

@@ -37,10 +37,11 @@ from rewind.infra.checkpoint.sharded import ShardedCheckpointer
 from rewind.infra.checkpoint.state import RNGState
 from rewind.infra.errors import ConfigError, RewindError, is_transient
 from rewind.infra.format import payload
+from rewind.infra.health.layout import Layout, ModelShape
 from rewind.infra.health.signals import LossWatch
 from rewind.infra.training import comeback, group
 from rewind.infra.training.handoff import Handoff
-from rewind.infra.training.parts import ModelPart, OptimizerPart, RankRNG
+from rewind.infra.training.parts import ModelPart, OptimizerPart, RankRNG, mesh_layout, shape_of
 from rewind.infra.training.progress import LAUNCH_ENV, ProgressWriter
 
 log = logging.getLogger("rewind.session")
@@ -93,6 +94,8 @@ class TrainingSession:
         heartbeat_s: float = 1.0,
         root: Path | None = None,
         catalog: Catalog | None = None,
+        layout: Layout | None = None,
+        model_shape: ModelShape | None = None,
     ) -> None:
         if checkpoint_every < 0:
             raise ConfigError("checkpoint_every cannot be negative")
@@ -117,6 +120,7 @@ class TrainingSession:
         self.root = Path(root or config.checkpoint_root())
         self.catalog: Catalog | None = catalog or self._open_catalog()
         self.parts = self._parts(model, optimizer, dict(states or {}))
+        self.layout, self.model_shape = layout, model_shape or shape_of(model)
         self.spike_factor = spike_factor
         self.watch = LossWatch(spike_factor=float("inf"))
         self.heartbeat_s = heartbeat_s
@@ -221,7 +225,15 @@ class TrainingSession:
     def _received(self) -> dict[str, Any]:
         h = self.handoff
         world = dist.get_world_size() if self.distributed else 1
-        return {"world_size": world, "lr_scale": h.lr_scale, "global_batch": h.global_batch, "skip": h.skip}
+        got = {"world_size": world, "lr_scale": h.lr_scale, "global_batch": h.global_batch, "skip": h.skip}
+        return {**got, **({"layout": h.layout.as_dict()} if h.layout else {})}
+
+    def _layout(self) -> Layout | None:
+        """The layout recorded with each checkpoint: as the job says, else as it was handed (for this
+        world size), else TP as the model's device mesh shows it; None: data-parallel."""
+        world = dist.get_world_size()
+        handed = self.handoff.layout if self.handoff.layout and self.handoff.layout.world_size == world else None
+        return self.layout or handed or mesh_layout(self.parts.get("model"), world)
 
     # -- restore --------------------------------------------------------------------------
 
@@ -268,7 +280,10 @@ class TrainingSession:
             if got is not None:
                 self.read_from = assemble.read_from([], got.bytes_read, got.source, got.fetched)
             return got.step if got is not None else 0
-        sck = ShardedCheckpointer(self.run, root=self.root, catalog=self.catalog, mode=self.mode)
+        sck = ShardedCheckpointer(
+            self.run, root=self.root, catalog=self.catalog, mode=self.mode, layout=self._layout(),
+            model_shape=self.model_shape,
+        )  # fmt: skip
         self._ckpt = sck
         restored = sck.restore_latest(
             lambda: {k: v.state_dict() for k, v in self.parts.items()}, target=self.handoff.restore

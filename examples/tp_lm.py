@@ -1,0 +1,218 @@
+"""A tiny transformer trained tensor-parallel x data-parallel, under Rewind's training session.
+
+    python -m rewind.examples.tp_lm --run NAME --steps N --checkpoint-every K --tp T --nproc N
+
+The device mesh is (dp, tp): attention and MLP are split over ``tp`` with DTensor's tensor parallelism
+(query/key/value and the MLP's first layer by columns, the output projections by rows), and the whole
+model is sharded over ``dp`` with FSDP2 (``fully_shard``); gloo on the CPU, NCCL on GPUs. The layout
+is the one the launch was handed (``REWIND_LAYOUT``: the job spec's first, then what the rebuild planned
+for the devices left), else ``--tp`` when started by hand. The session records the layout and the model's
+shape with every checkpoint; a relaunch on another layout restores parameters and optimizer state
+resharded through DCP. Each data-parallel group reads its share of a global order (``ResumableLoader``
+split by DP rank, the same batch for every TP peer), so no sample is skipped or repeated when DP changes.
+
+Test seam (off by default): ``TINY_LM_DUMP_DIR`` makes rank 0 write the full (gathered) model and
+optimizer state after every save and restore.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn import functional as F
+
+from rewind.examples.tiny_lm_ddp import dump_state, free_port, rank_device
+from rewind.examples.tiny_lm_model import CharDataset, corpus
+from rewind.infra.health.layout import Layout, ModelShape
+from rewind.infra.training.data import ResumableLoader
+from rewind.infra.training.handoff import handed_layout
+from rewind.infra.training.session import TrainingSession
+
+TP_PLAN = {
+    "attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+    "attn.o": RowwiseParallel(), "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel(),
+}  # fmt: skip
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        # -1 heads: under TP each rank holds heads / tp of them
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = (
+            nn.LayerNorm(dim),
+            Attention(dim, heads),
+            nn.LayerNorm(dim),
+            MLP(dim),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TPLM(nn.Module):
+    def __init__(self, vocab: int, block: int, *, dim: int, heads: int, layers: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(1, block, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[:, : idx.shape[1]]
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+def layout_for(args: argparse.Namespace, world: int) -> Layout:
+    """What the launch was handed, else ``--tp`` (DP the rest) for a job started by hand."""
+    given = handed_layout()
+    if given is None:
+        if world % args.tp:
+            raise SystemExit(f"--tp {args.tp} does not divide the {world} ranks")
+        given = Layout(tp=args.tp, pp=1, dp=world // args.tp)
+    if given.world_size != world or given.pp != 1:
+        raise SystemExit(f"this example runs TP x DP on its {world} ranks; it was handed {given}")
+    return given
+
+
+def build(
+    args: argparse.Namespace, layout: Layout, device: torch.device, vocab: int
+) -> tuple[nn.Module, DeviceMesh]:
+    torch.manual_seed(args.seed)  # the same full model on every rank, before it is split
+    model = TPLM(vocab, args.block, dim=args.dim, heads=args.heads, layers=args.layers).to(device)
+    mesh = init_device_mesh(device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+    if layout.tp > 1:
+        for blk in model.blocks:
+            parallelize_module(blk, mesh["tp"], TP_PLAN)
+    if layout.dp > 1:
+        for blk in model.blocks:
+            fully_shard(blk, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+    return model, mesh
+
+
+def train(args: argparse.Namespace) -> int:
+    device = rank_device()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    torch.set_num_threads(args.threads)
+    layout = layout_for(args, dist.get_world_size())
+    data = CharDataset(corpus(), args.block)
+    model, mesh = build(args, layout, device, data.vocab)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    loader = ResumableLoader(
+        data, args.batch_size, seed=args.seed, rank=mesh["dp"].get_local_rank(), world=layout.dp
+    )
+    shape = ModelShape(heads=args.heads, hidden=args.dim, layers=args.layers)
+    session = TrainingSession(
+        args.run, model=model, optimizer=opt, loader=loader, checkpoint_every=args.checkpoint_every,
+        layout=layout, model_shape=shape,
+    )  # fmt: skip
+    with session as s:
+        for g in opt.param_groups:  # the full-size rate, scaled for this launch's DP (1.0 at full size)
+            g["lr"] = args.lr * s.handoff.lr_scale
+        s.note(lr=args.lr * s.handoff.lr_scale, global_batch=loader.global_batch, layout=layout.as_dict())
+        if s.start_step:
+            dump_state(model, opt, f"restored-{s.start_step}")
+            if dist.get_rank() == 0:
+                print(
+                    f"rewind: resumed run {args.run} at step {s.start_step} as {layout}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        _loop(args, s, model, opt, loader, device)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _loop(args: argparse.Namespace, s: TrainingSession, model: nn.Module, opt: Any, loader: Any,
+          device: torch.device) -> None:  # fmt: skip
+    batches = iter(loader)
+    for step in s.steps(args.steps):
+        began = time.monotonic()
+        x, y = (t.to(device) for t in next(batches))
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        value = loss.item()
+        if dist.get_rank() == 0:
+            print(f"step={step} loss={value!r}", flush=True)
+        if (pad := args.step_time_s - (time.monotonic() - began)) > 0:
+            time.sleep(pad)  # the pace of a bigger model, not synchronisation
+        s.report(step, value)
+        if args.checkpoint_every and step % args.checkpoint_every == 0:
+            dump_state(model, opt, f"saved-{step}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rewind.examples.tp_lm", description=__doc__.splitlines()[0])
+    p.add_argument("--run", required=True, help="run name in the catalog; resumes if it has checkpoints")
+    p.add_argument("--steps", type=int, required=True, help="total optimizer steps")
+    p.add_argument("--checkpoint-every", type=int, required=True, help="save every K steps (0: never)")
+    p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree when no layout was handed")
+    p.add_argument("--nproc", type=int, default=4, help="ranks to start through torchrun (started by hand)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=8, help="samples per data-parallel rank per step")
+    p.add_argument("--block", type=int, default=16, help="context length")
+    p.add_argument("--dim", type=int, default=32)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
+    p.add_argument("--step-time-s", type=float, default=0.0, help="pad each step to this long")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--"]:  # torchrun hands our arguments over after a "--"
+        argv = argv[1:]
+    args = parser().parse_args(argv)
+    if "LOCAL_RANK" in os.environ:
+        return train(args)
+    launcher = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}", "--max-restarts=0", "-m", "rewind.examples.tp_lm", "--", *argv,
+    ]  # fmt: skip
+    os.execv(sys.executable, launcher)
+    return 0  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main())
