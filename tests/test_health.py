@@ -154,3 +154,27 @@ def test_a_spike_on_the_way_back_from_a_restore_is_seen_at_once(rewind_env, run_
     with pytest.raises(TrainingAnomaly, match=r"at step 21 is .*x the running median"):
         run(30, {21: 9.0})  # the first step after the restore: 9x what the run had
     assert run(30, {}) == 20  # and a normal comeback goes on
+
+
+def test_layout_keeps_the_old_tp_even_with_a_device_left_idle():
+    shape = layout.ModelShape(heads=4, hidden=32, layers=2)
+    p = layout.plan(3, shape, layout.Layout(tp=2, pp=1, dp=2), global_batch=16, lr=3e-3)
+    assert p.layout == layout.Layout(2, 1, 1)  # not TP1 x DP3: TP kept, one device idle
+    assert "2 of them used" in p.reason and "kept TP" in p.reason and "global batch 16 -> 8" in p.reason
+    one = layout.plan(1, shape, layout.Layout(tp=2, pp=1, dp=2), global_batch=16, lr=3e-3)
+    assert one.layout == layout.Layout(1, 1, 1) and "TP 2 -> 1 (old TP does not fit)" in one.reason
+    # Without a shape only the old degrees (and 1) are known to fit the model.
+    blind = layout.plan(8, None, layout.Layout(tp=2, pp=2, dp=1), global_batch=4, lr=1.0)
+    assert blind.layout == layout.Layout(2, 2, 2)
+    assert layout.plan(3, None, layout.Layout(tp=2, pp=1, dp=2), global_batch=4, lr=1.0).layout.tp == 2
+
+
+def test_layout_records_read_back_and_bad_ones_are_refused():
+    assert layout.Layout.from_dict({"world_size": 4, "tp": 2, "pp": 1, "dp": 2}) == layout.Layout(2, 1, 2)
+    assert layout.Layout.from_dict({"world_size": 4}) is None and layout.Layout.from_dict(None) is None
+    assert layout.Layout.parse("tp=2,pp=1,dp=3") == layout.Layout(2, 1, 3)
+    for bad in ("tp=2", "tp=x,pp=1,dp=1", "tp=0,pp=1,dp=1", "2x1x1"):
+        with pytest.raises(ConfigError, match=r"REWIND_LAYOUT|layout"):
+            layout.Layout.parse(bad)
+    with pytest.raises(ConfigError, match="tp must be a whole number"):
+        layout.Layout.from_dict({"tp": "2", "pp": 1, "dp": 1})

@@ -167,12 +167,16 @@ def _check_types(spec: JobSpec) -> None:
 
 
 def _check_layout(layout: Any, world: int) -> None:
-    if not isinstance(layout, dict) or set(layout) != {"tp", "pp"} or not all(
-        type(v) is int and v >= 1 for v in layout.values()
+    if (
+        not isinstance(layout, dict)
+        or set(layout) != {"tp", "pp"}
+        or not all(type(v) is int and v >= 1 for v in layout.values())
     ):
         raise ConfigError("job spec field layout must give tp and pp as whole numbers >= 1")
     if world % (layout["tp"] * layout["pp"]):
-        raise ConfigError(f"layout tp x pp ({layout['tp']} x {layout['pp']}) must divide the world size {world}")
+        raise ConfigError(
+            f"layout tp x pp ({layout['tp']} x {layout['pp']}) must divide the world size {world}"
+        )
 
 
 def first_layout(spec: JobSpec) -> Layout | None:

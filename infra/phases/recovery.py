@@ -99,7 +99,7 @@ def restored(cat: Catalog, *, recovery: Recovery, point: RestorePoint, load_s: f
 
 
 def _comeback_before(cat: Catalog, recovery: Recovery, point: RestorePoint) -> dict[str, Any] | None:
-    """The failed launch's rank 0 losses of the steps past the restore point and its world size (none after
+    """The failed launch's rank 0 losses of the steps past the restore point, its world size and layout (none after
     an anomaly: the relaunch steps over that data, so its steps are not the same)."""
     launch = (incidents.get_incident(cat, recovery.incident_id).details or {}).get("launch_id")
     if recovery.anomaly or launch is None:
@@ -110,7 +110,8 @@ def _comeback_before(cat: Catalog, recovery: Recovery, point: RestorePoint) -> d
         return None
     world = (jobs.get_launch(cat, int(launch)).handoff or {}).get("world_size")
     held = {str(k): v for k, v in before.items()}
-    return {"before": held, "tolerance": comeback.TOLERANCE, "world_size": world}
+    out = {"before": held, "tolerance": comeback.TOLERANCE, "world_size": world}
+    return {**out, "layout": lead[0].detail["layout"]} if lead[0].detail.get("layout") else out
 
 
 def _skip_window(cat: Catalog, recovery: Recovery, point: RestorePoint) -> list[int | None] | None:

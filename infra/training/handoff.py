@@ -49,7 +49,7 @@ class Handoff:
             spike_factor=h.get("spike_factor"),
             decision=h.get("decision"),
             restore=RestoreTarget.from_dict(h.get("restore")),
-            comeback=_comeback(h.get("comeback")),
+            comeback=_comeback(h.get("comeback"), Layout.from_dict(h.get("layout"))),
             layout=Layout.from_dict(h.get("layout")),
         )
 
@@ -61,12 +61,13 @@ def handed_layout() -> Layout | None:
     return Layout.parse(raw) if raw else None
 
 
-def _comeback(raw: Any) -> Comeback | None:
+def _comeback(raw: Any, handed: Layout | None) -> Comeback | None:
     """The failed launch's losses to hold the comeback to; the layout is the same when this launch has the
-    world size that one had."""
+    world size that one had, and the same TP x PP x DP where both are known."""
     if not isinstance(raw, dict):
         return None
     before = {int(k): float(v) for k, v in dict(raw.get("before") or {}).items()}
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    same = raw.get("world_size") in (None, world)
+    was = Layout.from_dict(raw.get("layout")) if isinstance(raw.get("layout"), dict) else None
+    same = raw.get("world_size") in (None, world) and (was is None or handed is None or was == handed)
     return Comeback(before, float(raw.get("tolerance", TOLERANCE)), same_layout=same) if before else None

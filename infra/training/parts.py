@@ -46,6 +46,13 @@ class OptimizerPart:
         set_optimizer_state_dict(self.model, self.optimizer, state)
 
 
+def job_layout(given: Layout | None, handed: Layout | None, model: Any, world: int) -> Layout | None:
+    """The layout recorded with each checkpoint: as the job says, else as it was handed (for this world
+    size), else TP as the model's device mesh shows it; None: data-parallel."""
+    fits = handed if handed is not None and handed.world_size == world else None
+    return given or fits or mesh_layout(model, world)
+
+
 def mesh_layout(part: Any, world: int) -> Layout | None:
     """TP as the model's parameters show it (a DTensor device mesh with a dimension named ``tp``); None
     where no parameter is tensor-parallel. Pipeline stages do not show in a parameter: the job says PP."""

@@ -41,7 +41,7 @@ from rewind.infra.health.layout import Layout, ModelShape
 from rewind.infra.health.signals import LossWatch
 from rewind.infra.training import comeback, group
 from rewind.infra.training.handoff import Handoff
-from rewind.infra.training.parts import ModelPart, OptimizerPart, RankRNG, mesh_layout, shape_of
+from rewind.infra.training.parts import ModelPart, OptimizerPart, RankRNG, job_layout, shape_of
 from rewind.infra.training.progress import LAUNCH_ENV, ProgressWriter
 
 log = logging.getLogger("rewind.session")
@@ -183,7 +183,10 @@ class TrainingSession:
                 "bytes_read": read.bytes,
                 "read_from": self.read_from or None,  # bytes by tier (and by host, spread over hosts' disks)
             }
-            self._writer.note(start_step=self.start_step, received=self._received(), restored=restored)
+            layout = self._ckpt.layout if isinstance(self._ckpt, ShardedCheckpointer) else None
+            self._writer.note(
+                start_step=self.start_step, received=self._received(), restored=restored, layout=layout
+            )
             self._writer.busy("starting")  # until the first step: compiling, warming up
         return self
 
@@ -227,13 +230,6 @@ class TrainingSession:
         world = dist.get_world_size() if self.distributed else 1
         got = {"world_size": world, "lr_scale": h.lr_scale, "global_batch": h.global_batch, "skip": h.skip}
         return {**got, **({"layout": h.layout.as_dict()} if h.layout else {})}
-
-    def _layout(self) -> Layout | None:
-        """The layout recorded with each checkpoint: as the job says, else as it was handed (for this
-        world size), else TP as the model's device mesh shows it; None: data-parallel."""
-        world = dist.get_world_size()
-        handed = self.handoff.layout if self.handoff.layout and self.handoff.layout.world_size == world else None
-        return self.layout or handed or mesh_layout(self.parts.get("model"), world)
 
     # -- restore --------------------------------------------------------------------------
 
@@ -281,7 +277,9 @@ class TrainingSession:
                 self.read_from = assemble.read_from([], got.bytes_read, got.source, got.fetched)
             return got.step if got is not None else 0
         sck = ShardedCheckpointer(
-            self.run, root=self.root, catalog=self.catalog, mode=self.mode, layout=self._layout(),
+            self.run, root=self.root, catalog=self.catalog, mode=self.mode, layout=job_layout(
+                self.layout, self.handoff.layout, self.parts.get("model"), dist.get_world_size()
+            ),
             model_shape=self.model_shape,
         )  # fmt: skip
         self._ckpt = sck
