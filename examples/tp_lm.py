@@ -21,17 +21,20 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn import functional as F
 
-from rewind.examples.tiny_lm_ddp import dump_state, free_port, rank_device
+from rewind.examples.tiny_lm import LossLog
+from rewind.examples.tiny_lm_ddp import dump_state, free_port, full_state, rank_device
 from rewind.examples.tiny_lm_model import CharDataset, corpus
 from rewind.infra.health.layout import Layout, ModelShape
 from rewind.infra.training.data import ResumableLoader
@@ -154,6 +157,11 @@ def train(args: argparse.Namespace) -> int:
                     flush=True,
                 )
         _loop(args, s, model, opt, loader, device)
+    if args.out is not None:
+        weights = {k: v for k, v in full_state(model, opt).items() if k.startswith("model/")}  # collective
+        if dist.get_rank() == 0:
+            args.out.mkdir(parents=True, exist_ok=True)
+            save_file(weights, str(args.out / "final.safetensors"))
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -162,6 +170,8 @@ def train(args: argparse.Namespace) -> int:
 def _loop(args: argparse.Namespace, s: TrainingSession, model: nn.Module, opt: Any, loader: Any,
           device: torch.device) -> None:  # fmt: skip
     batches = iter(loader)
+    log = LossLog(args.loss_log if dist.get_rank() == 0 else None)  # the curve a drill reads: rank 0's
+    log.write({"event": "resumed", "from_step": s.start_step})
     for step in s.steps(args.steps):
         began = time.monotonic()
         x, y = (t.to(device) for t in next(batches))
@@ -173,6 +183,7 @@ def _loop(args: argparse.Namespace, s: TrainingSession, model: nn.Module, opt: A
         value = loss.item()
         if dist.get_rank() == 0:
             print(f"step={step} loss={value!r}", flush=True)
+        log.write({"step": step, "loss": value})
         if (pad := args.step_time_s - (time.monotonic() - began)) > 0:
             time.sleep(pad)  # the pace of a bigger model, not synchronisation
         s.report(step, value)
@@ -196,6 +207,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads per rank")
     p.add_argument("--step-time-s", type=float, default=0.0, help="pad each step to this long")
+    p.add_argument("--out", type=Path, default=None, help="directory for the final (gathered) weights")
+    p.add_argument("--loss-log", type=Path, default=None, help="rank 0 appends one JSON line per step")
     return p
 
 

@@ -89,8 +89,11 @@ class ModelShape:
 @dataclass(frozen=True, slots=True)
 class Plan:
     layout: Layout
-    global_batch: int
-    lr: float
+    scale: (
+        float  # DP' / DP of the full size: what the global batch and (linear scaling) the rate are scaled by
+    )
+    global_batch: int | None
+    lr: float | None
     reason: str
 
 
@@ -122,14 +125,14 @@ def plan(
     shape: ModelShape | None,
     old: Layout,
     *,
-    global_batch: int,
-    lr: float,
+    global_batch: int | None,
+    lr: float | None,
     sizes: list[int] | None = None,
     base: Layout | None = None,
 ) -> Plan:
     """The best layout on at most ``devices`` devices (on one of ``sizes``, where only some device counts
     can be launched, e.g. whole nodes' multiples), and what happens to batch size and learning rate.
-    ``global_batch`` and ``lr`` are those of ``base`` (the full-size layout; default ``old``)."""
+    ``global_batch`` and ``lr`` (None: not known) are those of ``base`` (the full-size layout; default ``old``)."""
     if devices < 1:
         raise ConfigError("no devices left to run on")
     options = [
@@ -139,15 +142,15 @@ def plan(
         raise ConfigError(f"no TP x PP x DP layout of {devices} devices fits {shape}")
     best = choose(options, old)
     factor = best.dp / (base or old).dp
-    new_batch = max(1, round(global_batch * factor))
+    new_batch = max(1, round(global_batch * factor)) if global_batch else None
+    new_lr = lr * factor if lr else None
     why = [f"{devices} devices left (was {old.world_size})"]
     if best.world_size < devices:
         why.append(f"{best.world_size} of them used")
     why.append("kept TP" if best.tp == old.tp else f"TP {old.tp} -> {best.tp} (old TP does not fit)")
     why.append("kept PP" if best.pp == old.pp else f"PP {old.pp} -> {best.pp}")
+    batch = f"global batch {global_batch} -> {new_batch}" if global_batch else f"global batch x{factor:g}"
+    rate = f"lr {lr:g} -> {new_lr:g}" if lr and new_lr else f"lr x{factor:g}"
     full = "" if base in (None, old) else " (from the full size's)"
-    why.append(
-        f"DP {old.dp} -> {best.dp}: global batch {global_batch} -> {new_batch}, lr {lr:g} -> {lr * factor:g}"
-        f"{full} (linear scaling)"
-    )
-    return Plan(best, new_batch, lr * factor, "; ".join(why))
+    why.append(f"DP {old.dp} -> {best.dp}: {batch}, {rate}{full} (linear scaling)")
+    return Plan(best, factor, new_batch, new_lr, "; ".join(why))

@@ -138,7 +138,7 @@ def _choose(
     sizes = [n for n in sizes if n >= current.min_world_size] or sizes
     chosen = layout.plan(
         nnodes * nproc, rec.shape or layout.ModelShape.from_dict(full.model), before,
-        global_batch=full.global_batch or base.dp, lr=full.lr or 1.0, sizes=sizes, base=base,
+        global_batch=full.global_batch, lr=full.lr, sizes=sizes, base=base,
     )  # fmt: skip
     return before, chosen
 
@@ -168,7 +168,6 @@ def plan(
     before, chosen = _choose(full, current, nnodes, nproc, rec)
     after = chosen.layout
     nproc = after.world_size // nnodes
-    lr_scale = chosen.lr / (full.lr or 1.0)
     changed = size is not None or after != before
     what = (
         f"relaunch on {after.world_size} ranks ({nnodes} node(s) x {nproc}) as {after}, resharded from the "
@@ -182,9 +181,9 @@ def plan(
     handoff: dict[str, Any] = {
         "world_size": after.world_size,
         "layout": after.as_dict(),
-        "lr_scale": lr_scale,
-        "global_batch": chosen.global_batch if full.global_batch else None,
-        "lr": chosen.lr if full.lr else None,
+        "lr_scale": chosen.scale,
+        "global_batch": chosen.global_batch,
+        "lr": chosen.lr,
         "spike_factor": full.loss_spike_factor,
         "decision": decision,
     }
