@@ -54,8 +54,13 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
-def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+def full_state(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, *, gather: bool = True
+) -> dict[str, torch.Tensor]:
+    """The model's and optimizer's state as plain tensors: gathered whole on rank 0 (``gather``), or what
+    this rank holds (a pipeline stage)."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True) if gather else None
+    msd, osd = get_state_dict(model, opt, options=options)
     flat = {f"model/{k}": v.detach().clone().contiguous() for k, v in msd.items()}
     for name, st in osd.get("state", {}).items():
         for k, v in st.items():
@@ -64,13 +69,18 @@ def full_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, 
     return flat
 
 
-def dump_state(model: torch.nn.Module, opt: torch.optim.Optimizer, name: str) -> None:
+def dump_state(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, name: str, *, per_rank: bool = False
+) -> None:
+    """Test seam (``TINY_LM_DUMP_DIR``): rank 0 writes the whole state, or (``per_rank``) every rank its own
+    as ``NAME-rankR``."""
     where = os.environ.get("TINY_LM_DUMP_DIR")
     if where:
-        full = full_state(model, opt)  # collective
-        if dist.get_rank() == 0:
+        full = full_state(model, opt, gather=not per_rank)  # collective when gathering
+        if per_rank or dist.get_rank() == 0:
             Path(where).mkdir(parents=True, exist_ok=True)
-            save_file(full, str(Path(where) / f"{name}.safetensors"))
+            file = f"{name}-rank{dist.get_rank()}" if per_rank else name
+            save_file(full, str(Path(where) / f"{file}.safetensors"))
 
 
 def train(args: Any) -> int:

@@ -1,8 +1,8 @@
-"""A tiny transformer trained tensor-parallel x data-parallel, under Rewind's training session.
+"""A tiny transformer trained tensor-parallel x data-parallel (or in pipeline stages), under Rewind's session.
 
     python -m rewind.examples.tp_lm --run NAME --steps N --checkpoint-every K --tp T --nproc N
 
-The device mesh is (dp, tp): attention and MLP are split over ``tp`` with DTensor's tensor parallelism
+The device mesh is (pp, dp, tp): attention and MLP are split over ``tp`` with DTensor's tensor parallelism
 (query/key/value and the MLP's first layer by columns, the output projections by rows), and the whole
 model is sharded over ``dp`` with FSDP2 (``fully_shard``); gloo on the CPU, NCCL on GPUs. The layout
 is the one the launch was handed (``REWIND_LAYOUT``: the job spec's first, then what the rebuild planned
@@ -10,9 +10,12 @@ for the devices left), else ``--tp`` when started by hand. The session records t
 shape with every checkpoint; a relaunch on another layout restores parameters and optimizer state
 resharded through DCP. Each data-parallel group reads its share of a global order (``ResumableLoader``
 split by DP rank, the same batch for every TP peer), so no sample is skipped or repeated when DP changes.
+With PP > 1 (PP alone here: ``--tp 1 --pp 2``) each rank keeps one stage's layers under the full model's
+names and steps through ``torch.distributed.pipelining`` (GPipe, 2 micro-batches); the checkpoint of
+the stages loads into one process (PP 1) and back.
 
 Test seam (off by default): ``TINY_LM_DUMP_DIR`` makes rank 0 write the full (gathered) model and
-optimizer state after every save and restore.
+optimizer state after every save and restore (with pipeline stages, each rank its stage's, ``NAME-rankR``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn import functional as F
 
@@ -90,25 +94,43 @@ class TPLM(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(1, block, dim) * 0.02)
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
-        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab, bias=False)
+        self.blocks = nn.ModuleDict({str(i): Block(dim, heads) for i in range(layers)})
+        self.ln: nn.Module | None = nn.LayerNorm(dim)
+        self.head: nn.Module | None = nn.Linear(dim, vocab, bias=False)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos[:, : idx.shape[1]]
-        for blk in self.blocks:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok is not None:  # the first stage (or the whole model): token ids in
+            x = self.tok(x) + self.pos[:, : x.shape[1]]
+        for blk in self.blocks.values():
             x = blk(x)
-        return self.head(self.ln(x))
+        return self.head(self.ln(x)) if self.head is not None and self.ln is not None else x
+
+    def keep_stage(self, stage: int, stages: int) -> None:
+        """Drop what another pipeline stage holds; the names of what is left are the full model's, so a
+        checkpoint of the stages loads into one process and back."""
+        per = len(self.blocks) // stages
+        for i in list(self.blocks):
+            if not stage * per <= int(i) < (stage + 1) * per:
+                del self.blocks[i]
+        if stage > 0:
+            self.tok, self.pos = None, None  # type: ignore[assignment]
+        if stage < stages - 1:
+            self.ln, self.head = None, None
 
 
 def layout_for(args: argparse.Namespace, world: int) -> Layout:
     """What the launch was handed, else ``--tp`` (DP the rest) for a job started by hand."""
     given = handed_layout()
     if given is None:
-        if world % args.tp:
-            raise SystemExit(f"--tp {args.tp} does not divide the {world} ranks")
-        given = Layout(tp=args.tp, pp=1, dp=world // args.tp)
-    if given.world_size != world or given.pp != 1:
-        raise SystemExit(f"this example runs TP x DP on its {world} ranks; it was handed {given}")
+        if world % (args.tp * args.pp):
+            raise SystemExit(f"--tp {args.tp} x --pp {args.pp} does not divide the {world} ranks")
+        given = Layout(tp=args.tp, pp=args.pp, dp=world // (args.tp * args.pp))
+    if given.world_size != world or (given.pp > 1 and given.world_size != given.pp):
+        raise SystemExit(
+            f"this example runs TP x DP, or PP alone, on its {world} ranks; it was handed {given}"
+        )
+    if given.pp > 1 and args.layers % given.pp:
+        raise SystemExit(f"PP {given.pp} does not divide the {args.layers} layers")
     return given
 
 
@@ -117,15 +139,43 @@ def build(
 ) -> tuple[nn.Module, DeviceMesh]:
     torch.manual_seed(args.seed)  # the same full model on every rank, before it is split
     model = TPLM(vocab, args.block, dim=args.dim, heads=args.heads, layers=args.layers).to(device)
-    mesh = init_device_mesh(device.type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+    if layout.pp > 1:
+        model.keep_stage(dist.get_rank(), layout.pp)
     if layout.tp > 1:
-        for blk in model.blocks:
+        for blk in model.blocks.values():
             parallelize_module(blk, mesh["tp"], TP_PLAN)
     if layout.dp > 1:
-        for blk in model.blocks:
+        for blk in model.blocks.values():
             fully_shard(blk, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     return model, mesh
+
+
+class Pipeline:
+    """One training step through pipeline stages (GPipe, 2 micro-batches): the first stage feeds the
+    tokens, the last computes the loss, every stage learns it (rank 0 reports it)."""
+
+    def __init__(self, model: nn.Module, layout: Layout, device: torch.device) -> None:
+        self.stage, self.last = dist.get_rank(), layout.pp - 1
+        stage = PipelineStage(model, self.stage, layout.pp, device)
+        self.schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=_loss)
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        losses: list[torch.Tensor] = []
+        if self.stage == 0:
+            self.schedule.step(x)
+        elif self.stage == self.last:
+            self.schedule.step(target=y, losses=losses)
+        else:
+            self.schedule.step()
+        loss = torch.stack(losses).mean().detach() if losses else torch.zeros(())
+        dist.broadcast(loss, src=self.last)
+        return loss
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
 def train(args: argparse.Namespace) -> int:
@@ -148,15 +198,21 @@ def train(args: argparse.Namespace) -> int:
         for g in opt.param_groups:  # the full-size rate, scaled for this launch's DP (1.0 at full size)
             g["lr"] = args.lr * s.handoff.lr_scale
         s.note(lr=args.lr * s.handoff.lr_scale, global_batch=loader.global_batch, layout=layout.as_dict())
+        for skip in s.skipped:
+            print(
+                f"rewind: skipped step {skip.step}: {skip.outcome}: {skip.reason}",
+                file=sys.stderr,
+                flush=True,
+            )
         if s.start_step:
-            dump_state(model, opt, f"restored-{s.start_step}")
+            dump_state(model, opt, f"restored-{s.start_step}", per_rank=layout.pp > 1)
             if dist.get_rank() == 0:
                 print(
                     f"rewind: resumed run {args.run} at step {s.start_step} as {layout}",
                     file=sys.stderr,
                     flush=True,
                 )
-        _loop(args, s, model, opt, loader, device)
+        _loop(args, s, model, opt, loader, device, Pipeline(model, layout, device) if layout.pp > 1 else None)
     if args.out is not None:
         weights = {k: v for k, v in full_state(model, opt).items() if k.startswith("model/")}  # collective
         if dist.get_rank() == 0:
@@ -168,17 +224,19 @@ def train(args: argparse.Namespace) -> int:
 
 
 def _loop(args: argparse.Namespace, s: TrainingSession, model: nn.Module, opt: Any, loader: Any,
-          device: torch.device) -> None:  # fmt: skip
+          device: torch.device, pipe: Pipeline | None) -> None:  # fmt: skip
     batches = iter(loader)
     log = LossLog(args.loss_log if dist.get_rank() == 0 else None)  # the curve a drill reads: rank 0's
     log.write({"event": "resumed", "from_step": s.start_step})
     for step in s.steps(args.steps):
         began = time.monotonic()
         x, y = (t.to(device) for t in next(batches))
-        logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        if pipe is not None:
+            loss = pipe.step(x, y)
+        else:
+            loss = _loss(model(x), y)
+            loss.backward()
         opt.step()
         value = loss.item()
         if dist.get_rank() == 0:
@@ -188,7 +246,7 @@ def _loop(args: argparse.Namespace, s: TrainingSession, model: nn.Module, opt: A
             time.sleep(pad)  # the pace of a bigger model, not synchronisation
         s.report(step, value)
         if args.checkpoint_every and step % args.checkpoint_every == 0:
-            dump_state(model, opt, f"saved-{step}")
+            dump_state(model, opt, f"saved-{step}", per_rank=pipe is not None)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -197,6 +255,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, required=True, help="total optimizer steps")
     p.add_argument("--checkpoint-every", type=int, required=True, help="save every K steps (0: never)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel degree when no layout was handed")
+    p.add_argument(
+        "--pp", type=int, default=1, help="pipeline stages when no layout was handed (with --tp 1)"
+    )
     p.add_argument("--nproc", type=int, default=4, help="ranks to start through torchrun (started by hand)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=8, help="samples per data-parallel rank per step")

@@ -29,17 +29,26 @@ STEPS, EVERY, MICRO, LR = 30, 10, 8, 3e-3
 
 
 def command(
-    run: str, *, tp: int = 2, steps: int = STEPS, nproc: int = 4, python: str = "python"
+    run: str, *, tp: int = 2, pp: int = 1, steps: int = STEPS, nproc: int = 4, python: str = "python"
 ) -> list[str]:
     return [
         python, "-m", "rewind.examples.tp_lm", "--run", run, "--steps", str(steps), "--checkpoint-every",
-        str(EVERY), "--tp", str(tp), "--nproc", str(nproc), "--batch-size", str(MICRO), "--step-time-s", "0.1",
+        str(EVERY), "--tp", str(tp), "--pp", str(pp), "--nproc", str(nproc), "--batch-size", str(MICRO),
+        "--step-time-s", "0.1",
     ]  # fmt: skip
 
 
-def assert_same_state(dumps: Path, step: int) -> None:
-    """The full (gathered) model and optimizer state after the restore equals what was saved, bit for bit."""
-    saved = load_file(str(dumps / f"saved-{step}.safetensors"))
+def assert_same_state(dumps: Path, step: int, stages: int = 1) -> None:
+    """The full (gathered) model and optimizer state after the restore equals what was saved, bit for bit;
+    saved by pipeline stages, the union of what each stage held."""
+    if stages > 1:
+        saved = {
+            k: v
+            for r in range(stages)
+            for k, v in load_file(str(dumps / f"saved-{step}-rank{r}.safetensors")).items()
+        }
+    else:
+        saved = load_file(str(dumps / f"saved-{step}.safetensors"))
     restored = load_file(str(dumps / f"restored-{step}.safetensors"))
     assert saved.keys() == restored.keys() and sum(k.startswith("optim/") for k in saved) > 10
     for k in saved:
@@ -128,3 +137,29 @@ def test_a_tp2_job_forced_onto_one_rank_changes_tp_and_reshards_exactly(rewind_e
     assert second.finish(timeout=300) == 0, second.output.text[-3000:]
     assert f"at step {EVERY} as TP1 x PP1 x DP1" in second.output.text
     assert_same_state(dumps, EVERY)
+
+
+def test_a_pp2_job_resumes_as_pp1_exactly(rewind_env, run_name, tmp_path):
+    dumps = tmp_path / "dumps"
+    env = {**rewind_env, "OMP_NUM_THREADS": "1", "TINY_LM_DUMP_DIR": str(dumps)}
+    first = TrainingProcess(
+        command(run_name, tp=1, pp=2, steps=EVERY, nproc=2, python=sys.executable), cwd=REPO, env=env
+    )
+    assert first.finish(timeout=300) == 0, first.output.text[-3000:]
+
+    (saved,) = lineage.checkpoints(Catalog(), run_name, step=EVERY)
+    assert Layout.from_dict(saved.layout) == Layout(1, 2, 1)
+    full = JobSpec(command=("python",), nproc_per_node=2)
+    rec = rebuild.Recorded(
+        saved=Layout.from_dict(saved.layout), shape=ModelShape.from_dict(saved.layout["model"])
+    )
+    r = rebuild.plan(full, full, "crash", lost_node=None, shrink=True, recorded=rec)
+    assert r.after == Layout(1, 1, 1) and "PP 2 -> 1" in r.decision, r.decision
+
+    handed = {**env, LAYOUT_ENV: r.after.env_value()}
+    second = TrainingProcess(
+        command(run_name, steps=EVERY + 2, nproc=1, python=sys.executable), cwd=REPO, env=handed
+    )
+    assert second.finish(timeout=300) == 0, second.output.text[-3000:]
+    assert f"at step {EVERY} as TP1 x PP1 x DP1" in second.output.text
+    assert_same_state(dumps, EVERY, stages=2)  # every stage's parameters and per-parameter Adam state

@@ -35,12 +35,11 @@ from rewind.infra.checkpoint import assemble, remotes, share_push, spread
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.engine import SaveMode
 from rewind.infra.checkpoint.recording import recorded_save
+from rewind.infra.checkpoint.sharded_load import CheckpointFailures, load, unwrap
 from rewind.infra.checkpoint.sharded_save import (
-    SHARED_STATE,
     LeadHooks,
     RankShare,
     failed_share,
-    rank_state_file,
     save,
     share_of,
 )
@@ -52,12 +51,10 @@ from rewind.infra.errors import (
     NoRestorableCheckpoint,
     RankFailed,
     RunBusy,
-    UnloadableCheckpoint,
 )
 from rewind.infra.faults import fault_point
-from rewind.infra.format import dcp as verified_dcp
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import payload, store, tree
+from rewind.infra.format import store
 from rewind.infra.format.local_tier import LocalTier
 from rewind.infra.format.verify import Finding, Problem
 from rewind.infra.health.layout import Layout, ModelShape
@@ -68,57 +65,6 @@ from rewind.infra.restore.execute import Skip
 StateTree = dict[str, Any] | Callable[[], dict[str, Any]]
 log = logging.getLogger("rewind.sharded")
 LAUNCHER_ENV = "REWIND_LAUNCHER"  # the launcher a supervisor started the job with (``local``, ``slurm``)
-
-
-def _unwrap(directory: Path, exc: BaseException) -> BaseException:
-    """DCP gathers every rank's failure into one CheckpointException: the most telling one, as Rewind's."""
-    failures = [e for e, _trace in getattr(exc, "failures", {}).values()] or [exc]
-    corrupt = [
-        e for e in failures if isinstance(e, CorruptCheckpoint) and not isinstance(e, UnloadableCheckpoint)
-    ]
-    if corrupt:
-        return CorruptCheckpoint(str(directory), [f for e in corrupt for f in e.findings])
-    for kind in (UnloadableCheckpoint, OSError):
-        found = [e for e in failures if isinstance(e, kind)]
-        if found:
-            return found[0]
-    return failures[0]
-
-
-def load(
-    directory: Path, manifest: mf.Manifest, state: dict[str, Any]
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Collective: load a copy whose manifest matched the catalog into ``state``'s tensors, in place.
-
-    Every file is verified as it is read (``VerifiedReader``). Returns (the saved tree
-    with the loaded tensors, this rank's own state); a rank that did not exist when
-    the checkpoint was saved gets rank 0's state.
-    """
-    entries = {e.path: e for e in manifest.files}
-    if payload.DCP_METADATA not in entries:  # the caller's mistake, not the checkpoint's: condemn nothing
-        raise ConfigError(f"{directory} is not a sharded (DCP) checkpoint: load it with Checkpointer")
-    _, tensors = tree.split(state, "s")  # the same names as at save time: where to load into
-    try:
-        verified_dcp.load(tensors, directory, entries)
-    except BaseException as exc:  # CheckpointException is a BaseException
-        if isinstance(exc, KeyboardInterrupt | SystemExit):
-            raise
-        raise _unwrap(directory, exc) from exc
-    own = rank_state_file(dist.get_rank())
-    own = own if own in entries else rank_state_file(0)
-    for needed in (SHARED_STATE, own):
-        if needed not in entries:
-            raise UnloadableCheckpoint(
-                str(directory), [Finding(Problem.CONTENT, needed, "not in the manifest")]
-            )
-    try:
-        restored = tree.join(payload.read_json(directory, entries[SHARED_STATE]), tensors)
-        mine = tree.join(payload.read_json(directory, entries[own]), {})
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise UnloadableCheckpoint(
-            str(directory), [Finding(Problem.CONTENT, SHARED_STATE, str(exc))]
-        ) from exc
-    return restored, mine
 
 
 def layout_of(world: int, given: Layout | None = None, shape: ModelShape | None = None) -> dict[str, Any]:
@@ -356,7 +302,7 @@ class ShardedCheckpointer:
         dist.all_gather_object(errors, error)
         failed = [e for e in errors if e is not None]
         if failed and self.rank == 0:
-            raise _unwrap(directory, CheckpointFailures(failed))
+            raise unwrap(directory, CheckpointFailures(failed))
         return mine if not failed else None
 
     def _lead_restore(
@@ -426,11 +372,3 @@ class ShardedCheckpointer:
                 return None
             else:
                 raise RankFailed(f"restore failed on rank 0: {value}")
-
-
-class CheckpointFailures(Exception):
-    """Failures gathered from every rank, shaped like DCP's CheckpointException for :func:`_unwrap`."""
-
-    def __init__(self, errors: list[BaseException]) -> None:
-        super().__init__(f"{len(errors)} rank(s) failed")
-        self.failures = {i: (e, None) for i, e in enumerate(errors)}

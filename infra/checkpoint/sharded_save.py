@@ -7,6 +7,7 @@ background thread over a group of its own."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,8 @@ from rewind.infra.format.digest import hash_file
 from rewind.infra.format.local_tier import LocalTier
 
 RANK_STATE = "rank-{rank}.json"
+RANK_FILE = re.compile(r"rank-(\d+)\.json")
+OWN_VALUES = "__own_values__"  # in a rank's state file: its own state tree's non-tensor values (ranks > 0)
 
 
 def rank_state_file(rank: int) -> str:
@@ -47,10 +50,14 @@ class RankShare:
 
 
 def share_of(state: dict[str, Any], rank_state: dict[str, Any], rank: int) -> RankShare:
+    """Rank 0's non-tensor values are the shared tree; every other rank keeps its own with its rank state
+    (``OWN_VALUES``), for the keys rank 0 has not got (a pipeline stage's parameters' hyperparameters)."""
     shared_tree, tensors = tree.split(state, "s")
     json_tree, extra = tree.split(rank_state, f"rank{rank}")
     if extra:
         raise ConfigError("per-rank state must not hold tensors; put them in the sharded state")
+    if rank:
+        json_tree = {**json_tree, OWN_VALUES: shared_tree}
     return RankShare(tensors, json.dumps(shared_tree).encode(), json.dumps(json_tree).encode())
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -35,15 +36,23 @@ class ModelPart:
         set_model_state_dict(self.model, state)
 
 
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class OptimizerPart:
+    """Saved flat (``state.<fqn>.<name>``, ``param_groups.<fqn>.<name>``): every parameter keeps its own
+    hyperparameters, so pipeline stages' states merge into one. The tensors' names are the same as the
+    nested form's (``state`` / FQN / name), so a checkpoint saved nested before loads too."""
+
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return get_optimizer_state_dict(self.model, self.optimizer, options=FLAT)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        nested = isinstance(state.get("state"), dict) or isinstance(state.get("param_groups"), list)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=None if nested else FLAT)
 
 
 def job_layout(given: Layout | None, handed: Layout | None, model: Any, world: int) -> Layout | None:
