@@ -61,6 +61,7 @@ def start_protected(configuration: dict[str, Any]) -> str:
             "nproc_per_node": spec["nproc_per_node"], "nnodes": spec["nnodes"],
             "min_world_size": spec["min_world_size"], "heartbeat_timeout_s": spec["heartbeat_timeout_s"] or hang_s,
             "loss_spike_factor": spec["loss_spike_factor"], "global_batch": spec["global_batch"], "lr": spec["lr"],
+            **(spec.get("layout") or {}),
         }  # fmt: skip
     else:
         # the drill's own directory: never one whose folders a job's imports could pick up by accident

@@ -42,6 +42,8 @@ def protect_training(
     lr: float | None = None,
     launcher: str = "local",
     warm: bool = False,
+    tp: int | None = None,
+    pp: int | None = None,
 ) -> dict[str, Any] | State:
     """Run a training job under watch: verify every checkpoint it commits; a failure becomes an incident.
 
@@ -71,6 +73,9 @@ def protect_training(
             nnodes hosts, one srun per node; a lost host is left out of the relaunch, a spare takes its place).
         warm: Relaunch from a standby interpreter that already imported the job's modules (a one-process
             "python -m MODULE" or "python SCRIPT" job on the local launcher): seconds instead of a cold start.
+        tp: Tensor-parallel degree the first launch is handed (REWIND_LAYOUT); a relaunch is handed the
+            rebuild's choice for the devices left.
+        pp: Pipeline stages the first launch is handed; DP is the rest of the world size.
     """
     spec = record_spec(
         run,
@@ -78,7 +83,7 @@ def protect_training(
             "command": command, "cwd": cwd, "env": env or {}, "nnodes": nnodes, "nproc_per_node": nproc_per_node,
             "min_world_size": min_world_size, "heartbeat_timeout_s": heartbeat_timeout_s,
             "loss_spike_factor": loss_spike_factor, "global_batch": global_batch, "lr": lr, "launcher": launcher,
-            "warm": warm,
+            "warm": warm, "layout": {"tp": tp or 1, "pp": pp or 1} if tp or pp else None,
         },
     )  # fmt: skip
     outcome = supervise_training(run, spec)
