@@ -1,0 +1,83 @@
+"""A PyTorch Lightning job with ``RewindCallback`` (examples/lightning_job.py: a torchdata
+``StatefulDataLoader``, AdamW and a step-wise scheduler), protected by the flows: SIGKILLed right after its
+step-20 checkpoint is committed, recovered by ``recover-training``, and finished, two epochs later, with
+the weights of an uninterrupted run, bit for bit; Lightning's checkpoints are Rewind's (verified, with
+lineage), and its CheckpointIO never opens a file it was not handed by a proven restore."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rewind.infra.catalog import incidents, jobs, lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.states import CheckpointStatus
+from rewind.infra.errors import ConfigError
+from tests.trainproc import REPO, assert_same_weights
+
+pytest.importorskip("lightning")
+pytest.importorskip("torchdata")
+
+STEPS, EVERY = 70, 10  # 32 batches an epoch: the resume crosses two epoch boundaries
+
+
+def command(run: str, out: Path) -> list[str]:
+    return ["python", "-m", "rewind.examples.lightning_job", "--run", run, "--steps", str(STEPS),
+            "--every", str(EVERY), "--out", str(out)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same Lightning job, uninterrupted and unsupervised (its own SQLite catalog)."""
+    home = tmp_path_factory.mktemp("lightning-ref")
+    env = {**os.environ, "REWIND_HOME": str(home), "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env.pop("REWIND_FAULT", None)
+    done = subprocess.run([sys.executable, *command("ref", home / "out")[1:]], cwd=home, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return home / "out" / "final.safetensors"
+
+
+@pytest.mark.timeout(600)
+def test_a_lightning_job_killed_after_a_checkpoint_is_recovered_bit_exact(
+    prefect_api, rewind_env, reference, run_name, tmp_path
+):
+    from rewind.flows.training import protect_training, recover_training, summary
+
+    out = tmp_path / "out"
+    fault = {"REWIND_FAULT": "kill:lightning.committed@20", "REWIND_FAULT_ONCE": str(tmp_path / "fired"),
+             "OMP_NUM_THREADS": "1"}  # fmt: skip
+    protected = summary(
+        protect_training(run_name, command(run_name, out), str(REPO), env=fault, return_state=True)
+    )
+    assert protected["status"] == "crash", protected
+    cat = Catalog()
+    first = jobs.launches(cat, run_name)[0]
+    assert max(r.step or 0 for r in jobs.progress(cat, first.id)) >= 20  # the callback's progress rows
+
+    recovered = summary(recover_training(protected["incident_id"], return_state=True))
+    assert recovered["status"] == "recovered", recovered
+    inc = incidents.get_incident(cat, protected["incident_id"])
+    assert lineage.get_checkpoint(cat, inc.restored_checkpoint_id).step == 20
+    assert_same_weights(out / "final.safetensors", reference)
+    kept = [c for c in lineage.checkpoints(cat, run_name) if c.status == CheckpointStatus.VERIFIED]
+    assert sorted(c.step for c in kept) == list(range(EVERY, STEPS + 1, EVERY))
+    assert kept[-1].metrics.get("loss") is not None
+
+
+def test_the_checkpoint_io_refuses_a_path_it_did_not_restore(rewind_env, run_name, tmp_path):
+    from rewind.integrations.lightning import RewindCallback
+
+    rewind = RewindCallback(run_name, every_n_steps=5)
+    assert rewind.resume_point() is None  # a fresh run
+    planted = tmp_path / "last.ckpt"
+    planted.write_bytes(b"not a checkpoint Rewind proved")
+    with pytest.raises(ConfigError, match="loads only the checkpoint resume_point"):
+        rewind.checkpoint_io.load_checkpoint(str(planted))
+    with pytest.raises(ConfigError, match="every_n_steps"):
+        RewindCallback(run_name, every_n_steps=0)
