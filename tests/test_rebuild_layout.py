@@ -49,3 +49,11 @@ def test_a_spec_layout_that_does_not_divide_the_world_is_refused():
         _spec(layout={"tp": 3, "pp": 1})
     with pytest.raises(ConfigError, match="layout must give tp and pp"):
         _spec(layout={"tp": 2})
+
+
+def test_a_job_whose_loader_keeps_per_rank_state_comes_back_on_as_many_ranks():
+    full = _spec()
+    rec = rebuild.Recorded(saved=Layout(tp=1, pp=1, dp=4), same_world=True)
+    r = rebuild.plan(full, full, "crash", lost_node=None, shrink=True, recorded=rec)
+    assert r.after == Layout(1, 1, 4) and r.spec.nproc_per_node == 4
+    assert "per-rank state: the same number of ranks" in r.decision, r.decision

@@ -1,7 +1,7 @@
 """torchdata's StatefulDataLoader as the session's loader: its own state (sampler position, shuffling
 generator) is checkpointed and restored exactly, so a job SIGKILLed after a checkpoint, mid-epoch, ends
-bit-identical to one never interrupted. Under torchrun such a per-rank loader is refused in one line (it
-cannot be resharded: ResumableLoader can)."""
+bit-identical to one never interrupted. Under torchrun each rank's loader state is its own: restored on as
+many ranks (bit-identical), refused in one line on another number (ResumableLoader can be resharded)."""
 
 from __future__ import annotations
 
@@ -61,31 +61,36 @@ def test_a_stateful_dataloader_resumes_mid_epoch_bit_exact(tmp_path: Path) -> No
     assert all(torch.equal(a[k], b[k]) for k in a), f"seed {seed}"
 
 
-REFUSED_UNDER_TORCHRUN = """
-import torch, torch.distributed as dist
-from torchdata.stateful_dataloader import StatefulDataLoader
-from rewind.infra.errors import ConfigError
-from rewind.infra.training.session import TrainingSession
-dist.init_process_group("gloo")
-data = torch.utils.data.TensorDataset(torch.randn(64, 2))
-try:
-    TrainingSession("r", model=torch.nn.Linear(2, 1), loader=StatefulDataLoader(data, batch_size=4))
-    print("accepted", flush=True)
-except ConfigError as exc:
-    print("refused:", exc, flush=True)
-dist.destroy_process_group()
-"""
-
-
-def test_a_per_rank_loader_is_refused_under_torchrun_in_one_line(tmp_path: Path) -> None:
-    pytest.importorskip("torchdata.stateful_dataloader")
+def _ranks(home: Path, n: int, fault: str = "") -> subprocess.CompletedProcess[str]:
     from tests.torchrun_support import torchrun
 
-    script = tmp_path / "job.py"
-    script.write_text(REFUSED_UNDER_TORCHRUN)
-    env = {**os.environ, "REWIND_HOME": str(tmp_path), "REWIND_CATALOG_URL": "", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([*torchrun(2), str(script)], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=180)  # fmt: skip
+    env = {**os.environ, "REWIND_HOME": str(home), "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
+           "OMP_NUM_THREADS": "1", "REWIND_FAULT": fault, "REWIND_FAULT_ONCE": str(home / "fired")}  # fmt: skip
+    cmd = [*torchrun(n), "-m", "tests.stateful_loader_job", "job", str(home / "out"), str(STEPS)]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_per_rank_loaders_under_torchrun_resume_bit_exact_on_as_many_ranks_only(tmp_path: Path) -> None:
+    """Each rank's StatefulDataLoader (a StatefulDistributedSampler) is that rank's own state: killed after
+    the step-40 checkpoint, two ranks resume bit-identical to an uninterrupted run; one rank refuses the
+    run's checkpoints in one line (their loader state is per rank), and starts nothing over."""
+    pytest.importorskip("torchdata.stateful_dataloader")
+    plain, hurt = tmp_path / "plain", tmp_path / "hurt"
+    for d in (plain, hurt):
+        d.mkdir()
+    done = _ranks(plain, 2)
     assert done.returncode == 0, done.stderr[-2000:]
-    said = [line for line in done.stdout.splitlines() if line.startswith(("refused", "accepted"))]
-    assert len(said) == 2 and all("cannot be resharded" in line for line in said), done.stdout
+    killed = _ranks(hurt, 2, fault="kill:save.before_catalog@50")  # step 40 is the newest committed
+    assert killed.returncode != 0 and not (hurt / "out").exists(), killed.stderr[-2000:]
+    cat = Catalog(f"sqlite:///{hurt / 'catalog.db'}")
+    newest = max(c.step for c in lineage.checkpoints(cat, "job") if c.status != CheckpointStatus.WRITING)
+    assert newest == 40 and lineage.checkpoints(cat, "job", 40)[0].layout["data"] == "per-rank"
+
+    one = _ranks(hurt, 1)
+    assert one.returncode != 0 and "the loader's state is per rank: saved by 2 ranks, this job has 1" in (
+        one.stdout + one.stderr
+    ), one.stderr[-3000:]
+    again = _ranks(hurt, 2)
+    assert again.returncode == 0 and "resumed at step 40" in again.stdout, again.stderr[-2000:]
+    a, b = (load_file(str(d / "out" / "final.safetensors")) for d in (plain, hurt))
+    assert all(torch.equal(a[k], b[k]) for k in a)

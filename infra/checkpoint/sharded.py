@@ -35,7 +35,7 @@ from rewind.infra.checkpoint import assemble, remotes, share_push, spread
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.engine import SaveMode
 from rewind.infra.checkpoint.recording import recorded_save
-from rewind.infra.checkpoint.sharded_load import CheckpointFailures, load, unwrap
+from rewind.infra.checkpoint.sharded_load import PER_RANK_PREFIX, CheckpointFailures, load, unwrap
 from rewind.infra.checkpoint.sharded_save import (
     LeadHooks,
     RankShare,
@@ -67,11 +67,23 @@ log = logging.getLogger("rewind.sharded")
 LAUNCHER_ENV = "REWIND_LAUNCHER"  # the launcher a supervisor started the job with (``local``, ``slurm``)
 
 
-def layout_of(world: int, given: Layout | None = None, shape: ModelShape | None = None) -> dict[str, Any]:
+PER_RANK_DATA = "per-rank"  # a layout record's "data": the loader's state is each rank's own
+
+
+def per_rank_part(rank: int) -> str:
+    """The state part of a rank's own loader state (its own key: restored by the same rank only)."""
+    return f"{PER_RANK_PREFIX}{rank}"
+
+
+def layout_of(
+    world: int, given: Layout | None = None, shape: ModelShape | None = None, *, per_rank_data: bool = False
+) -> dict[str, Any]:
     """What a checkpoint records of how it was saved: the layout the job reported (data-parallel when it
-    reported none) and, where known, the model's shape (for the layout planner of a later rebuild)."""
+    reported none), where known the model's shape (for the layout planner of a later rebuild), and
+    whether the loader's state is per rank (restorable on the same world size only)."""
     used = given if given is not None and given.world_size == world else Layout(tp=1, pp=1, dp=world)
-    return {**used.as_dict(), **({"model": shape.as_dict()} if shape is not None else {})}
+    out: dict[str, Any] = {**used.as_dict(), **({"model": shape.as_dict()} if shape is not None else {})}
+    return {**out, "data": PER_RANK_DATA} if per_rank_data else out
 
 
 class ShardedCheckpointer:
@@ -91,6 +103,7 @@ class ShardedCheckpointer:
         exit_timeout_s: float = 300.0,
         layout: Layout | None = None,
         model_shape: ModelShape | None = None,
+        per_rank_data: bool = False,
     ) -> None:
         self.run = run
         self.root = Path(root).expanduser().resolve()
@@ -99,7 +112,9 @@ class ShardedCheckpointer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if layout is not None and layout.world_size != self.world:
             raise ConfigError(f"layout {layout} is {layout.world_size} ranks; this job has {self.world}")
-        self.layout = layout_of(self.world, layout, model_shape)  # recorded with every checkpoint
+        self.layout = layout_of(
+            self.world, layout, model_shape, per_rank_data=per_rank_data
+        )  # with every checkpoint
         self.catalog = (catalog or Catalog()) if self.rank == 0 else None
         # Rank 0 leads: it alone holds the catalog and the run's id.
         self._lead = (

@@ -11,11 +11,13 @@ import torch.distributed as dist
 
 from rewind.infra.checkpoint.sharded_save import OWN_VALUES, RANK_FILE, rank_state_file
 from rewind.infra.checkpoint.spread import SHARED_STATE
-from rewind.infra.errors import ConfigError, CorruptCheckpoint, UnloadableCheckpoint
+from rewind.infra.errors import ConfigError, CorruptCheckpoint, StateMismatch, UnloadableCheckpoint
 from rewind.infra.format import dcp as verified_dcp
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import payload, tree
 from rewind.infra.format.verify import Finding, Problem
+
+PER_RANK_PREFIX = "data_rank"  # a rank's own loader state (``sharded.per_rank_part``)
 
 
 def unwrap(directory: Path, exc: BaseException) -> BaseException:
@@ -45,6 +47,7 @@ def load(
     entries = {e.path: e for e in manifest.files}
     if payload.DCP_METADATA not in entries:  # the caller's mistake, not the checkpoint's: condemn nothing
         raise ConfigError(f"{directory} is not a sharded (DCP) checkpoint: load it with Checkpointer")
+    _same_world_for_per_rank_data(directory, manifest, state)
     template, tensors = tree.split(state, "s")  # the same names as at save time: where to load into
     try:
         verified_dcp.load(tensors, directory, entries)
@@ -69,6 +72,19 @@ def load(
     return restored, mine
 
 
+def _same_world_for_per_rank_data(directory: Path, manifest: mf.Manifest, state: dict[str, Any]) -> None:
+    """A loader whose state is each rank's own (torchdata's StatefulDataLoader) is restored by the same
+    ranks only: on another world size the job refuses the checkpoint, which condemns nothing."""
+    saved, world = manifest.layout.get("world_size"), dist.get_world_size()
+    mine = [k for k in state if k.startswith(PER_RANK_PREFIX)]
+    if mine and saved != world:
+        raise StateMismatch(
+            str(directory),
+            [Finding(Problem.CONTENT, mine[0], f"the loader's state is per rank: saved by {saved} ranks, this job "
+                     f"has {world}; resume on {saved}, or give the session a ResumableLoader (a global position)")],
+        )  # fmt: skip
+
+
 def shared_values(directory: Path, entries: dict[str, Any], template: Any) -> Any:
     """Rank 0's state tree, and where ``template`` (what this rank loads into) has a part's keys it lacks
     (pipeline stages: each rank held some of the model), the other ranks' own values for them."""
@@ -88,12 +104,12 @@ def shared_values(directory: Path, entries: dict[str, Any], template: Any) -> An
 
 
 def _held(base: Any, template: Any) -> Any:
-    """The saved tree without the tensors this rank does not load (another pipeline stage's: the template,
-    what this rank holds, decides what is loaded, as in DCP)."""
+    """The saved tree without what this rank does not load (another pipeline stage's tensors, another rank's
+    own loader state): the template, what this rank holds, decides what is loaded, as in DCP."""
     if not isinstance(base, dict) or not isinstance(template, dict):
         return base
-    out = dict(base)
-    for part, values in base.items():
+    out = {part: values for part, values in base.items() if part in template}  # another rank's own loader
+    for part, values in out.items():
         want = template.get(part)
         if isinstance(values, dict) and isinstance(want, dict):
             out[part] = {k: v for k, v in values.items() if k in want or not _is_tensor(v)}

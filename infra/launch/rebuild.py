@@ -14,7 +14,7 @@ compound right.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rewind.infra.errors import Refused
@@ -116,6 +116,7 @@ class Recorded:
     saved: layout.Layout | None = None
     handed: layout.Layout | None = None
     shape: layout.ModelShape | None = None
+    same_world: bool = False  # the job's loader keeps per-rank state: restorable by as many ranks only
 
 
 def _layouts(full: JobSpec, current: JobSpec, rec: Recorded) -> tuple[layout.Layout, layout.Layout]:
@@ -164,6 +165,9 @@ def plan(
         size = _without_sick(current, devices) if shrink else None
     else:
         size = _smaller(current, lost_node) if shrink and kind in SHRINKS and not spare else None
+    if rec.same_world and size is not None and kind != "gpu":
+        size = None  # a smaller world could not restore the loader's per-rank state
+        current = replace(current, min_world_size=current.world_size)
     nnodes, nproc = size or (current.nnodes, current.nproc_per_node)
     before, chosen = _choose(full, current, nnodes, nproc, rec)
     after = chosen.layout
@@ -176,6 +180,8 @@ def plan(
         else "restart with the same layout; resume from the newest verified checkpoint"
     )
     what += _placement_note(hosts, spare, kind, devices)
+    if rec.same_world and not changed:
+        what += " (the job's loader keeps per-rank state: the same number of ranks)"
     note = "" if rec.shape or full.model else " (no model shape reported: TP and PP kept or 1)"
     decision = f"{what}: {chosen.reason}{note}" if changed else what
     handoff: dict[str, Any] = {

@@ -9,6 +9,7 @@ from typing import Any
 
 from rewind.infra.catalog import disks, incidents, jobs, lineage
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.sharded import PER_RANK_DATA
 from rewind.infra.errors import NotFoundError
 from rewind.infra.health import layout
 from rewind.infra.launch import rebuild
@@ -68,6 +69,7 @@ def _recorded(cat: Catalog, checkpoint_id: int | None, failed: Mapping[str, Any]
         saved=layout.Layout.from_dict(saved),
         handed=layout.Layout.from_dict(failed.get("layout")),
         shape=layout.ModelShape.from_dict(saved.get("model")),
+        same_world=saved.get("data") == PER_RANK_DATA,
     )
 
 

@@ -33,7 +33,7 @@ from rewind.infra.catalog import lineage, models
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint import assemble
 from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
-from rewind.infra.checkpoint.sharded import ShardedCheckpointer
+from rewind.infra.checkpoint.sharded import ShardedCheckpointer, per_rank_part
 from rewind.infra.checkpoint.state import RNGState
 from rewind.infra.errors import ConfigError, RewindError, is_transient
 from rewind.infra.format import payload
@@ -107,10 +107,13 @@ class TrainingSession:
         )
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
-        if self.distributed and loader is not None and not hasattr(loader, "skip_to"):
+        # under torchrun a loader without a global position (torchdata's StatefulDataLoader) keeps its state
+        # per rank: restored on the same world size only, and a rebuild keeps the world size for it
+        self.per_rank_data = self.distributed and loader is not None and not hasattr(loader, "skip_to")
+        if self.per_rank_data and not hasattr(loader, "state_dict"):
             raise ConfigError(
-                f"{type(loader).__name__} keeps a per-rank state that cannot be resharded; under torchrun give "
-                "the session a ResumableLoader (its position is global), or checkpoint this loader yourself"
+                f"{type(loader).__name__} has neither a global position (skip_to) nor a state_dict(): under "
+                "torchrun give the session a ResumableLoader, a StatefulDataLoader, or checkpoint it yourself"
             )
         if payload.check_format(format) != payload.PLAIN and self.distributed:
             raise ConfigError(
@@ -155,7 +158,7 @@ class TrainingSession:
                 raise ConfigError("an optimizer needs its model")
             parts["optimizer"] = OptimizerPart(model, optimizer) if self.distributed else optimizer
         if self.loader is not None and "data" not in states and hasattr(self.loader, "state_dict"):
-            parts["data"] = self.loader
+            parts[per_rank_part(self.rank) if self.per_rank_data else "data"] = self.loader
         return {**parts, **states}
 
     # -- entering and leaving ----------------------------------------------------------
@@ -280,7 +283,7 @@ class TrainingSession:
             self.run, root=self.root, catalog=self.catalog, mode=self.mode, layout=job_layout(
                 self.layout, self.handoff.layout, self.parts.get("model"), dist.get_world_size()
             ),
-            model_shape=self.model_shape,
+            model_shape=self.model_shape, per_rank_data=self.per_rank_data,
         )  # fmt: skip
         self._ckpt = sck
         restored = sck.restore_latest(
