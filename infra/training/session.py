@@ -64,8 +64,8 @@ class SkippableLoader(Protocol):
 
 class StatefulLoader(Protocol):
     """Any loader that can say where it is and go back there (torchdata's ``StatefulDataLoader``): its
-    state is checkpointed and restored exactly in a single-process job. It has no global position, so
-    it can neither skip a data window nor be resharded across ranks."""
+    state is checkpointed and restored exactly; under torchrun it is each rank's own, restored on as many
+    ranks only. It has no global position, so it can neither skip a data window nor be resharded."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
