@@ -240,7 +240,13 @@ def test_two_nodes_of_eight_gpus() -> None:
     assert env["REWIND_CATALOG_URL"]["valueFrom"] == {
         "secretKeyRef": {"name": name, "key": "REWIND_CATALOG_URL"}
     }
-    for handed in ("REWIND_LAUNCH_ID", "REWIND_LAUNCH_TOKEN", "REWIND_LR_SCALE", "REWIND_GLOBAL_BATCH"):
+    for handed in (
+        "REWIND_LAUNCH_ID",
+        "REWIND_LAUNCH_TOKEN",
+        "REWIND_LR_SCALE",
+        "REWIND_GLOBAL_BATCH",
+        "REWIND_LAYOUT",
+    ):
         assert env[handed]["valueFrom"]["secretKeyRef"] == {"name": name, "key": handed, "optional": True}
     labels = m["metadata"]["labels"]
     assert labels["rewind/run"].startswith("llama-70b-") and labels["rewind/launch"] == "7"

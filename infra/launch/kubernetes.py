@@ -10,7 +10,7 @@ Rewind does the recovery, not Kubernetes: ``backoffLimit: 0``, ``restartPolicy: 
 ``failurePolicy.maxRestarts: 0``, so a lost pod fails the JobSet once and stays failed.
 
 Secrets never enter the manifest. The catalog URL, the launch's handoff (``REWIND_LAUNCH_ID``,
-``REWIND_LAUNCH_TOKEN``, ``REWIND_LR_SCALE``, ``REWIND_GLOBAL_BATCH``), the signing keys, every
+``REWIND_LAUNCH_TOKEN``, ``REWIND_LR_SCALE``, ``REWIND_GLOBAL_BATCH``, ``REWIND_LAYOUT``), the signing keys, every
 ``REWIND_*`` variable of the spec and every spec variable that looks secret (``redact``'s rules: a
 secret-looking name, a URL with a password) reach the pods only as ``secretKeyRef``s into one Secret,
 under the variable's own name as the key; the manifest's ``rewind/secret-keys`` annotation lists them.
@@ -53,6 +53,7 @@ OPTIONAL_SECRET_ENV = (
     progress.TOKEN_ENV,
     "REWIND_LR_SCALE",
     "REWIND_GLOBAL_BATCH",
+    "REWIND_LAYOUT",
     CHECKPOINT_ENV,
     "REWIND_MANIFEST_KEY",
     "REWIND_MANIFEST_PREVIOUS_KEYS",

@@ -39,7 +39,7 @@ IDLE_ENV = "REWIND_STANDBY_IDLE_S"
 # What differs from one launch of a run to the next: left out of the standby's environment check.
 PER_LAUNCH = frozenset({
     "REWIND_LAUNCH_ID", "REWIND_LAUNCH_TOKEN", "REWIND_NODE", "REWIND_LR_SCALE", "REWIND_GLOBAL_BATCH",
-    "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
+    "REWIND_LAYOUT", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
 })  # fmt: skip
 MAX_MESSAGE = 1 << 20
 LAZY = ("torch._dynamo", "torch.distributed.checkpoint")  # imported by torch on first use, not at import
