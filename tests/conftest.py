@@ -153,6 +153,8 @@ SLOW_FILES_FIRST = [
     "test_elastic.py",  # ~130
     "test_corruption.py",  # ~130
     "test_hf_example.py",  # ~105
+    "test_model_parallel.py",  # ~90 (DP2 x TP2 on 4 ranks recovered as TP2 x DP1; TP2 -> 1; PP2 -> 1)
+    "test_lightning.py",  # ~90 (a reference run, a Lightning job killed under protect-training, recovered)
     "test_work_pool.py",  # ~100 (a rewind server, prefect deploy, a worker, a recovery, a browser)
     "test_drills.py",  # ~85-105 alone, loaded
     "test_catalog_rebuild.py",  # ~100
@@ -163,6 +165,7 @@ SLOW_FILES_FIRST = [
     "test_gc_kill.py",  # ~75 (8 gc kills ~45)
     "test_catalog_races.py",  # ~55
     "test_spread.py",  # ~45 alone (4 ranks on 2 disks: saved, restored twice)
+    "test_stateful_loader.py",  # ~60 (four 2-rank torchrun launches, two single-process jobs)
     "test_watch_beside.py",  # ~45
     "test_memory_tier.py",  # ~45 (a torchrun job killed, recovered from memory)
     "test_hf_trainer.py",  # ~35 (a Trainer job killed under protect-training, recovered)
