@@ -5,6 +5,7 @@ is the rank's own (DDP model; rank 0 writes the weights)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Iterator
@@ -78,7 +79,9 @@ def main(run: str, out: str, steps: int) -> None:
         os.makedirs(out, exist_ok=True)
         weights = getattr(model, "module", model).state_dict()
         save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(out, "final.safetensors"))
-    if distributed:
+    if distributed:  # the DDP model and its reducer freed while the group still exists (as tiny_lm_ddp)
+        del model, opt, s
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
 

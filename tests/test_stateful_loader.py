@@ -67,7 +67,7 @@ def _ranks(home: Path, n: int, fault: str = "") -> subprocess.CompletedProcess[s
     env = {**os.environ, "REWIND_HOME": str(home), "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
            "OMP_NUM_THREADS": "1", "REWIND_FAULT": fault, "REWIND_FAULT_ONCE": str(home / "fired")}  # fmt: skip
     cmd = [*torchrun(n), "-m", "tests.stateful_loader_job", "job", str(home / "out"), str(STEPS)]
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
 
 
 def test_per_rank_loaders_under_torchrun_resume_bit_exact_on_as_many_ranks_only(tmp_path: Path) -> None:
