@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 # The CPU build of torch; a range in pyproject.toml lets users keep their own build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test test-heavy test-host-drills lint bench drills clean
+.PHONY: install demo test test-e2e test-heavy test-host-drills lint bench drills clean
 
 install: $(VENV)/.installed
 
@@ -20,6 +20,12 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The heavier end-to-end set (tests/conftest.py's E2E: the serving and storage-failover drills, prefect deploy
+# with a worker, the elastic shrink relaunches, per-rank loaders, a crash on the Slurm lab, 4 -> 2 -> 1 DDP
+# resharding) that `make test` skips, saying so; about 12 minutes on 2 cores. Not run by CI.
+test-e2e: install
+	REWIND_TEST_E2E=1 $(BIN)/python -m pytest -q -m e2e --timeout 1500
 
 # The long series of the kill tests (40 SIGKILLs at random moments, five rounds of kills inside
 # background saves, gc SIGKILLed at 20 random deletion steps) that `make test` runs short (8 kills,

@@ -117,12 +117,7 @@ def _train(args: Any, device: torch.device) -> None:
             for g, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas, strict=True):
                 g["lr"] = base * factor(sched.last_epoch)
         s.note(lr=sched.base_lrs[0], global_batch=args.batch_size * world, world_size=world)
-        for skip in s.skipped:
-            print(
-                f"rewind: skipped step {skip.step}: {skip.outcome}: {skip.reason}",
-                file=sys.stderr,
-                flush=True,
-            )
+        print_skipped(s)
         if s.start_step:
             dump_state(model, opt, f"restored-{s.start_step}")
             if rank == 0:
@@ -174,27 +169,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--sample-log", type=Path, default=None, help="test seam: log each rank's sample indices per step"
     )
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--"]:  # torchrun hands our arguments over after a "--"
-        argv = argv[1:]
+    argv = own_argv(argv)
     args = p.parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         return train(args)
+    return torchrun_exec("rewind.examples.tiny_lm_ddp", args.nproc, argv)
+
+
+def own_argv(argv: list[str] | None) -> list[str]:
+    """This process's arguments (torchrun hands them over after a "--")."""
+    argv = sys.argv[1:] if argv is None else argv
+    return argv[1:] if argv[:1] == ["--"] else argv
+
+
+def torchrun_exec(module: str, nproc: int, argv: list[str]) -> int:
+    """Become torchrun starting ``nproc`` local ranks of ``module`` with ``argv`` (started by hand)."""
     launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={args.nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        "--max-restarts=0",
-        "-m",
-        "rewind.examples.tiny_lm_ddp",
-        "--",
-        *argv,
-    ]
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}", "--max-restarts=0", "-m", module, "--", *argv,
+    ]  # fmt: skip
     os.execv(sys.executable, launcher)
     return 0  # not reached
+
+
+def print_skipped(session: TrainingSession) -> None:
+    """Say on stderr which steps the supervisor had the job skip (poisoned batches)."""
+    for skip in session.skipped:
+        print(f"rewind: skipped step {skip.step}: {skip.outcome}: {skip.reason}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
-from tiny_lm_model import TinyLM, alphabet
+from tiny_lm_model import alphabet, from_weights
 
 
 class TinyLMHandler:
@@ -21,12 +21,8 @@ class TinyLMHandler:
         model_dir = context.system_properties["model_dir"]
         self.version = str(context.manifest["model"].get("modelVersion", ""))
         weights = load_file(os.path.join(model_dir, "weights.safetensors"))
-        vocab, dim = weights["tok.weight"].shape
-        layers = 1 + max(int(k.split(".")[1]) for k in weights if k.startswith("blocks."))
         self.block = weights["pos"].shape[1]
-        self.model = TinyLM(vocab, self.block, dim=dim, layers=layers, dropout=0.0)
-        self.model.load_state_dict(weights)
-        self.model.eval()
+        self.model = from_weights(weights)
         self.chars = alphabet()
         self.index = {c: i for i, c in enumerate(self.chars)}
         self.initialized = True

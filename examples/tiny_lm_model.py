@@ -146,3 +146,32 @@ def probes(n: int = 48, seed: int = 99) -> list[dict[str, str]]:
         if text[i - 3 : i].isalpha() and text[i].isalpha():
             out.append({"input": text[i - 31 : i], "expected": text[i]})
     return out
+
+
+def from_weights(weights: dict[str, torch.Tensor]) -> TinyLM:
+    """A model in eval mode holding ``weights``, its architecture read off them (any export of any size)."""
+    vocab, dim = weights["tok.weight"].shape
+    layers = 1 + max(int(k.split(".")[1]) for k in weights if k.startswith("blocks."))
+    model = TinyLM(vocab, weights["pos"].shape[1], dim=dim, layers=layers, dropout=0.0)
+    model.load_state_dict(weights)
+    return model.eval()
+
+
+def accuracy(model: TinyLM) -> float:
+    """The share of ``probes()`` the model answers right: what the quality gate measures through TorchServe."""
+    chars = alphabet()
+    index = {c: i for i, c in enumerate(chars)}
+    right = 0
+    with torch.no_grad():
+        for p in probes():
+            logits = model(torch.tensor([[index[c] for c in p["input"]]]))
+            right += chars[int(logits[0, -1].argmax())] == p["expected"]
+    return right / len(probes())
+
+
+def scramble(model: TinyLM, seed: int = 1) -> TinyLM:
+    """Shuffle the embedding rows in place: the weights still load and answer, wrongly (a bad model version)."""
+    with torch.no_grad():
+        perm = torch.randperm(model.tok.weight.shape[0], generator=torch.Generator().manual_seed(seed))
+        model.tok.weight.copy_(model.tok.weight[perm])
+    return model

@@ -38,7 +38,14 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn import functional as F
 
 from rewind.examples.tiny_lm import LossLog
-from rewind.examples.tiny_lm_ddp import dump_state, free_port, full_state, rank_device
+from rewind.examples.tiny_lm_ddp import (
+    dump_state,
+    full_state,
+    own_argv,
+    print_skipped,
+    rank_device,
+    torchrun_exec,
+)
 from rewind.examples.tiny_lm_model import CharDataset, corpus
 from rewind.infra.health.layout import Layout, ModelShape
 from rewind.infra.training.data import ResumableLoader
@@ -198,12 +205,7 @@ def train(args: argparse.Namespace) -> int:
         for g in opt.param_groups:  # the full-size rate, scaled for this launch's DP (1.0 at full size)
             g["lr"] = args.lr * s.handoff.lr_scale
         s.note(lr=args.lr * s.handoff.lr_scale, global_batch=loader.global_batch, layout=layout.as_dict())
-        for skip in s.skipped:
-            print(
-                f"rewind: skipped step {skip.step}: {skip.outcome}: {skip.reason}",
-                file=sys.stderr,
-                flush=True,
-            )
+        print_skipped(s)
         if s.start_step:
             dump_state(model, opt, f"restored-{s.start_step}", per_rank=layout.pp > 1)
             if dist.get_rank() == 0:
@@ -274,18 +276,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--"]:  # torchrun hands our arguments over after a "--"
-        argv = argv[1:]
+    argv = own_argv(argv)
     args = parser().parse_args(argv)
     if "LOCAL_RANK" in os.environ:
         return train(args)
-    launcher = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}", "--max-restarts=0", "-m", "rewind.examples.tp_lm", "--", *argv,
-    ]  # fmt: skip
-    os.execv(sys.executable, launcher)
-    return 0  # not reached
+    return torchrun_exec("rewind.examples.tp_lm", args.nproc, argv)
 
 
 if __name__ == "__main__":

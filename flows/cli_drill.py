@@ -61,6 +61,8 @@ def cmd_run(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
             where = f" at {r['failed_phase']}" if r.get("failed_phase") else ""
             why = f": {r['reason']}" if r.get("reason") else ""
             note = "" if r["as_expected"] else "  (UNEXPECTED)"
+            if r.get("requests") is not None:  # a serving drill: what its clients saw
+                why += f" ({r['failed_requests']} of {r['requests']} requests failed)"
             lines.append(f"{r['scenario']:30} {r['outcome']:8} RTO {rto:9} drill {r['id']}{where}{why}{note}")
         return "\n".join(lines)
 

@@ -204,6 +204,10 @@ def run_one(
             "reason": skip,
             "as_expected": True,
         }
+    if kind == "serving":  # the drill's own serving stack, not a training job
+        from rewind.flows.drills_serving import run_serving
+
+        return run_serving(scenario, experiment, budget, slos.source)
     job_cfg = {**drill_job.JOB_DEFAULTS, **(ext.get("job") or {}), **(job or {})}
     run = f"drill-{scenario}-{uuid.uuid4().hex[:6]}"
     state = drill_job.home() / "drills" / run
@@ -369,7 +373,7 @@ def run_drills(
         key="rewind-drill-phases",
         table=[
             {"scenario": r["scenario"], "outcome": r["outcome"], "failed_phase": r.get("failed_phase") or "",
-             **{n: (r.get("phases") or {}).get(n, {}).get("s") for n in slo.PHASES}}
+             **{n: (r.get("phases") or {}).get(n, {}).get("s") for n in slo.ALL_PHASES}}
             for r in results
         ],
         description="Seconds per recovery phase of each drill (rewind drill report has the plots).",

@@ -177,7 +177,36 @@ SLOW_FILES_FIRST = [
 ]
 
 
+# The heavier end-to-end set, run by `make test-e2e` (REWIND_TEST_E2E=1) and skipped by `make test`, saying
+# so: each is a whole job, stack or service lifecycle that another test of `make test` covers in part
+# (docs/testing.md names which). Node ids, or a file for all of its tests.
+E2E = (
+    "test_drills_services.py",  # ~175: the serving drills and storage-failover, each starting its own services
+    "test_work_pool.py",  # ~145: prefect deploy --all, a worker, a protected run killed and recovered
+    "test_flows.py::test_lost_rank_is_relaunched_on_fewer_ranks_automatically",  # ~90
+    "test_stateful_loader.py::test_per_rank_loaders_under_torchrun_resume_bit_exact_on_as_many_ranks_only",  # ~90
+    "test_slurm.py::test_a_crash_without_a_lost_host_comes_back_on_the_same_hosts_reading_only_their_disks",  # ~80
+    "test_sharded.py::test_save_with_4_ranks_load_with_2_and_1[ddp]",  # ~60 (fsdp2 stays)
+    "test_elastic.py::test_lost_rank_relaunch_on_three_resumes_resharded",  # ~58
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e: the heavier end-to-end set (`make test-e2e`)")
+
+
+def _e2e(item: pytest.Item) -> bool:
+    node = f"{item.path.name}::{item.name}"
+    return any(node == e or item.path.name == e for e in E2E)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    chosen = bool(os.environ.get("REWIND_TEST_E2E"))
+    for item in items:
+        if _e2e(item):
+            item.add_marker(pytest.mark.e2e)
+            if not chosen:
+                item.add_marker(pytest.mark.skip(reason="in the heavier end-to-end set: `make test-e2e`"))
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(
         key=lambda item: rank.get(item.path.name, len(SLOW_FILES_FIRST))

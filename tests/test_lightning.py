@@ -6,9 +6,6 @@ lineage), and its CheckpointIO never opens a file it was not handed by a proven 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ from rewind.infra.catalog import incidents, jobs, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.states import CheckpointStatus
 from rewind.infra.errors import ConfigError
-from tests.trainproc import REPO, assert_same_weights
+from tests.trainproc import REPO, assert_same_weights, uninterrupted
 
 pytest.importorskip("lightning")
 pytest.importorskip("torchdata")
@@ -34,13 +31,7 @@ def command(run: str, out: Path) -> list[str]:
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same Lightning job, uninterrupted and unsupervised (its own SQLite catalog)."""
     home = tmp_path_factory.mktemp("lightning-ref")
-    env = {**os.environ, "REWIND_HOME": str(home), "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
-           "OMP_NUM_THREADS": "1"}  # fmt: skip
-    env.pop("REWIND_FAULT", None)
-    done = subprocess.run([sys.executable, *command("ref", home / "out")[1:]], cwd=home, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return home / "out" / "final.safetensors"
+    return uninterrupted(command("ref", home / "out"), home)
 
 
 @pytest.mark.timeout(600)

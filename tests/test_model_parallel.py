@@ -114,52 +114,48 @@ def test_a_tp2_dp2_job_losing_a_rank_comes_back_as_tp2_dp1_resharded_exactly(
     assert lead.step == STEPS and math.isfinite(lead.detail["losses"][str(STEPS)])
 
 
-def test_a_tp2_job_forced_onto_one_rank_changes_tp_and_reshards_exactly(rewind_env, run_name, tmp_path):
-    dumps = tmp_path / "dumps"
-    env = {**rewind_env, "OMP_NUM_THREADS": "1", "TINY_LM_DUMP_DIR": str(dumps)}
-    first = TrainingProcess(command(run_name, steps=EVERY, nproc=2, python=sys.executable), cwd=REPO, env=env)
-    assert first.finish(timeout=300) == 0, first.output.text[-3000:]
-
-    # The planner, fed the layout and shape the checkpoint recorded, for one device left.
+def _replanned_onto_one_rank(
+    run_name: str,
+    env: dict[str, str],
+    first: list[str],
+    saved_as: Layout,
+    spec: JobSpec,
+    why: str,
+    stages: int,
+) -> None:
+    """Run ``first`` to the step-EVERY checkpoint; the planner, fed the layout and shape that checkpoint
+    recorded, plans one rank (``why`` in its decision); resumed on that layout, the restored state equals
+    the saved one exactly."""
+    done = TrainingProcess(first, cwd=REPO, env=env)
+    assert done.finish(timeout=300) == 0, done.output.text[-3000:]
     (saved,) = lineage.checkpoints(Catalog(), run_name, step=EVERY)
-    assert Layout.from_dict(saved.layout) == Layout(2, 1, 1)
-    full = JobSpec(command=("python",), nproc_per_node=2, global_batch=MICRO, lr=LR)
+    assert Layout.from_dict(saved.layout) == saved_as
     rec = rebuild.Recorded(
         saved=Layout.from_dict(saved.layout), shape=ModelShape.from_dict(saved.layout["model"])
     )
-    r = rebuild.plan(full, full, "crash", lost_node=None, shrink=True, recorded=rec)
-    assert r.after == Layout(1, 1, 1) and "TP 2 -> 1 (old TP does not fit)" in r.decision, r.decision
-
+    r = rebuild.plan(spec, spec, "crash", lost_node=None, shrink=True, recorded=rec)
+    assert r.after == Layout(1, 1, 1) and why in r.decision, r.decision
     handed = {**env, LAYOUT_ENV: r.after.env_value()}
     second = TrainingProcess(
         command(run_name, steps=EVERY + 2, nproc=1, python=sys.executable), cwd=REPO, env=handed
     )
     assert second.finish(timeout=300) == 0, second.output.text[-3000:]
     assert f"at step {EVERY} as TP1 x PP1 x DP1" in second.output.text
-    assert_same_state(dumps, EVERY)
+    assert_same_state(Path(env["TINY_LM_DUMP_DIR"]), EVERY, stages=stages)
+
+
+def test_a_tp2_job_forced_onto_one_rank_changes_tp_and_reshards_exactly(rewind_env, run_name, tmp_path):
+    env = {**rewind_env, "OMP_NUM_THREADS": "1", "TINY_LM_DUMP_DIR": str(tmp_path / "dumps")}
+    first = command(run_name, steps=EVERY, nproc=2, python=sys.executable)
+    spec = JobSpec(command=("python",), nproc_per_node=2, global_batch=MICRO, lr=LR)
+    _replanned_onto_one_rank(
+        run_name, env, first, Layout(2, 1, 1), spec, "TP 2 -> 1 (old TP does not fit)", 1
+    )
 
 
 def test_a_pp2_job_resumes_as_pp1_exactly(rewind_env, run_name, tmp_path):
-    dumps = tmp_path / "dumps"
-    env = {**rewind_env, "OMP_NUM_THREADS": "1", "TINY_LM_DUMP_DIR": str(dumps)}
-    first = TrainingProcess(
-        command(run_name, tp=1, pp=2, steps=EVERY, nproc=2, python=sys.executable), cwd=REPO, env=env
-    )
-    assert first.finish(timeout=300) == 0, first.output.text[-3000:]
-
-    (saved,) = lineage.checkpoints(Catalog(), run_name, step=EVERY)
-    assert Layout.from_dict(saved.layout) == Layout(1, 2, 1)
-    full = JobSpec(command=("python",), nproc_per_node=2)
-    rec = rebuild.Recorded(
-        saved=Layout.from_dict(saved.layout), shape=ModelShape.from_dict(saved.layout["model"])
-    )
-    r = rebuild.plan(full, full, "crash", lost_node=None, shrink=True, recorded=rec)
-    assert r.after == Layout(1, 1, 1) and "PP 2 -> 1" in r.decision, r.decision
-
-    handed = {**env, LAYOUT_ENV: r.after.env_value()}
-    second = TrainingProcess(
-        command(run_name, steps=EVERY + 2, nproc=1, python=sys.executable), cwd=REPO, env=handed
-    )
-    assert second.finish(timeout=300) == 0, second.output.text[-3000:]
-    assert f"at step {EVERY} as TP1 x PP1 x DP1" in second.output.text
-    assert_same_state(dumps, EVERY, stages=2)  # every stage's parameters and per-parameter Adam state
+    env = {**rewind_env, "OMP_NUM_THREADS": "1", "TINY_LM_DUMP_DIR": str(tmp_path / "dumps")}
+    first = command(run_name, tp=1, pp=2, steps=EVERY, nproc=2, python=sys.executable)
+    spec = JobSpec(command=("python",), nproc_per_node=2)
+    # every stage's parameters and per-parameter Adam state
+    _replanned_onto_one_rank(run_name, env, first, Layout(1, 2, 1), spec, "PP 2 -> 1", stages=2)

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rewind.examples.tiny_lm_model import TinyLM, alphabet, probes
+from rewind.examples.tiny_lm_model import accuracy, from_weights, scramble
 from rewind.infra.catalog import lineage
 from rewind.infra.catalog import serving as sv
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.drills.traffic import Load
 from rewind.infra.errors import ConfigError, NotFoundError, ServingUnavailable
 from rewind.infra.restore.scrub import scrub
-from tests.serving_support import Load
 from tests.trainproc import REPO, run_to_end
 
 MODEL = "tiny"
@@ -31,16 +31,7 @@ HANDLER_FILES = [str(REPO / "examples" / "tiny_lm_handler.py"), str(REPO / "exam
 
 
 def _accuracy(weights: dict[str, torch.Tensor]) -> float:
-    model = TinyLM(len(alphabet()), weights["pos"].shape[1], dropout=0.0)
-    model.load_state_dict(weights)
-    model.eval()
-    index = {c: i for i, c in enumerate(alphabet())}
-    right = 0
-    with torch.no_grad():
-        for p in probes():
-            logits = model(torch.tensor([[index[c] for c in p["input"]]]))
-            right += alphabet()[int(logits[0, -1].argmax())] == p["expected"]
-    return right / len(probes())
+    return accuracy(from_weights(weights))
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +64,7 @@ def stack_env(pg_url, tmp_path_factory, prefect_api):
         # The same weights with the embedding rows shuffled: loads fine, answers wrong.
         (good,) = [c for c in lineage.checkpoints(cat, "lm", 90)]
         weights = payload.read_states(Path(good.path), mf.read(Path(good.path)))["model"]
-        model = TinyLM(len(alphabet()), weights["pos"].shape[1])
-        model.load_state_dict(weights)
-        with torch.no_grad():
-            perm = torch.randperm(len(alphabet()), generator=torch.Generator().manual_seed(1))
-            model.tok.weight.copy_(model.tok.weight[perm])
+        model = scramble(from_weights(weights))
         damaged = Checkpointer("lm-damaged", states={"model": model}, catalog=cat)
         damaged.save(90)
         damaged.close()

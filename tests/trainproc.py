@@ -36,3 +36,19 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert ta.keys() == tb.keys()
     for k in ta:
         assert torch.equal(ta[k], tb[k]), f"tensor {k} differs"
+
+
+def uninterrupted(argv: list[str], home: Path) -> Path:
+    """Run ``argv`` (a Python command line) to its end, unsupervised, in its own SQLite catalog under
+    ``home``; the final weights it writes to ``home/out``."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "REWIND_HOME": str(home), "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    env.pop("REWIND_FAULT", None)
+    done = subprocess.run([sys.executable, *argv[1:]], cwd=home, env=env, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return home / "out" / "final.safetensors"

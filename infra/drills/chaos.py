@@ -22,12 +22,11 @@ from rewind.infra import faults
 from rewind.infra.catalog import jobs, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.drills import servers
-from rewind.infra.drills.context import newest, run_of, state_dir
-from rewind.infra.errors import ConfigError, NotFoundError, RewindError, TransientError
+from rewind.infra.drills.context import run_of, state_dir
+from rewind.infra.errors import ConfigError, NotFoundError, RewindError
 from rewind.infra.format import chunked, packs
 
 POLL_S = 0.2
-BUCKET = "rewind-drill"  # the bucket on the drill's own S3 server
 # run -> the servers its drill started (s3, postgres, prefect), and the environment values they replaced
 _SERVERS: dict[str, dict[str, Any]] = {}
 
@@ -148,38 +147,29 @@ def delete_local_tier(configuration: dict[str, Any] | None = None) -> str:
     return str(target)
 
 
-def _servers(configuration: dict[str, Any] | None) -> dict[str, Any]:
+def held_servers(configuration: dict[str, Any] | None) -> dict[str, Any]:
+    """What the drill of this configuration started (``s3``, ``postgres``, ``prefect``, ``serving``) and the
+    environment values it replaced (``env``)."""
     return _SERVERS.setdefault(run_of(configuration), {"env": {}})
 
 
-def _set_env(held: dict[str, Any], values: dict[str, str]) -> None:
+def set_env(held: dict[str, Any], values: dict[str, str]) -> None:
+    """Set ``values`` in this process's environment; ``stop_servers`` puts the old ones back."""
     for k, v in values.items():
         held["env"].setdefault(k, os.environ.get(k))  # the first value seen is the one put back
         os.environ[k] = v
-
-
-def start_s3(configuration: dict[str, Any] | None = None) -> str:
-    """Start the drill's own S3 server (SeaweedFS on loopback, in the drill's directory) with a bucket,
-    and point this process's AWS_* environment at it (the job and the flows inherit it). Returns its URI."""
-    held = _servers(configuration)
-    server = servers.SeaweedS3(state_dir(configuration) / "s3")
-    server.start()
-    held["s3"] = server
-    server.client().create_bucket(Bucket=BUCKET)
-    _set_env(held, server.env)
-    return f"s3://{BUCKET}/offsite"
 
 
 def start_catalog(configuration: dict[str, Any] | None = None) -> str:
     """Start the drill's own PostgreSQL cluster (initdb in the drill's directory, a free loopback port),
     create the catalog there and point this process's REWIND_CATALOG_URL at it: the job, its supervisor
     and the flows use it; the drill itself is still recorded in the catalog it was started with."""
-    held = _servers(configuration)
+    held = held_servers(configuration)
     pg = servers.PostgresCluster(state_dir(configuration) / "pg")
     pg.start()
     held["postgres"] = pg
     Catalog(pg.url)  # migrated to the newest schema
-    _set_env(held, {"REWIND_CATALOG_URL": pg.url})
+    set_env(held, {"REWIND_CATALOG_URL": pg.url})
     return f"postgresql://127.0.0.1:{pg.port}/{pg.database}"
 
 
@@ -194,7 +184,7 @@ def restart_catalog(
     (``fast``: every session is ended, as a service restart does; ``immediate``: a crash), keep it down
     for ``outage_s`` (the fault's length) and start it again. Returns the step reached and the seconds
     the catalog was down."""
-    held = _servers(configuration)
+    held = held_servers(configuration)
     pg: servers.PostgresCluster | None = held.get("postgres")
     if pg is None:
         raise ConfigError("the drill started no PostgreSQL (start_catalog comes first)")
@@ -209,7 +199,7 @@ def restart_catalog(
 def start_prefect(configuration: dict[str, Any] | None = None) -> str:
     """Start the drill's own Prefect server (its own database, in the drill's directory); the drill's
     flows (protect-training, recover-training) talk to it. Returns its API URL."""
-    held = _servers(configuration)
+    held = held_servers(configuration)
     server = servers.PrefectServer(state_dir(configuration) / "prefect")
     server.start()
     held["prefect"] = server
@@ -244,7 +234,7 @@ def restart_prefect(
 ) -> dict[str, Any]:
     """Once a rank of the run reported ``at_step``, stop the drill's Prefect server (SIGTERM, then SIGKILL),
     keep it down ``outage_s`` and start it again on the same port and database."""
-    server: servers.PrefectServer | None = _servers(configuration).get("prefect")
+    server: servers.PrefectServer | None = held_servers(configuration).get("prefect")
     if server is None:
         raise ConfigError("the drill started no Prefect server (start_prefect comes first)")
     reached = _await_step(run_of(configuration), at_step, timeout_s)
@@ -269,6 +259,9 @@ def stop_servers(now: bool = False, configuration: dict[str, Any] | None = None)
         return []
     held = _SERVERS.pop(run_of(configuration), {"env": {}})
     stopped = []
+    if held.get("serving") is not None:  # first: its traffic and proxies before the servers under them
+        held["serving"].stop()
+        stopped.append("serving")
     if held.get("s3") is not None:
         held["s3"].stop()
         stopped.append("s3")
@@ -284,62 +277,3 @@ def stop_servers(now: bool = False, configuration: dict[str, Any] | None = None)
         else:
             os.environ[k] = v
     return stopped
-
-
-def replicate_through_outage(configuration: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Replicate the run's newest checkpoint to the drill's S3 server and stop that server as soon as the
-    first file is on it (replication's own per-file hook: mid-copy, before the manifest); then check that
-    nothing was registered and no manifest landed, start the server again and replicate again, as the
-    replicate task's retry does: it must send only what is missing and register one verified copy."""
-    from rewind.infra.catalog.models import ReplicaStatus
-    from rewind.infra.format import keyring as kr
-    from rewind.infra.format.verify import Verdict
-    from rewind.infra.replication import replicate
-    from rewind.infra.tiers import open_tier, transfer
-
-    run, held = run_of(configuration), _servers(configuration)
-    server: servers.SeaweedS3 | None = held.get("s3")
-    if server is None:
-        raise ConfigError("the drill started no S3 server (start_s3 comes first)")
-    ck = newest(run)
-    if ck is None:
-        raise NotFoundError(f"{run} has no checkpoint to replicate")
-    cat, uri = Catalog(), f"s3://{BUCKET}/offsite"
-    sent_before: list[str] = []
-
-    def outage(path: str, sent: int) -> None:
-        if not sent_before:
-            sent_before.append(path)
-            server.stop()  # graceful, as a service stop: SeaweedFS keeps what it acknowledged
-
-    started = time.monotonic()
-    try:
-        # one file at a time: files in flight beside the first would land before the server stops
-        replicate(cat, ck, open_tier(uri), on_file=outage, streams=1)
-    except TransientError as exc:
-        failed_with = str(exc)
-    else:
-        raise RewindError("the S3 server stopped mid-replication, yet the replication reported success")
-    finally:
-        if server.proc is None:
-            server.start()
-    offsite = [r for r in lineage.replicas_of(cat, ck.id) if r.tier == "offsite"]
-    if offsite:
-        raise RewindError(f"a copy was registered during the outage: {[(r.key, r.status) for r in offsite]}")
-    key = transfer.copy_key(run, ck.step)
-    if transfer.holds(open_tier(uri), key, str(ck.manifest_digest)) is not None:
-        raise RewindError(f"a manifest landed at {uri}/{key} although the copy was cut short")
-    done = replicate(cat, ck, open_tier(uri))
-    report = transfer.check_remote(
-        open_tier(uri), done.key, str(ck.manifest_digest), deep=True, keyring=kr.from_env()
-    )
-    if report.verdict is not Verdict.VERIFIED:
-        raise RewindError(f"the copy at {uri}/{done.key} does not prove itself: {report.findings}")
-    registered = [(r.key, r.status) for r in lineage.replicas_of(cat, ck.id) if r.tier == "offsite"]
-    if registered != [(done.key, ReplicaStatus.VERIFIED.value)]:
-        raise RewindError(f"expected one verified off-site copy, the catalog has {registered}")
-    return {
-        "step": ck.step, "stopped_after": sent_before[0] if sent_before else None, "failed_with": failed_with,
-        "bytes_resent": done.bytes_sent, "bytes_total": ck.total_bytes, "key": done.key,
-        "seconds": round(time.monotonic() - started, 3),
-    }  # fmt: skip

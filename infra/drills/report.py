@@ -10,7 +10,7 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from typing import Any
 
-from rewind.infra.drills.slo import PHASES
+from rewind.infra.drills.slo import ALL_PHASES
 
 
 def _fmt(v: Any, digits: int = 2) -> str:
@@ -44,7 +44,7 @@ def _plots(drills: list[Any]) -> list[tuple[str, str]]:
         fig, ax = plt.subplots(figsize=(9, 0.45 * len(ran) + 1.5))
         labels = [f"{d.scenario} #{d.id}" for d in ran]
         left = [0.0] * len(ran)
-        for name in PHASES:
+        for name in ALL_PHASES:
             vals = [float((d.phases.get(name) or {}).get("s") or 0.0) for d in ran]
             ax.barh(labels, vals, left=left, label=name)
             left = [a + b for a, b in zip(left, vals, strict=True)]
@@ -96,9 +96,12 @@ def render(drills: list[Any], real_incidents: list[Any]) -> str:
         phases = " ".join(
             f"{n}={_fmt((d.phases.get(n) or {}).get('s'))}"
             + ("" if (d.phases.get(n) or {}).get("status") in ("ok", None) else f"[{d.phases[n]['status']}]")
-            for n in PHASES
+            for n in ALL_PHASES
             if d.phases.get(n)
         )
+        traffic = (d.details or {}).get("traffic")
+        if traffic:  # a serving drill: what its clients saw through the fault
+            phases += f" requests={traffic['requests']} failed={traffic['failed']}"
         rows.append(
             f"<tr class='{d.outcome}'><td>{d.id}</td><td>{html.escape(d.scenario)}</td><td>{d.failure_kind}</td>"
             f"<td>{d.started_at:%Y-%m-%d %H:%M:%S}</td><td>{d.outcome}</td><td>{_fmt(d.rto_s)}</td>"

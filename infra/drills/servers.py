@@ -22,7 +22,7 @@ from typing import Any
 
 from rewind.infra.errors import ConfigError, RewindError, TransientError
 from rewind.infra.launch import slurm
-from rewind.infra.launch.process import stop_group
+from rewind.infra.launch.process import program, stop_group
 from rewind.infra.net import LOOPBACK, free_port
 
 ACCESS_KEY, SECRET_KEY = "rewind-test", "rewind-test-secret"
@@ -95,10 +95,17 @@ def slurm_missing() -> str | None:
 
 
 def missing(component: str) -> str | None:
-    """Why ``component`` (``seaweedfs``, ``postgres`` or ``slurm``) cannot be used here, or None when it can."""
+    """Why ``component`` (``seaweedfs``, ``postgres``, ``slurm``, ``torchserve`` or ``haproxy``) cannot be used
+    here, or None when it can."""
     try:
         if component == "seaweedfs":
             weed_binary()
+        elif component == "torchserve":
+            from rewind.infra.serving.torchserve import executable
+
+            executable()
+        elif component == "haproxy":
+            program("haproxy", "Debian/Ubuntu: apt-get install haproxy")
         elif component == "postgres":
             postgres_bin()
             postgres_owner()
@@ -127,17 +134,19 @@ def _wait(ready: Any, proc_alive: Any, timeout: float, what: str, log: Path) -> 
         time.sleep(0.2)
 
 
-class _Spawned:
+class Spawned:
     """A server run as its own process group, stopped (bounded) by ``stop``."""
 
     proc: subprocess.Popen | None
 
-    def _spawn(
-        self, cmd: list[str], env: dict[str, str], log: Path, ready: Any, what: str, timeout: float
-    ) -> None:
+    def spawn(
+        self, cmd: list[str], env: dict[str, str], log: Path, ready: Any, what: str, timeout: float,
+        cwd: Path | None = None,
+    ) -> None:  # fmt: skip
+        """Start ``cmd`` (its output appended to ``log``) and wait, bounded, until ``ready()`` holds."""
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
-                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
             )
         proc = self.proc
         _wait(ready, lambda: proc.poll() is None, timeout, what, log)
@@ -150,7 +159,7 @@ class _Spawned:
 
 
 @dataclass
-class SeaweedS3(_Spawned):
+class SeaweedS3(Spawned):
     """One `weed mini` process with every listener on a private loopback port; restartable on the same ports."""
 
     data: Path
@@ -197,7 +206,7 @@ class SeaweedS3(_Spawned):
             *(f"-{k}={v}" for k, v in self.ports.items()),
         ]
         ready = lambda: self.client().list_buckets() is not None  # noqa: E731
-        self._spawn(cmd, {**os.environ, **self.env}, self.data / "weed.log", ready, "weed mini", timeout)
+        self.spawn(cmd, {**os.environ, **self.env}, self.data / "weed.log", ready, "weed mini", timeout)
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -207,7 +216,7 @@ class SeaweedS3(_Spawned):
 
 
 @dataclass
-class PrefectServer(_Spawned):
+class PrefectServer(Spawned):
     """A Prefect server of the drill's own (``python -m prefect server start``, its own SQLite database
     under ``home``, UI off) on a private loopback port; restartable on the same port and database."""
 
@@ -243,7 +252,7 @@ class PrefectServer(_Spawned):
             str(self.port),
         ]
         ready = lambda: httpx.get(f"{self.api}/health", timeout=2).status_code == 200  # noqa: E731
-        self._spawn(cmd, env, self.home / "server.log", ready, "prefect server", timeout)
+        self.spawn(cmd, env, self.home / "server.log", ready, "prefect server", timeout)
 
 
 @dataclass

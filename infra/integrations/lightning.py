@@ -45,11 +45,12 @@ from rewind.infra.catalog import models
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint.engine import Checkpointer
 from rewind.infra.checkpoint.state import RNGState
-from rewind.infra.errors import ConfigError, is_transient
+from rewind.infra.errors import ConfigError
 from rewind.infra.faults import fault_point
 from rewind.infra.health.signals import LossWatch
+from rewind.infra.integrations import supervised
 from rewind.infra.training.progress import ProgressWriter
-from rewind.infra.training.session import Handoff, TrainingAnomaly
+from rewind.infra.training.session import Handoff
 
 log = logging.getLogger("rewind.lightning")
 SCHEME = "rewind://"  # the names Lightning is given for Rewind's checkpoints: never a file to open
@@ -128,17 +129,12 @@ class RewindCallback(pl.Callback):
         try:
             got = self._checkpointer().restore_latest(target=self.handoff.restore)
         except Exception as exc:
-            if writer is not None:
-                why = {"reason": f"{type(exc).__name__}: {exc}"[:1000], "transient": is_transient(exc)}
-                writer.note(restore_failed=why)
-                writer.finish(models.RankState.FAILED)
+            supervised.restore_failed(writer, exc)
             raise
         if got is None:
             return None
         self.start_step = self._last_saved = got.step
-        if writer is not None:
-            restored = {"checkpoint_id": got.checkpoint_id, "step": got.step, "bytes_read": got.bytes_read}
-            writer.note(start_step=got.step, restored=restored)
+        supervised.restored(writer, checkpoint_id=got.checkpoint_id, step=got.step, bytes_read=got.bytes_read)
         self._resumed = f"{SCHEME}{self.run}/step-{got.step}"
         log.info("resuming %s from step %d (%s)", self.run, got.step, got.path)
         return self._resumed
@@ -176,11 +172,9 @@ class RewindCallback(pl.Callback):
         return {"loss": loss} if loss is not None and math.isfinite(loss) else {}
 
     def _start_writer(self, busy: str) -> ProgressWriter | None:
-        if self._writer is None and self.handoff.launch_id is not None:
-            self._writer = ProgressWriter(
-                self.catalog, self.handoff.launch_id, 0, interval_s=self.heartbeat_s
-            )
-            self._writer.start(busy)
+        self._writer = supervised.start_writer(
+            self._writer, self.catalog, self.handoff, self.heartbeat_s, busy
+        )
         return self._writer
 
     # -- Lightning's events ------------------------------------------------------------------------
@@ -206,7 +200,7 @@ class RewindCallback(pl.Callback):
         step, loss = trainer.global_step, _loss_of(outputs)
         self._loss = loss
         if loss is not None:
-            self._check(step, loss)
+            supervised.check_loss(self._writer, self.watch, step, loss)
         if self._writer is not None:
             self._writer.report(step, loss, None)
             self._writer.busy(None)
@@ -216,15 +210,6 @@ class RewindCallback(pl.Callback):
             trainer.save_checkpoint(f"{SCHEME}{self.run}/step-{step}", weights_only=False)  # the full state
             if self._writer is not None:
                 self._writer.busy(None)
-
-    def _check(self, step: int, loss: float) -> None:
-        found = self.watch.observe(step, loss)
-        if found is None:
-            return
-        if self._writer is not None:
-            self._writer.note(anomaly={"kind": found.kind, "step": step, "reason": found.reason})
-            self._writer.finish(models.RankState.FAILED)
-        raise TrainingAnomaly(found.reason)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._ckpt is not None:

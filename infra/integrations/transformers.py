@@ -43,17 +43,18 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
 from rewind.infra import config
 from rewind.infra.catalog import lineage, models
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, NotFoundError, is_transient
+from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, NotFoundError
 from rewind.infra.faults import fault_point
 from rewind.infra.format import store
 from rewind.infra.format.verify import verify_files
 from rewind.infra.health.signals import LossWatch
+from rewind.infra.integrations import supervised
 from rewind.infra.inventory.adopt import adopt
 from rewind.infra.inventory.takeover import take_over
 from rewind.infra.restore import execute, plan
 from rewind.infra.restore.execute import Restored
 from rewind.infra.training.progress import ProgressWriter
-from rewind.infra.training.session import Handoff, TrainingAnomaly
+from rewind.infra.training.session import Handoff
 
 log = logging.getLogger("rewind.transformers")
 FORMAT = "hf-trainer"
@@ -96,22 +97,15 @@ class RewindCallback(TrainerCallback):
         try:
             done = self._restore()
         except Exception as exc:
-            if writer is not None:
-                why = {"reason": f"{type(exc).__name__}: {exc}"[:1000], "transient": is_transient(exc)}
-                writer.note(restore_failed=why)
-                writer.finish(models.RankState.FAILED)
+            supervised.restore_failed(writer, exc)
             self._held.close()
             raise
         if done is None:
             return None
         self.start_step = done.step
-        if writer is not None:
-            restored = {
-                "checkpoint_id": done.checkpoint_id,
-                "step": done.step,
-                "bytes_read": done.manifest.total_bytes,
-            }
-            writer.note(start_step=done.step, restored=restored)
+        supervised.restored(
+            writer, checkpoint_id=done.checkpoint_id, step=done.step, bytes_read=done.manifest.total_bytes
+        )
         log.info("resuming %s from step %d (%s)", self.run, done.step, done.directory)
         return str(done.directory)
 
@@ -133,11 +127,9 @@ class RewindCallback(TrainerCallback):
         return self._held.enter_context(execute.restoring(self.catalog, p, verify_files))
 
     def _start_writer(self, busy: str) -> ProgressWriter | None:
-        if self._writer is None and self.handoff.launch_id is not None:
-            self._writer = ProgressWriter(
-                self.catalog, self.handoff.launch_id, 0, interval_s=self.heartbeat_s
-            )
-            self._writer.start(busy)
+        self._writer = supervised.start_writer(
+            self._writer, self.catalog, self.handoff, self.heartbeat_s, busy
+        )
         return self._writer
 
     # -- Trainer's events --------------------------------------------------------------------------
@@ -189,13 +181,7 @@ class RewindCallback(TrainerCallback):
         loss = (logs or {}).get("loss")
         if not isinstance(loss, int | float):
             return
-        found = self.watch.observe(state.global_step, float(loss))
-        if found is None:
-            return
-        if self._writer is not None:
-            self._writer.note(anomaly={"kind": found.kind, "step": state.global_step, "reason": found.reason})
-            self._writer.finish(models.RankState.FAILED)
-        raise TrainingAnomaly(found.reason)
+        supervised.check_loss(self._writer, self.watch, state.global_step, float(loss))
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any

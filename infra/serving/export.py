@@ -104,13 +104,10 @@ def export(
     for f in (handler, *extra_files):
         if not f.is_file():
             raise ConfigError(f"{f} does not exist")
-    ck = verified_checkpoint(cat, run, step)
     target = store / archive_name(model, version)
     if target.exists():
         raise ConfigError(f"{target} already exists; versions are never overwritten")
-    # The one restore path: the nearest copy held to the catalog's digest, every byte checked as read.
-    p = plan.plan(cat, run, root=config.checkpoint_root(), checkpoint_id=ck.id)
-    weights = execute.execute(cat, p, lambda d, m: _weights(d, m, part, f"{run}@{step}")).value
+    ck, weights = verified_weights(cat, run, step, part)
     origin = {"run": run, "step": step, "checkpoint_id": ck.id, "manifest_digest": ck.manifest_digest}
 
     store.mkdir(parents=True, exist_ok=True)
@@ -126,6 +123,16 @@ def export(
             raise ConfigError(f"{target} was created meanwhile; versions are never overwritten") from None
     d = hash_file(target, with_crc=False)
     return Artifact(model, version, target, d.xxh3, d.size, ck.id, run, step, ck.manifest_digest or "")
+
+
+def verified_weights(
+    cat: Catalog, run: str, step: int, part: str = "model"
+) -> tuple[Checkpoint, dict[str, torch.Tensor]]:
+    """The tensors of ``part`` of the verified checkpoint ``run@step``, through the one restore path: the
+    nearest copy held to the catalog's digest, every byte checked as it is read."""
+    ck = verified_checkpoint(cat, run, step)
+    p = plan.plan(cat, run, root=config.checkpoint_root(), checkpoint_id=ck.id)
+    return ck, execute.execute(cat, p, lambda d, m: _weights(d, m, part, f"{run}@{step}")).value
 
 
 def _weights(directory: Path, manifest: mf.Manifest, part: str, name: str) -> dict[str, torch.Tensor]:

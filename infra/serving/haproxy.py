@@ -25,7 +25,7 @@ from pathlib import Path
 
 from rewind.infra.errors import ConfigError, Refused, ServingUnavailable
 from rewind.infra.launch.process import is_running, program, stop_group
-from rewind.infra.net import LOOPBACK, free_port
+from rewind.infra.net import LOOPBACK, free_port, socket_dir
 
 BACKEND = "versions"
 ROUTER = "router"
@@ -63,6 +63,11 @@ listen gate{i}
 """
 
 
+def admin_socket(directory: Path) -> Path:
+    """The runtime API's socket: in ``directory``, or a short private one where that path is too long."""
+    return socket_dir(directory, room=len("admin.sock"), tag="haproxy") / "admin.sock"
+
+
 def render(*, port: int, router_port: int, gates: list[tuple[int, str]], directory: Path) -> str:
     """The whole configuration; the version servers come later, through the runtime API.
 
@@ -70,8 +75,8 @@ def render(*, port: int, router_port: int, gates: list[tuple[int, str]], directo
     differ per instance); the router spreads requests over the gates, checks each instance's /ping,
     and sends a request that an instance dropped (killed mid-request, refused) to another one.
     """
-    accepted = directory / "accepted.map"
-    head = f"""# Written by Rewind; weights change through the runtime API at {directory / "admin.sock"}, never by editing this.
+    accepted, sock = directory / "accepted.map", admin_socket(directory)
+    head = f"""# Written by Rewind; weights change through the runtime API at {sock}, never by editing this.
 # The last requests of every section, with their termination flags: `show events buf` on the socket.
 ring buf
     size 1048576
@@ -79,7 +84,7 @@ ring buf
 
 global
     log ring@buf local0
-    stats socket {directory / "admin.sock"} mode 600 level admin
+    stats socket {sock} mode 600 level admin
     maxconn 4096
 
 defaults
@@ -147,7 +152,7 @@ class Proxy:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.socket = directory / "admin.sock"
+        self.socket = admin_socket(directory)
         self.state_file = directory / "proxy.json"
 
     # -- lifecycle ------------------------------------------------------------------

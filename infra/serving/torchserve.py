@@ -24,7 +24,7 @@ import httpx
 from rewind.infra import stopping
 from rewind.infra.errors import ConfigError, NotFoundError, RewindError, ServingUnavailable, Stopped
 from rewind.infra.launch.process import program, stop_group
-from rewind.infra.net import LOOPBACK, free_port
+from rewind.infra.net import LOOPBACK, free_port, socket_dir
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +215,12 @@ def executable() -> str:
     return found
 
 
+def _temp_dir(directory: Path) -> Path:
+    """TorchServe's private temp dir (pid file, the workers' Unix sockets, ``.ts.sock.9000``): ``directory/tmp``,
+    or a short one where that path is too long for a socket's name."""
+    return socket_dir(directory / "tmp", room=20, tag="ts")
+
+
 def spawn(directory: Path, *, inference_port: int | None = None, management_port: int | None = None
           ) -> tuple[Endpoints, subprocess.Popen[bytes]]:  # fmt: skip
     """Start TorchServe on loopback in its own process group (given ports: the same ones again after a crash)."""
@@ -225,8 +231,7 @@ def spawn(directory: Path, *, inference_port: int | None = None, management_port
         directory,
     )
     ep.model_store.mkdir(exist_ok=True)
-    tmp = directory / "tmp"
-    tmp.mkdir(exist_ok=True)
+    tmp = _temp_dir(directory)
     (tmp / ".model_server.pid").unlink(missing_ok=True)  # a killed server's: TorchServe would refuse to start
     ep.key_file.unlink(missing_ok=True)
     config = directory / "config.properties"

@@ -1,4 +1,8 @@
-"""Load for serving tests: concurrent requests through the proxy, each recorded with the version that answered."""
+"""Client traffic through a serving proxy: concurrent requests, each recorded with who answered it.
+
+What a serving drill (and the serving tests) measure a fault by: every request's start and end, its HTTP
+status (0 when no answer came at all), and the version and instance the proxy says answered it.
+"""
 
 from __future__ import annotations
 
@@ -20,13 +24,14 @@ class Sample:
 
 @dataclass
 class Load:
-    """``workers`` threads posting to ``url`` until stopped; bounded by ``max_s`` whatever happens."""
+    """``workers`` threads posting ``body`` to ``url`` until stopped; bounded by ``max_s`` whatever happens."""
 
     url: str
     key: str
     workers: int = 4
-    pause_s: float = 0.02  # between a worker's requests: bounded load, CPU left for the other tests
+    pause_s: float = 0.02  # between a worker's requests: bounded load, CPU left for the rest of the machine
     max_s: float = 120.0
+    body: bytes = b"the model learns to pred"
     samples: list[Sample] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -41,7 +46,7 @@ class Load:
             while not self._stop.is_set() and time.monotonic() < deadline:
                 t0 = time.time()
                 try:
-                    r = client.post(self.url, content=b"the model learns to pred", headers=headers)
+                    r = client.post(self.url, content=self.body, headers=headers)
                     s = Sample(t0, time.time(), r.status_code, r.headers.get("x-rewind-version"),
                                r.headers.get("x-rewind-instance"))  # fmt: skip
                 except httpx.HTTPError:
@@ -50,20 +55,31 @@ class Load:
                     self.samples.append(s)
                 self._stop.wait(self.pause_s)
 
-    def __enter__(self) -> Load:
+    def start(self) -> Load:
         for t in self._threads:
             t.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def stop(self) -> None:
         self._stop.set()
         for t in self._threads:
             t.join(timeout=60)
+
+    def __enter__(self) -> Load:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def count(self) -> int:
         with self._lock:
             return len(self.samples)
 
+    def taken(self) -> list[Sample]:
+        """The samples so far (a copy: the workers keep appending)."""
+        with self._lock:
+            return list(self.samples)
+
     @property
     def failed(self) -> list[Sample]:
-        return [s for s in self.samples if s.status != 200]
+        return [s for s in self.taken() if s.status != 200]
