@@ -28,8 +28,8 @@ test-e2e: install
 	REWIND_TEST_E2E=1 $(BIN)/python -m pytest -q -m e2e --timeout 1500
 
 # The long series of the kill tests (40 SIGKILLs at random moments, five rounds of kills inside
-# background saves, gc SIGKILLed at 20 random deletion steps) that `make test` runs short (8 kills,
-# one round, 8 gc kills), and the progress test on a 2.2 GB checkpoint (300 MB in `make test`);
+# background saves, gc SIGKILLed at 20 random deletion steps) that `make test` runs short (6 kills,
+# one round, 4 gc kills), and the progress test on a 2.2 GB checkpoint (300 MB in `make test`);
 # not run by CI.
 test-heavy: install
 	REWIND_TEST_KILLS=40 REWIND_TEST_GC_KILLS=20 REWIND_TEST_PROGRESS_MB=2200 \

@@ -32,7 +32,7 @@ from rewind.infra import config
 from rewind.infra.errors import ConfigError, RewindError, Stopped, is_transient
 
 EXIT_TERMINATED = 128 + signal.SIGTERM
-STOP_S = 5.0  # after SIGTERM the process is gone within this, cleaned up or not
+STOP_S = 10.0  # after SIGTERM the process is gone within this, cleaned up or not (Kubernetes waits 30 s)
 
 
 class Terminated(BaseException):

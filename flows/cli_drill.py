@@ -62,7 +62,9 @@ def cmd_run(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
             why = f": {r['reason']}" if r.get("reason") else ""
             note = "" if r["as_expected"] else "  (UNEXPECTED)"
             if r.get("requests") is not None:  # a serving drill: what its clients saw
-                why += f" ({r['failed_requests']} of {r['requests']} requests failed)"
+                why += f" ({r['failed_requests']} of {r['requests']} requests failed"
+                bad = r.get("bad_version_answers")
+                why += f", {bad} answered by the bad version)" if bad is not None else ")"
             lines.append(f"{r['scenario']:30} {r['outcome']:8} RTO {rto:9} drill {r['id']}{where}{why}{note}")
         return "\n".join(lines)
 

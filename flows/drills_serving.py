@@ -98,6 +98,7 @@ def run_serving(scenario: str, experiment: dict[str, Any], budget: slo.Budget, s
     outputs, error = _outputs(journal), _journal_error(journal)
     phases, rto_s = _measure(outputs)
     traffic = outputs.get("stop-traffic")
+    served_bad = _answers_of_bad_version(outputs, traffic)
     if error is not None:
         failing = next((PHASE_OF[n] for n in PHASE_OF if error.startswith(n)), None)
         if failing:
@@ -111,12 +112,22 @@ def run_serving(scenario: str, experiment: dict[str, Any], budget: slo.Budget, s
         phases=phases, rto_s=rto_s, failed_phase=verdict.failed_phase, reason=verdict.reason, seed=seed,
         slo={**budget.as_dict(), "source": source},
         details={"journal_status": journal.get("status"), "error": error, "traffic": traffic,
-                 "wall_s": round(time.monotonic() - t0, 2), "activities": outputs},
+                 "bad_version_answers": served_bad, "wall_s": round(time.monotonic() - t0, 2),
+                 "activities": outputs},
     )  # fmt: skip
     return {"id": drill_id, "scenario": scenario, "outcome": outcome, "failed_phase": verdict.failed_phase,
             "reason": verdict.reason, "rto_s": rto_s, "rpo_steps": None, "run": run, "phases": phases,
             "failed_requests": traffic["failed"] if traffic else None,
-            "requests": traffic["requests"] if traffic else None, "as_expected": verdict.passed}  # fmt: skip
+            "requests": traffic["requests"] if traffic else None, "bad_version_answers": served_bad,
+            "as_expected": verdict.passed}  # fmt: skip
+
+
+def _answers_of_bad_version(outputs: dict[str, Any], traffic: dict[str, Any] | None) -> int | None:
+    """How many client requests the bad version answered before the rollback (None: no bad rollout)."""
+    rolled = outputs.get("roll-out-bad-version")
+    if rolled is None or traffic is None:
+        return None
+    return int(traffic["versions"].get(rolled.get("version"), {}).get("answers", 0))
 
 
 def _measure(outputs: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], float | None]:

@@ -22,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-SOCKET_PATH_MAX = 97  # the shortest Unix socket path limit among the servers Rewind starts (HAProxy's)
+SOCKET_PATH_MAX = 95  # 107 usable bytes in sun_path, less HAProxy's ".<pid>.tmp" while it binds (12 at most)
 
 
 def socket_dir(directory: Path, *, room: int, tag: str) -> Path:

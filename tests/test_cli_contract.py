@@ -270,17 +270,30 @@ _ALIASES = "command: [python]\nenv:\n" + "".join(  # a billion laughs: 9**12 str
     ],
     ids=["env_int", "nnodes_str", "nproc_bool", "endpoint_port", "command_str", "nested", "aliases", "huge"],
 )
-def test_a_job_spec_of_the_wrong_shape_is_refused_in_one_line(text, says, tmp_path):
+def test_a_job_spec_of_the_wrong_shape_is_refused_in_one_line(text, says, tmp_path, monkeypatch, capsys):
+    """The CLI's own entry point, in this process (one case goes through the installed `rewind` below)."""
+    from rewind.flows.cli import main
+
     spec = tmp_path / "job.yaml"
     spec.write_text(text)
+    monkeypatch.setenv("REWIND_HOME", str(tmp_path / "home"))
+    rc = main(["drill", "run", "kill-rank", "--job-spec", str(spec)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, (rc, err)
+    assert len(err.splitlines()) == 1 and err.startswith("rewind: error:") and says in err, err
+
+
+def test_a_job_spec_of_the_wrong_shape_is_refused_by_the_installed_command(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text('command: [python, -c, "pass"]\nnnodes: "2"\n')
     env = {**os.environ, "REWIND_HOME": str(tmp_path / "home")}
     done = subprocess.run(
         [REWIND, "drill", "run", "kill-rank", "--job-spec", str(spec)],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     err = done.stderr.strip()
-    assert done.returncode == 2, (done.returncode, err)
-    assert len(err.splitlines()) == 1 and err.startswith("rewind: error:") and says in err, err
+    assert done.returncode == 2 and err.startswith("rewind: error:"), (done.returncode, err)
+    assert len(err.splitlines()) == 1 and "nnodes must be a whole number" in err, err
 
 
 def test_db_upgrade_creates_a_missing_postgres_database_or_says_who_must(tmp_path):

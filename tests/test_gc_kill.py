@@ -41,8 +41,8 @@ REPO = Path(__file__).resolve().parent.parent
 REWIND = str(Path(sys.executable).parent / "rewind")
 KEEP = 2  # `rewind gc --keep-last 2`: most checkpoints go
 SAVES = 6  # checkpoints per batch the worker makes
-# How many times gc is SIGKILLed: 8 in `make test`, 20 (the figure) in `make test-heavy`.
-KILLS = int(os.environ.get("REWIND_TEST_GC_KILLS", "8"))
+# How many times gc is SIGKILLed: 4 in `make test`, 20 (the figure) in `make test-heavy`.
+KILLS = int(os.environ.get("REWIND_TEST_GC_KILLS", "4"))
 TIMEOUT = 180  # every wait on a process is bounded
 
 

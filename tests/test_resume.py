@@ -37,12 +37,12 @@ def test_sigkill_then_resume_is_bit_exact(backend, reference, rewind_env, run_na
 
 FAULT_POINTS = ["save.file_written", "save.before_manifest", "save.before_rename", "save.before_catalog"]
 
-# How many kills the random-moments test makes: 8 in `make test`, 40 in `make test-heavy`.
-KILLS = int(os.environ.get("REWIND_TEST_KILLS", "8"))
+# How many kills the random-moments test makes: 6 in `make test`, 40 in `make test-heavy`.
+KILLS = int(os.environ.get("REWIND_TEST_KILLS", "6"))
 
 
 def test_sigkill_at_random_moments(reference, rewind_env, run_name, tmp_path):
-    """REWIND_TEST_KILLS kills (8 by default) at random steps and inside checkpoint writes, every fault
+    """REWIND_TEST_KILLS kills (6 by default) at random steps and inside checkpoint writes, every fault
     point at least once; every restart resumes from a verified checkpoint."""
     ref_losses, ref_final = reference
     seed = int(os.environ.get("REWIND_TEST_SEED") or random.randrange(1 << 30))

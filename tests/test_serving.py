@@ -8,12 +8,14 @@ any one of them, or any order of them, passes.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from rewind.examples.tiny_lm_model import accuracy, from_weights, scramble
+from rewind.flows.cli import STOP_S
 from rewind.infra.catalog import lineage
 from rewind.infra.catalog import serving as sv
 from rewind.infra.catalog.db import Catalog
@@ -140,7 +142,6 @@ def test_an_instance_killed_under_load_fails_no_request_and_comes_back(stack_env
     import os
     import random
     import signal
-    import time
 
     from rewind.infra.serving import stack
     from rewind.infra.serving.torchserve import TorchServe
@@ -298,9 +299,10 @@ def test_manual_rollback_under_load_fails_no_request(stack_env, base):
     assert sv.get_version(cat, MODEL, new).state == "rolled_back"
 
 
-def test_a_rollout_stopped_by_sigterm_gives_the_traffic_back_within_5_s(stack_env, base, prefect_api):
+def test_a_rollout_stopped_by_sigterm_gives_the_traffic_back_and_exits(stack_env, base, prefect_api):
     """`rewind serving rollout` killed politely mid-canary: the stable version gets all traffic back, the
-    canary is unloaded, the rollout is closed, and the process is gone within 5 s (a bounded wait on it)."""
+    canary is unloaded, the rollout is closed, and the process exits with 143 (its own deadline is the CLI's
+    STOP_S; the test's wait on it is bounded a little beyond that)."""
     import os
     import signal
     import subprocess
@@ -322,10 +324,12 @@ def test_a_rollout_stopped_by_sigterm_gives_the_traffic_back_within_5_s(stack_en
         )
         assert proc.poll() is None, proc.communicate()
         proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
         try:
-            _, err = proc.communicate(timeout=5)
+            _, err = proc.communicate(timeout=STOP_S + 5)
         except subprocess.TimeoutExpired:
-            raise AssertionError("rewind serving rollout still running 5 s after SIGTERM") from None
+            raise AssertionError(f"rollout still running {STOP_S + 5:g} s after SIGTERM") from None
+        print(f"\nrollout stopped {time.monotonic() - sent:.2f} s after SIGTERM (deadline {STOP_S:g} s)")
     finally:
         if proc.poll() is None:
             proc.kill()

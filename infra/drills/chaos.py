@@ -11,6 +11,7 @@ stop them mid-run; ``stop_servers`` stops them and puts the environment back.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal as signals
@@ -26,6 +27,7 @@ from rewind.infra.drills.context import run_of, state_dir
 from rewind.infra.errors import ConfigError, NotFoundError, RewindError
 from rewind.infra.format import chunked, packs
 
+log = logging.getLogger("rewind.drill")
 POLL_S = 0.2
 # run -> the servers its drill started (s3, postgres, prefect), and the environment values they replaced
 _SERVERS: dict[str, dict[str, Any]] = {}
@@ -259,21 +261,20 @@ def stop_servers(now: bool = False, configuration: dict[str, Any] | None = None)
         return []
     held = _SERVERS.pop(run_of(configuration), {"env": {}})
     stopped = []
-    if held.get("serving") is not None:  # first: its traffic and proxies before the servers under them
-        held["serving"].stop()
-        stopped.append("serving")
-    if held.get("s3") is not None:
-        held["s3"].stop()
-        stopped.append("s3")
-    if held.get("postgres") is not None:
-        held["postgres"].discard()
-        stopped.append("postgres")
-    if held.get("prefect") is not None:
-        held["prefect"].stop()
-        stopped.append("prefect")
-    for k, v in held["env"].items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    try:
+        # the serving stack first: its traffic and proxies before the servers under them
+        for name, stop in (("serving", "stop"), ("s3", "stop"), ("postgres", "discard"), ("prefect", "stop")):
+            if held.get(name) is None:
+                continue
+            try:
+                getattr(held[name], stop)()
+                stopped.append(name)
+            except Exception as exc:  # one server that will not stop must not leave the others running
+                log.warning("drill: stopping %s failed: %s", name, exc)
+    finally:  # the next drill in this process must not inherit this one's endpoints
+        for k, v in held["env"].items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return stopped

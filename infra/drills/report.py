@@ -102,6 +102,8 @@ def render(drills: list[Any], real_incidents: list[Any]) -> str:
         traffic = (d.details or {}).get("traffic")
         if traffic:  # a serving drill: what its clients saw through the fault
             phases += f" requests={traffic['requests']} failed={traffic['failed']}"
+            if (d.details or {}).get("bad_version_answers") is not None:
+                phases += f" answered_by_bad_version={d.details['bad_version_answers']}"
         rows.append(
             f"<tr class='{d.outcome}'><td>{d.id}</td><td>{html.escape(d.scenario)}</td><td>{d.failure_kind}</td>"
             f"<td>{d.started_at:%Y-%m-%d %H:%M:%S}</td><td>{d.outcome}</td><td>{_fmt(d.rto_s)}</td>"

@@ -23,7 +23,7 @@ from typing import Any
 from rewind.infra.errors import ConfigError, RewindError, TransientError
 from rewind.infra.launch import slurm
 from rewind.infra.launch.process import program, stop_group
-from rewind.infra.net import LOOPBACK, free_port
+from rewind.infra.net import LOOPBACK, free_port, socket_dir
 
 ACCESS_KEY, SECRET_KEY = "rewind-test", "rewind-test-secret"
 _PORT_FLAGS = [
@@ -298,7 +298,11 @@ class PostgresCluster:
             self._run(
                 str(bindir / "initdb"), "-D", str(pgdata), "-U", "postgres", "--auth=trust", "-E", "UTF8"
             )
-        opts = f"-c listen_addresses={LOOPBACK} -c port={self.port} -c unix_socket_directories={self.home}"
+        # a home under a deep directory would put the socket past the Unix path limit (postgres then refuses)
+        sockets = (
+            self.home if self.owner else socket_dir(self.home, room=len(".s.PGSQL.65535.lock"), tag="pg")
+        )
+        opts = f"-c listen_addresses={LOOPBACK} -c port={self.port} -c unix_socket_directories={sockets}"
         self._run(
             str(bindir / "pg_ctl"), "-D", str(pgdata), "-l", str(self.home / "postgres.log"),
             "-o", opts, "-w", "-t", str(int(timeout)), "start", timeout=timeout + 10,

@@ -10,7 +10,6 @@ environment back.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
@@ -28,6 +27,7 @@ from rewind.infra.drills.chaos import held_servers, set_env
 from rewind.infra.drills.context import run_of, state_dir
 from rewind.infra.drills.traffic import Load, Sample
 from rewind.infra.errors import ConfigError, RewindError
+from rewind.infra.launch.process import is_running
 
 MODEL = "drill-lm"
 POLL_S = 0.1
@@ -51,7 +51,7 @@ class Rig:
 
         if self.load is not None:
             self.load.stop()
-        with contextlib.suppress(ConfigError):  # never started: nothing to stop
+        if (self.directory / stack.STACK_FILE).exists():  # else never started: nothing to stop
             stack.stop(self.directory)
 
 
@@ -81,8 +81,6 @@ def start_serving(
 ) -> dict[str, Any]:  # fmt: skip
     """Train the example model (``steps``, a checkpoint every ``every``) into the drill's own catalog,
     verify every checkpoint, and start ``instances`` TorchServe servers behind HAProxy there."""
-    from rewind.infra.phases.notify import LogNotifier
-    from rewind.infra.phases.verify import verify_run
     from rewind.infra.serving import stack
 
     run, state, held = run_of(configuration), state_dir(configuration), held_servers(configuration)
@@ -94,14 +92,23 @@ def start_serving(
     })  # fmt: skip
     t0 = time.monotonic()
     _train(run, state, steps, every, timeout_s)
-    checked = verify_run(Catalog(), run=run, notify=LogNotifier())
-    bad = [r.step for r in checked if r.status.value != "verified"]
-    if bad:
-        raise RewindError(f"the drill's own checkpoints at steps {bad} did not verify")
+    steps_verified = _verified(Catalog(), run)
     trained = time.monotonic()
     stack.start(rig.directory, instances=instances, timeout_s=timeout_s)
-    return {"run": run, "verified_steps": [r.step for r in checked], "instances": instances,
+    return {"run": run, "verified_steps": steps_verified, "instances": instances,
             "train_s": round(trained - t0, 2), "stack_s": round(time.monotonic() - trained, 2)}  # fmt: skip
+
+
+def _verified(cat: Catalog, run: str) -> list[int]:
+    """Verify the drill's own run; its verified steps, or an error naming those that did not verify."""
+    from rewind.infra.phases.notify import LogNotifier
+    from rewind.infra.phases.verify import verify_run
+
+    checked = verify_run(cat, run=run, notify=LogNotifier())
+    bad = [r.step for r in checked if r.status.value != "verified"]
+    if bad:
+        raise RewindError(f"the drill's own checkpoints of {run} at steps {bad} did not verify")
+    return [r.step for r in checked]
 
 
 def _train(run: str, state: Path, steps: int, every: int, timeout_s: float) -> None:
@@ -144,8 +151,12 @@ def kill_instance(
     everyone = {str(i) for i in range(len(st.pids))}
     until(lambda: load.count() >= after_answers and {s.instance for s in load.taken()} >= everyone,
           timeout_s, "every instance answering")  # fmt: skip
+    # as the stack is now: the supervisor may have restarted that instance meanwhile
+    pid = stack.load(rig.directory).pids[victim]
+    if not is_running(pid, "torchserve"):
+        raise ConfigError(f"instance {victim} (pid {pid}) is not running: nothing to kill")
     killed_at = time.time()
-    os.killpg(st.pids[victim], signal.SIGKILL)
+    os.killpg(pid, signal.SIGKILL)
 
     def answered_again() -> Sample | None:
         return next((s for s in load.taken() if s.instance == str(victim) and s.started > killed_at
@@ -187,8 +198,6 @@ def make_bad_version(
     quality on the example's probe set."""
     from rewind.examples.tiny_lm_model import accuracy, from_weights, scramble
     from rewind.infra.checkpoint.engine import Checkpointer
-    from rewind.infra.phases.notify import LogNotifier
-    from rewind.infra.phases.verify import verify_run
     from rewind.infra.serving.export import verified_weights
 
     run, cat = run_of(configuration), Catalog()
@@ -201,7 +210,7 @@ def make_bad_version(
         ck.save(step)
     finally:
         ck.close()
-    verify_run(cat, run=bad_run, notify=LogNotifier())
+    _verified(cat, bad_run)
     made = {
         "run": bad_run,
         "step": step,

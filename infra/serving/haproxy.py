@@ -14,7 +14,9 @@ Every server is added at run time (``add server``), so every one can be removed.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import functools
 import json
 import re
 import socket
@@ -152,8 +154,12 @@ class Proxy:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.socket = admin_socket(directory)
         self.state_file = directory / "proxy.json"
+
+    @functools.cached_property
+    def socket(self) -> Path:
+        """The runtime API's socket (worked out when first used: naming a proxy creates nothing)."""
+        return admin_socket(self.directory)
 
     # -- lifecycle ------------------------------------------------------------------
 
@@ -263,6 +269,10 @@ class Proxy:
             if is_running(int(st["pid"]), "haproxy"):  # a stale pid may be an unrelated process now
                 stop_group(int(st["pid"]), timeout_s=10)
             self.state_file.unlink(missing_ok=True)
+            if self.socket.parent != self.directory:  # a short private directory of its own: gone with it
+                with contextlib.suppress(OSError):
+                    self.socket.unlink(missing_ok=True)
+                    self.socket.parent.rmdir()
 
     # -- runtime API -----------------------------------------------------------------
 
