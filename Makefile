@@ -21,9 +21,10 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q
 
-# The heavier end-to-end set (tests/conftest.py's E2E: the serving and storage-failover drills, prefect deploy
-# with a worker, the elastic shrink relaunches, per-rank loaders, a crash on the Slurm lab, 4 -> 2 -> 1 DDP
-# resharding) that `make test` skips, saying so; about 12 minutes on 2 cores. Not run by CI.
+# The heavier end-to-end set (tests/conftest.py's E2E, listed in docs/testing.md: the serving and
+# storage-failover drills, prefect deploy with a worker, the elastic shrink relaunches, a host lost on the
+# Slurm lab, the docs' walk-through, more recoveries and reshardings) that `make test` skips, saying so;
+# about 20 minutes on 2 cores. Not run by CI.
 test-e2e: install
 	REWIND_TEST_E2E=1 $(BIN)/python -m pytest -q -m e2e --timeout 1500
 
@@ -37,10 +38,10 @@ test-heavy: install
 		tests/test_resume.py tests/test_async_save.py tests/test_progress.py tests/test_gc_kill.py
 
 # The host-loss and network-isolation drills against the Slurm lab (tests/slurm_lab.py; root, Debian's
-# slurmctld slurmd slurm-client munge), each end to end, and the lab's rendezvous-host-lost and
-# network-isolation faults (`make test` runs its host-lost one): about 7 minutes in all.
+# slurmctld slurmd slurm-client munge), each end to end, and the lab's host-lost, rendezvous-host-lost
+# and network-isolation faults (host-lost is in `make test-e2e` too): about 9 minutes in all.
 test-host-drills: install
-	REWIND_TEST_HOST_DRILLS=1 REWIND_REQUIRE_SLURM=1 $(BIN)/python -m pytest -q -n 0 --timeout 1800 \
+	REWIND_TEST_HOST_DRILLS=1 REWIND_TEST_E2E=1 REWIND_REQUIRE_SLURM=1 $(BIN)/python -m pytest -q -n 0 --timeout 1800 \
 		tests/test_slurm.py -k "host_drill or lost_host"
 
 lint: install

@@ -144,7 +144,7 @@ def test_a_lost_host_comes_back_on_a_spare_host_without_losing_a_sample(
 ) -> None:
     if fault != "host-lost" and not os.environ.get("REWIND_TEST_HOST_DRILLS"):
         pytest.skip(
-            f"{fault} runs under `make test-host-drills` (with the drills; `make test` runs host-lost)"
+            f"{fault} runs under `make test-host-drills` (with the drills; host-lost also in `make test-e2e`)"
         )
     from rewind.flows.training import recover_training, summary
 
