@@ -309,14 +309,12 @@ def test_the_plain_format_stays_the_default_and_links_nothing(rewind_env, run_na
 
 
 def test_the_flip_byte_drill_damages_a_chunk_only_the_newest_checkpoint_holds(rewind_env, run_name, tmp_path):
-    from types import SimpleNamespace
-
     from rewind.infra.drills.chaos import _damage
 
     root = tmp_path / "ckpt"
     _net, _opt, results = save_steps(run_name, root, [1, 2])
     newest = results[-1]
-    said = _damage(SimpleNamespace(path=newest.path, step=2), "flip_byte")
+    said = _damage(Path(newest.path), 2, "flip_byte")
     target = Path(said.rsplit(": ", 1)[1])
     assert target.parent.name == packs.PACK_DIR and target.stat().st_nlink == 1
     net1, opt1 = build()

@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from rewind.infra import faults
-from rewind.infra.catalog import jobs, lineage
+from rewind.infra.catalog import copies, jobs, lineage
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import ReplicaStatus
 from rewind.infra.drills import servers
 from rewind.infra.drills.context import run_of, state_dir
 from rewind.infra.errors import ConfigError, NotFoundError, RewindError
@@ -95,8 +96,9 @@ def signal_rank(
 def damage_newest_checkpoint(
     how: str, every: bool = False, configuration: dict[str, Any] | None = None
 ) -> list[str]:
-    """Damage the newest restorable checkpoint's local copy (``every``: all of them): ``flip_byte`` in its
-    largest data file, ``delete_shard`` (a data file), or ``delete_manifest``. Returns what was damaged."""
+    """Damage the newest restorable checkpoint's copies on this node, its local copy and its copy in the node's
+    memory tier if it has one (``every``: every checkpoint's): ``flip_byte`` in its largest data file,
+    ``delete_shard`` (a data file), or ``delete_manifest``. Returns what was damaged."""
     run = run_of(configuration)
     cat = Catalog()
     try:
@@ -105,11 +107,22 @@ def damage_newest_checkpoint(
         found = []
     if not found:
         raise NotFoundError(f"{run} has no checkpoint to damage")
-    return [_damage(ck, how) for ck in (found if every else found[:1])]
+    chosen = found if every else found[:1]
+    in_memory = copies.copies_of(cat, [ck.id for ck in chosen])
+    return [
+        _damage(Path(where), ck.step, how)
+        for ck in chosen
+        for where in (ck.path, *_held_in_memory(in_memory.get(ck.id, [])))
+    ]
 
 
-def _damage(ck: Any, how: str) -> str:
-    d = Path(ck.path)
+def _held_in_memory(replicas: list[Any]) -> list[str]:
+    """The memory copies the catalog holds sound (one let go is gone from memory and says so)."""
+    sound = (ReplicaStatus.VERIFIED.value, ReplicaStatus.PENDING.value)
+    return [r.uri for r in replicas if r.tier == copies.MEMORY and r.status in sound and Path(r.uri).is_dir()]
+
+
+def _damage(d: Path, step: int, how: str) -> str:
     # The chunked format: prefer a pack (or first-format chunk) no other checkpoint links.
     stores = [d / sub for sub in (packs.PACK_DIR, chunked.LEGACY_CHUNK_DIR) if (d / sub).is_dir()]
     found = [*d.iterdir(), *(f for sub in stores for f in sub.iterdir())]
@@ -133,20 +146,25 @@ def _damage(ck: Any, how: str) -> str:
             f.flush()
             os.fsync(f.fileno())
     else:
-        raise ConfigError(f"cannot {how!r} step {ck.step} of {ck.path}")
-    return f"{how} step {ck.step}: {target}"
+        raise ConfigError(f"cannot {how!r} step {step} of {d}")
+    return f"{how} step {step}: {target}"
 
 
 def delete_local_tier(configuration: dict[str, Any] | None = None) -> str:
-    """Node loss: every local copy of the run is gone (its directory under the local checkpoint tier)."""
+    """Node loss: every copy of the run on this node is gone, on its local tier and in its memory tier (the
+    catalog is not told: the restore finds out, as after a real loss)."""
+    from rewind.infra.memory import place
+
     run = run_of(configuration)
     root = Path(
         os.environ.get("REWIND_CHECKPOINT_ROOT")
         or Path(os.environ.get("REWIND_HOME", "~/.rewind")).expanduser() / "checkpoints"
     )
-    target = root / run
-    shutil.rmtree(target, ignore_errors=True)
-    return str(target)
+    memory = place.root()
+    gone = [root / run, *([memory / run] if memory is not None else [])]
+    for target in gone:
+        shutil.rmtree(target, ignore_errors=True)
+    return ", ".join(map(str, gone))
 
 
 def held_servers(configuration: dict[str, Any] | None) -> dict[str, Any]:
