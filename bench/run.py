@@ -30,6 +30,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import payload
@@ -192,7 +193,24 @@ def bench_restore(work: Path, gib: float, repeat: int) -> dict[str, float]:
 # -- 4: training overhead ---------------------------------------------------------
 
 
-def bench_training(work: Path, steps: int, threads: int, runs: int) -> dict[str, float]:
+def bench_training(
+    work: Path,
+    steps: int,
+    threads: int,
+    runs: int,
+    *,
+    priority: persist_priority.PersistPriority | None = None,
+) -> dict[str, float | str]:
+    """``priority``: the persist at that REWIND_PERSIST_PRIORITY instead of the configured one."""
+    if priority is not None:
+        saved = os.environ.get(persist_priority.ENV)
+        os.environ[persist_priority.ENV] = priority.value
+        try:
+            return bench_training(work, steps, threads, runs)
+        finally:
+            os.environ.pop(persist_priority.ENV)
+            if saved is not None:
+                os.environ[persist_priority.ENV] = saved
     from rewind.examples.tiny_lm_model import TinyLM
 
     torch.manual_seed(0)
@@ -227,18 +245,24 @@ def bench_training(work: Path, steps: int, threads: int, runs: int) -> dict[str,
     every = max(1, math.ceil(10 * persist / step_s))  # persist is ~10% of the interval
     with_ck: list[float] = []
     without: list[float] = []
+    commit_after: list[float] = []  # from save() to the commit, while the job trains
     for r in range(runs):
         t0 = time.perf_counter()
         for _ in range(every):
             step()
         without.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
+        committed_s = None
         for i in range(every):
             step()
             if i == 0:
-                ck.save(r * every + i + 1)
+                ck.save(r * every + 1)
+                saved_at = time.perf_counter()
+            elif committed_s is None and ck.last_saved is not None and ck.last_saved.step == r * every + 1:
+                committed_s = time.perf_counter() - saved_at  # seen at a step's end: within a step
         ck.wait()  # the interval includes the whole persist: no save is left running
         with_ck.append(time.perf_counter() - t0)
+        commit_after.append(committed_s if committed_s is not None else time.perf_counter() - saved_at)
     ck.close()
     return {
         "params_m": params / 1e6,
@@ -249,6 +273,8 @@ def bench_training(work: Path, steps: int, threads: int, runs: int) -> dict[str,
         "every": every,
         "interval_without_s": median(without),
         "interval_with_s": median(with_ck),
+        "commit_after_s": median(commit_after),
+        "persist_priority": persist_priority.configured().value,
     }
 
 
@@ -295,13 +321,22 @@ def report_training(results: dict, runs: list[dict]) -> None:
         )
         print(f"  step {t['step_s']:.3f} s, persist {t['persist_s']:.3f} s ({share:.0f}% of the interval)")
         print(
+            f"  persist at priority {t['persist_priority']}: committed {t['commit_after_s']:.2f} s after save() "
+            "while the job trained"
+        )
+        print(
             f"  interval without checkpoint {t['interval_without_s']:.2f} s, with {t['interval_with_s']:.2f} s: "
             f"overhead {overhead:.1f}%"
         )
     results["training"] = runs
     results["training_overhead_pct"] = runs[0]["overhead_pct"]
-    if len(runs) > 1:
-        results["training_overhead_all_cores_pct"] = runs[-1]["overhead_pct"]
+    for t in runs[1:]:
+        if t.get("priority_alternative"):  # e.g. training_overhead_all_cores_idle_priority_pct
+            results[f"training_overhead_all_cores_{t['persist_priority']}_priority_pct"] = t["overhead_pct"]
+            results[f"commit_after_s_all_cores_{t['persist_priority']}_priority"] = t["commit_after_s"]
+        else:
+            results["training_overhead_all_cores_pct"] = t["overhead_pct"]
+            results["commit_after_s_all_cores"] = t["commit_after_s"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -350,9 +385,15 @@ def main(argv: list[str] | None = None) -> int:
         if "training" in sections:
             cores = os.cpu_count() or 1
             threads = [args.train_threads] if args.train_threads else sorted({max(1, cores - 1), cores})
-            report_training(
-                results, [bench_training(work, args.train_steps, n, args.train_runs) for n in threads]
+            runs = [bench_training(work, args.train_steps, n, args.train_runs) for n in threads]
+            other = (  # the persist at the other end of REWIND_PERSIST_PRIORITY, measured beside
+                persist_priority.PersistPriority.NORMAL
+                if persist_priority.configured() is persist_priority.PersistPriority.IDLE
+                else persist_priority.PersistPriority.IDLE
             )
+            alt = bench_training(work, args.train_steps, threads[-1], args.train_runs, priority=other)
+            runs.append(alt | {"priority_alternative": True})
+            report_training(results, runs)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("\n== summary (ratios measured in one run) ==")
@@ -363,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
         "restore_ratio_vs_torch_load",
         "training_overhead_pct",
         "training_overhead_all_cores_pct",
+        "training_overhead_all_cores_idle_priority_pct",
+        "commit_after_s_all_cores",
+        "commit_after_s_all_cores_idle_priority",
     ):
         if k in results:
             print(f"  {k:30} {results[k]:.3f}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +102,49 @@ def test_sigkill_during_background_persist(reference, rewind_env, run_name, tmp_
     assert last.proc.returncode == 0 and (out.resumed_at or 0) == start, out.text
     assert all(ref_losses[s] == loss for s, loss in out.losses.items())
     assert_same_weights(tmp_path / "out" / "final.safetensors", ref_final)
+
+
+@pytest.mark.parametrize(
+    ("asked", "policy", "nice"),
+    [("idle", os.SCHED_IDLE, None), ("low", os.SCHED_OTHER, 19), ("", os.SCHED_OTHER, 0)],
+    ids=["idle", "low", "default-normal"],
+)
+def test_a_background_persist_runs_at_the_priority_asked_and_the_job_keeps_its_own(
+    rewind_env, run_name, tmp_path, monkeypatch, asked, policy, nice
+):
+    """The thread that writes and hashes in the background yields the cores to the training thread."""
+    from tests.prefect_support import wait_until
+
+    monkeypatch.setenv("REWIND_PERSIST_PRIORITY", asked)
+    monkeypatch.setenv("REWIND_FAULT", "hold:save.before_manifest")
+    monkeypatch.setenv("REWIND_FAULT_RELEASE", str(tmp_path / "release"))
+    model, opt, ck = _job(run_name, Catalog(), tmp_path / "ckpt", SaveMode.ASYNC)
+    before = (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0))
+    ck.save(1)
+    wait_until(
+        lambda: (tmp_path / "release.held").exists() or None, 60, "the persist held before its manifest"
+    )
+    (persist,) = [t for t in threading.enumerate() if t.name.endswith("save of step 1")]
+    assert persist.native_id is not None
+    assert os.sched_getscheduler(persist.native_id) == policy
+    if nice is not None:
+        assert os.getpriority(os.PRIO_PROCESS, persist.native_id) == nice
+    _step(model, opt)  # the job trains on at its own priority while the save is held
+    assert (os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)) == before
+    (tmp_path / "release").touch()
+    ck.close()
+    assert ck.last_saved is not None and ck.last_saved.step == 1
+
+
+def test_a_persist_priority_that_does_not_exist_is_refused_before_any_save(
+    rewind_env, run_name, tmp_path, monkeypatch
+):
+    from rewind.infra.errors import ConfigError, NotFoundError
+
+    monkeypatch.setenv("REWIND_PERSIST_PRIORITY", "highest")
+    with pytest.raises(
+        ConfigError, match=r"REWIND_PERSIST_PRIORITY='highest': expected one of idle, low, normal"
+    ):
+        _job(run_name, Catalog(), tmp_path / "ckpt", SaveMode.ASYNC)
+    with pytest.raises(NotFoundError):  # refused before the run was even recorded: nothing left behind
+        lineage.checkpoints(Catalog(), run_name)

@@ -1,4 +1,4 @@
-"""One background job at a time, with errors that surface at the next call.
+"""One background job at a time, at a stated CPU priority, with errors that surface at the next call.
 
 A second ``submit`` waits for the first (back-pressure) instead of stacking
 copies of the state. A failure is logged when it happens and raised from the
@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from rewind.infra.checkpoint.priority import PersistPriority, apply_to_this_thread
 from rewind.infra.errors import RewindError
 
 log = logging.getLogger("rewind.checkpoint")
@@ -25,9 +26,13 @@ class BackgroundSaveError(RewindError):
 
 
 class BackgroundRunner:
-    def __init__(self, name: str, exit_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, name: str, exit_timeout_s: float = 300.0, *, priority: PersistPriority = PersistPriority.NORMAL
+    ) -> None:
         self.name = name
         self.exit_timeout_s = exit_timeout_s
+        self.priority = priority
+        self.native_id: int | None = None  # the thread of the job in flight (or the last one), for the record
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._what = ""
@@ -44,7 +49,9 @@ class BackgroundRunner:
         waited = time.perf_counter() - t0
 
         def body() -> None:
+            self.native_id = threading.get_native_id()
             try:
+                apply_to_this_thread(self.priority)
                 fn()
             except BaseException as exc:  # handed to the caller at the next call
                 log.error("background %s failed: %s", what, exc)

@@ -34,6 +34,7 @@ from rewind.infra import config, progress, throttle
 from rewind.infra.catalog import leases, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
+from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.recording import recorded_save
 from rewind.infra.checkpoint.staging import Staged, StagingBuffer
@@ -100,6 +101,7 @@ class Checkpointer:
             raise ConfigError("Checkpointer needs at least one state to capture")
         payload.check_format(self.format)
         throttle.for_writes()  # a bad REWIND_WRITE_LIMIT fails here, not in the first background save
+        priority = persist_priority.configured()  # and a bad REWIND_PERSIST_PRIORITY
         for name in self.states:
             mf.safe_relative(f"{name}.safetensors")
             if name.endswith(".json") or name == "manifest":
@@ -116,7 +118,7 @@ class Checkpointer:
         self._parent_digest: str | None = None
         self.mode = SaveMode(self.mode)
         self._staging = StagingBuffer()
-        self._runner = BackgroundRunner(f"rewind-{self.run}", self.exit_timeout_s)
+        self._runner = BackgroundRunner(f"rewind-{self.run}", self.exit_timeout_s, priority=priority)
         self.last_saved: SaveResult | None = None  # the newest committed save of this process
         self.skipped: tuple[Skip, ...] = ()  # what the last restore passed over, and why
         self._recover_leftovers()

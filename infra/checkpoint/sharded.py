@@ -32,6 +32,7 @@ import torch.distributed as dist
 from rewind.infra.catalog import leases, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint import assemble, remotes, share_push, spread
+from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.engine import SaveMode
 from rewind.infra.checkpoint.recording import recorded_save
@@ -109,6 +110,7 @@ class ShardedCheckpointer:
         self.root = Path(root).expanduser().resolve()
         self.run_dir = self.root / run
         self.mode = SaveMode(mode)
+        priority = persist_priority.configured()  # every rank reads the same environment: all refuse alike
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if layout is not None and layout.world_size != self.world:
             raise ConfigError(f"layout {layout} is {layout.world_size} ranks; this job has {self.world}")
@@ -138,7 +140,7 @@ class ShardedCheckpointer:
         # staged tensors are on the CPU), so that they never interleave with the job's collectives.
         self._group = dist.new_group(backend="gloo") if self.mode is SaveMode.ASYNC else None
         self._stager = ShellStager()
-        self._runner = BackgroundRunner(f"rewind-{run}-rank{self.rank}", exit_timeout_s)
+        self._runner = BackgroundRunner(f"rewind-{run}-rank{self.rank}", exit_timeout_s, priority=priority)
         self.last_stall_s: float | None = None
         self.disks = spread.discover(self.root)  # the hosts' own disks, or one disk for every rank
         self.sources: list[assemble.Sources] = []  # rank 0: where the last restore's bytes came from
