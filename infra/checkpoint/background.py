@@ -32,7 +32,6 @@ class BackgroundRunner:
         self.name = name
         self.exit_timeout_s = exit_timeout_s
         self.priority = priority
-        self.native_id: int | None = None  # the thread of the job in flight (or the last one), for the record
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._what = ""
@@ -49,7 +48,6 @@ class BackgroundRunner:
         waited = time.perf_counter() - t0
 
         def body() -> None:
-            self.native_id = threading.get_native_id()
             try:
                 apply_to_this_thread(self.priority)
                 fn()

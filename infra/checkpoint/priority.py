@@ -52,10 +52,5 @@ def apply_to_this_thread(priority: PersistPriority) -> None:
             os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
         elif hasattr(os, "setpriority"):
             os.setpriority(os.PRIO_PROCESS, tid, LOWEST_NICE)
-    except OSError as exc:  # a sandbox that forbids it: persist at the job's priority, say so once
+    except OSError as exc:  # a sandbox that forbids it: persist at the job's priority
         log.debug("persist priority %s not applied: %s", priority.value, exc)
-
-
-def of_thread(tid: int) -> tuple[int, int]:
-    """``(scheduling policy, nice)`` of thread ``tid``: what a test or an operator checks."""
-    return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
