@@ -55,7 +55,7 @@ from rewind.infra.errors import (
 )
 from rewind.infra.faults import fault_point
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import store
+from rewind.infra.format import payload, store
 from rewind.infra.format.local_tier import LocalTier
 from rewind.infra.format.verify import Finding, Problem
 from rewind.infra.health.layout import Layout, ModelShape
@@ -105,8 +105,10 @@ class ShardedCheckpointer:
         layout: Layout | None = None,
         model_shape: ModelShape | None = None,
         per_rank_data: bool = False,
+        format: str = payload.PLAIN,
     ) -> None:
         self.run = run
+        self.format = payload.check_format(format)  # chunked: packs, unchanged items linked (dcp_packs)
         self.root = Path(root).expanduser().resolve()
         self.run_dir = self.root / run
         self.mode = SaveMode(mode)
@@ -228,7 +230,9 @@ class ShardedCheckpointer:
 
     def _persist(self, step: int, share: RankShare, metrics: dict[str, float], stall: float | None) -> None:
         layout = self.layout
-        kw: dict[str, Any] = {"layout": layout, "metrics": metrics, "group": self._group, "disks": self.disks}
+        kw: dict[str, Any] = {
+            "layout": layout, "metrics": metrics, "group": self._group, "disks": self.disks, "fmt": self.format,
+        }  # fmt: skip
         if self._lead is None:
             save(self.run_dir, self.run, step, share, **kw)
             self._pushed(step)

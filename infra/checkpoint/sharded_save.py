@@ -23,8 +23,8 @@ from rewind.infra.checkpoint.spread import SHARED_STATE, Disks
 from rewind.infra.checkpoint.state import environment, writer
 from rewind.infra.errors import ConfigError, RankFailed
 from rewind.infra.faults import fault_point
+from rewind.infra.format import dcp_packs, packs, payload, store, tree
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import payload, store, tree
 from rewind.infra.format.digest import hash_file
 from rewind.infra.format.local_tier import LocalTier
 
@@ -87,16 +87,19 @@ def save(
     group: dist.ProcessGroup | None = None,
     lead: LeadHooks | None = None,
     disks: Disks | None = None,
+    fmt: str = payload.PLAIN,
 ) -> tuple[Path, str]:
     """Collective over ``group`` (default: the whole world): every rank calls it with its own share.
-    Returns the committed directory and its manifest digest, on every rank; raises ``RankFailed`` on
-    every rank otherwise. Nothing is committed unless every rank wrote and hashed its files for the
-    same step, and a failure of rank 0's catalog work (``lead``) reaches every rank. ``disks``: where
-    the ranks' roots lie; spread over several, each rank writes into its own (``spread``)."""
+        Returns the committed directory and its manifest digest, on every rank; raises ``RankFailed`` on
+        every rank otherwise. Nothing is committed unless every rank wrote and hashed its files for the
+        same step, and a failure of rank 0's catalog work (``lead``) reaches every rank. ``disks``: where
+        the ranks' roots lie; spread over several, each rank writes into its own (``spread``). ``fmt``: the DCP
+    shards as they are (``plain``), or in packs linked from the parent where unchanged (``chunked``,
+    :mod:`rewind.infra.format.dcp_packs`; the parent is rank 0's, told to every rank)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    box: list[Any] = [_open(run_dir, step, lead) if rank == 0 else None]
+    box: list[Any] = [(*_open(run_dir, step, lead), parent) if rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group)
-    kind, value, lead_step = box[0]
+    kind, value, lead_step, parent = box[0]
     if kind == "error":
         raise RankFailed(f"sharded save of step {step} failed on rank 0 before any rank wrote: {value}")
     tmp = run_dir / Path(value).name  # this rank's disk: rank 0's directory, or its namesake on another disk
@@ -108,7 +111,8 @@ def save(
     entries: list[mf.FileEntry] = []
     if error is None:
         try:
-            entries = _write_rank(tmp, rank, step, share, group)
+            link_from = _link_source(run_dir, parent) if fmt == payload.CHUNKED else None
+            entries = _write_rank(tmp, rank, step, share, group, fmt=fmt, link_from=link_from)
         except Exception as exc:  # reported to rank 0, which then refuses to commit
             error = f"rank {rank}: {exc}"
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
@@ -241,13 +245,37 @@ def _close(tmp: Path, gathered: list[Any], facts: _Facts, *, lead: LeadHooks | N
         return "error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankFailed) else str(exc)
 
 
+def _link_source(run_dir: Path, parent: tuple[int, str | None] | None) -> packs.Parent | None:
+    """The parent checkpoint on this rank's disk, as a chunked save may link from it (its manifest is
+    held to ``parent``'s digest, the catalog's, before anything is linked)."""
+    if parent is None or not parent[1]:
+        return None
+    return packs.Parent(store.step_dir(run_dir, parent[0]), parent[1])
+
+
 def _write_rank(
-    tmp: Path, rank: int, step: int, share: RankShare, group: dist.ProcessGroup | None
+    tmp: Path,
+    rank: int,
+    step: int,
+    share: RankShare,
+    group: dist.ProcessGroup | None,
+    *,
+    fmt: str = payload.PLAIN,
+    link_from: packs.Parent | None = None,
 ) -> list[mf.FileEntry]:
-    """This rank's share: its DCP shards, its own JSON state (and, on rank 0, the shared tree); their entries."""
+    """This rank's share: its DCP shards (or packs), its own JSON state (and, on rank 0, the shared tree);
+    their entries."""
     entries: list[mf.FileEntry] = []
-    writer_ = dcp.FileSystemWriter(str(tmp), sync_files=True)
-    dcp.save(share.tensors, storage_writer=writer_, process_group=group)
+    if fmt == payload.CHUNKED:
+        packed = dcp_packs.PackedWriter(tmp, rank=rank, parent=link_from)
+        dcp.save(share.tensors, storage_writer=packed, process_group=group)
+        entries.extend(packed.written.entries)
+        raw = packed.index_bytes()
+        entries.append(store.write_file(tmp / dcp_packs.index_file(rank), store.bytes_writer(raw)))
+    else:
+        dcp.save(
+            share.tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), process_group=group
+        )
     entries.append(store.write_file(tmp / rank_state_file(rank), store.bytes_writer(share.rank_json)))
     fault_point("save.shard_written", step)  # this rank's files are down, none committed yet
     if rank == 0:

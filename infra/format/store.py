@@ -88,10 +88,16 @@ def _proves(source: Path, entry: mf.FileEntry) -> bool:
 def link_file(path: Path, link: Link) -> bool:
     """Hard-link ``link.source`` to ``path`` once its bytes proved to be ``link.entry``'s; False (nothing
     left behind) if it cannot be used, and then the caller writes the bytes it holds instead."""
+    return link_proven(path, link.source, link.entry)
+
+
+def link_proven(path: Path, source: Path, entry: mf.FileEntry) -> bool:
+    """Hard-link ``source`` to ``path`` once its bytes proved to be ``entry``'s; False (nothing left behind)
+    if it cannot be used."""
     try:
-        if not _proves(link.source, link.entry):
+        if not _proves(source, entry):
             return False
-        os.link(link.source, path)
+        os.link(source, path)
     except OSError:
         return False
     return True

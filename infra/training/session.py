@@ -115,11 +115,7 @@ class TrainingSession:
                 f"{type(loader).__name__} has neither a global position (skip_to) nor a state_dict(): under "
                 "torchrun give the session a ResumableLoader, a StatefulDataLoader, or checkpoint it yourself"
             )
-        if payload.check_format(format) != payload.PLAIN and self.distributed:
-            raise ConfigError(
-                f"format={format!r} is for single-process jobs; distributed ones save DCP shards"
-            )
-        self.format = format
+        self.format = payload.check_format(format)
         self.root = Path(root or config.checkpoint_root())
         self.catalog: Catalog | None = catalog or self._open_catalog()
         self.parts = self._parts(model, optimizer, dict(states or {}))
@@ -283,7 +279,7 @@ class TrainingSession:
             self.run, root=self.root, catalog=self.catalog, mode=self.mode, layout=job_layout(
                 self.layout, self.handoff.layout, self.parts.get("model"), dist.get_world_size()
             ),
-            model_shape=self.model_shape, per_rank_data=self.per_rank_data,
+            model_shape=self.model_shape, per_rank_data=self.per_rank_data, format=self.format,
         )  # fmt: skip
         self._ckpt = sck
         restored = sck.restore_latest(
