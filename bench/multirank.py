@@ -14,6 +14,10 @@ Figures are medians over repeats of the slowest rank (a collective save is as sl
 - ``multirank_peak_rss_ratio``: the growth of a rank's peak RSS over one async save (Linux ``VmHWM``, reset
   before it), over the rank's state bytes: the staging copy and the writer's buffers. Rewind's first save
   (it allocates its shells then) and DCP ``async_save``'s are both reported.
+- ``multirank_chunked_bytes_vs_trainable_frozen``: the chunked format (``format="chunked"``) on the same
+  ranks, one of every 16 tensors changed between saves (a frozen backbone): the pack bytes each save after
+  the first wrote (not linked), over the bytes that changed. ``multirank_chunked_persist_ratio_full``: its
+  time to committed over the plain format's when every tensor changed (the two alternating, median of 3).
 - ``multirank_overhead_pct``: the training slowdown of a loop (matmuls and a gradient all-reduce on every
   rank) checkpointing asynchronously every N steps, N chosen so that a persist takes about a tenth of the
   interval; against the same loop without checkpoints, the two alternating (median of 3 pairs).
@@ -188,6 +192,7 @@ def worker(args: argparse.Namespace) -> None:
         plain = _slowest(_train_loop(steps, 0, ck, state, 0))
         pairs.append((plain, _slowest(_train_loop(steps, every, ck, state, 100 + k * steps))))
     overheads = sorted(100.0 * (saving / plain - 1.0) for plain, saving in pairs)
+    chunked = _chunked_figures(work, state, cat, ck)
     ck.close()
     out = {
         "ranks": world,
@@ -200,11 +205,54 @@ def worker(args: argparse.Namespace) -> None:
         "train_with_async_saves_s": statistics.median(sv for _, sv in pairs),
         "overhead_pct_each_pair": overheads,
         "overhead_pct_median": statistics.median(overheads),
+        **chunked,
     }
     if rank == 0:
         Path(args.out).write_text(json.dumps(out))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _written_pack_bytes(step_dir: Path) -> int:
+    """Pack bytes of a just-committed checkpoint that it wrote itself (not hard links to earlier ones)."""
+    from rewind.infra.format import manifest as mf
+
+    packs = [e for e in mf.read(step_dir).files if e.path.startswith("packs/")]
+    return sum(e.size for e in packs if (step_dir / e.path).stat().st_nlink == 1)
+
+
+def _chunked_figures(work: Path, state: dict[str, Any], cat: Any, plain: Any) -> dict[str, float]:
+    """The chunked format's bytes with a frozen backbone, and its persist time against ``plain``'s."""
+    from rewind.infra.checkpoint.engine import SaveMode
+    from rewind.infra.checkpoint.sharded import ShardedCheckpointer
+
+    ck = ShardedCheckpointer(
+        "chunked", root=work / "rewind", catalog=cat, mode=SaveMode.ASYNC, format="chunked"
+    )
+    shards = [t.to_local() for t in state["model"].values()]
+    changed = shards[::16]
+    trainable = sum(t.numel() * 4 for t in changed) * dist.get_world_size()
+    ratios = []
+    for step in range(1, 5):
+        for t in changed:
+            t.add_(1e-3)
+        _rewind_round(ck, state, step)
+        if step > 1 and dist.get_rank() == 0:
+            ratios.append(_written_pack_bytes(work / "rewind" / "chunked" / f"step-{step}") / trainable)
+    times: dict[str, list[float]] = {"chunked": [], "plain": []}
+    for i in range(3):
+        for name, c in [("plain", plain), ("chunked", ck)][:: 1 if i % 2 == 0 else -1]:
+            for t in shards:
+                t.add_(1e-3)
+            times[name].append(_slowest(_rewind_round(c, state, 1000 + 2 * i + (name == "chunked"))[1]))
+    ck.close()
+    box: list[Any] = [statistics.median(ratios) if ratios else 0.0]
+    dist.broadcast_object_list(box, src=0)
+    return {
+        "chunked_bytes_vs_trainable_frozen": box[0],
+        "chunked_durable_full_s": statistics.median(times["chunked"]),
+        "plain_durable_full_s": statistics.median(times["plain"]),
+    }
 
 
 def _step_time(work: Path, ck: Any, state: dict[str, Any]) -> float:
@@ -242,6 +290,8 @@ def _report(fig: dict[str, Any]) -> None:
         "multirank_persist_ratio_vs_dcp": fig["rewind_durable_s"] / fig["dcp_save_s"],
         "multirank_peak_rss_ratio": fig["rewind_first_save_rss_growth_ratio"],
         "multirank_overhead_pct": fig["overhead_pct_median"],
+        "multirank_chunked_bytes_vs_trainable_frozen": fig["chunked_bytes_vs_trainable_frozen"],
+        "multirank_chunked_persist_ratio_full": fig["chunked_durable_full_s"] / fig["plain_durable_full_s"],
     }
     for k, v in sorted({**fig, **results}.items()):
         print(f"{k:42s} {v:.4g}" if isinstance(v, float) else f"{k:42s} {v}")
