@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -193,17 +193,7 @@ def run_one(
     started = datetime.now(UTC)
     skip = experiments.skip_reason(ext, spec)
     if skip:
-        drill_id = drill_rows.record(
-            cat, scenario=scenario, failure_kind=kind, started_at=started, outcome="skipped",
-            reason=skip, slo=budget.as_dict(), details={"job_spec": spec} if spec else {},
-        )  # fmt: skip
-        return {
-            "id": drill_id,
-            "scenario": scenario,
-            "outcome": "skipped",
-            "reason": skip,
-            "as_expected": True,
-        }
+        return _skipped(cat, scenario, kind, started, skip, budget.as_dict(), spec)
     if kind == "serving":  # the drill's own serving stack, not a training job
         from rewind.flows.drills_serving import run_serving
 
@@ -212,15 +202,7 @@ def run_one(
     run = f"drill-{scenario}-{uuid.uuid4().hex[:6]}"
     state = drill_job.home() / "drills" / run
     state.mkdir(parents=True, exist_ok=True)
-    pool = ThreadPoolExecutor(1, thread_name_prefix="drill-reference")  # its own process, beside the drill
-    ref_job = {
-        k: v
-        for k, v in job_cfg.items()
-        if k in ("steps", "every", "seed", "module", "nnodes", "nproc_per_node")
-    }
-    pending = pool.submit(
-        drill_job.reference_curve, ref_job, dict(os.environ), spec
-    )  # copied before a fault is armed
+    pool, pending = _reference(job_cfg, spec)
     configuration = {
         "run": run, "state_dir": str(state), "job": job_cfg, "slo_file": slo_file, "job_spec": spec,
         "servers_stopped_by": "rewind",  # after measuring: the job's incident may be in the drill's own catalog
@@ -244,6 +226,34 @@ def run_one(
         pool.shutdown(wait=False, cancel_futures=True)
     return _record(cat, scenario, kind, run, started, t0, journal, found, own, reference, state, budget,
                    slos.source, job_cfg, spec, ext)  # fmt: skip
+
+
+def _skipped(
+    cat: Catalog,
+    scenario: str,
+    kind: str,
+    started: datetime,
+    reason: str,
+    budget: dict[str, Any],
+    spec: dict[str, Any] | None,
+) -> dict[str, Any]:
+    """A scenario this machine cannot run, recorded as skipped with the reason."""
+    drill_id = drill_rows.record(
+        cat, scenario=scenario, failure_kind=kind, started_at=started, outcome="skipped",
+        reason=reason, slo=budget, details={"job_spec": spec} if spec else {},
+    )  # fmt: skip
+    return {"id": drill_id, "scenario": scenario, "outcome": "skipped", "reason": reason, "as_expected": True}
+
+
+def _reference(
+    job_cfg: dict[str, Any], spec: dict[str, Any] | None
+) -> tuple[ThreadPoolExecutor, Future[Any]]:
+    """The uninterrupted reference run, started in its own process beside the drill (the environment
+    copied now, before a fault is armed)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="drill-reference")
+    keys = ("steps", "every", "seed", "module", "nnodes", "nproc_per_node")
+    ref_job = {k: v for k, v in job_cfg.items() if k in keys}
+    return pool, pool.submit(drill_job.reference_curve, ref_job, dict(os.environ), spec)
 
 
 def _record(

@@ -127,7 +127,6 @@ def jobset_manifest(
         command = _in_image(process_command(spec), spec)
     env, keys = _env(spec, secret=secret, checkpoint_mount=checkpoint_mount if checkpoint_pvc else None,
                      env_from_secret=env_from_secret)  # fmt: skip
-
     labels = {MANAGED_BY: "rewind", LABEL_RUN: run_label}
     if launch_id is not None:
         labels[LABEL_LAUNCH] = str(launch_id)
@@ -137,15 +136,8 @@ def jobset_manifest(
         container["workingDir"] = workdir
     if spec.distributed:
         container["ports"] = [{"name": "rdzv", "containerPort": rdzv_port, "protocol": "TCP"}]
-    if gpus_per_node:
-        gpus = {GPU_RESOURCE: str(gpus_per_node)}
-        container["resources"] = {"requests": dict(gpus), "limits": dict(gpus)}
-    pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
-    if service_account:
-        pod["serviceAccountName"] = service_account
-    if checkpoint_pvc:
-        container["volumeMounts"] = [{"name": "checkpoints", "mountPath": checkpoint_mount}]
-        pod["volumes"] = [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint_pvc}}]
+    pod = _pod(container, gpus_per_node=gpus_per_node, service_account=service_account,
+               checkpoint_pvc=checkpoint_pvc, checkpoint_mount=checkpoint_mount)  # fmt: skip
     job = {
         "completionMode": "Indexed",
         "completions": nodes,
@@ -174,6 +166,27 @@ def jobset_manifest(
             ],
         },
     }
+
+
+def _pod(
+    container: dict[str, Any],
+    *,
+    gpus_per_node: int | None,
+    service_account: str | None,
+    checkpoint_pvc: str | None,
+    checkpoint_mount: str,
+) -> dict[str, Any]:
+    """The pod template around ``container``: its GPUs, service account and checkpoint volume."""
+    if gpus_per_node:
+        gpus = {GPU_RESOURCE: str(gpus_per_node)}
+        container["resources"] = {"requests": dict(gpus), "limits": dict(gpus)}
+    pod: dict[str, Any] = {"restartPolicy": "Never", "containers": [container]}
+    if service_account:
+        pod["serviceAccountName"] = service_account
+    if checkpoint_pvc:
+        container["volumeMounts"] = [{"name": "checkpoints", "mountPath": checkpoint_mount}]
+        pod["volumes"] = [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": checkpoint_pvc}}]
+    return pod
 
 
 def _env(
