@@ -90,10 +90,10 @@ def save(
     fmt: str = payload.PLAIN,
 ) -> tuple[Path, str]:
     """Collective over ``group`` (default: the whole world): every rank calls it with its own share.
-        Returns the committed directory and its manifest digest, on every rank; raises ``RankFailed`` on
-        every rank otherwise. Nothing is committed unless every rank wrote and hashed its files for the
-        same step, and a failure of rank 0's catalog work (``lead``) reaches every rank. ``disks``: where
-        the ranks' roots lie; spread over several, each rank writes into its own (``spread``). ``fmt``: the DCP
+    Returns the committed directory and its manifest digest, on every rank; raises ``RankFailed`` on
+    every rank otherwise. Nothing is committed unless every rank wrote and hashed its files for the
+    same step, and a failure of rank 0's catalog work (``lead``) reaches every rank. ``disks``: where
+    the ranks' roots lie; spread over several, each rank writes into its own (``spread``). ``fmt``: the DCP
     shards as they are (``plain``), or in packs linked from the parent where unchanged (``chunked``,
     :mod:`rewind.infra.format.dcp_packs`; the parent is rank 0's, told to every rank)."""
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -11,8 +11,8 @@ own encoding (``torch.save`` of the tensor, the raw bytes of a value), into new 
 written. Each rank lists its packs and their items' keys in ``packs-<rank>.json``; the next save's link
 decisions rest on that list, read only from a parent whose manifest is the one the catalog recorded.
 
-A key names an item's content (xxh3-128 of its dtype, shape and bytes): it decides links, it proves
-nothing. Reading needs no reader of its own: :class:`rewind.infra.format.dcp.VerifiedReader` reads a pack
+A key names an item's content (xxh3-128 of a plain tensor's dtype, shape, strides and bytes; of the
+encoding of anything more, a quantized tensor's scales or a subclass): it decides links, it proves nothing. Reading needs no reader of its own: :class:`rewind.infra.format.dcp.VerifiedReader` reads a pack
 like any file the manifest lists, whole, proven against its digest before DCP sees a byte of it.
 """
 
@@ -47,12 +47,14 @@ def index_file(rank: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class _Item:
-    """One write item, resolved: its content key, its data (a CPU tensor or bytes), its size in memory."""
+    """One write item, resolved: its content key, its size, and its bytes when they are held (a value's, or
+    the encoding of a tensor keyed by it); a plain tensor is resolved again when it is written, so that a
+    GPU tensor's host copy is not held from hashing to writing."""
 
     write: WriteItem
     key: str
-    data: torch.Tensor | memoryview
     size: int
+    raw: memoryview | None = None
 
 
 def _tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
@@ -64,6 +66,25 @@ def _tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
     return t.clone() if t.untyped_storage().size() != t.nbytes else t
 
 
+def _plain(t: torch.Tensor) -> bool:
+    """Whether dtype, shape, strides and element bytes are all ``t`` is: not a subclass, quantized (scales),
+    sparse, or a view with the conjugate or negative bit."""
+    return (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and not t.is_quantized
+        and not t.is_conj()
+        and not t.is_neg()
+    )
+
+
+def _saved(t: torch.Tensor) -> memoryview:
+    """DCP's encoding of a tensor: ``torch.save``."""
+    buf = io.BytesIO()
+    torch.save(t, buf)
+    return buf.getbuffer()
+
+
 def _resolve(planner: SavePlanner, item: WriteItem) -> _Item:
     h = Hasher(with_crc=False)
     if item.type == WriteItemType.BYTE_IO:
@@ -73,20 +94,21 @@ def _resolve(planner: SavePlanner, item: WriteItem) -> _Item:
         raw = value.getbuffer()
         h.update(b"bytes\0")
         h.update(raw)
-        return _Item(item, h.result().xxh3, raw, len(raw))
+        return _Item(item, h.result().xxh3, len(raw), raw)
     t = _tensor(planner, item)
-    h.update(json.dumps([str(t.dtype), list(t.shape), list(t.stride())]).encode())
+    if not _plain(t):  # keyed by its encoding, which holds all it is
+        raw = _saved(t)
+        h.update(b"saved\0")
+        h.update(raw)
+        return _Item(item, h.result().xxh3, len(raw), raw)
+    h.update(json.dumps(["tensor", str(t.dtype), list(t.shape), list(t.stride())]).encode())
     h.update(tensorfile.byte_view(t.contiguous()))
-    return _Item(item, h.result().xxh3, t, t.nbytes)
+    return _Item(item, h.result().xxh3, t.nbytes)
 
 
-def _encode(item: _Item) -> memoryview:
+def _encode(planner: SavePlanner, item: _Item) -> memoryview:
     """The bytes DCP's reader expects for ``item``: ``torch.save`` of a tensor, a value's bytes as they are."""
-    if isinstance(item.data, memoryview):
-        return item.data
-    buf = io.BytesIO()
-    torch.save(item.data, buf)
-    return buf.getbuffer()
+    return item.raw if item.raw is not None else _saved(_tensor(planner, item.write))
 
 
 @dataclass
@@ -121,7 +143,7 @@ class PackedWriter(dcp.FileSystemWriter):
         left, was = self._link(unique)
         carried = [i for i in left if i.key in was]  # apart from the changed ones, as packs.layout does
         for group in (*_groups(carried), *_groups([i for i in left if i.key not in was])):
-            self._write_pack(group)
+            self._write_pack(planner, group)
         store.fsync_dir(self._dir / PACK_DIR)
         results = []
         for i in items:
@@ -150,10 +172,9 @@ class PackedWriter(dcp.FileSystemWriter):
             self.written.entries.append(replace(entry, path=pack.path))
             self.written.packs[name] = [[k, o, n] for k, o, n in used]
             self.written.places.update((k, (pack.path, o, n)) for k, o, n in used)
-            self.written.linked_bytes += entry.size
         return [i for i in unique.values() if i.key not in self.written.places], was
 
-    def _write_pack(self, group: list[_Item]) -> None:
+    def _write_pack(self, planner: SavePlanner, group: list[_Item]) -> None:
         name = f"r{self._rank}-{packs.pack_name(i.key for i in group)}"
         pack = Pack(name, 0)
         refs: list[list[Any]] = []
@@ -161,7 +182,7 @@ class PackedWriter(dcp.FileSystemWriter):
         def fill(out: BinaryIO) -> None:
             offset = 0
             for i in group:
-                n = out.write(_encode(i))
+                n = out.write(_encode(planner, i))
                 refs.append([i.key, offset, n])
                 offset += n
 
