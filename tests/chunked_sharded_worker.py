@@ -2,7 +2,7 @@
 
 ``save``: a frozen embedding backbone and a trainable head (AdamW on the head only), three asynchronous
 chunked saves with a training step before each; every rank then writes the full (unsharded) state it
-saved to ``ROOT/expected-<rank>.pt``. ``restore``: on any number of ranks, the newest checkpoint
+saved to ``ROOT/expected-<rank>.pt``, and restores as below. ``restore``: on any number of ranks, the newest checkpoint
 restored into a fresh model and optimizer; prints ``same`` per rank when the full state equals rank 0's
 expectation bit for bit."""
 
@@ -59,7 +59,10 @@ def _train(net: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
 
 
 def _full(net: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
-    return {"model": get_model_state_dict(net, options=FULL), "optim": get_optimizer_state_dict(net, opt, options=FULL)}
+    return {
+        "model": get_model_state_dict(net, options=FULL),
+        "optim": get_optimizer_state_dict(net, opt, options=FULL),
+    }
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -105,7 +108,7 @@ def _restore(root: Path) -> bool:
 
 def main(mode: str, root: str) -> None:
     dist.init_process_group("gloo")
-    ok = (_save if mode == "save" else _restore)(Path(root))
+    ok = (_save(Path(root)) if mode == "save" else True) and _restore(Path(root))
     print(f"rank {dist.get_rank()} of {dist.get_world_size()}: {'same' if ok else 'DIFFERENT'}", flush=True)
     gc.collect()
     dist.barrier()
