@@ -117,10 +117,8 @@ class _Written:
 
     entries: list[mf.FileEntry] = field(default_factory=list)
     packs: dict[str, list[list[Any]]] = field(default_factory=dict)
-    places: dict[str, tuple[str, int, int]] = field(
-        default_factory=dict
-    )  # key -> (pack path, offset, length)
-    linked_bytes: int = 0
+    # each item's key -> (pack path, offset, length)
+    places: dict[str, tuple[str, int, int]] = field(default_factory=dict)
 
 
 class PackedWriter(dcp.FileSystemWriter):
