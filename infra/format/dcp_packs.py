@@ -12,15 +12,15 @@ written. Each rank lists its packs and their items' keys in ``packs-<rank>.json`
 decisions rest on that list, read only from a parent whose manifest is the one the catalog recorded.
 
 A key names an item's content (xxh3-128 of a plain tensor's dtype, shape, strides and bytes; of the
-encoding of anything more, a quantized tensor's scales or a subclass): it decides links, it proves nothing. Reading needs no reader of its own: :class:`rewind.infra.format.dcp.VerifiedReader` reads a pack
-like any file the manifest lists, whole, proven against its digest before DCP sees a byte of it.
+encoding of anything more, a quantized tensor's scales or a subclass): it decides links, it proves
+nothing. Reading needs no reader of its own: :class:`rewind.infra.format.dcp.VerifiedReader` reads a
+pack like any file the manifest lists, whole, proven against its digest before DCP sees a byte of it.
 """
 
 from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -35,7 +35,7 @@ from torch.futures import Future
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import packs, store, tensorfile
 from rewind.infra.format.digest import Hasher
-from rewind.infra.format.packs import PACK_DIR, Pack, Parent
+from rewind.infra.format.packs import PACK_DIR, Parent
 
 FORMAT = "rewind.dcp-packs/1"
 
@@ -106,6 +106,10 @@ def _resolve(planner: SavePlanner, item: WriteItem) -> _Item:
     return _Item(item, h.result().xxh3, t.nbytes)
 
 
+def _size(item: _Item) -> int:
+    return item.size
+
+
 def _encode(planner: SavePlanner, item: _Item) -> memoryview:
     """The bytes DCP's reader expects for ``item``: ``torch.save`` of a tensor, a value's bytes as they are."""
     return item.raw if item.raw is not None else _saved(_tensor(planner, item.write))
@@ -140,7 +144,8 @@ class PackedWriter(dcp.FileSystemWriter):
         (self._dir / PACK_DIR).mkdir(exist_ok=True)
         left, was = self._link(unique)
         carried = [i for i in left if i.key in was]  # apart from the changed ones, as packs.layout does
-        for group in (*_groups(carried), *_groups([i for i in left if i.key not in was])):
+        changed = [i for i in left if i.key not in was]
+        for group in (*packs.cut(carried, _size), *packs.cut(changed, _size)):
             self._write_pack(planner, group)
         store.fsync_dir(self._dir / PACK_DIR)
         results = []
@@ -161,8 +166,7 @@ class PackedWriter(dcp.FileSystemWriter):
         for name, (entry, pack) in prior.items():
             used = [(k, o, n) for k, o, n in pack.refs if k in unique and k not in self.written.places]
             was.update(k for k, _o, _n in used)
-            live = sum(n for _k, _o, n in used)
-            if not name.startswith(mine) or not used or live < packs.KEEP_LIVE * pack.size:
+            if not name.startswith(mine) or not used or not packs.mostly_live(pack, used):
                 continue
             assert self._parent is not None
             if not store.link_proven(self._dir / pack.path, self._parent.path / pack.path, entry):
@@ -174,7 +178,7 @@ class PackedWriter(dcp.FileSystemWriter):
 
     def _write_pack(self, planner: SavePlanner, group: list[_Item]) -> None:
         name = f"r{self._rank}-{packs.pack_name(i.key for i in group)}"
-        pack = Pack(name, 0)
+        path = f"{PACK_DIR}/{name}"
         refs: list[list[Any]] = []
 
         def fill(out: BinaryIO) -> None:
@@ -184,21 +188,7 @@ class PackedWriter(dcp.FileSystemWriter):
                 refs.append([i.key, offset, n])
                 offset += n
 
-        entry = store.write_file(self._dir / pack.path, fill)
-        self.written.entries.append(replace(entry, path=pack.path))
+        entry = store.write_file(self._dir / path, fill)
+        self.written.entries.append(replace(entry, path=path))
         self.written.packs[name] = refs
-        self.written.places.update((k, (pack.path, o, n)) for k, o, n in refs)
-
-
-def _groups(items: list[_Item]) -> Iterator[list[_Item]]:
-    """Items in order, cut into groups of about ``PACK_BYTES`` (a bigger item is a pack of its own)."""
-    group: list[_Item] = []
-    size = 0
-    for i in items:
-        if group and size + i.size > packs.PACK_BYTES:
-            yield group
-            group, size = [], 0
-        group.append(i)
-        size += i.size
-    if group:
-        yield group
+        self.written.places.update((k, (path, o, n)) for k, o, n in refs)

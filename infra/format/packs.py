@@ -19,11 +19,11 @@ its digest as it is read, so dead bytes in a linked pack are never read at all.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 from rewind.infra.errors import CorruptCheckpoint, MalformedFile
 from rewind.infra.format import manifest as mf
@@ -37,6 +37,7 @@ PACK_DIR = "packs"
 PACK_BYTES = 32 << 20
 KEEP_LIVE = 0.5  # a parent pack is linked while at least this share of its bytes is still used
 _ZEROS = bytes(1 << 20)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,18 +153,29 @@ def _pack_of(group: list[Chunk]) -> tuple[Pack, list[Chunk]]:
     return pack, group
 
 
+def cut(items: list[T], size: Callable[[T], int]) -> Iterator[list[T]]:
+    """``items`` in order, cut into groups of at most ``PACK_BYTES`` (a bigger item is a group of its own)."""
+    group: list[T] = []
+    total = 0
+    for item in items:
+        n = size(item)
+        if group and total + n > PACK_BYTES:
+            yield group
+            group, total = [], 0
+        group.append(item)
+        total += n
+    if group:
+        yield group
+
+
+def mostly_live(pack: Pack, used: Iterable[tuple[str, int, int]]) -> bool:
+    """Whether the chunks ``used`` of ``pack`` (digest, offset, length) keep it worth linking."""
+    return sum(n for _d, _o, n in used) >= KEEP_LIVE * pack.size
+
+
 def _group(chunks: list[Chunk]) -> Iterator[tuple[Pack, list[Chunk]]]:
     """Chunks in order, cut into packs of at most ``PACK_BYTES`` (a bigger chunk is a pack of its own)."""
-    group: list[Chunk] = []
-    size = 0
-    for c in chunks:
-        if group and size + len(c.data) > PACK_BYTES:
-            yield _pack_of(group)
-            group, size = [], 0
-        group.append(c)
-        size += len(c.data)
-    if group:
-        yield _pack_of(group)
+    return (_pack_of(group) for group in cut(chunks, lambda c: len(c.data)))
 
 
 def layout(
@@ -179,7 +191,7 @@ def layout(
             for d, o, n in pack.refs
             if d in chunks and d not in covered and len(chunks[d].data) == n
         ]
-        if parent is not None and used and sum(n for _d, _o, n in used) >= KEEP_LIVE * pack.size:
+        if parent is not None and used and mostly_live(pack, used):
             out.linked.append((entry, Pack(pack.name, pack.size, used), parent.path / pack.path))
             covered.update(d for d, _o, _n in used)
         else:
