@@ -1,6 +1,7 @@
 """Ranks of a job whose hosts have their own disks, on one machine: each rank's checkpoint root is the
 disk its argument names (``a,a,b,b``: ranks 0-1 on disk a, 2-3 on disk b), as node-local disks at one
-path would be on real hosts. Saves (``save``) or restores (``load``) through ``ShardedCheckpointer``."""
+path would be on real hosts (and with ``REWIND_TEST_RING`` set, each its own memory tier beside it, the
+peer ring on). Saves (``save``) or restores (``load``) through ``ShardedCheckpointer``."""
 
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ def main(mode: str, workdir: str, layout: str) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     work = Path(workdir)
-    root = work / "disks" / layout.split(",")[rank]
+    disk = layout.split(",")[rank]
+    root = work / "disks" / disk
+    if os.environ.get("REWIND_TEST_RING"):  # each host's memory tier: its own, like its disk
+        os.environ["REWIND_MEMORY_ROOT"] = str(work / "memory" / disk)
     catalog = Catalog(f"sqlite:///{work / 'catalog.db'}") if rank == 0 else None
     model = _wrap(_model(), "ddp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -28,10 +28,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _job(
-    mode: str, work: Path, layout: str, *, ok: bool = True, shared: Path | None = None
+    mode: str, work: Path, layout: str, *, ok: bool = True, shared: Path | None = None, ring: bool = False
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("REWIND_SHARED_URI", None)
+    if ring:
+        env["REWIND_TEST_RING"] = "1"
     if shared is not None:
         env["REWIND_SHARED_URI"] = str(shared)
     r = subprocess.run(
@@ -166,3 +168,66 @@ def test_files_another_timeline_left_on_the_shared_tier_never_complete_a_copy(sa
     (ck,) = lineage.checkpoints(Catalog(f"sqlite:///{saved / 'catalog.db'}"), RUN, step=2)
     report = check_remote(tier, f"{RUN}/step-2", str(ck.manifest_digest), deep=True, keyring=kr.from_env())
     assert report.verdict is Verdict.VERIFIED, report.findings
+
+
+@pytest.fixture
+def ringed(tmp_path: Path) -> Path:
+    """Steps 1 and 2 saved on disks a and b, each host with its own memory tier (the peer ring on) and a
+    shared tier."""
+    (tmp_path / "shared").mkdir()
+    _job("save", tmp_path, "a,a,b,b", shared=tmp_path / "shared", ring=True)
+    return tmp_path
+
+
+def _ring_copy(work: Path, disk: str) -> Path:
+    (copy,) = (work / "memory" / disk / "ring" / RUN).glob("step-*")  # the newest alone: step 1's let go
+    return copy
+
+
+def _share_of(manifest: mf.Manifest, work: Path, disk: str) -> dict[str, int]:
+    mark = local_tier.read(work / "disks" / disk)
+    assert mark
+    return {e.path: e.size for e in manifest.files if manifest.placement.get(e.path) == mark.id}
+
+
+def test_a_lost_hosts_share_comes_from_the_next_hosts_memory_and_no_other_tier(ringed: Path) -> None:
+    """Each host's memory holds the other's share of the newest checkpoint (passed round the ring after the
+    commit). With host b, its disk and its memory gone, ranks 2-3 come back on a spare, c: disk a's share
+    is read in place, b's taken from a's memory, c gets everything from its peers; nothing is read from the
+    shared tier, though it holds a copy; bit-exact."""
+    work = ringed
+    ma = mf.read(work / "disks" / "a" / RUN / "step-2")
+    share_a, share_b = _share_of(ma, work, "a"), _share_of(ma, work, "b")
+    for disk, peer in (("a", share_b), ("b", share_a)):  # each memory: the peer's files, manifest last
+        copy = _ring_copy(work, disk)
+        assert copy.name.startswith("step-2-") and (copy / mf.MANIFEST_NAME).read_bytes() == ma.to_bytes()
+        assert {p.name: p.stat().st_size for p in copy.iterdir() if p.name != mf.MANIFEST_NAME} == peer
+
+    shutil.rmtree(work / "disks" / "b")  # host b gone: its disk and its memory
+    shutil.rmtree(work / "memory" / "b")
+    _job("load", work, "a,a,c,c", ring=True)
+    assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
+    a_got, c_got = json.loads((work / "sources.json").read_text())["disks"]
+    b_bytes = sum(share_b.values())
+    assert a_got == {**a_got, "local": ma.total_bytes - b_bytes, "memory": b_bytes, "peer": 0, "remote": 0}
+    assert c_got == {**c_got, "local": 0, "memory": 0, "peer": ma.total_bytes, "remote": 0}, c_got
+
+
+def test_a_damaged_memory_copy_is_refused_and_the_next_copy_used(ringed: Path) -> None:
+    """A byte of host a's memory copy of b's share flipped: the copy is refused and removed, and b's files
+    come from the shared tier instead; bit-exact."""
+    work = ringed
+    ma = mf.read(work / "disks" / "a" / RUN / "step-2")
+    b_bytes = sum(_share_of(ma, work, "b").values())
+    copy = _ring_copy(work, "a")
+    victim = next(p for p in sorted(copy.iterdir()) if p.suffix == ".distcp")
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    shutil.rmtree(work / "disks" / "b")
+    shutil.rmtree(work / "memory" / "b")
+    _job("load", work, "a,a,c,c", ring=True)
+    assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
+    a_got, _ = json.loads((work / "sources.json").read_text())["disks"]
+    assert a_got["memory"] == 0 and a_got["remote"] == b_bytes, a_got
+    assert not copy.exists()  # refused and removed: never offered again

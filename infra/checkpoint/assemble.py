@@ -6,8 +6,9 @@ as a byte tensor, and every rank lacking it keeps it only once its bytes hash to
 (nothing received is unpickled). A disk with no copy yet (a spare host) gets a whole one, manifest
 last. A file on no disk at hand (its host is gone) is fetched by rank 0 from another tier's copy of the
 checkpoint (``Remote``: the shared tier's, nearest first), held to its entry, and sent on from there:
-each file comes from the nearest place that has it, this disk, a peer's, another tier. When a file is on
-no disk and no other tier gives it, no disk is completed: ``ShareOnly`` on every rank, and the restore
+each file comes from the nearest place that has it: this disk, this node's memory (a ring copy of a peer's
+share, ``ring``, hashed again as it is taken), a peer's disk, another tier. When a file is on no disk, in
+no memory and no other tier gives it, no disk is completed: ``ShareOnly`` on every rank, and the restore
 tries the next copy.
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rewind.infra.checkpoint import ring
 from rewind.infra.checkpoint.spread import Disks
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import store
@@ -35,18 +37,20 @@ Remote = Callable[[mf.FileEntry], bytes]  # rank 0: one file's bytes from anothe
 
 @dataclass(frozen=True, slots=True)
 class Sources:
-    """Where one disk's copy got the checkpoint's bytes: already on the disk, sent by another rank, or
-    fetched from another tier."""
+    """Where one disk's copy got the checkpoint's bytes: already on the disk, taken from this node's memory
+    (a peer's share the ring left there), sent by another rank, or fetched from another tier."""
 
     host: str
     local_bytes: int
     peer_bytes: int
     remote_bytes: int = 0
+    memory_bytes: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "host": self.host,
             "local": self.local_bytes,
+            "memory": self.memory_bytes,
             "peer": self.peer_bytes,
             "remote": self.remote_bytes,
         }
@@ -56,7 +60,8 @@ def read_from(
     sources: list[Sources], total: int, tier: str, fetched: bool, remote_tier: str = "shared"
 ) -> dict[str, Any]:
     """Where a restore's bytes came from, for the record (bytes per place: ``local`` on the disk that loads
-    them, ``peer`` sent by another host's ranks, or the tier a copy was fetched from), and per host.
+    them, ``memory`` taken from the node's memory tier, ``peer`` sent by another host's ranks, or the tier
+    a copy was fetched from), and per host.
     ``tier``/``fetched``: the copy the restore plan used (a whole copy fetched from that tier, or not);
     ``remote_tier``: the tier single lost files were fetched from."""
     if not sources:  # one disk for every rank: the copy the plan used
@@ -66,7 +71,7 @@ def read_from(
         first = hosts[0]
         hosts[0] = {**first, "local": 0, "remote": first["remote"] + first["local"]}
     remote_tier = tier if fetched else remote_tier
-    totals = {"local": sum(h["local"] for h in hosts), "peer": sum(h["peer"] for h in hosts)}
+    totals = {k: sum(h[k] for h in hosts) for k in ("local", "memory", "peer")}
     totals[remote_tier] = totals.get(remote_tier, 0) + sum(h["remote"] for h in hosts)
     return {"bytes": totals, "hosts": hosts}
 
@@ -142,15 +147,18 @@ def complete(
     if leads and directory.exists() and not _same_checkpoint(directory, raw):
         store.quarantine(directory, "displaced")  # another checkpoint under the same step: kept aside
     held = _held(directory, manifest) if leads else None
+    memory = ring.held(raw, manifest) if leads else {}
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, held)
-    have = {r: h for r, h in enumerate(every) if h is not None}
+    dist.all_gather_object(every, None if held is None else (held, set(memory)))
+    have = {r: h | m for r, x in enumerate(every) if x is not None for h, m in [x]}  # memory: taken below
     fresh = leads and not held
     target = store.temp_dir(directory.parent, manifest.step) if fresh else directory
+    errors: list[str] = []
+    from_memory = _take(target, manifest, memory, held or set(), errors)
     lost = [e for e in manifest.files if not any(e.path in h for h in have.values())]
     fetched = _fetch_lost(target, lost, remote if rank == 0 else None, fresh, manifest.step)
     have[0] = have[0] | {e.path for e in lost}
-    got, errors = 0, []
+    got = 0
     for e in manifest.files:
         lacking = [r for r, h in have.items() if e.path not in h]
         if not lacking:
@@ -169,9 +177,30 @@ def complete(
         store.commit(target, manifest, raw)
     local = sum(e.size for e in manifest.files if e.path in (held or ()))
     report: list[Any] = [None] * dist.get_world_size()
-    mine = Sources(disks.of_rank[rank].host, local, got, fetched) if leads else None
+    mine = Sources(disks.of_rank[rank].host, local, got, fetched, from_memory) if leads else None
     dist.all_gather_object(report, mine)
     return directory, [s for s in report if s is not None] if rank == 0 else []
+
+
+def _take(
+    target: Path, manifest: mf.Manifest, memory: dict[str, Path], held: set[str], errors: list[str]
+) -> int:
+    """The files this disk lacks that this node's memory holds, copied in (each hashed again on the way:
+    the memory filesystem is another copy); the bytes taken. A failure is added to ``errors``."""
+    taken = 0
+    for e in manifest.files:
+        if e.path not in memory or e.path in held:
+            continue
+        try:
+            raw = memory[e.path].read_bytes()
+            got = hash_bytes(raw)
+            if (got.size, got.xxh3) != (e.size, e.xxh3):
+                raise OSError(f"{e.path} in this node's memory changed since it was proven")
+            _keep(target, e, raw)
+            taken += e.size
+        except OSError as exc:
+            errors.append(f"{e.path} from memory: {exc.strerror or exc}")
+    return taken
 
 
 def _fetch_lost(target: Path, lost: list[mf.FileEntry], remote: Remote | None, fresh: bool, step: int) -> int:

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from rewind.infra.catalog import leases, lineage
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.checkpoint import assemble, remotes, share_push, spread
+from rewind.infra.checkpoint import assemble, remotes, ring, share_push, spread
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.engine import SaveMode
@@ -149,6 +149,7 @@ class ShardedCheckpointer:
         self.read_from: dict[str, Any] = {}  # rank 0: the same, for the record (``assemble.read_from``)
         self._remote: remotes.RemoteFiles | None = None  # rank 0: the last restore's fetcher of lost files
         self._pusher = self._share_pusher(catalog if self.rank else self.catalog, exit_timeout_s)
+        self._ring = ring.enabled(self.disks)  # each host's share also kept in the next host's memory
         if self.disks.leads(self.rank):
             store.sweep_temp(self.run_dir)
         dist.barrier()
@@ -176,6 +177,17 @@ class ShardedCheckpointer:
             disk = self.disks.of_rank[self.rank].id
             directory = store.step_dir(self.run_dir, step)
             self._pusher.submit(share_push.Share(self.run, step, directory, disk, with_common=self.rank == 0))
+
+    def _sent_on(self, step: int) -> None:
+        """Collective after a commit: the shares sent to the shared tier (``_pushed``) and round the peer ring
+        into the hosts' memory. Neither ever fails the save: the checkpoint is committed."""
+        self._pushed(step)
+        if not self._ring:
+            return
+        try:
+            ring.pass_on(store.step_dir(self.run_dir, step), self.run, self.disks, self._group)
+        except Exception as exc:  # a peer gone mid-way: the disks' copies are the ones counted on
+            log.warning("%s step %d not passed round the peer ring: %s", self.run, step, exc)
 
     def save(
         self,
@@ -235,7 +247,7 @@ class ShardedCheckpointer:
         }  # fmt: skip
         if self._lead is None:
             save(self.run_dir, self.run, step, share, **kw)
-            self._pushed(step)
+            self._sent_on(step)
             return
         cat, run_id = self._lead
         with contextlib.ExitStack() as stack:
@@ -260,7 +272,7 @@ class ShardedCheckpointer:
                 self.run_dir, self.run, step, share, parent=self._parent, lead=LeadHooks(begin, commit), **kw
             )
             self._parent_id, self._parent = row[0], (step, digest)
-        self._pushed(step)
+        self._sent_on(step)
 
     def wait(self) -> None:
         """Block until this rank's in-flight background save ended; raise if it failed."""
