@@ -5,6 +5,8 @@ address, hostname and slurmd; slurmctld and munged in the root namespace. Needs 
 Each host has its own disk at one path, ``Lab.node_local``: every slurmd (and so every job step) runs in a
 mount namespace of its own where that path is its host's directory under ``disks/``, as node-local NVMe is
 on real hosts; this machine (the login node) sees its own, empty one there. ``wipe_disk`` loses a host's.
+Each host has its own memory too: a tmpfs of its own on ``/dev/shm`` in that mount namespace, gone when
+every process of the host is (``kill_host``), new when it comes back.
 
 Every packet for the lab's addresses stays on the machine: an ``unreachable`` route for the lab's /16 is
 added before the bridge exists and removed after it is gone, and no namespace has a default route.
@@ -27,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+MEMORY_SIZE = "1g"  # each host's /dev/shm (tmpfs: pages used, not reserved)
 LABS = Path("/tmp/rewind-slurm-labs")  # one JSON per lab: what teardown needs, even after a crash
 PACKAGES = ("slurmctld", "slurmd", "srun", "munged", "mungekey", "ip", "nsenter", "unshare")
 
@@ -193,6 +196,7 @@ class Lab:
         script = (
             f"hostname {h.name} && mount --bind {self.root / 'hosts'} /etc/hosts"
             f" && mount --bind {self.disk(h.name)} {self.node_local}"
+            f" && mount -t tmpfs -o size={MEMORY_SIZE},mode=1777 tmpfs /dev/shm"  # its own memory: gone with it
             f" && exec slurmd -D -N {h.name} -f {self.conf}"
         )
         h.pid = self._daemon(

@@ -2,9 +2,11 @@
 with their own addresses, slurmd and disk, see tests/slurm_lab.py) loses a host; the scheduler's word makes
 it one incident, and the job comes back on the host left and a spare, the lost host left out, no sample
 skipped or repeated, its final weights those of an uninterrupted run. Checkpoints go to each host's own
-disk (the same path, another disk on every host) and each host sends its share to the shared tier: the
-lost host's files come from there, the survivor's from its own disk, the spare's from its peers. A crash
-that loses no host comes back on the same hosts and reads every byte from their own disks.
+disk (the same path, another disk on every host) and memory; each host passes its share to the next host's
+memory (the peer ring) and sends it to the shared tier: the lost host's files come from the survivor's
+memory (with no shared tier, from there alone) or the shared tier, the survivor's from its own disk, the
+spare's from its peers. A crash that loses no host comes back on the same hosts and reads every byte
+from their own disks and memory.
 
 The ranks reach the catalog through the filesystem (SQLite): the lab's hosts share this machine's
 filesystem (the catalog, the shared tier) but not its loopback, where Postgres listens."""
@@ -58,6 +60,7 @@ def slurm_env(lab: slurm_lab.Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("REWIND_CHECKPOINT_ROOT", str(lab.node_local / tmp_path.name))  # each host's own disk
     (tmp_path / "shared").mkdir()
     monkeypatch.setenv("REWIND_SHARED_URI", str(tmp_path / "shared"))
+    monkeypatch.setenv("REWIND_MEMORY_ROOT", "/dev/shm/rewind-lab")  # each host's own memory: the peer ring
     lab.wait_idle()
     return tmp_path
 
@@ -141,6 +144,7 @@ def test_a_lost_host_comes_back_on_a_spare_host_without_losing_a_sample(
     slurm_env: Path,
     run_name: str,
     tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if fault != "host-lost" and not os.environ.get("REWIND_TEST_HOST_DRILLS"):
         pytest.skip(
@@ -148,6 +152,8 @@ def test_a_lost_host_comes_back_on_a_spare_host_without_losing_a_sample(
         )
     from rewind.flows.training import recover_training, summary
 
+    if fault == "host-lost":  # no shared tier: the lost host's share lives on in its peer's memory alone
+        monkeypatch.delenv("REWIND_SHARED_URI")
     log = slurm_env / "samples"
     log.mkdir()
     cfg = config(slurm_env, run_name, sample_log=str(log), step_time_s=0.1)
@@ -199,14 +205,19 @@ def test_a_lost_host_comes_back_on_a_spare_host_without_losing_a_sample(
     restarted = _restarted(tmp_path_factory, resumed)
     assert final.keys() == restarted.keys() and all(torch.equal(final[k], restarted[k]) for k in final)
     # Where the restore point's bytes came from: the survivor's share from its own disk, the lost host's
-    # from the shared tier (each host sent its own), the spare's from its peers.
+    # from the survivor's memory (the peer ring) or the shared tier (each host sent its own), the spare's
+    # from its peers. Without a shared tier (host-lost), the survivor's memory alone.
     read = inc.details["restore_read_from"]
     total = lineage.get_checkpoint(cat, inc.restored_checkpoint_id).total_bytes
     by_host = {h["host"]: h for h in read["hosts"]}
     assert set(by_host) == {survivor, spare}, read
-    assert 0 < by_host[survivor]["local"] < total and by_host[survivor]["remote"] > 0, read
+    kept = by_host[survivor]
+    lost_share = total - kept["local"]
+    assert 0 < kept["local"] < total and kept["memory"] + kept["remote"] == lost_share, read
     assert by_host[spare]["local"] == 0 and by_host[spare]["peer"] == total, read
-    assert read["bytes"]["shared"] == total - by_host[survivor]["local"], read
+    assert read["bytes"].get("shared", 0) == kept["remote"], read
+    if fault == "host-lost":
+        assert kept["memory"] == lost_share, read
     _only_the_relaunch_committed(cat, run_name, resumed, inc.restored_checkpoint_id)
 
 
@@ -253,8 +264,9 @@ def test_a_crash_without_a_lost_host_comes_back_on_the_same_hosts_reading_only_t
     read = inc.details["restore_read_from"]
     total = lineage.get_checkpoint(cat, inc.restored_checkpoint_id).total_bytes
     assert [h["host"] for h in read["hosts"]] == hosts, read
-    for h in read["hosts"]:  # each host's disk: its own share in place, the other host's share from it
-        assert h["local"] > 0 and h["local"] + h["peer"] == total and h["remote"] == 0, read
+    for h in read["hosts"]:  # each host's disk: its own share in place, the other host's from the host's
+        # own memory (the peer ring) or, if the crash came before the ring passed this checkpoint, from it
+        assert h["local"] > 0 and h["local"] + h["memory"] + h["peer"] == total and h["remote"] == 0, read
     assert not read["bytes"].get("shared"), read  # not one byte from the shared tier
 
 

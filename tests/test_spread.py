@@ -180,7 +180,7 @@ def ringed(tmp_path: Path) -> Path:
 
 
 def _ring_copy(work: Path, disk: str) -> Path:
-    (copy,) = (work / "memory" / disk / "ring" / RUN).glob("step-*")  # the newest alone: step 1's let go
+    (copy,) = (work / "memory" / disk / ".ring" / RUN).glob("step-*")  # the newest alone: step 1's let go
     return copy
 
 
@@ -202,6 +202,19 @@ def test_a_lost_hosts_share_comes_from_the_next_hosts_memory_and_no_other_tier(r
         copy = _ring_copy(work, disk)
         assert copy.name.startswith("step-2-") and (copy / mf.MANIFEST_NAME).read_bytes() == ma.to_bytes()
         assert {p.name: p.stat().st_size for p in copy.iterdir() if p.name != mf.MANIFEST_NAME} == peer
+
+    cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
+    ring_rows = {  # the catalog knows whose share each memory holds: a recovery can decide on it
+        (ck.step, r.key, r.status)
+        for ck in lineage.checkpoints(cat, RUN)
+        for r in lineage.replicas_of(cat, ck.id)
+        if r.tier == "memory"
+    }
+    hosts = {d: mark.host for d in "ab" if (mark := local_tier.read(work / "disks" / d))}
+    assert ring_rows == {  # step 1's let go when step 2's were made
+        *((1, f"ring:{hosts[d]}", "deleted") for d in "ab"),
+        *((2, f"ring:{hosts[d]}", "verified") for d in "ab"),
+    }, ring_rows
 
     shutil.rmtree(work / "disks" / "b")  # host b gone: its disk and its memory
     shutil.rmtree(work / "memory" / "b")

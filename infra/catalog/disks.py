@@ -18,6 +18,12 @@ LOCAL = "local"
 MEMORY = "memory"  # a node's memory tier (infra/memory): directories on tmpfs, marked like a local disk
 DIRECTORY_TIERS = (LOCAL, MEMORY)  # tiers whose copies are directories on one host's own storage
 VOLATILE_TIERS = (MEMORY,)  # gone with the host's power: never the copy that keeps a checkpoint restorable
+RING_KEY = "ring:"  # a memory copy's key: ``ring:<host>``, one host's share held in another's memory
+
+
+def ring_source(tier: str, key: str | None) -> str | None:
+    """The host whose share a memory copy holds when it is a peer ring's copy (``infra/checkpoint/ring``)."""
+    return key[len(RING_KEY) :] if tier == MEMORY and key and key.startswith(RING_KEY) else None
 
 
 def place(tier: str, uri: str) -> tuple[str | None, str | None]:

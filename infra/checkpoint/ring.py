@@ -3,7 +3,7 @@
 A checkpoint spread over hosts' own disks loses a host's files with the host. After each commit the disks'
 leaders (the lowest rank writing to each disk), in rank order, pass their shares round a ring over the
 process group: each sends the files placed on its disk to the next leader and receives the previous one's
-into its node's memory tier (``REWIND_MEMORY_ROOT``, under ``ring/<run>/``), each file held to its manifest
+into its node's memory tier (``REWIND_MEMORY_ROOT``, under ``.ring/<run>/``), each file held to its manifest
 entry as it arrives, the manifest written last; the run's older ring copies are then let go (the newest
 ``REWIND_MEMORY_KEEP`` stay). A checkpoint whose incoming share does not fit some host's memory budget is
 not passed at all. The bytes live on the memory filesystem, not in a process: a crash of every rank leaves
@@ -15,8 +15,9 @@ a file that does not prove is removed and none of it offered (the next copy is u
 trusted on its name: a ring copy proves itself file by file, like any other copy.
 
 Passing the share never fails a save: it runs after the commit, and a failure is a warning (the disks'
-copies and the shared tier's are the ones counted on). Ring copies are not catalog rows: they are found by
-the host that holds them, like each disk's share.
+copies and the shared tier's are the ones counted on). Rank 0 records each ring copy as a memory copy of
+the checkpoint keyed ``ring:<host>`` (whose share it holds), so that a recovery deciding from the catalog
+knows a lost host's share lives on in another's memory; a restore still finds the bytes on the host.
 """
 
 from __future__ import annotations
@@ -32,25 +33,34 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rewind.infra.catalog import copies
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.disks import MEMORY, RING_KEY
+from rewind.infra.catalog.held import held_on
+from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.checkpoint.spread import Disks
 from rewind.infra.errors import ConfigError
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import store
 from rewind.infra.format.digest import hash_bytes, hash_file, manifest_digest
+from rewind.infra.format.local_tier import LocalTier
 from rewind.infra.memory import keeper, place
 
 log = logging.getLogger("rewind.ring")
-RING_DIR = "ring"
+RING_DIR = ".ring"  # no run is named with a leading dot: never a run's memory copy
 
 
 @dataclass(frozen=True, slots=True)
 class Passed:
     """One leader's part of passing a checkpoint round the ring: bytes sent to the next host, bytes kept
-    from the previous one, and the ring copy made (None when the received share did not prove)."""
+    from the previous one, the ring copy made (None when the received share did not prove), the memory
+    tier holding it and the host whose share it is."""
 
     sent: int
     received: int
     directory: Path | None
+    holder: LocalTier | None = None
+    source_host: str = ""
 
 
 def _config() -> place.MemoryConfig | None:
@@ -64,10 +74,12 @@ def _config() -> place.MemoryConfig | None:
 def enabled(disks: Disks) -> bool:
     """Collective: whether the ranks pass their shares round a ring (the checkpoint is spread over hosts'
     disks and every disk's leader has a memory tier); the same answer on every rank."""
+    if not disks.spread:  # the same on every rank: no collective needed to say no
+        return False
     ok = not disks.leads(dist.get_rank()) or _config() is not None
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, ok)
-    return disks.spread and all(every)
+    return all(every)
 
 
 def neighbours(disks: Disks, rank: int) -> tuple[int, int]:
@@ -84,54 +96,79 @@ def share(manifest: mf.Manifest, disk: str) -> list[mf.FileEntry]:
 
 def pass_on(directory: Path, run: str, disks: Disks, group: dist.ProcessGroup | None = None) -> Passed | None:
     """Collective over ``group`` (every rank calls it): the committed checkpoint at ``directory`` passed
-    round the ring; this leader's part (None on other ranks, or when some host's budget cannot hold it)."""
+    round the ring; this leader's part (None on other ranks, or when some leader cannot take part)."""
     rank = dist.get_rank()
     prev, nxt = neighbours(disks, rank)
-    cfg, raw, manifest, why = _ready(directory, disks, prev) if disks.leads(rank) else (None, b"", None, "")
+    ready = _ready(directory, run, disks, prev) if disks.leads(rank) else None
+    why = ready if isinstance(ready, str) else ""
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, why, group=group)
     if any(every):
-        if manifest is not None:
-            log.warning("%s step %d not passed round the peer ring: %s", run, manifest.step,
-                        next(w for w in every if w))  # fmt: skip
+        if ready is not None:
+            log.warning("%s not passed round the peer ring: %s", directory, next(w for w in every if w))
         return None
-    if manifest is None or cfg is None:
+    if ready is None or isinstance(ready, str):
         return None
+    cfg, raw, manifest, target = ready
     incoming = share(manifest, disks.of_rank[prev].id)
     outgoing = share(manifest, disks.of_rank[rank].id)
-    target = _incoming_dir(cfg, run)
     sent, received, errors = _exchange(directory, outgoing, incoming, target, (prev, nxt), group)
-    if errors:
+    try:
+        if errors:
+            raise OSError(errors[0])
+        kept = _commit(target, raw, manifest.step)
+        _let_go(kept.parent, keep=cfg.keep)
+    except OSError as exc:
         shutil.rmtree(target, ignore_errors=True)
-        log.warning("%s step %d: the peer's share not kept in memory: %s", run, manifest.step, errors[0])
+        log.warning("%s step %d: the peer's share not kept in memory: %s", run, manifest.step, exc)
         return Passed(sent, 0, None)
-    kept = _commit(target, raw, manifest.step)
-    _let_go(kept.parent, keep=cfg.keep)
-    return Passed(sent, received, kept)
+    return Passed(sent, received, kept, keeper.mark(cfg), disks.of_rank[prev].host)
 
 
-def _ready(
-    directory: Path, disks: Disks, prev: int
-) -> tuple[place.MemoryConfig | None, bytes, mf.Manifest | None, str]:
-    """A leader's memory tier, the committed manifest (bytes, parsed), and why it cannot take part ("" when
-    it can): every leader must agree before any byte is sent."""
+def gathered(mine: Passed | None, group: dist.ProcessGroup | None = None) -> list[Passed]:
+    """Collective: every leader's ring copy made by this pass."""
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    return [p for p in every if isinstance(p, Passed) and p.directory is not None and p.holder is not None]
+
+
+def register(cat: Catalog, checkpoint_id: int, run: str, passed: list[Passed]) -> None:
+    """Rank 0: each ring copy a memory copy of the checkpoint (``ring:<host>``: that host's share, volatile),
+    and the run's older ring copies on the same memory tiers recorded let go, as the hosts let them go."""
+    cfg = _config()
+    keep = cfg.keep if cfg is not None else 1
+    for p in passed:
+        if p.holder is None:
+            continue
+        copies.add(cat, checkpoint_id, MEMORY, str(p.directory), key=f"{RING_KEY}{p.source_host}",
+                   nbytes=p.received, status=R.VERIFIED, disk=p.holder)  # fmt: skip
+        older = [h for h in held_on(cat, MEMORY, p.holder.id)
+                 if h.run == run and f"/{RING_DIR}/" in h.uri and h.checkpoint_id != checkpoint_id]  # fmt: skip
+        for h in older[: max(0, len(older) - (keep - 1))]:  # oldest step first
+            copies.record(cat, h.replica_id, R.DELETED, "let go from the peer ring")
+
+
+Ready = tuple[place.MemoryConfig, bytes, mf.Manifest, Path]
+
+
+def _ready(directory: Path, run: str, disks: Disks, prev: int) -> Ready | str:
+    """A leader's memory tier, the committed manifest (bytes, parsed) and the directory the peer's share
+    goes to; or why it cannot take part: every leader must agree before any byte is sent."""
     try:
         raw = (directory / mf.MANIFEST_NAME).read_bytes()
         manifest = mf.parse(raw)
     except (OSError, mf.ManifestError) as exc:
-        return None, b"", None, f"the committed manifest cannot be read: {exc}"
+        return f"the committed manifest cannot be read: {exc}"
     cfg = _config()
     if cfg is None:
-        return None, raw, manifest, "a host has no memory tier"
+        return "a host has no memory tier"
     need = sum(e.size for e in share(manifest, disks.of_rank[prev].id))
     if need > cfg.budget_bytes:
-        return (
-            None,
-            raw,
-            manifest,
-            f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold {need} bytes",
-        )
-    return cfg, raw, manifest, ""
+        return f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold {need} bytes"
+    try:
+        return cfg, raw, manifest, _incoming_dir(cfg, run)
+    except (OSError, ConfigError) as exc:
+        return f"a host's memory tier cannot take its peer's share: {exc}"
 
 
 def _incoming_dir(cfg: place.MemoryConfig, run: str) -> Path:

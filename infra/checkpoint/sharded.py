@@ -185,7 +185,10 @@ class ShardedCheckpointer:
         if not self._ring:
             return
         try:
-            ring.pass_on(store.step_dir(self.run_dir, step), self.run, self.disks, self._group)
+            mine = ring.pass_on(store.step_dir(self.run_dir, step), self.run, self.disks, self._group)
+            passed = ring.gathered(mine, self._group)
+            if self._lead is not None and self._parent_id is not None and passed:
+                ring.register(self._lead[0], self._parent_id, self.run, passed)
         except Exception as exc:  # a peer gone mid-way: the disks' copies are the ones counted on
             log.warning("%s step %d not passed round the peer ring: %s", self.run, step, exc)
 

@@ -169,12 +169,13 @@ def _roll_back(cat: Catalog, run: str, step: int, reason: str) -> list[int]:
 
 def _on_other_hosts(p: plan.RestorePlan, lost: set[str]) -> plan.Candidate | None:
     """The newest candidate, when no copy of it is readable here but its local copies are all on other
-    hosts' disks that are not lost (a job's node-local tiers, seen from the machine that supervises it);
-    None when the newest worth trying has a copy here (the executor's way)."""
+    hosts' disks that are not lost, or held in the memory of a host that is not (the peer ring: a lost
+    host's share); None when the newest worth trying has a copy here (the executor's way)."""
     for c in p.candidates:
         if c.copies:
             return None
-        if c.status != CheckpointStatus.CORRUPT and c.elsewhere and not set(c.elsewhere) & lost:
+        kept = {source for holder, source in c.ring if holder not in lost}
+        if c.status != CheckpointStatus.CORRUPT and c.elsewhere and not (set(c.elsewhere) & lost) - kept:
             return c
     return None
 
@@ -185,7 +186,9 @@ def _catalogs_word(
     """The restore point chosen on the catalog's record alone: the job, on the hosts holding its copies,
     hashes every byte as it loads (and falls back to an older checkpoint should they fail)."""
     retired = _roll_back(cat, run, cand.step, reason) if roll_back else []
-    where = f"the disks of host(s) {', '.join(sorted(set(cand.elsewhere)))}"
+    where = f"the disks of host(s) {', '.join(sorted(set(cand.elsewhere)))}" + (
+        f" and the memory of host(s) {', '.join(sorted({h for h, _ in cand.ring}))}" if cand.ring else ""
+    )
     return RestorePoint(
         run, cand.step, cand.checkpoint_id, cand.manifest_digest, where, "local", False, 0.0, (),
         tuple(retired), None, Proof.MANIFEST, 0,

@@ -54,6 +54,7 @@ class Candidate:
     total_bytes: int
     copies: tuple[Copy, ...]
     elsewhere: tuple[str, ...] = ()  # hosts holding local copies this machine cannot read
+    ring: tuple[tuple[str, str], ...] = ()  # (holder, source): a host's memory holding another host's share
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,19 +99,24 @@ class RestorePlan:
 
 def _copies(
     rows: list[copies.CopyRow], tiers: Collection[str] | None
-) -> tuple[tuple[Copy, ...], tuple[str, ...]]:
-    """The usable copies this machine can read, nearest first, and the hosts of those on disks it cannot."""
+) -> tuple[tuple[Copy, ...], tuple[str, ...], tuple[tuple[str, str], ...]]:
+    """The usable copies this machine can read, nearest first, the hosts of those on disks it cannot, and
+    the peer ring's copies (holder, source host): shares, never read as a whole copy."""
     usable: list[Copy] = []
     away: list[str] = []
+    ring: list[tuple[str, str]] = []
     for r in rows:
         if r.status not in copies.USABLE_VALUES or (tiers is not None and r.tier not in tiers):
             continue
-        if disks.elsewhere(r.tier, r.tier_id, r.uri):  # on another host's disk
+        source = disks.ring_source(r.tier, r.key)
+        if source is not None:
+            ring.append((str(r.host or r.tier_id), source))
+        elif disks.elsewhere(r.tier, r.tier_id, r.uri):  # on another host's disk
             away.append(str(r.host or r.tier_id))
         else:
             usable.append(Copy(r.replica_id, r.tier, r.uri, r.key, r.status))
     usable.sort(key=lambda c: (copies.TIER_ORDER.get(c.tier, 9), _STATUS_RANK.get(c.status, 9)))
-    return tuple(usable), tuple(away)
+    return tuple(usable), tuple(away), tuple(ring)
 
 
 def _candidates(
@@ -169,14 +175,22 @@ def plan(
     by_id = copies.copy_rows(cat, ids, statuses=copies.USABLE_VALUES)
     candidates = []
     for r in rows:
-        found, away = _copies(by_id.get(r.id, []), tiers)
+        found, away, ring = _copies(by_id.get(r.id, []), tiers)
         if r.status == S.CORRUPT.value and (not found or copies.is_condemned(r.status, r.status_reason)):
             continue  # condemned for good, or nothing left that could verify
         if tiers is not None and not found:
             continue  # not on the tiers asked for: not a candidate there, and not "missing" either
         candidates.append(
             Candidate(
-                r.id, run, r.step, str(r.status), str(r.manifest_digest), r.total_bytes or 0, found, away
+                r.id,
+                run,
+                r.step,
+                str(r.status),
+                str(r.manifest_digest),
+                r.total_bytes or 0,
+                found,
+                away,
+                ring,
             )
         )
     if target is not None:
