@@ -54,7 +54,7 @@ def _save(work: Path, run: str, state: dict[str, Any], disk: str, *, memory: boo
     started = time.perf_counter()
     ck.save(1, state, {"rank": dist.get_rank()})
     seconds = _slowest(time.perf_counter() - started)
-    pusher = getattr(ck, "_pusher", None)
+    pusher = ck.send_on.pusher
     assert pusher is None or pusher.wait(300), "the share was not sent to S3 within 300 s"
     dist.barrier()
     ck.close()

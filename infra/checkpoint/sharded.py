@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -31,11 +30,12 @@ import torch.distributed as dist
 
 from rewind.infra.catalog import leases, lineage
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.checkpoint import assemble, remotes, ring, share_push, spread
+from rewind.infra.checkpoint import assemble, remotes, spread
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.engine import SaveMode
 from rewind.infra.checkpoint.recording import recorded_save
+from rewind.infra.checkpoint.send_on import SendOn
 from rewind.infra.checkpoint.sharded_load import PER_RANK_PREFIX, CheckpointFailures, load, unwrap
 from rewind.infra.checkpoint.sharded_save import (
     LeadHooks,
@@ -65,7 +65,6 @@ from rewind.infra.restore.execute import Skip
 
 StateTree = dict[str, Any] | Callable[[], dict[str, Any]]
 log = logging.getLogger("rewind.sharded")
-LAUNCHER_ENV = "REWIND_LAUNCHER"  # the launcher a supervisor started the job with (``local``, ``slurm``)
 
 
 PER_RANK_DATA = "per-rank"  # a layout record's "data": the loader's state is each rank's own
@@ -148,49 +147,11 @@ class ShardedCheckpointer:
         self.sources: list[assemble.Sources] = []  # rank 0: where the last restore's bytes came from
         self.read_from: dict[str, Any] = {}  # rank 0: the same, for the record (``assemble.read_from``)
         self._remote: remotes.RemoteFiles | None = None  # rank 0: the last restore's fetcher of lost files
-        self._pusher = self._share_pusher(catalog if self.rank else self.catalog, exit_timeout_s)
-        self._ring = ring.enabled(self.disks)  # each host's share also kept in the next host's memory
+        self.send_on = SendOn(self.run, self.run_dir, self.disks, catalog=catalog if self.rank else self.catalog,
+                              exit_timeout_s=exit_timeout_s)  # fmt: skip
         if self.disks.leads(self.rank):
             store.sweep_temp(self.run_dir)
         dist.barrier()
-
-    def _share_pusher(self, cat: Catalog | None, exit_timeout_s: float) -> share_push.SharePusher | None:
-        """A disk's leader sends its share to the shared tier itself when nothing else can read its disk:
-        the checkpoint is spread over hosts' disks, or the job runs on a scheduler's hosts. ``cat``: where
-        it registers a copy it completes (another rank's: the session's, under a supervisor only).
-        ``_push`` says, the same on every rank, whether the ranks decide on sending at each save."""
-        self._exit_timeout_s = exit_timeout_s
-        remote_hosts = os.environ.get(LAUNCHER_ENV, "local") != "local"
-        shared = bool(os.environ.get(share_push.SHARED_ENV, "").strip())
-        self._push = shared and (self.disks.spread or remote_hosts)
-        if not self._push or not self.disks.leads(self.rank):
-            return None
-        return share_push.SharePusher.from_env(cat)
-
-    def _pushed(self, step: int) -> None:
-        """Collective after a commit: the checkpoint goes to the shared tier if every host's sender is free."""
-        if not self._push:
-            return
-        if not share_push.decide(self._pusher is None or self._pusher.idle, group=self._group):
-            return
-        if self._pusher is not None:
-            disk = self.disks.of_rank[self.rank].id
-            directory = store.step_dir(self.run_dir, step)
-            self._pusher.submit(share_push.Share(self.run, step, directory, disk, with_common=self.rank == 0))
-
-    def _sent_on(self, step: int) -> None:
-        """Collective after a commit: the shares sent to the shared tier (``_pushed``) and round the peer ring
-        into the hosts' memory. Neither ever fails the save: the checkpoint is committed."""
-        self._pushed(step)
-        if not self._ring:
-            return
-        try:
-            mine = ring.pass_on(store.step_dir(self.run_dir, step), self.run, self.disks, self._group)
-            passed = ring.gathered(mine, self._group)
-            if self._lead is not None and self._parent_id is not None and passed:
-                ring.register(self._lead[0], self._parent_id, self.run, passed)
-        except Exception as exc:  # a peer gone mid-way: the disks' copies are the ones counted on
-            log.warning("%s step %d not passed round the peer ring: %s", self.run, step, exc)
 
     def save(
         self,
@@ -250,7 +211,7 @@ class ShardedCheckpointer:
         }  # fmt: skip
         if self._lead is None:
             save(self.run_dir, self.run, step, share, **kw)
-            self._sent_on(step)
+            self.send_on.after_commit(step, self._group, None, None)
             return
         cat, run_id = self._lead
         with contextlib.ExitStack() as stack:
@@ -275,7 +236,7 @@ class ShardedCheckpointer:
                 self.run_dir, self.run, step, share, parent=self._parent, lead=LeadHooks(begin, commit), **kw
             )
             self._parent_id, self._parent = row[0], (step, digest)
-        self._sent_on(step)
+        self.send_on.after_commit(step, self._group, cat, self._parent_id)
 
     def wait(self) -> None:
         """Block until this rank's in-flight background save ended; raise if it failed."""
@@ -286,12 +247,7 @@ class ShardedCheckpointer:
         writer lease)."""
         try:
             self._runner.close()
-            if self._pusher is not None and not self._pusher.wait(self._exit_timeout_s):
-                log.warning(
-                    "%s: a share still on its way to the shared tier after %.0f s",
-                    self.run,
-                    self._exit_timeout_s,
-                )
+            self.send_on.close()
         finally:
             if self._lead is not None:
                 leases.release_writer(*self._lead)

@@ -1,0 +1,70 @@
+"""Where a committed multi-rank checkpoint goes next, decided the same way on every rank: each disk's share
+to the shared tier (``share_push``, in the background) and round the peer ring into the hosts' memory
+(``ring``). Neither ever fails a save: the checkpoint is committed before either starts."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch.distributed as dist
+
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint import ring, share_push
+from rewind.infra.checkpoint.spread import Disks
+from rewind.infra.format import store
+
+log = logging.getLogger("rewind.sharded")
+LAUNCHER_ENV = "REWIND_LAUNCHER"  # the launcher a supervisor started the job with (``local``, ``slurm``)
+
+
+class SendOn:
+    """Collective to make (every rank, the same order): what this rank sends on after each commit."""
+
+    def __init__(
+        self, run: str, run_dir: Path, disks: Disks, *, catalog: Catalog | None, exit_timeout_s: float
+    ) -> None:
+        """``catalog``: where a disk's leader registers a shared copy it completes (rank 0's; another
+        rank's only under a supervisor). A disk's leader sends its share to the shared tier itself when
+        nothing else can read its disk: the checkpoint is spread over hosts' disks, or the job runs on a
+        scheduler's hosts."""
+        self.run, self.run_dir, self.disks = run, run_dir, disks
+        self.rank = dist.get_rank()
+        self.exit_timeout_s = exit_timeout_s
+        remote_hosts = os.environ.get(LAUNCHER_ENV, "local") != "local"
+        shared = bool(os.environ.get(share_push.SHARED_ENV, "").strip())
+        self.push = shared and (disks.spread or remote_hosts)  # the same on every rank
+        leads = disks.leads(self.rank)
+        self.pusher = share_push.SharePusher.from_env(catalog) if self.push and leads else None
+        self.ring = ring.enabled(disks)  # each host's share also kept in the next host's memory
+
+    def after_commit(
+        self, step: int, group: dist.ProcessGroup | None, lead: Catalog | None, checkpoint_id: int | None
+    ) -> None:
+        """Collective after the commit of ``step`` (``lead``, ``checkpoint_id``: rank 0's catalog and row)."""
+        self._pushed(step, group)
+        if not self.ring:
+            return
+        try:
+            mine = ring.pass_on(store.step_dir(self.run_dir, step), self.run, self.disks, group)
+            passed = ring.gathered(mine, group)
+            if lead is not None and checkpoint_id is not None and passed:
+                ring.register(lead, checkpoint_id, self.run, passed)
+        except Exception as exc:  # a peer gone mid-way: the disks' copies are the ones counted on
+            log.warning("%s step %d not passed round the peer ring: %s", self.run, step, exc)
+
+    def _pushed(self, step: int, group: dist.ProcessGroup | None) -> None:
+        """The checkpoint goes to the shared tier if every host's sender is free."""
+        if not self.push or not share_push.decide(self.pusher is None or self.pusher.idle, group=group):
+            return
+        if self.pusher is not None:
+            disk = self.disks.of_rank[self.rank].id
+            directory = store.step_dir(self.run_dir, step)
+            self.pusher.submit(share_push.Share(self.run, step, directory, disk, with_common=self.rank == 0))
+
+    def close(self) -> None:
+        """Wait (bounded) for a share still on its way to the shared tier."""
+        if self.pusher is not None and not self.pusher.wait(self.exit_timeout_s):
+            log.warning("%s: a share still on its way to the shared tier after %.0f s", self.run,
+                        self.exit_timeout_s)  # fmt: skip
