@@ -101,11 +101,17 @@ def pass_on(directory: Path, run: str, disks: Disks, group: dist.ProcessGroup | 
     prev, nxt = neighbours(disks, rank)
     ready = _ready(directory, run, disks, prev) if disks.leads(rank) else None
     why = ready if isinstance(ready, str) else ""
+    digest = manifest_digest(ready[1]) if ready is not None and not isinstance(ready, str) else None
     every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, why, group=group)
-    if any(every):
+    dist.all_gather_object(every, (why, digest), group=group)
+    whys = [w for w, _ in every if w]
+    if len({d for _, d in every if d}) > 1:  # every disk's copy must be this checkpoint's: else sizes differ
+        whys.append("the disks' copies hold different checkpoints")
+    if whys:
         if ready is not None:
-            log.warning("%s not passed round the peer ring: %s", directory, next(w for w in every if w))
+            log.warning("%s not passed round the peer ring: %s", directory, whys[0])
+        if not isinstance(ready, (str, type(None))):
+            shutil.rmtree(ready[3], ignore_errors=True)
         return None
     if ready is None or isinstance(ready, str):
         return None
