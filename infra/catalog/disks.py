@@ -60,17 +60,24 @@ def this_disk(uri: str) -> Any:
 
 def hosts_holding(cat: Catalog, checkpoint_id: int) -> list[str]:
     """The hosts whose own disks hold a sound copy of the checkpoint (written and hashed, or verified since),
-    as the catalog recorded them: where a relaunch reads it without the network. Only disks this machine
-    does not see count (node-local ones): a root it sees is shared, or its own, and names no host."""
+    as the catalog recorded them: where a relaunch reads it without the network; then those whose memory
+    holds another host's share of it (the peer ring: a lost host's files are there). Only disks this
+    machine does not see count (node-local ones): a root it sees is shared, or its own, and names no host."""
     with cat.session() as s:
         rows = s.execute(
-            select(Replica.host, Replica.tier_id, Replica.uri)
+            select(Replica.tier, Replica.host, Replica.tier_id, Replica.uri, Replica.key)
             .where(
                 Replica.checkpoint_id == checkpoint_id,
-                Replica.tier == LOCAL,
+                Replica.tier.in_(DIRECTORY_TIERS),
                 Replica.host.is_not(None),
                 Replica.status.in_([ReplicaStatus.VERIFIED.value, ReplicaStatus.PENDING.value]),
             )
             .order_by(Replica.id)
         ).all()
-    return list(dict.fromkeys(str(r.host) for r in rows if elsewhere(LOCAL, r.tier_id, r.uri)))
+    disks = [str(r.host) for r in rows if r.tier == LOCAL and elsewhere(LOCAL, r.tier_id, r.uri)]
+    ring = [
+        str(r.host)
+        for r in rows
+        if ring_source(r.tier, r.key) is not None and elsewhere(MEMORY, r.tier_id, r.uri)
+    ]
+    return list(dict.fromkeys(disks + ring))

@@ -14,6 +14,7 @@ tries the next copy.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import stat
@@ -32,6 +33,7 @@ from rewind.infra.format import store
 from rewind.infra.format.digest import hash_bytes
 from rewind.infra.restore.execute import ShareOnly
 
+log = logging.getLogger("rewind.assemble")
 Remote = Callable[[mf.FileEntry], bytes]  # rank 0: one file's bytes from another tier's copy, proven
 
 
@@ -147,14 +149,14 @@ def complete(
     if leads and directory.exists() and not _same_checkpoint(directory, raw):
         store.quarantine(directory, "displaced")  # another checkpoint under the same step: kept aside
     held = _held(directory, manifest) if leads else None
-    memory = ring.held(raw, manifest) if leads else {}
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, None if held is None else (held, set(memory)))
-    have = {r: h | m for r, x in enumerate(every) if x is not None for h, m in [x]}  # memory: taken below
     fresh = leads and not held
     target = store.temp_dir(directory.parent, manifest.step) if fresh else directory
-    errors: list[str] = []
-    from_memory = _take(target, manifest, memory, held or set(), errors)
+    # a file this node's memory holds is taken before the others hear what this disk has
+    taken = _take(target, manifest, ring.held(raw, manifest), held or set()) if leads else {}
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, None if held is None else (held | set(taken)))
+    have = {r: h for r, h in enumerate(every) if h is not None}
+    from_memory, errors = sum(taken.values()), []
     lost = [e for e in manifest.files if not any(e.path in h for h in have.values())]
     fetched = _fetch_lost(target, lost, remote if rank == 0 else None, fresh, manifest.step)
     have[0] = have[0] | {e.path for e in lost}
@@ -182,12 +184,11 @@ def complete(
     return directory, [s for s in report if s is not None] if rank == 0 else []
 
 
-def _take(
-    target: Path, manifest: mf.Manifest, memory: dict[str, Path], held: set[str], errors: list[str]
-) -> int:
+def _take(target: Path, manifest: mf.Manifest, memory: dict[str, Path], held: set[str]) -> dict[str, int]:
     """The files this disk lacks that this node's memory holds, copied in (each hashed again on the way:
-    the memory filesystem is another copy); the bytes taken. A failure is added to ``errors``."""
-    taken = 0
+    the memory filesystem is another copy): path -> bytes. A file not taken is logged and left to the
+    others (a peer's disk, another tier), never offered."""
+    taken: dict[str, int] = {}
     for e in manifest.files:
         if e.path not in memory or e.path in held:
             continue
@@ -197,9 +198,9 @@ def _take(
             if (got.size, got.xxh3) != (e.size, e.xxh3):
                 raise OSError(f"{e.path} in this node's memory changed since it was proven")
             _keep(target, e, raw)
-            taken += e.size
+            taken[e.path] = e.size
         except OSError as exc:
-            errors.append(f"{e.path} from memory: {exc.strerror or exc}")
+            log.warning("%s not taken from this node's memory: %s", e.path, exc.strerror or exc)
     return taken
 
 

@@ -25,12 +25,10 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from rewind.infra.catalog import copies
@@ -38,15 +36,17 @@ from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.disks import MEMORY, RING_KEY
 from rewind.infra.catalog.held import held_on
 from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.checkpoint import ring_wire
 from rewind.infra.checkpoint.spread import Disks
 from rewind.infra.errors import ConfigError
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import store
-from rewind.infra.format.digest import hash_bytes, hash_file, manifest_digest
+from rewind.infra.format.digest import hash_file, manifest_digest
 from rewind.infra.format.local_tier import LocalTier
 from rewind.infra.memory import keeper, place
 
 log = logging.getLogger("rewind.ring")
+RING_ENV = "REWIND_MEMORY_RING"
 RING_DIR = ".ring"  # no run is named with a leading dot: never a run's memory copy
 
 
@@ -71,12 +71,20 @@ def _config() -> place.MemoryConfig | None:
         return None
 
 
+def on() -> bool:
+    """``REWIND_MEMORY_RING``: ``on`` (the default) or ``off``."""
+    raw = os.environ.get(RING_ENV, "on").strip().lower() or "on"
+    if raw not in ("on", "off"):
+        raise ConfigError(f"{RING_ENV}: {raw!r} is not on or off")
+    return raw == "on"
+
+
 def enabled(disks: Disks) -> bool:
     """Collective: whether the ranks pass their shares round a ring (the checkpoint is spread over hosts'
     disks and every disk's leader has a memory tier); the same answer on every rank."""
     if not disks.spread:  # the same on every rank: no collective needed to say no
         return False
-    ok = not disks.leads(dist.get_rank()) or _config() is not None
+    ok = on() and (not disks.leads(dist.get_rank()) or _config() is not None)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, ok)
     return all(every)
@@ -118,12 +126,12 @@ def pass_on(directory: Path, run: str, disks: Disks, group: dist.ProcessGroup | 
     cfg, raw, manifest, target = ready
     incoming = share(manifest, disks.of_rank[prev].id)
     outgoing = share(manifest, disks.of_rank[rank].id)
-    sent, received, errors = _exchange(directory, outgoing, incoming, target, (prev, nxt), group)
+    sent, received, errors = ring_wire.exchange(directory, outgoing, incoming, target, (prev, nxt), group)
     try:
         if errors:
             raise OSError(errors[0])
         kept = _commit(target, raw, manifest.step)
-        _let_go(kept.parent, keep=cfg.keep)
+        _let_go(kept, keep=cfg.keep)
     except OSError as exc:
         shutil.rmtree(target, ignore_errors=True)
         log.warning("%s step %d: the peer's share not kept in memory: %s", run, manifest.step, exc)
@@ -148,9 +156,10 @@ def register(cat: Catalog, checkpoint_id: int, run: str, passed: list[Passed]) -
             continue
         copies.add(cat, checkpoint_id, MEMORY, str(p.directory), key=f"{RING_KEY}{p.source_host}",
                    nbytes=p.received, status=R.VERIFIED, disk=p.holder)  # fmt: skip
-        older = [h for h in held_on(cat, MEMORY, p.holder.id)
-                 if h.run == run and f"/{RING_DIR}/" in h.uri and h.checkpoint_id != checkpoint_id]  # fmt: skip
-        for h in older[: max(0, len(older) - (keep - 1))]:  # oldest step first
+        older = sorted((h for h in held_on(cat, MEMORY, p.holder.id)
+                        if h.ring and h.run == run and h.checkpoint_id != checkpoint_id),
+                       key=lambda h: h.replica_id, reverse=True)  # fmt: skip
+        for h in older[keep - 1 :]:  # newest made first, as the host let them go (``_let_go``)
             copies.record(cat, h.replica_id, R.DELETED, "let go from the peer ring")
 
 
@@ -169,12 +178,16 @@ def _ready(directory: Path, run: str, disks: Disks, prev: int) -> Ready | str:
     if cfg is None:
         return "a host has no memory tier"
     need = sum(e.size for e in share(manifest, disks.of_rank[prev].id))
-    if need > cfg.budget_bytes:
-        return f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold {need} bytes"
     try:
-        return cfg, raw, manifest, _incoming_dir(cfg, run)
+        target = _incoming_dir(cfg, run)
+        held_now = _ring_bytes(cfg.root)
     except (OSError, ConfigError) as exc:
         return f"a host's memory tier cannot take its peer's share: {exc}"
+    if need + held_now > cfg.budget_bytes:
+        shutil.rmtree(target, ignore_errors=True)
+        return (f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold its peer's share ({need} bytes) "
+                f"beside the ring copies it holds ({held_now} bytes)")  # fmt: skip
+    return cfg, raw, manifest, target
 
 
 def _incoming_dir(cfg: place.MemoryConfig, run: str) -> Path:
@@ -187,63 +200,6 @@ def _incoming_dir(cfg: place.MemoryConfig, run: str) -> Path:
     return target
 
 
-def _exchange(
-    directory: Path,
-    outgoing: list[mf.FileEntry],
-    incoming: list[mf.FileEntry],
-    target: Path,
-    peers: tuple[int, int],
-    group: dist.ProcessGroup | None,
-) -> tuple[int, int, list[str]]:
-    """Send ``outgoing`` to the next leader while receiving ``incoming`` from the previous one, a file at a
-    time (at most one file each way in memory); (bytes sent, bytes kept, errors). Empty files are written,
-    not sent. Every message is exchanged whatever failed: the ring's peers must never wait on this one."""
-    prev, nxt = peers
-    send = [e for e in outgoing if e.size]
-    recv = [e for e in incoming if e.size]
-    sent = received = 0
-    errors = [err for e in incoming if not e.size for err in _keep(target, e, b"")]
-    for i in range(max(len(send), len(recv))):
-        work = dist.isend(_read(directory, send[i]), dst=nxt, group=group) if i < len(send) else None
-        if i < len(recv):
-            buf = torch.empty(recv[i].size, dtype=torch.uint8)
-            dist.recv(buf, src=prev, group=group)
-            failed = _keep(target, recv[i], buf.numpy().tobytes())
-            errors += failed
-            received += 0 if failed else recv[i].size
-        if work is not None:
-            work.wait()
-            sent += send[i].size
-    return sent, received, errors
-
-
-def _read(directory: Path, entry: mf.FileEntry) -> torch.Tensor:
-    """A file's bytes to send; zeros when it cannot be read as the manifest sizes it (no receiver keeps
-    them: they do not hash to the entry)."""
-    try:
-        raw = (directory / mf.safe_relative(entry.path)).read_bytes()
-    except OSError as exc:
-        log.warning("%s not sent round the ring: %s", entry.path, exc.strerror or exc)
-        raw = b""
-    if len(raw) != entry.size:
-        return torch.zeros(entry.size, dtype=torch.uint8)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
-def _keep(target: Path, entry: mf.FileEntry, raw: bytes) -> list[str]:
-    """Write a received file into the ring copy once its bytes are the manifest's; the error, if any."""
-    got = hash_bytes(raw)
-    if (got.size, got.xxh3) != (entry.size, entry.xxh3):
-        return [f"{entry.path} as received differs from the manifest's entry"]
-    path = target / mf.safe_relative(entry.path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(raw)  # memory: nothing to sync; the manifest, written last, makes the copy whole
-    except OSError as exc:
-        return [f"{entry.path}: {exc.strerror or exc}"]
-    return []
-
-
 def _commit(target: Path, raw: bytes, step: int) -> Path:
     """The ring copy complete: its manifest written last, then renamed to its checkpoint's name."""
     (target / mf.MANIFEST_NAME).write_bytes(raw)
@@ -253,39 +209,48 @@ def _commit(target: Path, raw: bytes, step: int) -> Path:
     return final
 
 
-def _copies(run_dir: Path) -> Iterator[tuple[int, Path]]:
-    """The run's complete ring copies on this node, with their steps."""
-    for d in run_dir.glob("step-*-*"):
-        step = d.name.split("-")[1]
-        if step.isdigit() and (d / mf.MANIFEST_NAME).is_file():
-            yield int(step), d
+def _copies(run_dir: Path) -> list[Path]:
+    """The run's complete ring copies on this node, newest made first."""
+    found = [d for d in run_dir.glob("step-*-*") if (d / mf.MANIFEST_NAME).is_file()]
+    return sorted(found, key=lambda d: (d / mf.MANIFEST_NAME).stat().st_mtime_ns, reverse=True)
 
 
-def _let_go(run_dir: Path, *, keep: int) -> None:
-    """The run's ring copies past the newest ``keep`` removed, with any transfer left unfinished."""
-    newest = sorted(_copies(run_dir), key=lambda c: c[0], reverse=True)
-    for _, d in newest[keep:]:
+def _let_go(kept: Path, *, keep: int) -> None:
+    """The run's ring copies but ``kept`` (just made) and the newest ``keep - 1`` others removed (by when they
+    were made, not by step: after a roll back the newest copy has a lower step), with any transfer left
+    unfinished by a process that is gone."""
+    others = [d for d in _copies(kept.parent) if d != kept]
+    for d in others[keep - 1 :]:
         shutil.rmtree(d, ignore_errors=True)
-    for d in run_dir.glob(".incoming-*"):
+    for d in kept.parent.glob(".incoming-*"):
         pid = d.name.rpartition("-")[2]
         if pid.isdigit() and not store.pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
 
 
+def _ring_bytes(root: Path) -> int:
+    """What the ring copies on this memory tier hold now (every run's)."""
+    return sum(p.stat().st_size for p in (root / RING_DIR).rglob("*") if p.is_file())
+
+
 def held(raw: bytes, manifest: mf.Manifest) -> dict[str, Path]:
     """The checkpoint's files (manifest ``raw``) this node's memory tier holds in a ring copy, each hashed
-    against its entry: path -> file. A ring copy with a file that does not prove is refused and removed."""
+    against its entry: path -> file. A ring copy with a file that does not prove is refused and removed.
+    Never raises: a memory tier that cannot be read holds nothing."""
     cfg = _config()
-    if cfg is None or not (cfg.root / RING_DIR).is_dir():
+    if cfg is None:
         return {}
     found: dict[str, Path] = {}
-    for m in (cfg.root / RING_DIR).glob(f"*/step-*-*/{mf.MANIFEST_NAME}"):
-        try:
-            if m.read_bytes() != raw:
-                continue
-        except OSError:
-            continue
-        found.update(_proven(m.parent, manifest))
+    try:
+        if not on():
+            return {}
+        keeper.mark(cfg)  # this user's own directory, not a link: never read through another's
+        for m in (cfg.root / RING_DIR).glob(f"*/step-*-*/{mf.MANIFEST_NAME}"):
+            if m.read_bytes() == raw:
+                found.update(_proven(m.parent, manifest))
+    except (OSError, ConfigError) as exc:
+        log.warning("the memory tier's ring copies not read: %s", exc)
+        return {}
     return found
 
 

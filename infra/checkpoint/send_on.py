@@ -38,6 +38,8 @@ class SendOn:
         leads = disks.leads(self.rank)
         self.pusher = share_push.SharePusher.from_env(catalog) if self.push and leads else None
         self.ring = ring.enabled(disks)  # each host's share also kept in the next host's memory
+        # the ring's bytes go over a gloo group of its own (CPU tensors, whatever the job's backend)
+        self.ring_group = dist.new_group(backend="gloo") if self.ring else None
 
     def after_commit(
         self, step: int, group: dist.ProcessGroup | None, lead: Catalog | None, checkpoint_id: int | None
@@ -46,13 +48,17 @@ class SendOn:
         self._pushed(step, group)
         if not self.ring:
             return
+        mine = None
         try:
-            mine = ring.pass_on(store.step_dir(self.run_dir, step), self.run, self.disks, group)
-            passed = ring.gathered(mine, group)
-            if lead is not None and checkpoint_id is not None and passed:
-                ring.register(lead, checkpoint_id, self.run, passed)
+            mine = ring.pass_on(store.step_dir(self.run_dir, step), self.run, self.disks, self.ring_group)
         except Exception as exc:  # a peer gone mid-way: the disks' copies are the ones counted on
             log.warning("%s step %d not passed round the peer ring: %s", self.run, step, exc)
+        try:
+            passed = ring.gathered(mine, self.ring_group)  # every rank, whatever happened above
+            if lead is not None and checkpoint_id is not None and passed:
+                ring.register(lead, checkpoint_id, self.run, passed)
+        except Exception as exc:
+            log.warning("%s step %d: the peer ring's copies not recorded: %s", self.run, step, exc)
 
     def _pushed(self, step: int, group: dist.ProcessGroup | None) -> None:
         """The checkpoint goes to the shared tier if every host's sender is free."""

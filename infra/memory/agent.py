@@ -52,7 +52,7 @@ def release(cat: Catalog, cfg: place.MemoryConfig, run: str) -> int:
     here = keeper.mark(cfg)
     gone = 0
     for h in held.held_on(cat, copies.MEMORY, here.id):
-        if h.run == run:
+        if h.run == run and not h.ring:  # the peer ring's copies are its own to let go
             copies.record(cat, h.replica_id, R.DELETED, "let go from the memory tier: the run finished")
             keeper.remove(h.uri)
             gone += 1

@@ -95,7 +95,7 @@ def keep(
     with _alone(
         cfg.root
     ):  # one copy at a time per memory tier (an agent of an earlier launch may still copy)
-        have = held.held_on(cat, copies.MEMORY, here.id)
+        have = [h for h in held.held_on(cat, copies.MEMORY, here.id) if not h.ring]  # the ring's: its own
         if any(h.checkpoint_id == checkpoint_id for h in have):
             return None
         lease = leases.take(cat, checkpoint_id, "memory-tier")

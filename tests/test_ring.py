@@ -1,0 +1,87 @@
+"""The peer ring's rules that need no process group: a host keeps the ring copy it just made (after a roll
+back too), a received file is kept only when it is its manifest entry, a recovery counts on a lost host's
+share only while a surviving host's memory holds it, and a memory tier that is not this user's own is
+never read. (Passing shares between ranks, and restoring from them: tests/test_spread.py, tests/test_slurm.py.)"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rewind.infra.checkpoint import ring, ring_wire
+from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import hash_bytes
+from rewind.infra.phases.restore import _on_other_hosts
+from rewind.infra.restore import plan
+
+
+def _copy(run_dir: Path, name: str) -> Path:
+    d = run_dir / name
+    d.mkdir(parents=True)
+    (d / mf.MANIFEST_NAME).write_bytes(b"{}")
+    return d
+
+
+def test_the_copy_just_made_is_kept_even_when_an_older_one_has_a_higher_step(tmp_path: Path) -> None:
+    """After a roll back to step 100, step 110's copy is the newest: the abandoned step 200's goes."""
+    abandoned = _copy(tmp_path, "step-200-aaaa")
+    past = time.time() - 60
+    os.utime(abandoned / mf.MANIFEST_NAME, (past, past))
+    kept = _copy(tmp_path, "step-110-bbbb")
+    ring._let_go(kept, keep=1)
+    assert kept.exists() and not abandoned.exists()
+
+
+def _entry(raw: bytes) -> mf.FileEntry:
+    d = hash_bytes(raw)
+    return mf.FileEntry(path="__1_0.distcp", size=d.size, xxh3=d.xxh3, crc32c=d.crc32c)
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_received_file_is_kept_only_when_its_pieces_are_its_entry(tmp_path: Path, damaged: bool) -> None:
+    raw = bytes(range(256)) * 4096 + b"tail"  # 1 MiB and a bit: two pieces at a 512 KiB piece size
+    entry = _entry(raw)
+    writer = ring_wire.Writer(tmp_path)
+    size = 512 * 1024
+    got = bytearray(raw)
+    if damaged:
+        got[-1] ^= 1
+    for off in range(0, len(got), size):
+        piece = ring_wire.Piece(entry, off, min(size, len(got) - off))
+        writer.take(piece, torch.frombuffer(bytearray(got[off : off + piece.length]), dtype=torch.uint8))
+    assert (writer.kept, bool(writer.errors)) == ((0, True) if damaged else (len(raw), False)), writer.errors
+    if not damaged:
+        assert (tmp_path / entry.path).read_bytes() == raw
+
+
+def _plan(ring_copies: tuple[tuple[str, str], ...]) -> plan.RestorePlan:
+    c = plan.Candidate(7, "run", 20, "committed", "d" * 64, 100, (), ("h1", "h2"), ring_copies)
+    return plan.RestorePlan("run", Path("/nonexistent"), (c,), False)
+
+
+def test_a_recovery_counts_on_a_lost_hosts_share_only_while_a_surviving_host_holds_it() -> None:
+    assert _on_other_hosts(_plan(()), {"h2"}) is None  # h2's share is nowhere else
+    assert _on_other_hosts(_plan((("h1", "h2"), ("h2", "h1"))), {"h2"}) is not None  # in h1's memory
+    assert _on_other_hosts(_plan((("h2", "h1"),)), {"h2"}) is None  # only in h2's own: gone with it
+    assert _on_other_hosts(_plan((("h1", "h2"),)), {"h1", "h2"}) is None  # its holder lost too
+
+
+def test_ring_copies_in_a_memory_tier_that_is_a_link_are_never_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    elsewhere = tmp_path / "someone-elses"
+    copy = _copy(elsewhere / ".ring" / "run", "step-1-aaaa")
+    (copy / mf.MANIFEST_NAME).write_bytes(b"manifest")
+    raw = b"a file that proves itself"
+    (copy / "__1_0.distcp").write_bytes(raw)
+    manifest = mf.Manifest(run="run", step=1, files=(_entry(raw),))
+    monkeypatch.setenv("REWIND_MEMORY_ROOT", str(elsewhere))
+    assert set(ring.held(b"manifest", manifest)) == {"__1_0.distcp"}  # read where it is this user's own
+    link = tmp_path / "memory"
+    link.symlink_to(elsewhere)
+    monkeypatch.setenv("REWIND_MEMORY_ROOT", str(link))
+    assert ring.held(b"manifest", manifest) == {}  # never through a link
