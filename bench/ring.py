@@ -130,7 +130,7 @@ def main() -> None:
         (disks / "disks").mkdir()
         (work / "disks").symlink_to(disks / "disks")
         env = {**os.environ, **server.env, "OMP_NUM_THREADS": "1", "REWIND_HOME": str(disks),
-               "REWIND_CATALOG_URL": f"sqlite:///{disks / 'catalog.db'}", "REWIND_SHARED_URI": "s3://bench/ring"}  # fmt: skip
+               "REWIND_CATALOG_URL": f"sqlite:///{disks / 'catalog.db'}", "REWIND_SHARED_URI": "s3://bench/ring", "REWIND_MEMORY_RING": "on"}  # fmt: skip
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=4", "--master-port=29517",
                "-m", "bench.ring", "--worker", "--work", str(work), "--mib-per-rank", str(args.mib_per_rank),
                "--repeat", str(args.repeat)]  # fmt: skip

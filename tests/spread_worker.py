@@ -1,7 +1,8 @@
 """Ranks of a job whose hosts have their own disks, on one machine: each rank's checkpoint root is the
 disk its argument names (``a,a,b,b``: ranks 0-1 on disk a, 2-3 on disk b), as node-local disks at one
 path would be on real hosts (and with ``REWIND_TEST_RING`` set, each its own memory tier beside it, the
-peer ring on). Saves (``save``) or restores (``load``) through ``ShardedCheckpointer``."""
+peer ring on; with ``REWIND_TEST_ASYNC``, async saves). Saves (``save``) or restores (``load``) through
+``ShardedCheckpointer``."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ def main(mode: str, workdir: str, layout: str) -> None:
     catalog = Catalog(f"sqlite:///{work / 'catalog.db'}") if rank == 0 else None
     model = _wrap(_model(), "ddp")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    ck = ShardedCheckpointer(RUN, root=root, catalog=catalog)
+    save_mode = "async" if os.environ.get("REWIND_TEST_ASYNC") else "sync"
+    ck = ShardedCheckpointer(RUN, root=root, catalog=catalog, mode=save_mode)
     if mode == "save":
         for step in (1, 2):
             torch.manual_seed(100 + rank * 10 + step)
@@ -43,6 +45,7 @@ def main(mode: str, workdir: str, layout: str) -> None:
             opt.zero_grad()
             msd, osd = get_state_dict(model, opt)
             ck.save(step, {"model": msd, "optim": osd}, {"rank": rank, "step": step})
+            ck.wait()  # async: committed (and passed round the ring) before the next step
             # each host's share of this step sent before the next save: a save that finds a sender still busy
             # skips the shared tier (by design), and on a loaded machine step 1's sending can outlast step 2
             pusher = ck.send_on.pusher

@@ -32,8 +32,9 @@ def _job(
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("REWIND_SHARED_URI", None)
-    if ring:
-        env["REWIND_TEST_RING"] = "1"
+    if ring:  # each host its memory, async saves: the ring on by default (REWIND_MEMORY_RING unset)
+        env |= {"REWIND_TEST_RING": "1", "REWIND_TEST_ASYNC": "1"}
+        env.pop("REWIND_MEMORY_RING", None)
     if shared is not None:
         env["REWIND_SHARED_URI"] = str(shared)
     r = subprocess.run(
@@ -172,8 +173,8 @@ def test_files_another_timeline_left_on_the_shared_tier_never_complete_a_copy(sa
 
 @pytest.fixture
 def ringed(tmp_path: Path) -> Path:
-    """Steps 1 and 2 saved on disks a and b, each host with its own memory tier (the peer ring on) and a
-    shared tier."""
+    """Steps 1 and 2 saved on disks a and b (async), each host with its own memory tier (the peer ring on
+    by default) and a shared tier."""
     (tmp_path / "shared").mkdir()
     _job("save", tmp_path, "a,a,b,b", shared=tmp_path / "shared", ring=True)
     return tmp_path

@@ -71,20 +71,32 @@ def _config() -> place.MemoryConfig | None:
         return None
 
 
+def setting() -> str:
+    """``REWIND_MEMORY_RING``: ``auto`` (the default: async saves pass their shares in the background
+    persist; a sync save, whose time is the job's, does not), ``on`` (sync saves too) or ``off``."""
+    raw = os.environ.get(RING_ENV, "").strip().lower() or "auto"
+    if raw not in ("auto", "on", "off"):
+        raise ConfigError(f"{RING_ENV}: {raw!r} is not auto, on or off")
+    return raw
+
+
 def on() -> bool:
-    """``REWIND_MEMORY_RING``: ``on`` (the default) or ``off``."""
-    raw = os.environ.get(RING_ENV, "on").strip().lower() or "on"
-    if raw not in ("on", "off"):
-        raise ConfigError(f"{RING_ENV}: {raw!r} is not on or off")
-    return raw == "on"
+    """Whether ring copies are made or read at all (anything but ``off``)."""
+    return setting() != "off"
 
 
-def enabled(disks: Disks) -> bool:
+def enabled(disks: Disks, *, background: bool) -> bool:
     """Collective: whether the ranks pass their shares round a ring (the checkpoint is spread over hosts'
-    disks and every disk's leader has a memory tier); the same answer on every rank."""
+    disks, every disk's leader has a memory tier, and the setting allows it for this save mode: ``background``
+    when the save persists in the background); the same answer on every rank."""
     if not disks.spread:  # the same on every rank: no collective needed to say no
         return False
-    ok = on() and (not disks.leads(dist.get_rank()) or _config() is not None)
+    try:
+        wanted = setting() == "on" or (background and setting() == "auto")
+    except ConfigError as exc:
+        log.warning("no peer ring: %s", exc)
+        wanted = False
+    ok = wanted and (not disks.leads(dist.get_rank()) or _config() is not None)
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, ok)
     return all(every)

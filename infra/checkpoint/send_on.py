@@ -23,12 +23,20 @@ class SendOn:
     """Collective to make (every rank, the same order): what this rank sends on after each commit."""
 
     def __init__(
-        self, run: str, run_dir: Path, disks: Disks, *, catalog: Catalog | None, exit_timeout_s: float
+        self,
+        run: str,
+        run_dir: Path,
+        disks: Disks,
+        *,
+        catalog: Catalog | None,
+        exit_timeout_s: float,
+        background: bool,
     ) -> None:
         """``catalog``: where a disk's leader registers a shared copy it completes (rank 0's; another
         rank's only under a supervisor). A disk's leader sends its share to the shared tier itself when
         nothing else can read its disk: the checkpoint is spread over hosts' disks, or the job runs on a
-        scheduler's hosts."""
+        scheduler's hosts. ``background``: saves persist in the background (async), where the ring's pass
+        costs the job no stall."""
         self.run, self.run_dir, self.disks = run, run_dir, disks
         self.rank = dist.get_rank()
         self.exit_timeout_s = exit_timeout_s
@@ -37,7 +45,9 @@ class SendOn:
         self.push = shared and (disks.spread or remote_hosts)  # the same on every rank
         leads = disks.leads(self.rank)
         self.pusher = share_push.SharePusher.from_env(catalog) if self.push and leads else None
-        self.ring = ring.enabled(disks)  # each host's share also kept in the next host's memory
+        self.ring = ring.enabled(
+            disks, background=background
+        )  # each host's share also kept in the next host's memory
         # the ring's bytes go over a gloo group of its own (CPU tensors, whatever the job's backend)
         self.ring_group = dist.new_group(backend="gloo") if self.ring else None
 

@@ -148,7 +148,7 @@ class ShardedCheckpointer:
         self.read_from: dict[str, Any] = {}  # rank 0: the same, for the record (``assemble.read_from``)
         self._remote: remotes.RemoteFiles | None = None  # rank 0: the last restore's fetcher of lost files
         self.send_on = SendOn(self.run, self.run_dir, self.disks, catalog=catalog if self.rank else self.catalog,
-                              exit_timeout_s=exit_timeout_s)  # fmt: skip
+                              exit_timeout_s=exit_timeout_s, background=self.mode is SaveMode.ASYNC)  # fmt: skip
         if self.disks.leads(self.rank):
             store.sweep_temp(self.run_dir)
         dist.barrier()
