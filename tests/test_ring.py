@@ -85,3 +85,41 @@ def test_ring_copies_in_a_memory_tier_that_is_a_link_are_never_read(
     link.symlink_to(elsewhere)
     monkeypatch.setenv("REWIND_MEMORY_ROOT", str(link))
     assert ring.held(b"manifest", manifest) == {}  # never through a link
+
+
+def test_a_rebooted_hosts_ring_copies_are_let_go_in_the_catalog_at_the_next_pass(
+    rewind_env, run_name: str, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Host h1 held h2's share of step 1; it rebooted (its memory tier has a new mark, the old copy is
+    gone) and now holds step 2's: step 1's ring row is let go, step 2's recorded, whatever the marks."""
+    from rewind.infra.catalog import lineage
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.checkpoint.engine import Checkpointer
+    from rewind.infra.format.local_tier import LocalTier
+
+    cat = Catalog()
+    ck = Checkpointer(run_name, states={"model": torch.nn.Linear(4, 4)}, root=tmp_path / "ckpt", catalog=cat)
+    ids = []
+    for step in (1, 2):
+        ck.save(step)
+        assert ck.last_saved is not None
+        ids.append(ck.last_saved.checkpoint_id)
+    for ck_id, mark in zip(ids, ("mark-before-reboot", "mark-after-reboot"), strict=True):
+        passed = ring.Passed(10, 10, tmp_path / f"ring-{ck_id}", LocalTier(mark, "h1"), "h2")
+        ring.register(cat, ck_id, run_name, [passed])
+    rows = {
+        (c.step, r.key, r.status)
+        for c in lineage.checkpoints(cat, run_name)
+        for r in lineage.replicas_of(cat, c.id)
+        if r.tier == "memory"
+    }
+    assert rows == {(1, "ring:h2", "deleted"), (2, "ring:h2", "verified")}, rows
+
+
+def test_a_leader_that_cannot_read_its_copy_says_why_and_never_raises(tmp_path: Path) -> None:
+    from rewind.infra.checkpoint.spread import Disks
+    from rewind.infra.format.local_tier import LocalTier
+
+    disks = Disks((LocalTier("a", "h1"), LocalTier("b", "h2")))
+    why = ring._ready(tmp_path / "no-such-step", "run", disks, 1)
+    assert isinstance(why, str) and "cannot be read" in why

@@ -21,6 +21,7 @@ class Held:
     uri: str
     nbytes: int
     ring: bool = False  # a peer ring's copy: another host's share (infra/checkpoint/ring), not the keeper's
+    tier_id: str = ""
 
 
 def held_on(cat: Catalog, tier: str, tier_id: str) -> list[Held]:
@@ -35,6 +36,7 @@ def held_on(cat: Catalog, tier: str, tier_id: str) -> list[Held]:
                 Replica.uri,
                 Replica.bytes,
                 Replica.key,
+                Replica.tier_id,
             )
             .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
             .join(Run, Run.id == Checkpoint.run_id)
@@ -52,4 +54,33 @@ def held_on(cat: Catalog, tier: str, tier_id: str) -> list[Held]:
             disks.ring_source(tier, r[6]) is not None,
         )
         for r in rows
+    ]
+
+
+def ring_held_by(cat: Catalog, host: str, run: str) -> list[Held]:
+    """The run's live peer-ring copies in ``host``'s memory, whatever its tier's mark (newest made first)."""
+    with cat.session() as s:
+        rows = s.execute(
+            select(
+                Replica.id,
+                Replica.checkpoint_id,
+                Run.name,
+                Checkpoint.step,
+                Replica.uri,
+                Replica.bytes,
+                Replica.tier_id,
+            )
+            .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(
+                Replica.tier == disks.MEMORY,
+                Replica.host == host,
+                Run.name == run,
+                Replica.key.like(f"{disks.RING_KEY}%"),
+                Replica.status != R.DELETED.value,
+            )
+            .order_by(Replica.id.desc())
+        ).all()
+    return [
+        Held(r[0], r[1], str(r[2]), int(r[3]), str(r[4]), int(r[5] or 0), True, str(r[6] or "")) for r in rows
     ]

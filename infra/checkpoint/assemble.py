@@ -199,8 +199,8 @@ def _take(target: Path, manifest: mf.Manifest, memory: dict[str, Path], held: se
                 raise OSError(f"{e.path} in this node's memory changed since it was proven")
             _keep(target, e, raw)
             taken[e.path] = e.size
-        except OSError as exc:
-            log.warning("%s not taken from this node's memory: %s", e.path, exc.strerror or exc)
+        except Exception as exc:  # never raised alone: the others are about to gather
+            log.warning("%s not taken from this node's memory: %s", e.path, exc)
     return taken
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from rewind.infra.catalog import copies
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.disks import MEMORY, RING_KEY
-from rewind.infra.catalog.held import held_on
+from rewind.infra.catalog.held import ring_held_by
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.checkpoint import ring_wire
 from rewind.infra.checkpoint.spread import Disks
@@ -64,9 +64,11 @@ class Passed:
 
 
 def _config() -> place.MemoryConfig | None:
+    """This node's memory tier; None when it is off or its setting cannot be used (never raises: a rank
+    raising alone would leave the others in a collective)."""
     try:
         return place.config()
-    except ConfigError as exc:
+    except Exception as exc:  # ConfigError, or the memory filesystem unreadable (statvfs)
         log.warning("no peer ring: %s", exc)
         return None
 
@@ -96,10 +98,26 @@ def enabled(disks: Disks, *, background: bool) -> bool:
     except ConfigError as exc:
         log.warning("no peer ring: %s", exc)
         wanted = False
-    ok = wanted and (not disks.leads(dist.get_rank()) or _config() is not None)
+    mark = _mark_of(_config()) if wanted and disks.leads(dist.get_rank()) else None
+    ok = wanted and (not disks.leads(dist.get_rank()) or mark is not None)
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, ok)
-    return all(every)
+    dist.all_gather_object(every, (ok, mark))
+    marks = [m for _, m in every if m is not None]
+    if len(set(marks)) < len(marks):  # two disks, one memory: each would let the other's copies go
+        log.warning("no peer ring: two hosts' disks share one memory tier")
+        return False
+    return all(ok for ok, _ in every)
+
+
+def _mark_of(cfg: place.MemoryConfig | None) -> str | None:
+    """The memory tier's id (made on first use); None when there is none it can use."""
+    if cfg is None:
+        return None
+    try:
+        return keeper.mark(cfg).id
+    except Exception as exc:
+        log.warning("no peer ring: %s", exc)
+        return None
 
 
 def neighbours(disks: Disks, rank: int) -> tuple[int, int]:
@@ -138,16 +156,21 @@ def pass_on(directory: Path, run: str, disks: Disks, group: dist.ProcessGroup | 
     cfg, raw, manifest, target = ready
     incoming = share(manifest, disks.of_rank[prev].id)
     outgoing = share(manifest, disks.of_rank[rank].id)
-    sent, received, errors = ring_wire.exchange(directory, outgoing, incoming, target, (prev, nxt), group)
     try:
+        sent, received, errors = ring_wire.exchange(directory, outgoing, incoming, target, (prev, nxt), group)
         if errors:
             raise OSError(errors[0])
         kept = _commit(target, raw, manifest.step)
-        _let_go(kept, keep=cfg.keep)
-    except OSError as exc:
+    except Exception as exc:  # a peer gone mid-way raises here too: nothing half made is left
         shutil.rmtree(target, ignore_errors=True)
+        if not isinstance(exc, OSError):
+            raise
         log.warning("%s step %d: the peer's share not kept in memory: %s", run, manifest.step, exc)
         return Passed(sent, 0, None)
+    try:
+        _let_go(kept, keep=cfg.keep)
+    except OSError as exc:  # the new copy is whole: older ones go at the next pass
+        log.warning("%s: older ring copies not let go: %s", run, exc)
     return Passed(sent, received, kept, keeper.mark(cfg), disks.of_rank[prev].host)
 
 
@@ -168,10 +191,12 @@ def register(cat: Catalog, checkpoint_id: int, run: str, passed: list[Passed]) -
             continue
         copies.add(cat, checkpoint_id, MEMORY, str(p.directory), key=f"{RING_KEY}{p.source_host}",
                    nbytes=p.received, status=R.VERIFIED, disk=p.holder)  # fmt: skip
-        older = sorted((h for h in held_on(cat, MEMORY, p.holder.id)
-                        if h.ring and h.run == run and h.checkpoint_id != checkpoint_id),
-                       key=lambda h: h.replica_id, reverse=True)  # fmt: skip
-        for h in older[keep - 1 :]:  # newest made first, as the host let them go (``_let_go``)
+        older = [h for h in ring_held_by(cat, p.holder.host, run) if h.checkpoint_id != checkpoint_id]
+        # newest made first, as the host let them go (``_let_go``); by host, not by the tier's mark: a
+        # host that rebooted has a new mark, and nothing of the old one
+        stale = [h for h in older if h.tier_id != p.holder.id]
+        current = [h for h in older if h.tier_id == p.holder.id]
+        for h in stale + current[keep - 1 :]:
             copies.record(cat, h.replica_id, R.DELETED, "let go from the peer ring")
 
 
@@ -180,7 +205,14 @@ Ready = tuple[place.MemoryConfig, bytes, mf.Manifest, Path]
 
 def _ready(directory: Path, run: str, disks: Disks, prev: int) -> Ready | str:
     """A leader's memory tier, the committed manifest (bytes, parsed) and the directory the peer's share
-    goes to; or why it cannot take part: every leader must agree before any byte is sent."""
+    goes to; or why it cannot take part: every leader must agree before any byte is sent. Never raises."""
+    try:
+        return _prepare(directory, run, disks, prev)
+    except Exception as exc:  # told to the other leaders, never raised alone
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _prepare(directory: Path, run: str, disks: Disks, prev: int) -> Ready | str:
     try:
         raw = (directory / mf.MANIFEST_NAME).read_bytes()
         manifest = mf.parse(raw)
@@ -192,13 +224,13 @@ def _ready(directory: Path, run: str, disks: Disks, prev: int) -> Ready | str:
     need = sum(e.size for e in share(manifest, disks.of_rank[prev].id))
     try:
         target = _incoming_dir(cfg, run)
-        held_now = _ring_bytes(cfg.root)
+        held_now = _tier_bytes(cfg.root)  # the keeper's copies and the ring's: one budget
     except (OSError, ConfigError) as exc:
         return f"a host's memory tier cannot take its peer's share: {exc}"
     if need + held_now > cfg.budget_bytes:
         shutil.rmtree(target, ignore_errors=True)
         return (f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold its peer's share ({need} bytes) "
-                f"beside the ring copies it holds ({held_now} bytes)")  # fmt: skip
+                f"beside what its memory tier holds ({held_now} bytes)")  # fmt: skip
     return cfg, raw, manifest, target
 
 
@@ -206,6 +238,7 @@ def _incoming_dir(cfg: place.MemoryConfig, run: str) -> Path:
     keeper.mark(cfg)  # the memory tier's directory, this user's alone, never a link
     parent = cfg.root / RING_DIR / mf.safe_relative(run)
     parent.mkdir(parents=True, exist_ok=True)
+    _sweep(parent)
     target = parent / f".incoming-{os.getpid()}"
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir()
@@ -234,15 +267,19 @@ def _let_go(kept: Path, *, keep: int) -> None:
     others = [d for d in _copies(kept.parent) if d != kept]
     for d in others[keep - 1 :]:
         shutil.rmtree(d, ignore_errors=True)
-    for d in kept.parent.glob(".incoming-*"):
+
+
+def _tier_bytes(root: Path) -> int:
+    """What this memory tier holds now: every run's copies, the keeper's and the ring's."""
+    return sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _sweep(run_dir: Path) -> None:
+    """Transfers left unfinished by a process that is gone."""
+    for d in run_dir.glob(".incoming-*"):
         pid = d.name.rpartition("-")[2]
         if pid.isdigit() and not store.pid_alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _ring_bytes(root: Path) -> int:
-    """What the ring copies on this memory tier hold now (every run's)."""
-    return sum(p.stat().st_size for p in (root / RING_DIR).rglob("*") if p.is_file())
 
 
 def held(raw: bytes, manifest: mf.Manifest) -> dict[str, Path]:

@@ -95,12 +95,16 @@ def keep(
     with _alone(
         cfg.root
     ):  # one copy at a time per memory tier (an agent of an earlier launch may still copy)
-        have = [h for h in held.held_on(cat, copies.MEMORY, here.id) if not h.ring]  # the ring's: its own
+        rows = held.held_on(cat, copies.MEMORY, here.id)
+        have = [
+            h for h in rows if not h.ring
+        ]  # the peer ring's copies are its own: counted, never let go here
+        reserved = sum(h.nbytes for h in rows if h.ring)
         if any(h.checkpoint_id == checkpoint_id for h in have):
             return None
         lease = leases.take(cat, checkpoint_id, "memory-tier")
         try:
-            evicted = make_room(cat, cfg, have, run, ck)
+            evicted = make_room(cat, cfg, have, run, ck, reserved=reserved)
             done = fetch.pull(
                 FileTier(str(src.parent)), src.name, str(ck.manifest_digest), cfg.root / run,
                 keyring=keyring if keyring is not None else kr.from_env(), displace=remove,
@@ -114,14 +118,15 @@ def keep(
 
 
 def make_room(
-    cat: Catalog, cfg: MemoryConfig, have: list[held.Held], run: str, ck: Checkpoint
+    cat: Catalog, cfg: MemoryConfig, have: list[held.Held], run: str, ck: Checkpoint, *, reserved: int = 0
 ) -> tuple[int, ...]:
     """Let go of what must go for ``ck`` to fit: the run's older copies past ``keep - 1``, then the oldest
-    past the budget. A leased copy (a restore reading it) stays."""
+    past the budget. A leased copy (a restore reading it) stays. ``reserved``: bytes held in the tier that
+    are not ``have``'s to let go (the peer ring's)."""
     going: list[held.Held] = []
     mine = [h for h in have if h.run == run and h.step < ck.step]
     going += mine[: max(0, len(mine) - (cfg.keep - 1))]
-    used = sum(h.nbytes for h in have if h not in going)
+    used = reserved + sum(h.nbytes for h in have if h not in going)
     for h in sorted((h for h in have if h not in going), key=lambda h: (h.step, h.replica_id)):
         if used + (ck.total_bytes or 0) <= cfg.budget_bytes:
             break

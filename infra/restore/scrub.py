@@ -128,11 +128,11 @@ def scrub(
             or (tiers is not None and rep.tier not in tiers)
         ):
             continue
+        if disks.ring_source(rep.tier, rep.key) is not None:  # one host's share in another's memory: proven
+            continue  # file by file when a restore takes it, never judged as a whole copy
         if disks.elsewhere(rep.tier, rep.tier_id, rep.uri):  # only a machine that sees its disk judges it
             away.append(str(rep.host or rep.tier_id))
             continue
-        if disks.ring_source(rep.tier, rep.key) is not None:  # one host's share in another's memory: proven
-            continue  # file by file when a restore takes it, never judged as a whole copy
         where = (
             rep.uri
             if rep.tier in disks.DIRECTORY_TIERS
