@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import select
 
@@ -24,63 +25,34 @@ class Held:
     tier_id: str = ""
 
 
-def held_on(cat: Catalog, tier: str, tier_id: str) -> list[Held]:
-    """The live copies on the tier whose mark is ``tier_id``, oldest step first within each run."""
+def _query(cat: Catalog, *where: Any, order: tuple[Any, ...]) -> list[Held]:
     with cat.session() as s:
         rows = s.execute(
             select(
-                Replica.id,
-                Replica.checkpoint_id,
-                Run.name,
-                Checkpoint.step,
-                Replica.uri,
-                Replica.bytes,
-                Replica.key,
-                Replica.tier_id,
+                Replica.id, Replica.checkpoint_id, Run.name, Checkpoint.step, Replica.uri, Replica.bytes,
+                Replica.tier, Replica.key, Replica.tier_id,
             )
             .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
             .join(Run, Run.id == Checkpoint.run_id)
-            .where(Replica.tier == tier, Replica.tier_id == tier_id, Replica.status != R.DELETED.value)
-            .order_by(Run.name, Checkpoint.step, Replica.id)
-        ).all()
-    return [
-        Held(
-            r[0],
-            r[1],
-            str(r[2]),
-            int(r[3]),
-            str(r[4]),
-            int(r[5] or 0),
-            disks.ring_source(tier, r[6]) is not None,
-        )
-        for r in rows
-    ]
+            .where(Replica.status != R.DELETED.value, *where)
+            .order_by(*order)
+        ).all()  # fmt: skip
+    return [_held(r) for r in rows]
+
+
+def _held(r: Any) -> Held:
+    ring = disks.ring_source(str(r[6]), r[7]) is not None
+    return Held(r[0], r[1], str(r[2]), int(r[3]), str(r[4]), int(r[5] or 0), ring, str(r[8] or ""))
+
+
+def held_on(cat: Catalog, tier: str, tier_id: str) -> list[Held]:
+    """The live copies on the tier whose mark is ``tier_id``, oldest step first within each run."""
+    return _query(
+        cat, Replica.tier == tier, Replica.tier_id == tier_id, order=(Run.name, Checkpoint.step, Replica.id)
+    )
 
 
 def ring_held_by(cat: Catalog, host: str, run: str) -> list[Held]:
     """The run's live peer-ring copies in ``host``'s memory, whatever its tier's mark (newest made first)."""
-    with cat.session() as s:
-        rows = s.execute(
-            select(
-                Replica.id,
-                Replica.checkpoint_id,
-                Run.name,
-                Checkpoint.step,
-                Replica.uri,
-                Replica.bytes,
-                Replica.tier_id,
-            )
-            .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
-            .join(Run, Run.id == Checkpoint.run_id)
-            .where(
-                Replica.tier == disks.MEMORY,
-                Replica.host == host,
-                Run.name == run,
-                Replica.key.like(f"{disks.RING_KEY}%"),
-                Replica.status != R.DELETED.value,
-            )
-            .order_by(Replica.id.desc())
-        ).all()
-    return [
-        Held(r[0], r[1], str(r[2]), int(r[3]), str(r[4]), int(r[5] or 0), True, str(r[6] or "")) for r in rows
-    ]
+    where = (Replica.tier == disks.MEMORY, Replica.host == host, Run.name == run)
+    return _query(cat, *where, Replica.key.like(f"{disks.RING_KEY}%"), order=(Replica.id.desc(),))
