@@ -156,6 +156,7 @@ def pass_on(directory: Path, run: str, disks: Disks, group: dist.ProcessGroup | 
     cfg, raw, manifest, target = ready
     incoming = share(manifest, disks.of_rank[prev].id)
     outgoing = share(manifest, disks.of_rank[rank].id)
+    sent = 0
     try:
         sent, received, errors = ring_wire.exchange(directory, outgoing, incoming, target, (prev, nxt), group)
         if errors:

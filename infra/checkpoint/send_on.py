@@ -36,7 +36,7 @@ class SendOn:
         rank's only under a supervisor). A disk's leader sends its share to the shared tier itself when
         nothing else can read its disk: the checkpoint is spread over hosts' disks, or the job runs on a
         scheduler's hosts. ``background``: saves persist in the background (async), where the ring's pass
-        costs the job no stall."""
+        is off the job's path (the next save waits for it only if it is still running)."""
         self.run, self.run_dir, self.disks = run, run_dir, disks
         self.rank = dist.get_rank()
         self.exit_timeout_s = exit_timeout_s
@@ -45,9 +45,8 @@ class SendOn:
         self.push = shared and (disks.spread or remote_hosts)  # the same on every rank
         leads = disks.leads(self.rank)
         self.pusher = share_push.SharePusher.from_env(catalog) if self.push and leads else None
-        self.ring = ring.enabled(
-            disks, background=background
-        )  # each host's share also kept in the next host's memory
+        # each host's share also kept in the next host's memory
+        self.ring = ring.enabled(disks, background=background)
         # the ring's bytes go over a gloo group of its own (CPU tensors, whatever the job's backend)
         self.ring_group = dist.new_group(backend="gloo") if self.ring else None
 
