@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,11 +42,18 @@ def test_tree_round_trip_keeps_types_and_bits():
     assert back["scaler"] == scaler.state_dict()
     assert back["odd"][1] == (b"\x00\xff", float("inf"), None)
     assert np.array_equal(back["odd"]["__tensor__"][0], np.arange(3, dtype=np.uint32))
-    expected = (random.random(), np.random.rand(), torch.rand(1))  # drawn after the state was captured
-    random.setstate(back["rng"]["python"])
-    np.random.set_state(back["rng"]["numpy"])
-    torch.set_rng_state(back["rng"]["torch"])
-    assert (random.random(), np.random.rand()) == expected[:2] and torch.equal(torch.rand(1), expected[2])
+
+    # The restored states draw what the captured ones draw: each in a generator of its own (the module-wide
+    # ones are shared with any thread a test left running, which could draw between capture and check).
+    def draws(rng: dict[str, Any]) -> tuple[float, float, torch.Tensor]:
+        py, npr, tg = random.Random(), np.random.RandomState(), torch.Generator()
+        py.setstate(rng["python"])
+        npr.set_state(rng["numpy"])
+        tg.set_state(rng["torch"])
+        return py.random(), npr.rand(), torch.rand(1, generator=tg)
+
+    got, expected = draws(back["rng"]), draws(state["rng"])
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
 
 
 def test_tree_refuses_unknown_objects():
