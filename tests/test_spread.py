@@ -176,6 +176,12 @@ def ringed(tmp_path: Path) -> Path:
     """Steps 1 and 2 saved on disks a and b (async), each host with its own memory tier (the peer ring on
     by default) and a shared tier."""
     (tmp_path / "shared").mkdir()
+    for place in ("disks", "memory"):  # each host's disk and memory marked by a host of its own name
+        for d in "ab":
+            root = tmp_path / place / d
+            root.mkdir(parents=True)
+            mark = {"id": f"{place}-{d}-{tmp_path.name}", "host": f"host-{d}"}
+            (root / local_tier.MARK).write_text(json.dumps(mark), encoding="utf-8")
     _job("save", tmp_path, "a,a,b,b", shared=tmp_path / "shared", ring=True)
     return tmp_path
 
@@ -205,16 +211,15 @@ def test_a_lost_hosts_share_comes_from_the_next_hosts_memory_and_no_other_tier(r
         assert {p.name: p.stat().st_size for p in copy.iterdir() if p.name != mf.MANIFEST_NAME} == peer
 
     cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
-    ring_rows = {  # the catalog knows whose share each memory holds: a recovery can decide on it
-        (ck.step, r.key, r.status)
+    ring_rows = {  # the catalog knows whose share each host's memory holds: a recovery can decide on it
+        (ck.step, r.host, r.key, r.status)
         for ck in lineage.checkpoints(cat, RUN)
         for r in lineage.replicas_of(cat, ck.id)
         if r.tier == "memory"
     }
-    hosts = {d: mark.host for d in "ab" if (mark := local_tier.read(work / "disks" / d))}
     assert ring_rows == {  # step 1's let go when step 2's were made
-        *((1, f"ring:{hosts[d]}", "deleted") for d in "ab"),
-        *((2, f"ring:{hosts[d]}", "verified") for d in "ab"),
+        *((step, "host-a", "ring:host-b", status) for step, status in ((1, "deleted"), (2, "verified"))),
+        *((step, "host-b", "ring:host-a", status) for step, status in ((1, "deleted"), (2, "verified"))),
     }, ring_rows
 
     shutil.rmtree(work / "disks" / "b")  # host b gone: its disk and its memory
