@@ -94,7 +94,7 @@ def enabled(disks: Disks, *, background: bool) -> bool:
     if not disks.spread:  # the same on every rank: no collective needed to say no
         return False
     try:
-        wanted = setting() == "on" or (background and setting() == "auto")
+        wanted = setting() in (("on", "auto") if background else ("on",))
     except ConfigError as exc:
         log.warning("no peer ring: %s", exc)
         wanted = False
@@ -263,8 +263,8 @@ def _copies(run_dir: Path) -> list[Path]:
 
 def _let_go(kept: Path, *, keep: int) -> None:
     """The run's ring copies but ``kept`` (just made) and the newest ``keep - 1`` others removed (by when they
-    were made, not by step: after a roll back the newest copy has a lower step), with any transfer left
-    unfinished by a process that is gone."""
+    were made, not by step: after a roll back the newest copy has a lower step). Transfers a dead process
+    left are ``_sweep``'s."""
     others = [d for d in _copies(kept.parent) if d != kept]
     for d in others[keep - 1 :]:
         shutil.rmtree(d, ignore_errors=True)
