@@ -156,3 +156,43 @@ def test_a_memory_tier_path_that_is_a_link_is_never_written_through(
         keeper.keep(cat, _saved(ck, 1), cfg)
     assert not any(elsewhere.iterdir())
     memory_root.unlink()
+
+
+def test_an_ended_runs_ring_copy_makes_room_for_the_memory_agent_a_live_runs_never(
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """A multi-host run left its peer-ring copy in this node's memory; a job here now needs the room. While
+    that run's leader lives here (it holds the run's lock) the copy stays; once it ended, the agent's copy
+    lets it go and its catalog row is recorded let go. The budget holds throughout."""
+    from rewind.infra.checkpoint import ring
+    from rewind.infra.memory import ring_room
+
+    cat = Catalog()
+    cfg = place.config()
+    assert cfg is not None
+    _m, other = _job(f"{run_name}-multihost", cat, tmp_path / "other")
+    other_id = _saved(other, 1)
+    _model, ck = _job(run_name, cat, tmp_path / "ckpt")
+    saved = _saved(ck, 1)
+    size = lineage.get_checkpoint(cat, saved).total_bytes or 0
+    ring_copy = ring_room.run_dir(memory_root, f"{run_name}-multihost") / "step-1-0123456789abcdef"
+    ring_copy.mkdir(parents=True)
+    (ring_copy / "__2_0.distcp").write_bytes(os.urandom(size))
+    (ring_copy / "manifest.json").write_bytes(b"")
+    ring.register(
+        cat, other_id, f"{run_name}-multihost", [ring.Passed(0, size, ring_copy, keeper.mark(cfg), "h2")]
+    )
+    monkeypatch.setenv(place.BUDGET_ENV, str(int(size * 1.5)))  # room for one of the two
+    small = place.config()
+    assert small is not None
+
+    live = ring_room.Live(ring_copy.parent)  # its leader lives on this host
+    try:
+        assert keeper.keep(cat, saved, small) is None  # no room beside it: not held, the budget kept
+        assert ring_copy.is_dir()  # never let go for another run's room while its run lives here
+    finally:
+        live.close()
+    assert keeper.keep(cat, saved, small) is not None
+    assert not ring_copy.exists() and ring_room.tier_bytes(memory_root) <= small.budget_bytes
+    [row] = _memory_copies(cat, f"{run_name}-multihost")[1]
+    assert row.status == R.DELETED.value and "room for" in (row.detail or ""), row

@@ -122,4 +122,72 @@ def test_a_leader_that_cannot_read_its_copy_says_why_and_never_raises(tmp_path: 
 
     disks = Disks((LocalTier("a", "h1"), LocalTier("b", "h2")))
     why = ring._ready(tmp_path / "no-such-step", "run", disks, 1)
-    assert isinstance(why, str) and "cannot be read" in why
+    assert isinstance(why, ring.Refused) and "cannot be read" in why.why
+
+
+def _ring_copy(root: Path, run: str, step: int, nbytes: int, made: float) -> Path:
+    d = root / ".ring" / run / f"step-{step}-{step:016x}"
+    d.mkdir(parents=True)
+    (d / "__0_0.distcp").write_bytes(b"x" * nbytes)
+    (d / mf.MANIFEST_NAME).write_bytes(b"")  # its bytes are the file's alone
+    os.utime(d / mf.MANIFEST_NAME, (made, made))
+    return d
+
+
+def test_a_pass_lets_go_of_ended_runs_ring_copies_oldest_first_never_a_live_runs(tmp_path: Path) -> None:
+    """Runs 'old' and 'older' ended on this host; 'live' has a leader alive (another process holding its
+    lock). Room for 150 bytes in a 400-byte budget holding 400: the oldest ended copies go, only as many as
+    needed; the live run's never, even when that leaves too little room; once its leader dies, it goes."""
+    import subprocess
+    import sys
+
+    from rewind.infra.memory import ring_room
+
+    now = time.time()
+    live = _ring_copy(tmp_path, "live", 1, 100, now - 400)  # the oldest of all, but its run lives
+    oldest = _ring_copy(tmp_path, "older", 1, 100, now - 300)
+    middle = _ring_copy(tmp_path, "old", 2, 100, now - 200)
+    newest = _ring_copy(tmp_path, "old", 3, 100, now - 100)
+    code = "import sys; from pathlib import Path; from rewind.infra.memory import ring_room as r; " \
+        "h = r.Live(Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()"  # fmt: skip
+    leader = subprocess.Popen(
+        [sys.executable, "-c", code, str(live.parent)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert leader.stdout is not None and leader.stdout.readline().strip() == "held"
+        held, gone = ring_room.make_room(tmp_path, "new", need=150, budget=400)
+        assert gone == (oldest, middle) and held == 200 and newest.exists() and live.exists()
+        held, gone = ring_room.make_room(tmp_path, "new", need=350, budget=400)
+        assert gone == (newest,) and held == 100 and live.exists()  # still no room: the caller refuses
+    finally:
+        leader.kill()
+        leader.wait(timeout=30)
+    held, gone = ring_room.make_room(tmp_path, "new", need=350, budget=400)
+    assert gone == (live,) and held == 0
+
+
+def test_ring_copies_let_go_for_another_runs_room_are_let_go_in_the_catalog(
+    rewind_env, run_name: str, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """Host h1 held h2's share of the ended run's step 1; a pass of another run let it go to make room:
+    its row is recorded let go, the other host's copy of the same run stays."""
+    from rewind.infra.catalog import lineage
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.checkpoint.engine import Checkpointer
+    from rewind.infra.format.local_tier import LocalTier
+
+    cat = Catalog()
+    ck = Checkpointer(run_name, states={"model": torch.nn.Linear(4, 4)}, root=tmp_path / "ckpt", catalog=cat)
+    ck.save(1)
+    assert ck.last_saved is not None
+    ended = ck.last_saved.checkpoint_id
+    on_h1, on_h2 = tmp_path / "h1-ring", tmp_path / "h2-ring"
+    ring.register(cat, ended, run_name, [ring.Passed(10, 10, on_h1, LocalTier("m1", "h1"), "h2"),
+                                         ring.Passed(10, 10, on_h2, LocalTier("m2", "h2"), "h1")])  # fmt: skip
+    other = ring.Passed(0, 0, None, LocalTier("m1", "h1"), evicted=(str(on_h1),))
+    ring.register(cat, ended, "another-run", [other])
+    rows = {(r.host, r.status) for r in lineage.replicas_of(cat, ended) if r.tier == "memory"}
+    assert rows == {("h1", "deleted"), ("h2", "verified")}, rows

@@ -52,7 +52,8 @@ def held_on(cat: Catalog, tier: str, tier_id: str) -> list[Held]:
     )
 
 
-def ring_held_by(cat: Catalog, host: str, run: str) -> list[Held]:
-    """The run's live peer-ring copies in ``host``'s memory, whatever its tier's mark (newest made first)."""
-    where = (Replica.tier == disks.MEMORY, Replica.host == host, Run.name == run)
+def ring_held_by(cat: Catalog, host: str, run: str | None) -> list[Held]:
+    """The run's (every run's: None) live peer-ring copies in ``host``'s memory, whatever its tier's mark
+    (newest made first)."""
+    where = (Replica.tier == disks.MEMORY, Replica.host == host, *((Run.name == run,) if run else ()))
     return _query(cat, *where, Replica.key.like(f"{disks.RING_KEY}%"), order=(Replica.id.desc(),))

@@ -40,27 +40,27 @@ from rewind.infra.checkpoint import ring_wire
 from rewind.infra.checkpoint.spread import Disks
 from rewind.infra.errors import ConfigError
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import store
 from rewind.infra.format.digest import hash_file, manifest_digest
 from rewind.infra.format.local_tier import LocalTier
-from rewind.infra.memory import keeper, place
+from rewind.infra.memory import keeper, place, ring_room
 
 log = logging.getLogger("rewind.ring")
 RING_ENV = "REWIND_MEMORY_RING"
-RING_DIR = ".ring"  # no run is named with a leading dot: never a run's memory copy
+RING_DIR = ring_room.RING_DIR
 
 
 @dataclass(frozen=True, slots=True)
 class Passed:
     """One leader's part of passing a checkpoint round the ring: bytes sent to the next host, bytes kept
-    from the previous one, the ring copy made (None when the received share did not prove), the memory
-    tier holding it and the host whose share it is."""
+    from the previous one, the ring copy made (None when the received share did not prove, or nothing was
+    passed), the memory tier holding it and the host whose share it is."""
 
     sent: int
     received: int
     directory: Path | None
     holder: LocalTier | None = None
     source_host: str = ""
+    evicted: tuple[str, ...] = ()  # other runs' ring copies this host let go to make room
 
 
 def _config() -> place.MemoryConfig | None:
@@ -134,52 +134,62 @@ def share(manifest: mf.Manifest, disk: str) -> list[mf.FileEntry]:
 
 def pass_on(directory: Path, run: str, disks: Disks, group: dist.ProcessGroup | None = None) -> Passed | None:
     """Collective over ``group`` (every rank calls it): the committed checkpoint at ``directory`` passed
-    round the ring; this leader's part (None on other ranks, or when some leader cannot take part)."""
+    round the ring; this leader's part (None on other ranks, or when no leader could take part and this
+    one let nothing go to make room)."""
     rank = dist.get_rank()
     prev, nxt = neighbours(disks, rank)
     ready = _ready(directory, run, disks, prev) if disks.leads(rank) else None
-    why = ready if isinstance(ready, str) else ""
-    digest = manifest_digest(ready[1]) if ready is not None and not isinstance(ready, str) else None
+    why = ready.why if isinstance(ready, Refused) else ""
+    digest = manifest_digest(ready.raw) if isinstance(ready, Ready) else None
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, (why, digest), group=group)
     whys = [w for w, _ in every if w]
     if len({d for _, d in every if d}) > 1:  # every disk's copy must be this checkpoint's: else sizes differ
         whys.append("the disks' copies hold different checkpoints")
-    if whys:
+    if whys or not isinstance(ready, Ready):
         if ready is not None:
             log.warning("%s not passed round the peer ring: %s", directory, whys[0])
-        if not isinstance(ready, (str, type(None))):
-            shutil.rmtree(ready[3], ignore_errors=True)
-        return None
-    if ready is None or isinstance(ready, str):
-        return None
-    cfg, raw, manifest, target = ready
-    incoming = share(manifest, disks.of_rank[prev].id)
-    outgoing = share(manifest, disks.of_rank[rank].id)
+        if isinstance(ready, Ready):
+            shutil.rmtree(ready.target, ignore_errors=True)
+        return Passed(0, 0, None, ready.holder, evicted=ready.evicted) if ready and ready.evicted else None
+    return _exchange(directory, run, disks, ready, (prev, nxt), group)
+
+
+def _exchange(
+    directory: Path,
+    run: str,
+    disks: Disks,
+    ready: Ready,
+    peers: tuple[int, int],
+    group: dist.ProcessGroup | None,
+) -> Passed:
+    prev = peers[0]
+    incoming = share(ready.manifest, disks.of_rank[prev].id)
+    outgoing = share(ready.manifest, disks.of_rank[dist.get_rank()].id)
     sent = 0
     try:
-        sent, received, errors = ring_wire.exchange(directory, outgoing, incoming, target, (prev, nxt), group)
+        sent, received, errors = ring_wire.exchange(directory, outgoing, incoming, ready.target, peers, group)
         if errors:
             raise OSError(errors[0])
-        kept = _commit(target, raw, manifest.step)
+        kept = _commit(ready.target, ready.raw, ready.manifest.step)
     except Exception as exc:  # a peer gone mid-way raises here too: nothing half made is left
-        shutil.rmtree(target, ignore_errors=True)
+        shutil.rmtree(ready.target, ignore_errors=True)
         if not isinstance(exc, OSError):
             raise
-        log.warning("%s step %d: the peer's share not kept in memory: %s", run, manifest.step, exc)
-        return Passed(sent, 0, None)
+        log.warning("%s step %d: the peer's share not kept in memory: %s", run, ready.manifest.step, exc)
+        return Passed(sent, 0, None, ready.holder, evicted=ready.evicted)
     try:
-        _let_go(kept, keep=cfg.keep)
+        _let_go(kept, keep=ready.cfg.keep)
     except OSError as exc:  # the new copy is whole: older ones go at the next pass
         log.warning("%s: older ring copies not let go: %s", run, exc)
-    return Passed(sent, received, kept, keeper.mark(cfg), disks.of_rank[prev].host)
+    return Passed(sent, received, kept, ready.holder, disks.of_rank[prev].host, ready.evicted)
 
 
 def gathered(mine: Passed | None, group: dist.ProcessGroup | None = None) -> list[Passed]:
-    """Collective: every leader's ring copy made by this pass."""
+    """Collective: every leader's part of this pass (a ring copy made, other runs' copies let go)."""
     every: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)
-    return [p for p in every if isinstance(p, Passed) and p.directory is not None and p.holder is not None]
+    return [p for p in every if isinstance(p, Passed) and p.holder is not None]
 
 
 def register(cat: Catalog, checkpoint_id: int, run: str, passed: list[Passed]) -> None:
@@ -189,6 +199,9 @@ def register(cat: Catalog, checkpoint_id: int, run: str, passed: list[Passed]) -
     keep = cfg.keep if cfg is not None else 1
     for p in passed:
         if p.holder is None:
+            continue
+        ring_room.record_let_go(cat, p.holder.host, p.evicted, f"let go from the peer ring: room for {run}")
+        if p.directory is None:
             continue
         copies.add(cat, checkpoint_id, MEMORY, str(p.directory), key=f"{RING_KEY}{p.source_host}",
                    nbytes=p.received, status=R.VERIFIED, disk=p.holder)  # fmt: skip
@@ -201,45 +214,80 @@ def register(cat: Catalog, checkpoint_id: int, run: str, passed: list[Passed]) -
             copies.record(cat, h.replica_id, R.DELETED, "let go from the peer ring")
 
 
-Ready = tuple[place.MemoryConfig, bytes, mf.Manifest, Path]
+def hold(run: str) -> ring_room.Live | None:
+    """This leader's hold on ``run``'s ring copies on this host while it lives: another run's pass never
+    lets them go to make room. None when there is no memory tier to hold (never raises)."""
+    cfg = _config()
+    if cfg is None:
+        return None
+    try:
+        keeper.mark(cfg)  # this user's own directory, never a link
+        return ring_room.Live(ring_room.run_dir(cfg.root, run))
+    except Exception as exc:
+        log.warning("%s: the ring copies on this host not held: %s", run, exc)
+        return None
 
 
-def _ready(directory: Path, run: str, disks: Disks, prev: int) -> Ready | str:
-    """A leader's memory tier, the committed manifest (bytes, parsed) and the directory the peer's share
-    goes to; or why it cannot take part: every leader must agree before any byte is sent. Never raises."""
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """A leader ready to take part: its memory tier, the committed manifest (bytes, parsed), the directory
+    the peer's share goes to, and other runs' ring copies it let go to make room."""
+
+    cfg: place.MemoryConfig
+    raw: bytes
+    manifest: mf.Manifest
+    target: Path
+    holder: LocalTier
+    evicted: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Why a leader cannot take part (and other runs' copies it let go trying to make room)."""
+
+    why: str
+    holder: LocalTier | None = None
+    evicted: tuple[str, ...] = ()
+
+
+def _ready(directory: Path, run: str, disks: Disks, prev: int) -> Ready | Refused:
+    """Whether this leader can take part: every leader must agree before any byte is sent. Never raises."""
     try:
         return _prepare(directory, run, disks, prev)
     except Exception as exc:  # told to the other leaders, never raised alone
-        return f"{type(exc).__name__}: {exc}"
+        return Refused(f"{type(exc).__name__}: {exc}")
 
 
-def _prepare(directory: Path, run: str, disks: Disks, prev: int) -> Ready | str:
+def _prepare(directory: Path, run: str, disks: Disks, prev: int) -> Ready | Refused:
     try:
         raw = (directory / mf.MANIFEST_NAME).read_bytes()
         manifest = mf.parse(raw)
     except (OSError, mf.ManifestError) as exc:
-        return f"the committed manifest cannot be read: {exc}"
+        return Refused(f"the committed manifest cannot be read: {exc}")
     cfg = _config()
     if cfg is None:
-        return "a host has no memory tier"
+        return Refused("a host has no memory tier")
     need = sum(e.size for e in share(manifest, disks.of_rank[prev].id))
     try:
+        holder = keeper.mark(cfg)  # the memory tier's directory, this user's alone, never a link
         target = _incoming_dir(cfg, run)
-        held_now = _tier_bytes(cfg.root)  # the keeper's copies and the ring's: one budget
+        # the keeper's copies and the ring's: one budget; ended runs' ring copies make room
+        held_now, gone = ring_room.make_room(cfg.root, run, need=need, budget=cfg.budget_bytes)
     except (OSError, ConfigError) as exc:
-        return f"a host's memory tier cannot take its peer's share: {exc}"
+        return Refused(f"a host's memory tier cannot take its peer's share: {exc}")
+    evicted = tuple(str(g) for g in gone)
     if need + held_now > cfg.budget_bytes:
         shutil.rmtree(target, ignore_errors=True)
-        return (f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold its peer's share ({need} bytes) "
-                f"beside what its memory tier holds ({held_now} bytes)")  # fmt: skip
-    return cfg, raw, manifest, target
+        why = (f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold its peer's share ({need} bytes) "
+               f"beside what its memory tier holds ({held_now} bytes)")  # fmt: skip
+        return Refused(why, holder, evicted)
+    return Ready(cfg, raw, manifest, target, holder, evicted)
 
 
 def _incoming_dir(cfg: place.MemoryConfig, run: str) -> Path:
-    keeper.mark(cfg)  # the memory tier's directory, this user's alone, never a link
-    parent = cfg.root / RING_DIR / mf.safe_relative(run)
+    parent = ring_room.run_dir(cfg.root, run)
     parent.mkdir(parents=True, exist_ok=True)
-    _sweep(parent)
+    ring_room.sweep(parent)
     target = parent / f".incoming-{os.getpid()}"
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir()
@@ -255,32 +303,13 @@ def _commit(target: Path, raw: bytes, step: int) -> Path:
     return final
 
 
-def _copies(run_dir: Path) -> list[Path]:
-    """The run's complete ring copies on this node, newest made first."""
-    found = [d for d in run_dir.glob("step-*-*") if (d / mf.MANIFEST_NAME).is_file()]
-    return sorted(found, key=lambda d: (d / mf.MANIFEST_NAME).stat().st_mtime_ns, reverse=True)
-
-
 def _let_go(kept: Path, *, keep: int) -> None:
     """The run's ring copies but ``kept`` (just made) and the newest ``keep - 1`` others removed (by when they
     were made, not by step: after a roll back the newest copy has a lower step). Transfers a dead process
-    left are ``_sweep``'s."""
-    others = [d for d in _copies(kept.parent) if d != kept]
+    left are ``ring_room.sweep``'s."""
+    others = [d for d in ring_room.copies(kept.parent) if d != kept]
     for d in others[keep - 1 :]:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def _tier_bytes(root: Path) -> int:
-    """What this memory tier holds now: every run's copies, the keeper's and the ring's."""
-    return sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def _sweep(run_dir: Path) -> None:
-    """Transfers left unfinished by a process that is gone."""
-    for d in run_dir.glob(".incoming-*"):
-        pid = d.name.rpartition("-")[2]
-        if pid.isdigit() and not store.pid_alive(int(pid)):
-            shutil.rmtree(d, ignore_errors=True)
 
 
 def held(raw: bytes, manifest: mf.Manifest) -> dict[str, Path]:

@@ -49,6 +49,8 @@ class SendOn:
         self.ring = ring.enabled(disks, background=background)
         # the ring's bytes go over a gloo group of its own (CPU tensors, whatever the job's backend)
         self.ring_group = dist.new_group(backend="gloo") if self.ring else None
+        # while this leader lives, another run's pass never lets this run's ring copies here go
+        self.ring_hold = ring.hold(run) if self.ring and leads else None
 
     def after_commit(
         self, step: int, group: dist.ProcessGroup | None, lead: Catalog | None, checkpoint_id: int | None
@@ -79,7 +81,10 @@ class SendOn:
             self.pusher.submit(share_push.Share(self.run, step, directory, disk, with_common=self.rank == 0))
 
     def close(self) -> None:
-        """Wait (bounded) for a share still on its way to the shared tier."""
+        """Wait (bounded) for a share still on its way to the shared tier; this run's ring copies on this host
+        are another run's to let go from now on, when it needs their room."""
+        if self.ring_hold is not None:
+            self.ring_hold.close()
         if self.pusher is not None and not self.pusher.wait(self.exit_timeout_s):
             log.warning("%s: a share still on its way to the shared tier after %.0f s", self.run,
                         self.exit_timeout_s)  # fmt: skip

@@ -30,6 +30,7 @@ from rewind.infra.format import keyring as kr
 from rewind.infra.format import local_tier
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.verify import partial
+from rewind.infra.memory import ring_room
 from rewind.infra.memory.place import MemoryConfig
 from rewind.infra.tiers import fetch
 from rewind.infra.tiers.filesystem import FileTier
@@ -95,16 +96,20 @@ def keep(
     with _alone(
         cfg.root
     ):  # one copy at a time per memory tier (an agent of an earlier launch may still copy)
+        _room_from_ended_rings(cat, cfg, run, ck.total_bytes or 0)
         rows = held.held_on(cat, copies.MEMORY, here.id)
-        have = [
-            h for h in rows if not h.ring
-        ]  # the peer ring's copies are its own: counted, never let go here
+        have = [h for h in rows if not h.ring]  # the peer ring's copies: counted, let go only as above
         reserved = sum(h.nbytes for h in rows if h.ring)
         if any(h.checkpoint_id == checkpoint_id for h in have):
             return None
         lease = leases.take(cat, checkpoint_id, "memory-tier")
         try:
             evicted = make_room(cat, cfg, have, run, ck, reserved=reserved)
+            left = reserved + sum(h.nbytes for h in have if h.checkpoint_id not in evicted)
+            if left + (ck.total_bytes or 0) > cfg.budget_bytes:  # what holds the rest is not ours to let go
+                log.warning("%s step %d not held in memory: %d bytes of the budget (%d) are held by a restore "
+                            "or another run's ring copies", run, ck.step, left, cfg.budget_bytes)  # fmt: skip
+                return None
             done = fetch.pull(
                 FileTier(str(src.parent)), src.name, str(ck.manifest_digest), cfg.root / run,
                 keyring=keyring if keyring is not None else kr.from_env(), displace=remove,
@@ -140,6 +145,18 @@ def make_room(
         remove(h.uri)
         let_go.append(h.checkpoint_id)
     return tuple(let_go)
+
+
+def _room_from_ended_rings(cat: Catalog, cfg: MemoryConfig, run: str, need: int) -> None:
+    """Ring copies of runs ended on this host let go (oldest made first) while the tier is short of room
+    for ``need`` more bytes; their rows let go too."""
+    try:
+        _, gone = ring_room.make_room(cfg.root, run, need=need, budget=cfg.budget_bytes)
+    except OSError as exc:  # what is held is weighed from the catalog below all the same
+        log.warning("memory tier %s: ended runs' ring copies not weighed: %s", cfg.root, exc)
+        return
+    if gone:
+        ring_room.record_let_go(cat, mark(cfg).host, gone, f"let go from the memory tier: room for {run}")
 
 
 @contextlib.contextmanager
