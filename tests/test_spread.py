@@ -233,8 +233,8 @@ def test_a_lost_hosts_share_comes_from_the_next_hosts_memory_and_no_other_tier(r
 
 
 def test_a_damaged_memory_copy_is_refused_and_the_next_copy_used(ringed: Path) -> None:
-    """A byte of host a's memory copy of b's share flipped: the copy is refused and removed, and b's files
-    come from the shared tier instead; bit-exact."""
+    """A byte of host a's memory copy of b's share flipped: the copy is refused and removed (its catalog row
+    recorded corrupt), and b's files come from the shared tier instead; bit-exact."""
     work = ringed
     ma = mf.read(work / "disks" / "a" / RUN / "step-2")
     b_bytes = sum(_share_of(ma, work, "b").values())
@@ -250,3 +250,7 @@ def test_a_damaged_memory_copy_is_refused_and_the_next_copy_used(ringed: Path) -
     a_got, _ = json.loads((work / "sources.json").read_text())["disks"]
     assert a_got["memory"] == 0 and a_got["remote"] == b_bytes, a_got
     assert not copy.exists()  # refused and removed: never offered again
+    cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
+    (step2,) = lineage.checkpoints(cat, RUN, 2)
+    rows = {(r.host, r.status) for r in lineage.replicas_of(cat, step2.id) if r.tier == "memory"}
+    assert ("host-a", "corrupt") in rows, rows  # no recovery counts on a's memory for b's share again

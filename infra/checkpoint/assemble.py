@@ -7,7 +7,7 @@ as a byte tensor, and every rank lacking it keeps it only once its bytes hash to
 last. A file on no disk at hand (its host is gone) is fetched by rank 0 from another tier's copy of the
 checkpoint (``Remote``: the shared tier's, nearest first), held to its entry, and sent on from there:
 each file comes from the nearest place that has it: this disk, this node's memory (a ring copy of a peer's
-share, ``ring``, hashed again as it is taken), a peer's disk, another tier. When a file is on no disk, in
+share, ``ring_held``, hashed again as it is taken), a peer's disk, another tier. When a file is on no disk, in
 no memory and no other tier gives it, no disk is completed: ``ShareOnly`` on every rank, and the restore
 tries the next copy.
 """
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rewind.infra.checkpoint import ring
+from rewind.infra.checkpoint import ring_held
 from rewind.infra.checkpoint.spread import Disks
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import store
@@ -47,6 +47,8 @@ class Sources:
     peer_bytes: int
     remote_bytes: int = 0
     memory_bytes: int = 0
+    refused: tuple[str, ...] = ()  # ring copies this node's memory refused (a file did not prove)
+    memory_tier: str = ""  # the id of this node's memory tier holding them
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -152,7 +154,8 @@ def complete(
     fresh = leads and not held
     target = store.temp_dir(directory.parent, manifest.step) if fresh else directory
     # a file this node's memory holds is taken before the others hear what this disk has
-    taken = _take(target, manifest, ring.held(raw, manifest), held or set()) if leads else {}
+    memory = ring_held.held(raw, manifest) if leads else ring_held.Found()
+    taken = _take(target, manifest, memory.files, held or set()) if leads else {}
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, None if held is None else (held | set(taken)))
     have = {r: h for r, h in enumerate(every) if h is not None}
@@ -179,7 +182,8 @@ def complete(
         store.commit(target, manifest, raw)
     local = sum(e.size for e in manifest.files if e.path in (held or ()))
     report: list[Any] = [None] * dist.get_world_size()
-    mine = Sources(disks.of_rank[rank].host, local, got, fetched, from_memory) if leads else None
+    host = disks.of_rank[rank].host
+    mine = Sources(host, local, got, fetched, from_memory, memory.refused, memory.tier_id) if leads else None
     dist.all_gather_object(report, mine)
     return directory, [s for s in report if s is not None] if rank == 0 else []
 

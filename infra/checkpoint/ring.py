@@ -40,7 +40,7 @@ from rewind.infra.checkpoint import ring_wire
 from rewind.infra.checkpoint.spread import Disks
 from rewind.infra.errors import ConfigError
 from rewind.infra.format import manifest as mf
-from rewind.infra.format.digest import hash_file, manifest_digest
+from rewind.infra.format.digest import manifest_digest
 from rewind.infra.format.local_tier import LocalTier
 from rewind.infra.memory import keeper, place, ring_room
 
@@ -310,44 +310,3 @@ def _let_go(kept: Path, *, keep: int) -> None:
     others = [d for d in ring_room.copies(kept.parent) if d != kept]
     for d in others[keep - 1 :]:
         shutil.rmtree(d, ignore_errors=True)
-
-
-def held(raw: bytes, manifest: mf.Manifest) -> dict[str, Path]:
-    """The checkpoint's files (manifest ``raw``) this node's memory tier holds in a ring copy, each hashed
-    against its entry: path -> file. A ring copy with a file that does not prove is refused and removed.
-    Never raises: a memory tier that cannot be read holds nothing."""
-    cfg = _config()
-    if cfg is None:
-        return {}
-    found: dict[str, Path] = {}
-    try:
-        if not on():
-            return {}
-        keeper.mark(cfg)  # this user's own directory, not a link: never read through another's
-        for m in (cfg.root / RING_DIR).glob(f"*/step-*-*/{mf.MANIFEST_NAME}"):
-            if m.read_bytes() == raw:
-                found.update(_proven(m.parent, manifest))
-    except (OSError, ConfigError) as exc:
-        log.warning("the memory tier's ring copies not read: %s", exc)
-        return {}
-    return found
-
-
-def _proven(copy: Path, manifest: mf.Manifest) -> dict[str, Path]:
-    got: dict[str, Path] = {}
-    for e in manifest.files:
-        path = copy / mf.safe_relative(e.path)
-        if not path.is_file():
-            continue
-        try:
-            digest = hash_file(path, with_crc=False)
-        except OSError:
-            digest = None
-        if digest is None or (digest.size, digest.xxh3) != (e.size, e.xxh3):
-            log.warning(
-                "ring copy %s: %s differs from the manifest's entry: refused and removed", copy, e.path
-            )
-            shutil.rmtree(copy, ignore_errors=True)
-            return {}
-        got[e.path] = path
-    return got

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from rewind.infra.catalog import leases, lineage
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.checkpoint import assemble, remotes, spread
+from rewind.infra.checkpoint import assemble, remotes, ring_held, spread
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.engine import SaveMode
@@ -312,7 +312,12 @@ class ShardedCheckpointer:
             remote = remotes.files_of(p, manifest, raw)  # before the broadcast: rank 0 never fails alone
             self._remote = remote
             dist.broadcast_object_list([("try", str(directory), (manifest, raw))], src=0)
-            return self._attempt(directory, manifest, raw, state, remote)
+            self.sources = []
+            try:
+                return self._attempt(directory, manifest, raw, state, remote)
+            finally:  # ring copies a node's memory refused: no recovery counts on them again
+                for s in self.sources:
+                    ring_held.record_refused(cat, s.memory_tier, s.refused)
 
         if self._lead is None:
             raise ConfigError("only rank 0 leads a restore")
