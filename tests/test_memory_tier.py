@@ -161,38 +161,46 @@ def test_a_memory_tier_path_that_is_a_link_is_never_written_through(
 def test_an_ended_runs_ring_copy_makes_room_for_the_memory_agent_a_live_runs_never(
     rewind_env, run_name, tmp_path, memory_root, monkeypatch
 ):  # type: ignore[no-untyped-def]
-    """A multi-host run left its peer-ring copy in this node's memory; a job here now needs the room. While
-    that run's leader lives here (it holds the run's lock) the copy stays; once it ended, the agent's copy
-    lets it go and its catalog row is recorded let go. The budget holds throughout."""
+    """A multi-host run left its peer-ring copy in this node's memory; another run's copy there is leased (a
+    restore reads it); this run's step 1 is held. Step 2 does not fit while the ring's run lives here (it
+    holds the run's lock): nothing is let go for it, step 1 stays. Once that run ended, step 2's copy lets
+    the ring copy and step 1 go, their rows recorded let go. The budget holds throughout."""
+    from rewind.infra.catalog import leases
     from rewind.infra.checkpoint import ring
     from rewind.infra.memory import ring_room
 
     cat = Catalog()
     cfg = place.config()
     assert cfg is not None
-    _m, other = _job(f"{run_name}-multihost", cat, tmp_path / "other")
-    other_id = _saved(other, 1)
+    ids = {}
+    for name in ("multihost", "leased"):
+        _m, other = _job(f"{run_name}-{name}", cat, tmp_path / name)
+        ids[name] = _saved(other, 1)
     _model, ck = _job(run_name, cat, tmp_path / "ckpt")
-    saved = _saved(ck, 1)
-    size = lineage.get_checkpoint(cat, saved).total_bytes or 0
+    step1, step2 = _saved(ck, 1), _saved(ck, 2)
+    assert keeper.keep(cat, ids["leased"], cfg) is not None and keeper.keep(cat, step1, cfg) is not None
+    size = lineage.get_checkpoint(cat, step1).total_bytes or 0
     ring_copy = ring_room.run_dir(memory_root, f"{run_name}-multihost") / "step-1-0123456789abcdef"
     ring_copy.mkdir(parents=True)
     (ring_copy / "__2_0.distcp").write_bytes(os.urandom(size))
     (ring_copy / "manifest.json").write_bytes(b"")
-    ring.register(
-        cat, other_id, f"{run_name}-multihost", [ring.Passed(0, size, ring_copy, keeper.mark(cfg), "h2")]
-    )
-    monkeypatch.setenv(place.BUDGET_ENV, str(int(size * 1.5)))  # room for one of the two
+    passed = ring.Passed(0, size, ring_copy, keeper.mark(cfg), "h2")
+    ring.register(cat, ids["multihost"], f"{run_name}-multihost", [passed])
+    monkeypatch.setenv(place.BUDGET_ENV, str(int(size * 2.5)))  # the ring's, the leased and one more
     small = place.config()
     assert small is not None
+    lease = leases.take(cat, ids["leased"], "a restore reading it")
 
     live = ring_room.Live(ring_copy.parent)  # its leader lives on this host
     try:
-        assert keeper.keep(cat, saved, small) is None  # no room beside it: not held, the budget kept
+        assert keeper.keep(cat, step2, small) is None  # no room beside what may not go: not held
         assert ring_copy.is_dir()  # never let go for another run's room while its run lives here
+        assert [r.status for r in _memory_copies(cat, run_name)[1]] == [R.VERIFIED.value]  # nothing let go
     finally:
         live.close()
-    assert keeper.keep(cat, saved, small) is not None
+    kept = keeper.keep(cat, step2, small)
+    assert kept is not None and kept.evicted == (step1,)
     assert not ring_copy.exists() and ring_room.tier_bytes(memory_root) <= small.budget_bytes
     [row] = _memory_copies(cat, f"{run_name}-multihost")[1]
     assert row.status == R.DELETED.value and "room for" in (row.detail or ""), row
+    leases.release(cat, lease)

@@ -136,10 +136,14 @@ def _ring_copy(root: Path, run: str, step: int, nbytes: int, made: float) -> Pat
     return d
 
 
-def test_a_pass_lets_go_of_ended_runs_ring_copies_oldest_first_never_a_live_runs(tmp_path: Path) -> None:
-    """Runs 'old' and 'older' ended on this host; 'live' has a leader alive (another process holding its
-    lock). Room for 150 bytes in a 400-byte budget holding 400: the oldest ended copies go, only as many as
-    needed; the live run's never, even when that leaves too little room; once its leader dies, it goes."""
+def test_a_pass_lets_go_of_ended_runs_ring_copies_closed_first_then_oldest_never_a_live_runs(
+    tmp_path: Path,
+) -> None:
+    """Runs 'closed' (its leader closed: '.closed') and 'failed' (its leader died) ended on this host; 'live'
+    has a leader alive (another process holding its lock). A shortfall of 150 bytes: the closed run's copy
+    goes before the failed run's older ones, then the failed run's oldest; only as many as cover it. A
+    shortfall the ended runs' copies cannot cover lets nothing go; the live run's never goes, until its
+    leader dies."""
     import subprocess
     import sys
 
@@ -147,9 +151,10 @@ def test_a_pass_lets_go_of_ended_runs_ring_copies_oldest_first_never_a_live_runs
 
     now = time.time()
     live = _ring_copy(tmp_path, "live", 1, 100, now - 400)  # the oldest of all, but its run lives
-    oldest = _ring_copy(tmp_path, "older", 1, 100, now - 300)
-    middle = _ring_copy(tmp_path, "old", 2, 100, now - 200)
-    newest = _ring_copy(tmp_path, "old", 3, 100, now - 100)
+    older = _ring_copy(tmp_path, "failed", 1, 100, now - 300)
+    newer = _ring_copy(tmp_path, "failed", 2, 100, now - 200)
+    closed = _ring_copy(tmp_path, "closed", 3, 100, now - 100)
+    (closed.parent / ring_room.CLOSED).touch()
     code = "import sys; from pathlib import Path; from rewind.infra.memory import ring_room as r; " \
         "h = r.Live(Path(sys.argv[1])); print('held', flush=True); sys.stdin.read()"  # fmt: skip
     leader = subprocess.Popen(
@@ -160,15 +165,43 @@ def test_a_pass_lets_go_of_ended_runs_ring_copies_oldest_first_never_a_live_runs
     )
     try:
         assert leader.stdout is not None and leader.stdout.readline().strip() == "held"
-        held, gone = ring_room.make_room(tmp_path, "new", need=150, budget=400)
-        assert gone == (oldest, middle) and held == 200 and newest.exists() and live.exists()
-        held, gone = ring_room.make_room(tmp_path, "new", need=350, budget=400)
-        assert gone == (newest,) and held == 100 and live.exists()  # still no room: the caller refuses
+        too_much = ring_room.choose(tmp_path, "new", 301)  # the ended runs hold 300: nothing goes
+        assert too_much.victims == [] and too_much.nbytes == 0
+        chosen = ring_room.choose(tmp_path, "new", 150)
+        assert chosen.victims == [closed, older] and chosen.nbytes == 200
+        assert chosen.commit() == (str(closed), str(older))
+        assert not closed.exists() and not older.exists() and newer.exists() and live.exists()
     finally:
         leader.kill()
         leader.wait(timeout=30)
-    held, gone = ring_room.make_room(tmp_path, "new", need=350, budget=400)
-    assert gone == (live,) and held == 0
+    chosen = ring_room.choose(tmp_path, "new", 200)  # its leader is gone: the live run has ended too
+    assert chosen.victims == [live, newer]
+    chosen.release()
+    assert live.exists()  # released, not committed: nothing let go
+
+
+def test_a_leader_starting_while_another_run_chooses_waits_for_it_and_then_holds(tmp_path: Path) -> None:
+    """While an eviction holds an ended run's lock, that run's relaunched leader cannot take its hold; once
+    the eviction is released it does, and the run's copies can no longer be chosen."""
+    from rewind.infra.memory import ring_room
+
+    copy = _ring_copy(tmp_path, "run", 1, 100, time.time())
+    chosen = ring_room.choose(tmp_path, "other", 50)
+    assert chosen.victims == [copy]
+    held_off = ring_room.HOLD_WAIT_S
+    ring_room.HOLD_WAIT_S = 0.2
+    try:
+        with pytest.raises(OSError, match="held by another process"):
+            ring_room.Live(copy.parent)
+    finally:
+        ring_room.HOLD_WAIT_S = held_off
+    chosen.release()
+    live = ring_room.Live(copy.parent)
+    try:
+        assert ring_room.choose(tmp_path, "other", 50).victims == []
+    finally:
+        live.close()
+    assert (copy.parent / ring_room.CLOSED).exists()  # closed here: its copies are the first to go
 
 
 def test_ring_copies_let_go_for_another_runs_room_are_let_go_in_the_catalog(

@@ -232,9 +232,11 @@ def test_a_lost_hosts_share_comes_from_the_next_hosts_memory_and_no_other_tier(r
     assert c_got == {**c_got, "local": 0, "memory": 0, "peer": ma.total_bytes, "remote": 0}, c_got
 
 
-def test_a_damaged_memory_copy_is_refused_and_the_next_copy_used(ringed: Path) -> None:
+@pytest.mark.parametrize("shared_left", [True, False], ids=["shared-tier-left", "no-other-copy"])
+def test_a_damaged_memory_copy_is_refused_and_the_next_copy_used(ringed: Path, shared_left: bool) -> None:
     """A byte of host a's memory copy of b's share flipped: the copy is refused and removed (its catalog row
-    recorded corrupt), and b's files come from the shared tier instead; bit-exact."""
+    recorded corrupt), and b's files come from the shared tier instead; bit-exact. With the shared tier
+    gone too the restore fails, and the row is recorded corrupt all the same (no recovery counts on it)."""
     work = ringed
     ma = mf.read(work / "disks" / "a" / RUN / "step-2")
     b_bytes = sum(_share_of(ma, work, "b").values())
@@ -245,10 +247,13 @@ def test_a_damaged_memory_copy_is_refused_and_the_next_copy_used(ringed: Path) -
     victim.write_bytes(bytes(data))
     shutil.rmtree(work / "disks" / "b")
     shutil.rmtree(work / "memory" / "b")
-    _job("load", work, "a,a,c,c", ring=True)
-    assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
-    a_got, _ = json.loads((work / "sources.json").read_text())["disks"]
-    assert a_got["memory"] == 0 and a_got["remote"] == b_bytes, a_got
+    if not shared_left:
+        shutil.rmtree(work / "shared")
+    _job("load", work, "a,a,c,c", ring=True, ok=shared_left)
+    if shared_left:
+        assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
+        a_got, _ = json.loads((work / "sources.json").read_text())["disks"]
+        assert a_got["memory"] == 0 and a_got["remote"] == b_bytes, a_got
     assert not copy.exists()  # refused and removed: never offered again
     cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
     (step2,) = lineage.checkpoints(cat, RUN, 2)

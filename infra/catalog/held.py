@@ -12,6 +12,8 @@ from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint, Replica, Run
 from rewind.infra.catalog.models import ReplicaStatus as R
 
+GONE = (R.DELETED.value, R.CORRUPT.value)  # a copy let go, or refused and removed: it holds no bytes
+
 
 @dataclass(frozen=True, slots=True)
 class Held:
@@ -34,7 +36,7 @@ def _query(cat: Catalog, *where: Any, order: tuple[Any, ...]) -> list[Held]:
             )
             .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
             .join(Run, Run.id == Checkpoint.run_id)
-            .where(Replica.status != R.DELETED.value, *where)
+            .where(Replica.status.not_in(GONE), *where)
             .order_by(*order)
         ).all()  # fmt: skip
     return [_held(r) for r in rows]

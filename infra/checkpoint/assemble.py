@@ -47,8 +47,6 @@ class Sources:
     peer_bytes: int
     remote_bytes: int = 0
     memory_bytes: int = 0
-    refused: tuple[str, ...] = ()  # ring copies this node's memory refused (a file did not prove)
-    memory_tier: str = ""  # the id of this node's memory tier holding them
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -137,14 +135,24 @@ def _send(path: Path | None, entry: mf.FileEntry, src: int) -> tuple[torch.Tenso
     return data, error
 
 
+Refused = Callable[[str, tuple[str, ...]], None]
+
+
 def complete(
-    directory: Path, raw: bytes, manifest: mf.Manifest, disks: Disks, remote: Remote | None = None
+    directory: Path,
+    raw: bytes,
+    manifest: mf.Manifest,
+    disks: Disks,
+    remote: Remote | None = None,
+    *,
+    refused: Refused | None = None,
 ) -> tuple[Path, list[Sources]]:
     """Collective: this rank's disk's copy of the checkpoint whose manifest bytes are ``raw``, completed;
     (the directory to load from, each disk's sources, by leader; on rank 0 only, else empty).
 
     ``directory``: this rank's copy (rank 0: the one its restore plan chose; the others: their root's).
-    ``remote`` (rank 0): fetches a file no disk at hand holds. A file sent that is not the manifest's (or
+    ``remote`` (rank 0): fetches a file no disk at hand holds. ``refused`` (rank 0): told of each memory tier's
+    ring copies refused (memory tier id, their directories), before anything else can fail. A file sent that is not the manifest's (or
     not readable by its sender) fails the restore on every rank, judging no copy: ``OSError``."""
     rank = dist.get_rank()
     leads = disks.leads(rank)
@@ -157,8 +165,11 @@ def complete(
     memory = ring_held.held(raw, manifest) if leads else ring_held.Found()
     taken = _take(target, manifest, memory.files, held or set()) if leads else {}
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, None if held is None else (held | set(taken)))
-    have = {r: h for r, h in enumerate(every) if h is not None}
+    dist.all_gather_object(
+        every, (None if held is None else (held | set(taken)), memory.tier_id, memory.refused)
+    )
+    _tell_refused(every, refused)
+    have = {r: h for r, (h, _, _) in enumerate(every) if h is not None}
     from_memory, errors = sum(taken.values()), []
     lost = [e for e in manifest.files if not any(e.path in h for h in have.values())]
     fetched = _fetch_lost(target, lost, remote if rank == 0 else None, fresh, manifest.step)
@@ -182,10 +193,20 @@ def complete(
         store.commit(target, manifest, raw)
     local = sum(e.size for e in manifest.files if e.path in (held or ()))
     report: list[Any] = [None] * dist.get_world_size()
-    host = disks.of_rank[rank].host
-    mine = Sources(host, local, got, fetched, from_memory, memory.refused, memory.tier_id) if leads else None
+    mine = Sources(disks.of_rank[rank].host, local, got, fetched, from_memory) if leads else None
     dist.all_gather_object(report, mine)
     return directory, [s for s in report if s is not None] if rank == 0 else []
+
+
+def _tell_refused(every: list[Any], refused: Refused | None) -> None:
+    if refused is None:
+        return
+    for _, tier_id, copies in every:
+        if copies:
+            try:
+                refused(tier_id, copies)
+            except Exception as exc:  # the restore goes on: the copies are gone, the rows say so later
+                log.warning("ring copies refused in memory tier %s not recorded: %s", tier_id, exc)
 
 
 def _take(target: Path, manifest: mf.Manifest, memory: dict[str, Path], held: set[str]) -> dict[str, int]:

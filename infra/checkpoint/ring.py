@@ -142,17 +142,24 @@ def pass_on(directory: Path, run: str, disks: Disks, group: dist.ProcessGroup | 
     why = ready.why if isinstance(ready, Refused) else ""
     digest = manifest_digest(ready.raw) if isinstance(ready, Ready) else None
     every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (why, digest), group=group)
+    try:
+        dist.all_gather_object(every, (why, digest), group=group)
+    except BaseException:  # a peer gone: the ended runs' locks let go, nothing of theirs
+        if isinstance(ready, Ready):
+            ready.eviction.release()
+        raise
     whys = [w for w, _ in every if w]
     if len({d for _, d in every if d}) > 1:  # every disk's copy must be this checkpoint's: else sizes differ
         whys.append("the disks' copies hold different checkpoints")
     if whys or not isinstance(ready, Ready):
         if ready is not None:
             log.warning("%s not passed round the peer ring: %s", directory, whys[0])
-        if isinstance(ready, Ready):
+        if isinstance(ready, Ready):  # nothing let go, nothing half made
+            ready.eviction.release()
             shutil.rmtree(ready.target, ignore_errors=True)
-        return Passed(0, 0, None, ready.holder, evicted=ready.evicted) if ready and ready.evicted else None
-    return _exchange(directory, run, disks, ready, (prev, nxt), group)
+        return None
+    evicted = ready.eviction.commit()  # every leader agreed: the room is made now
+    return _exchange(directory, run, disks, ready, (prev, nxt), group, evicted)
 
 
 def _exchange(
@@ -162,6 +169,7 @@ def _exchange(
     ready: Ready,
     peers: tuple[int, int],
     group: dist.ProcessGroup | None,
+    evicted: tuple[str, ...],
 ) -> Passed:
     prev = peers[0]
     incoming = share(ready.manifest, disks.of_rank[prev].id)
@@ -174,15 +182,13 @@ def _exchange(
         kept = _commit(ready.target, ready.raw, ready.manifest.step)
     except Exception as exc:  # a peer gone mid-way raises here too: nothing half made is left
         shutil.rmtree(ready.target, ignore_errors=True)
-        if not isinstance(exc, OSError):
-            raise
         log.warning("%s step %d: the peer's share not kept in memory: %s", run, ready.manifest.step, exc)
-        return Passed(sent, 0, None, ready.holder, evicted=ready.evicted)
+        return Passed(sent, 0, None, ready.holder, evicted=evicted)
     try:
         _let_go(kept, keep=ready.cfg.keep)
     except OSError as exc:  # the new copy is whole: older ones go at the next pass
         log.warning("%s: older ring copies not let go: %s", run, exc)
-    return Passed(sent, received, kept, ready.holder, disks.of_rank[prev].host, ready.evicted)
+    return Passed(sent, received, kept, ready.holder, disks.of_rank[prev].host, evicted)
 
 
 def gathered(mine: Passed | None, group: dist.ProcessGroup | None = None) -> list[Passed]:
@@ -200,7 +206,7 @@ def register(cat: Catalog, checkpoint_id: int, run: str, passed: list[Passed]) -
     for p in passed:
         if p.holder is None:
             continue
-        ring_room.record_let_go(cat, p.holder.host, p.evicted, f"let go from the peer ring: room for {run}")
+        ring_room.record_let_go(cat, p.holder.id, p.evicted, f"let go from the peer ring: room for {run}")
         if p.directory is None:
             continue
         copies.add(cat, checkpoint_id, MEMORY, str(p.directory), key=f"{RING_KEY}{p.source_host}",
@@ -216,16 +222,26 @@ def register(cat: Catalog, checkpoint_id: int, run: str, passed: list[Passed]) -
 
 def hold(run: str) -> ring_room.Live | None:
     """This leader's hold on ``run``'s ring copies on this host while it lives: another run's pass never
-    lets them go to make room. None when there is no memory tier to hold (never raises)."""
+    lets them go to make room. None when there is no memory tier to hold, or the ring is off (never raises)."""
     cfg = _config()
     if cfg is None:
         return None
     try:
+        if not on():
+            return None
         keeper.mark(cfg)  # this user's own directory, never a link
         return ring_room.Live(ring_room.run_dir(cfg.root, run))
     except Exception as exc:
         log.warning("%s: the ring copies on this host not held: %s", run, exc)
         return None
+
+
+def renew(live: ring_room.Live) -> None:
+    """The hold taken again if the lock file held is no longer the one there (never raises)."""
+    try:
+        live.renew()
+    except OSError as exc:
+        log.warning("the ring copies on this host not held: %s", exc)
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,16 +254,14 @@ class Ready:
     manifest: mf.Manifest
     target: Path
     holder: LocalTier
-    evicted: tuple[str, ...] = ()
+    eviction: ring_room.Eviction  # other runs' ring copies to let go for the room, once every leader agreed
 
 
 @dataclass(frozen=True, slots=True)
 class Refused:
-    """Why a leader cannot take part (and other runs' copies it let go trying to make room)."""
+    """Why a leader cannot take part."""
 
     why: str
-    holder: LocalTier | None = None
-    evicted: tuple[str, ...] = ()
 
 
 def _ready(directory: Path, run: str, disks: Disks, prev: int) -> Ready | Refused:
@@ -271,17 +285,16 @@ def _prepare(directory: Path, run: str, disks: Disks, prev: int) -> Ready | Refu
     try:
         holder = keeper.mark(cfg)  # the memory tier's directory, this user's alone, never a link
         target = _incoming_dir(cfg, run)
-        # the keeper's copies and the ring's: one budget; ended runs' ring copies make room
-        held_now, gone = ring_room.make_room(cfg.root, run, need=need, budget=cfg.budget_bytes)
+        held_now = ring_room.tier_bytes(cfg.root)  # the keeper's copies and the ring's: one budget
     except (OSError, ConfigError) as exc:
         return Refused(f"a host's memory tier cannot take its peer's share: {exc}")
-    evicted = tuple(str(g) for g in gone)
-    if need + held_now > cfg.budget_bytes:
+    eviction = ring_room.choose(cfg.root, run, need + held_now - cfg.budget_bytes)  # never raises
+    if need + held_now - eviction.nbytes > cfg.budget_bytes:
         shutil.rmtree(target, ignore_errors=True)
-        why = (f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold its peer's share ({need} bytes) "
-               f"beside what its memory tier holds ({held_now} bytes)")  # fmt: skip
-        return Refused(why, holder, evicted)
-    return Ready(cfg, raw, manifest, target, holder, evicted)
+        return Refused(f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold its peer's share "
+                       f"({need} bytes) beside what its memory tier holds ({held_now} bytes; ended runs' "
+                       "ring copies would not make the room)")  # fmt: skip
+    return Ready(cfg, raw, manifest, target, holder, eviction)
 
 
 def _incoming_dir(cfg: place.MemoryConfig, run: str) -> Path:

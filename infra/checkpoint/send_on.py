@@ -49,8 +49,9 @@ class SendOn:
         self.ring = ring.enabled(disks, background=background)
         # the ring's bytes go over a gloo group of its own (CPU tensors, whatever the job's backend)
         self.ring_group = dist.new_group(backend="gloo") if self.ring else None
-        # while this leader lives, another run's pass never lets this run's ring copies here go
-        self.ring_hold = ring.hold(run) if self.ring and leads else None
+        # while this leader lives, another run's pass never lets this run's ring copies here go (held
+        # whenever they may be read: a restore reads them even when this launch passes none)
+        self.ring_hold = ring.hold(run) if disks.spread and leads else None
 
     def after_commit(
         self, step: int, group: dist.ProcessGroup | None, lead: Catalog | None, checkpoint_id: int | None
@@ -59,6 +60,8 @@ class SendOn:
         self._pushed(step, group)
         if not self.ring:
             return
+        if self.ring_hold is not None:
+            ring.renew(self.ring_hold)
         mine = None
         try:
             mine = ring.pass_on(store.step_dir(self.run_dir, step), self.run, self.disks, self.ring_group)

@@ -286,7 +286,10 @@ class ShardedCheckpointer:
             if self.disks.spread:
                 own = self.disks.leader(self.rank) == self.disks.leader(0)
                 here = directory if own else store.step_dir(self.run_dir, manifest.step)
-                directory, self.sources = assemble.complete(here, raw, manifest, self.disks, remote)
+                refused = self._lead_refused if self._lead is not None else None
+                directory, self.sources = assemble.complete(
+                    here, raw, manifest, self.disks, remote, refused=refused
+                )
             mine = load(directory, manifest, state() if callable(state) else state)
         except Exception as exc:  # every rank must reach the gather below, whatever went wrong
             error = exc
@@ -296,6 +299,11 @@ class ShardedCheckpointer:
         if failed and self.rank == 0:
             raise unwrap(directory, CheckpointFailures(failed))
         return mine if not failed else None
+
+    def _lead_refused(self, tier_id: str, copies: tuple[str, ...]) -> None:
+        """Ring copies a node's memory refused at this restore: no recovery counts on them again."""
+        if self._lead is not None:
+            ring_held.record_refused(self._lead[0], tier_id, copies)
 
     def _lead_restore(
         self, state: StateTree, target: restore_plan.RestoreTarget | None
@@ -312,12 +320,7 @@ class ShardedCheckpointer:
             remote = remotes.files_of(p, manifest, raw)  # before the broadcast: rank 0 never fails alone
             self._remote = remote
             dist.broadcast_object_list([("try", str(directory), (manifest, raw))], src=0)
-            self.sources = []
-            try:
-                return self._attempt(directory, manifest, raw, state, remote)
-            finally:  # ring copies a node's memory refused: no recovery counts on them again
-                for s in self.sources:
-                    ring_held.record_refused(cat, s.memory_tier, s.refused)
+            return self._attempt(directory, manifest, raw, state, remote)
 
         if self._lead is None:
             raise ConfigError("only rank 0 leads a restore")

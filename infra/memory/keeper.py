@@ -96,20 +96,19 @@ def keep(
     with _alone(
         cfg.root
     ):  # one copy at a time per memory tier (an agent of an earlier launch may still copy)
-        _room_from_ended_rings(cat, cfg, run, ck.total_bytes or 0)
         rows = held.held_on(cat, copies.MEMORY, here.id)
-        have = [h for h in rows if not h.ring]  # the peer ring's copies: counted, let go only as above
-        reserved = sum(h.nbytes for h in rows if h.ring)
+        have = [
+            h for h in rows if not h.ring
+        ]  # the peer ring's copies: counted, let go only by ``ring_room``
         if any(h.checkpoint_id == checkpoint_id for h in have):
             return None
         lease = leases.take(cat, checkpoint_id, "memory-tier")
+        room = None
         try:
-            evicted = make_room(cat, cfg, have, run, ck, reserved=reserved)
-            left = reserved + sum(h.nbytes for h in have if h.checkpoint_id not in evicted)
-            if left + (ck.total_bytes or 0) > cfg.budget_bytes:  # what holds the rest is not ours to let go
-                log.warning("%s step %d not held in memory: %d bytes of the budget (%d) are held by a restore "
-                            "or another run's ring copies", run, ck.step, left, cfg.budget_bytes)  # fmt: skip
+            room = _room(cat, cfg, have, run, ck, reserved=sum(h.nbytes for h in rows if h.ring))
+            if room is None:
                 return None
+            evicted = _let_go(cat, cfg, room, run)
             done = fetch.pull(
                 FileTier(str(src.parent)), src.name, str(ck.manifest_digest), cfg.root / run,
                 keyring=keyring if keyring is not None else kr.from_env(), displace=remove,
@@ -117,46 +116,55 @@ def keep(
             copies.add(cat, checkpoint_id, copies.MEMORY, str(done.path), key=None,
                        nbytes=done.manifest.total_bytes, status=R.VERIFIED)  # fmt: skip
         finally:
+            if room is not None:
+                room.rings.release()  # let go of the ended runs' locks, whatever happened
             leases.release(cat, lease)
     seconds = time.perf_counter() - started
     return Kept(checkpoint_id, ck.step, done.path, done.manifest.total_bytes, seconds, evicted)
 
 
-def make_room(
-    cat: Catalog, cfg: MemoryConfig, have: list[held.Held], run: str, ck: Checkpoint, *, reserved: int = 0
-) -> tuple[int, ...]:
-    """Let go of what must go for ``ck`` to fit: the run's older copies past ``keep - 1``, then the oldest
-    past the budget. A leased copy (a restore reading it) stays. ``reserved``: bytes held in the tier that
-    are not ``have``'s to let go (the peer ring's)."""
-    going: list[held.Held] = []
-    mine = [h for h in have if h.run == run and h.step < ck.step]
-    going += mine[: max(0, len(mine) - (cfg.keep - 1))]
+@dataclass
+class Room:
+    """What goes for a copy to fit: the keeper's own copies and ended runs' ring copies (locks held)."""
+
+    going: list[held.Held]
+    rings: ring_room.Eviction
+
+
+def _room(
+    cat: Catalog, cfg: MemoryConfig, have: list[held.Held], run: str, ck: Checkpoint, *, reserved: int
+) -> Room | None:
+    """What must go for ``ck`` to fit, decided before anything goes: the run's older copies past
+    ``keep - 1``, then the oldest past the budget, then ended runs' ring copies; None (nothing let go) when
+    it cannot fit beside what may not go (copies a restore holds, live runs' ring copies)."""
+    leased = {h.checkpoint_id for h in have if leases.leased(cat, h.checkpoint_id)}
+    free = [h for h in have if h.checkpoint_id not in leased]
+    need = ck.total_bytes or 0
+    mine = [h for h in free if h.run == run and h.step < ck.step]
+    going = mine[: max(0, len(mine) - (cfg.keep - 1))]
     used = reserved + sum(h.nbytes for h in have if h not in going)
-    for h in sorted((h for h in have if h not in going), key=lambda h: (h.step, h.replica_id)):
-        if used + (ck.total_bytes or 0) <= cfg.budget_bytes:
+    for h in sorted((h for h in free if h not in going), key=lambda h: (h.step, h.replica_id)):
+        if used + need <= cfg.budget_bytes:
             break
         going.append(h)
         used -= h.nbytes
-    let_go = []
-    for h in going:
-        if leases.leased(cat, h.checkpoint_id):
-            continue
-        copies.record(cat, h.replica_id, R.DELETED, "let go from the memory tier")  # the catalog first
+    rings = ring_room.choose(cfg.root, run, used + need - cfg.budget_bytes)
+    if used - rings.nbytes + need > cfg.budget_bytes:
+        rings.release()
+        log.warning("%s step %d not held in memory: %d bytes of the budget (%d) are held by a restore or "
+                    "live runs' ring copies", run, ck.step, used, cfg.budget_bytes)  # fmt: skip
+        return None
+    return Room(going, rings)
+
+
+def _let_go(cat: Catalog, cfg: MemoryConfig, room: Room, run: str) -> tuple[int, ...]:
+    """The room made: the catalog first, then the bytes; the keeper's checkpoint ids let go."""
+    for h in room.going:
+        copies.record(cat, h.replica_id, R.DELETED, "let go from the memory tier")
         remove(h.uri)
-        let_go.append(h.checkpoint_id)
-    return tuple(let_go)
-
-
-def _room_from_ended_rings(cat: Catalog, cfg: MemoryConfig, run: str, need: int) -> None:
-    """Ring copies of runs ended on this host let go (oldest made first) while the tier is short of room
-    for ``need`` more bytes; their rows let go too."""
-    try:
-        _, gone = ring_room.make_room(cfg.root, run, need=need, budget=cfg.budget_bytes)
-    except OSError as exc:  # what is held is weighed from the catalog below all the same
-        log.warning("memory tier %s: ended runs' ring copies not weighed: %s", cfg.root, exc)
-        return
-    if gone:
-        ring_room.record_let_go(cat, mark(cfg).host, gone, f"let go from the memory tier: room for {run}")
+    gone = room.rings.commit()
+    ring_room.record_let_go(cat, mark(cfg).id, gone, f"let go from the memory tier: room for {run}")
+    return tuple(h.checkpoint_id for h in room.going)
 
 
 @contextlib.contextmanager

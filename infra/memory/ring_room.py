@@ -2,10 +2,12 @@
 
 Ring copies live on the memory filesystem, not in a process: they outlive the run that made them. While a
 run's leader lives on a host it holds its run's lock there (``Live``: a shared ``flock`` on
-``.ring/<run>/.live``, released by the kernel when the process ends however it ends). When a pass needs
-room its budget does not have, other runs' ring copies whose lock no process holds (their run ended on
-this host: it finished, or it failed and has not come back) are let go, oldest made first, until the
-incoming share fits; a live run's copies are never let go by another run.
+``.ring/<run>/.live``, let go by the kernel when the process ends however it ends). When a pass needs
+room its budget does not have, other runs' ring copies whose lock nothing holds (their run ended on this
+host) may be let go: those of runs that closed first (``.closed``, written at a clean close), then those
+of runs that failed (a relaunch may still want them), oldest made first within each, only as many as
+cover the shortfall, and none at all when all of them would not cover it. Choosing (``choose``) holds
+the chosen runs' locks until the copies are let go (``Eviction.commit``) or kept (``release``).
 """
 
 from __future__ import annotations
@@ -15,12 +17,13 @@ import fcntl
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rewind.infra.catalog import copies as catalog_copies
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.catalog.held import ring_held_by
+from rewind.infra.catalog.held import held_on
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import store
@@ -28,27 +31,69 @@ from rewind.infra.format import store
 log = logging.getLogger("rewind.ring")
 RING_DIR = ".ring"  # no run is named with a leading dot: never a run's memory copy
 LIVE = ".live"
+CLOSED = ".closed"
+HOLD_WAIT_S = 10.0  # a leader starting while another run lets copies go waits at most this long
+_FLAGS = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+_EVICTING: set[int] = set()  # lock fds an eviction holds: a child forked meanwhile must not keep them
+
+
+def _close_in_child() -> None:
+    for fd in list(_EVICTING):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _EVICTING.clear()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class Live:
     """A leader's hold on its run's ring copies on this host, for as long as it lives (or until ``close``)."""
 
     def __init__(self, run_dir: Path) -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self._fd: int | None = os.open(
-            run_dir / LIVE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600
-        )
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_SH)  # another run's eviction holds it only while it removes
-        except OSError:
-            self.close()
-            raise
+        self.run_dir = run_dir
+        self._fd = -1
+        self._take()
 
-    def close(self) -> None:
-        if self._fd is not None:
+    def _take(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / CLOSED).unlink(missing_ok=True)
+        fd = os.open(self.run_dir / LIVE, _FLAGS, 0o600)
+        deadline = time.monotonic() + HOLD_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:  # another run letting copies go holds it for a moment
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    raise OSError(
+                        f"{self.run_dir / LIVE} held by another process for {HOLD_WAIT_S:.0f} s"
+                    ) from None
+                time.sleep(0.05)
+        self._fd = fd
+
+    def renew(self) -> None:
+        """Hold the lock file that is there now (a cleanup may have removed the one held)."""
+        try:
+            held, there = os.fstat(self._fd), os.stat(self.run_dir / LIVE, follow_symlinks=False)
+            if (held.st_dev, held.st_ino) == (there.st_dev, there.st_ino):
+                return
+        except OSError:
+            pass
+        self.close(clean=False)
+        self._take()
+
+    def close(self, *, clean: bool = True) -> None:
+        """Let go of the hold; ``clean``: the run closed here (its copies are let go before a failed run's)."""
+        if self._fd < 0:
+            return
+        if clean:
             with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = None
+                (self.run_dir / CLOSED).touch()
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+        self._fd = -1
 
 
 def run_dir(root: Path, run: str) -> Path:
@@ -56,14 +101,20 @@ def run_dir(root: Path, run: str) -> Path:
 
 
 def tier_bytes(root: Path) -> int:
-    """What this memory tier holds now: every run's copies, the keeper's and the ring's."""
-    return sum(p.lstat().st_size for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    """What this memory tier holds now: every run's copies, the keeper's and the ring's (a file removed
+    while it is counted counts nothing)."""
+    total = 0
+    for p in root.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            st = p.lstat()
+            total += st.st_size if p.is_file() and not p.is_symlink() else 0
+    return total
 
 
 def copies(of_run: Path) -> list[Path]:
     """A run's complete ring copies on this node, newest made first."""
-    found = [d for d in of_run.glob("step-*-*") if (d / mf.MANIFEST_NAME).is_file()]
-    return sorted(found, key=lambda d: (d / mf.MANIFEST_NAME).stat().st_mtime_ns, reverse=True)
+    found = [(d, _made(d)) for d in of_run.glob("step-*-*")]
+    return [d for d, made in sorted(found, key=lambda x: x[1], reverse=True) if made >= 0]
 
 
 def sweep(of_run: Path) -> None:
@@ -74,68 +125,96 @@ def sweep(of_run: Path) -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def make_room(root: Path, run: str, *, need: int, budget: int) -> tuple[int, tuple[Path, ...]]:
-    """What the tier holds once room is made for ``need`` more bytes of ``run``'s, and the other runs' ring
-    copies let go for it (only of runs no live process holds on this host, oldest made first; none when
-    the bytes fit already). It may still not fit: the caller decides. Raises OSError (the tier unreadable)."""
-    held_now = tier_bytes(root)
-    if need + held_now <= budget:
-        return held_now, ()
-    gone: list[Path] = []
-    with _ended_runs(root, run) as ended:
-        for copy in sorted((c for d in ended for c in copies(d)), key=_made):
-            if need + held_now <= budget:
-                break
-            nbytes = tier_bytes(copy)
-            shutil.rmtree(copy, ignore_errors=True)
-            held_now -= nbytes
-            gone.append(copy)
-        for d in ended:
+@dataclass
+class Eviction:
+    """Ring copies chosen to be let go, their runs' locks held until ``commit`` or ``release``."""
+
+    victims: list[Path] = field(default_factory=list)
+    nbytes: int = 0
+    _fds: list[int] = field(default_factory=list)
+
+    def commit(self) -> tuple[str, ...]:
+        """The chosen copies let go; their directories."""
+        try:
+            for v in self.victims:
+                shutil.rmtree(v, ignore_errors=True)
+            if self.victims:
+                log.info("%d ring copies of ended runs let go (%d bytes)", len(self.victims), self.nbytes)
+            return tuple(str(v) for v in self.victims)
+        finally:
+            self.release()
+
+    def release(self) -> None:
+        for fd in self._fds:
+            _EVICTING.discard(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._fds = []
+
+
+def choose(root: Path, run: str, shortfall: int) -> Eviction:
+    """Other runs' ring copies that cover ``shortfall`` bytes (runs that closed first, then failed ones,
+    oldest made first), their locks held; nothing chosen when all of them would not cover it."""
+    ev = Eviction()
+    if shortfall <= 0:
+        return ev
+    found: list[tuple[bool, int, Path, int]] = []
+    try:
+        for d in _other_runs(root, run):
+            fd = _try_lock(d)
+            if fd is None:
+                continue
+            ev._fds.append(fd)
             sweep(d)
-    if gone:
-        log.info("memory tier %s: %d ring copies of ended runs let go for %s", root, len(gone), run)
-    return tier_bytes(root), tuple(gone)
+            closed = (d / CLOSED).exists()
+            found += [(not closed, _made(c), c, tier_bytes(c)) for c in copies(d)]
+    except OSError as exc:  # a tier that cannot be read lets nothing go
+        log.warning("memory tier %s: ended runs' ring copies not weighed: %s", root, exc)
+        found = []
+    if sum(n for *_, n in found) < shortfall:
+        ev.release()
+        return Eviction()
+    for _, _, copy, nbytes in sorted(found, key=lambda x: x[:2]):
+        if ev.nbytes >= shortfall:
+            break
+        ev.victims.append(copy)
+        ev.nbytes += nbytes
+    return ev
 
 
-def record_let_go(cat: Catalog, host: str, gone: tuple[Path, ...] | tuple[str, ...], why: str) -> None:
-    """The rows of ring copies ``host`` let go (by their directories), recorded let go."""
-    uris = {str(g) for g in gone}
-    for h in ring_held_by(cat, host, None) if uris else []:
-        if h.uri in uris:
+def record_let_go(cat: Catalog, tier_id: str, gone: tuple[str, ...], why: str) -> None:
+    """The rows of ring copies the memory tier ``tier_id`` let go (by their directories), recorded let go."""
+    for h in held_on(cat, catalog_copies.MEMORY, tier_id) if gone else []:
+        if h.ring and h.uri in gone:
             catalog_copies.record(cat, h.replica_id, R.DELETED, why)
 
 
 def _made(copy: Path) -> int:
-    return (copy / mf.MANIFEST_NAME).stat().st_mtime_ns
-
-
-@contextlib.contextmanager
-def _ended_runs(root: Path, run: str) -> Iterator[list[Path]]:
-    """The other runs' directories whose lock this process could take (none of their leaders lives on this
-    host), held until the block ends: a leader starting meanwhile waits for it."""
-    mine = run_dir(root, run)
-    held: list[tuple[Path, int]] = []
+    """When a ring copy was completed (its manifest written last); -1 for one not complete."""
     try:
-        for d in sorted((root / RING_DIR).glob("*")) if (root / RING_DIR).is_dir() else []:
-            if d == mine or d.is_symlink() or not d.is_dir():
-                continue
-            fd = _try_lock(d)
-            if fd is not None:
-                held.append((d, fd))
-        yield [d for d, _ in held]
-    finally:
-        for _, fd in held:
-            os.close(fd)
+        return (copy / mf.MANIFEST_NAME).stat().st_mtime_ns
+    except OSError:
+        return -1
+
+
+def _other_runs(root: Path, run: str) -> list[Path]:
+    ring = root / RING_DIR
+    mine = run_dir(root, run)
+    with contextlib.suppress(OSError):
+        return [d for d in sorted(ring.iterdir()) if d != mine and d.is_dir() and not d.is_symlink()]
+    return []
 
 
 def _try_lock(of_run: Path) -> int | None:
     try:
-        fd = os.open(of_run / LIVE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(of_run / LIVE, _FLAGS, 0o600)
     except OSError:
         return None
+    _EVICTING.add(fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:  # a live leader holds it
+        _EVICTING.discard(fd)
         os.close(fd)
         return None
     return fd
