@@ -32,8 +32,8 @@ import torch.distributed.checkpoint as dcp
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
+from rewind.infra.format import direct, payload
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import payload
 
 HERE = Path(__file__).resolve().parent
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -199,18 +199,21 @@ def bench_training(
     threads: int,
     runs: int,
     *,
-    priority: persist_priority.PersistPriority | None = None,
+    env: dict[str, str] | None = None,
+    every: int | None = None,
 ) -> dict[str, float | str]:
-    """``priority``: the persist at that REWIND_PERSIST_PRIORITY instead of the configured one."""
-    if priority is not None:
-        saved = os.environ.get(persist_priority.ENV)
-        os.environ[persist_priority.ENV] = priority.value
+    """``env``: settings for this measurement alone (REWIND_PERSIST_PRIORITY, REWIND_DIRECT_WRITES);
+    ``every``: checkpoint every so many steps (default: the persist ~10% of the interval)."""
+    if env:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
-            return bench_training(work, steps, threads, runs)
+            return bench_training(work, steps, threads, runs, every=every)
         finally:
-            os.environ.pop(persist_priority.ENV)
-            if saved is not None:
-                os.environ[persist_priority.ENV] = saved
+            for k, v in saved.items():
+                os.environ.pop(k, None)
+                if v is not None:
+                    os.environ[k] = v
     from rewind.examples.tiny_lm_model import TinyLM
 
     torch.manual_seed(0)
@@ -242,7 +245,7 @@ def bench_training(
     persist = time.perf_counter() - t0
     base = [timed(step) for _ in range(steps)]
     step_s = median(base)
-    every = max(1, math.ceil(10 * persist / step_s))  # persist is ~10% of the interval
+    every = every or max(1, math.ceil(10 * persist / step_s))  # persist is ~10% of the interval
     with_ck: list[float] = []
     without: list[float] = []
     commit_after: list[float] = []  # from save() to the commit, while the job trains
@@ -275,6 +278,7 @@ def bench_training(
         "interval_with_s": median(with_ck),
         "commit_after_s": median(commit_after),
         "persist_priority": persist_priority.configured().value,
+        "direct_writes": direct.wanted(),
     }
 
 
@@ -331,7 +335,10 @@ def report_training(results: dict, runs: list[dict]) -> None:
     results["training"] = runs
     results["training_overhead_pct"] = runs[0]["overhead_pct"]
     for t in runs[1:]:
-        if t.get("priority_alternative"):  # e.g. training_overhead_all_cores_idle_priority_pct
+        if t.get("page_cache_alternative"):  # the persist's files written through the page cache
+            results["training_overhead_all_cores_page_cache_pct"] = t["overhead_pct"]
+            results["commit_after_s_all_cores_page_cache"] = t["commit_after_s"]
+        elif t.get("priority_alternative"):  # e.g. training_overhead_all_cores_idle_priority_pct
             results[f"training_overhead_all_cores_{t['persist_priority']}_priority_pct"] = t["overhead_pct"]
             results[f"commit_after_s_all_cores_{t['persist_priority']}_priority"] = t["commit_after_s"]
         else:
@@ -391,8 +398,14 @@ def main(argv: list[str] | None = None) -> int:
                 if persist_priority.configured() is persist_priority.PersistPriority.IDLE
                 else persist_priority.PersistPriority.IDLE
             )
-            alt = bench_training(work, args.train_steps, threads[-1], args.train_runs, priority=other)
+            # the alternatives checkpoint at the same interval as the configured persist on all cores
+            same = {"every": int(runs[-1]["every"])}
+            prio = {persist_priority.ENV: other.value}
+            alt = bench_training(work, args.train_steps, threads[-1], args.train_runs, env=prio, **same)
             runs.append(alt | {"priority_alternative": True})
+            cached = {direct.ENV: "off"}
+            page = bench_training(work, args.train_steps, threads[-1], args.train_runs, env=cached, **same)
+            runs.append(page | {"page_cache_alternative": True})
             report_training(results, runs)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -405,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         "training_overhead_pct",
         "training_overhead_all_cores_pct",
         "training_overhead_all_cores_idle_priority_pct",
+        "training_overhead_all_cores_page_cache_pct",
         "commit_after_s_all_cores",
         "commit_after_s_all_cores_idle_priority",
     ):

@@ -22,7 +22,7 @@ from typing import BinaryIO
 
 from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.faults import fault_point
-from rewind.infra.format import local_tier
+from rewind.infra.format import direct, local_tier
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import HashingWriter, hash_file, manifest_digest
 from rewind.infra.format.verify import Finding, Problem
@@ -144,12 +144,11 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_file(path: Path, fill: FileWriter) -> mf.FileEntry:
-    """Create ``path`` (never overwrite), stream ``fill`` into it through the hasher, fsync it."""
-    with open(path, "xb") as raw:
-        out = HashingWriter(raw)
+    """Create ``path`` (never overwrite), stream ``fill`` into it through the hasher, fsync it (written past
+    the page cache where the filesystem allows: ``direct``)."""
+    with direct.NewFile(path) as raw:
+        out = HashingWriter(raw)  # type: ignore[arg-type]  # a file that only writes
         fill(out)  # type: ignore[arg-type]
-        raw.flush()
-        os.fsync(raw.fileno())
     d = out.hasher.result()
     return mf.FileEntry(path=path.name, size=d.size, xxh3=d.xxh3, crc32c=d.crc32c)
 

@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from rewind.infra.format import files
+from rewind.infra.format import direct, files
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import CHUNK, HashingWriter, hash_file
 from rewind.infra.tiers.base import (
@@ -105,15 +105,13 @@ class FileTier:
         tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "xb") as raw:
-                out = HashingWriter(raw)
+            with direct.NewFile(tmp) as raw:  # synced as it closes
+                out = HashingWriter(raw)  # type: ignore[arg-type]  # a file that only writes
                 if isinstance(source, bytes):
                     out.write(source)
                 else:
                     while chunk := _read(source, CHUNK):
                         out.write(chunk)
-                raw.flush()
-                os.fsync(raw.fileno())
             _publish(tmp, dest)
         except SourceFailed as failed:
             raise failed.error from None  # reading what was being written failed: as it said

@@ -1,0 +1,71 @@
+"""Checkpoint files written past the page cache (``O_DIRECT``): every length comes back byte for byte,
+written in pieces of any size, on a disk and on the memory filesystem; with ``REWIND_DIRECT_WRITES=off``
+through the page cache; and a file that exists is never overwritten."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from rewind.infra.format import direct, store
+
+SIZES = (0, 1, 4095, 4096, 4097, direct.BLOCK - 1, direct.BLOCK, direct.BLOCK + 1, 2 * direct.BLOCK + 123)
+
+
+def _write(path: Path, data: bytes, rnd: random.Random) -> bool:
+    with direct.NewFile(path) as f:
+        at = 0
+        while at < len(data):
+            n = rnd.randint(1, 5 << 20)
+            assert f.write(data[at : at + n]) == len(data[at : at + n])
+            at += n
+        return f.direct
+
+
+@pytest.mark.parametrize("where", ["disk", "memory"])
+def test_every_length_comes_back_byte_for_byte(tmp_path: Path, where: str) -> None:
+    root = tmp_path if where == "disk" else Path("/dev/shm")
+    if not root.is_dir():
+        pytest.skip("this machine has no /dev/shm")
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    for size in SIZES:
+        data = rnd.randbytes(size)
+        path = root / f"rewind-direct-test-{seed}-{size}"
+        try:
+            _write(path, data, rnd)
+            assert path.stat().st_size == size and path.read_bytes() == data, f"seed {seed}, size {size}"
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def test_off_writes_through_the_page_cache_and_the_entry_is_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = random.Random(7).randbytes(direct.BLOCK + 5)
+    entries, modes = [], []
+    for mode in ("auto", "off"):
+        monkeypatch.setenv(direct.ENV, mode)
+        modes.append(_write(tmp_path / f"probe-{mode}", b"x", random.Random(1)))
+        entries.append(store.write_file(tmp_path / f"file-{mode}", store.bytes_writer(data)))
+    assert modes[1] is False  # off: never direct
+    assert entries[0].xxh3 == entries[1].xxh3 and entries[0].size == entries[1].size == len(data)
+    assert (tmp_path / "file-auto").read_bytes() == (tmp_path / "file-off").read_bytes() == data
+
+
+def test_a_file_that_exists_is_never_overwritten(tmp_path: Path) -> None:
+    path = tmp_path / "taken"
+    path.write_bytes(b"someone's")
+    with pytest.raises(FileExistsError):
+        direct.NewFile(path)
+    assert path.read_bytes() == b"someone's"
+
+
+def test_a_setting_that_is_not_auto_or_off_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rewind.infra.errors import ConfigError
+
+    monkeypatch.setenv(direct.ENV, "yes")
+    with pytest.raises(ConfigError, match="not auto or off"):
+        direct.wanted()
