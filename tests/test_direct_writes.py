@@ -69,3 +69,60 @@ def test_a_setting_that_is_not_auto_or_off_is_refused(monkeypatch: pytest.Monkey
     monkeypatch.setenv(direct.ENV, "yes")
     with pytest.raises(ConfigError, match="not auto or off"):
         direct.wanted()
+
+
+def _flags(fd: int) -> int:
+    import fcntl
+
+    return fcntl.fcntl(fd, fcntl.F_GETFL)
+
+
+def test_a_filesystem_refusing_direct_writes_when_asked_gets_the_file_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tmpfs before Linux 6.6, ramfs: asking for O_DIRECT fails with EINVAL (simulated here); the file is
+    made all the same, through the page cache, and nothing is left behind by the refusal."""
+    import errno
+    import fcntl
+    import os
+
+    real = fcntl.fcntl
+
+    def refusing(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, cmd, arg)
+
+    monkeypatch.setattr(direct.fcntl, "fcntl", refusing)
+    data = random.Random(3).randbytes(direct.BLOCK + 4097)
+    assert _write(tmp_path / "f", data, random.Random(4)) is False
+    assert (tmp_path / "f").read_bytes() == data and [p.name for p in tmp_path.iterdir()] == ["f"]
+
+
+@pytest.mark.parametrize("how", ["refused-at-a-write", "short-direct-write"])
+def test_a_direct_write_refused_or_short_mid_file_finishes_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """The second direct block is refused (EOPNOTSUPP, as a FUSE filesystem may) or written only in part:
+    the rest of the file goes through the page cache, at the right offset; every byte as written."""
+    import errno
+    import os
+
+    real, calls = os.write, []
+
+    def flaky(fd: int, data: memoryview) -> int:
+        if _flags(fd) & os.O_DIRECT:
+            calls.append(len(data))
+            if len(calls) == 2:
+                if how == "refused-at-a-write":
+                    raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+                return real(fd, data[: len(data) // 2 - 100])  # an odd length: the rest is unaligned
+        return real(fd, data)
+
+    monkeypatch.setattr(direct.os, "write", flaky)
+    seed = random.randrange(1 << 30)
+    data = random.Random(seed).randbytes(3 * direct.BLOCK + 12345)
+    entry = store.write_file(tmp_path / "f", store.bytes_writer(data))
+    assert len(calls) == 2, calls  # after the second, never direct again
+    assert (tmp_path / "f").read_bytes() == data, f"seed {seed}"
+    assert entry.size == len(data)

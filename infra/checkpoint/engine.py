@@ -41,7 +41,7 @@ from rewind.infra.checkpoint.staging import Staged, StagingBuffer
 from rewind.infra.checkpoint.state import Stateful, as_stateful, environment, writer
 from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, StateMismatch
 from rewind.infra.faults import fault_point
-from rewind.infra.format import chunked, payload, store
+from rewind.infra.format import chunked, direct, payload, store
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.verify import Finding, Problem
 from rewind.infra.restore import execute as restore_exec
@@ -102,6 +102,7 @@ class Checkpointer:
         payload.check_format(self.format)
         throttle.for_writes()  # a bad REWIND_WRITE_LIMIT fails here, not in the first background save
         priority = persist_priority.configured()  # and a bad REWIND_PERSIST_PRIORITY
+        direct.wanted()  # a bad REWIND_DIRECT_WRITES too, before anything is written
         for name in self.states:
             mf.safe_relative(f"{name}.safetensors")
             if name.endswith(".json") or name == "manifest":

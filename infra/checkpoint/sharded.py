@@ -54,8 +54,8 @@ from rewind.infra.errors import (
     RunBusy,
 )
 from rewind.infra.faults import fault_point
+from rewind.infra.format import direct, payload, store
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import payload, store
 from rewind.infra.format.local_tier import LocalTier
 from rewind.infra.format.verify import Finding, Problem
 from rewind.infra.health.layout import Layout, ModelShape
@@ -112,6 +112,7 @@ class ShardedCheckpointer:
         self.run_dir = self.root / run
         self.mode = SaveMode(mode)
         priority = persist_priority.configured()  # every rank reads the same environment: all refuse alike
+        direct.wanted()  # a bad REWIND_DIRECT_WRITES too, before anything is written
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if layout is not None and layout.world_size != self.world:
             raise ConfigError(f"layout {layout} is {layout.world_size} ranks; this job has {self.world}")

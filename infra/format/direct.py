@@ -2,19 +2,21 @@
 cycles as it can: the kernel neither copies the bytes into its cache nor writes them back later, and the
 job's own memory is not reclaimed to make room for them.
 
-Bytes go through one page-aligned buffer (``BLOCK``) and out in whole blocks; the last block is padded
-with zeros and the file cut back to its length before it is synced. Where the filesystem refuses direct
-writes (tmpfs, some network or FUSE filesystems: at the open or at the first write), the file is written
-through the page cache as before. ``REWIND_DIRECT_WRITES=off`` writes every file through the page cache.
+Bytes go through one page-aligned buffer per thread (``BLOCK``, reused, never inherited by a forked
+child) and out in whole blocks; the last part that is not a whole number of ``ALIGN`` blocks goes through
+the page cache, so the file is never longer than its bytes and a small file is never written directly.
+Where the filesystem refuses direct writes (tmpfs before Linux 6.6, ramfs, some network or FUSE
+filesystems: when asked, or at a write), the rest of the file goes through the page cache.
+``REWIND_DIRECT_WRITES=off`` writes every file through the page cache (through the same buffer).
 """
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import fcntl
 import mmap
 import os
+import threading
 from pathlib import Path
 from types import TracebackType
 
@@ -23,90 +25,111 @@ from rewind.infra.errors import ConfigError
 ALIGN = 4096  # a multiple of every logical block size in use (512, 4096)
 BLOCK = 16 << 20
 ENV = "REWIND_DIRECT_WRITES"
+REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}  # the filesystem takes no direct writes
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file goes through the page cache
+_local = threading.local()
 
 
 def wanted() -> bool:
-    """``REWIND_DIRECT_WRITES``: ``auto`` (the default: direct where the filesystem takes it) or ``off``."""
+    """``REWIND_DIRECT_WRITES``: ``auto`` (the default: direct where the filesystem takes it) or ``off``;
+    anything else a one-line ``ConfigError``."""
     raw = os.environ.get(ENV, "").strip().lower() or "auto"
     if raw not in ("auto", "off"):
         raise ConfigError(f"{ENV}: {raw!r} is not auto or off")
     return raw == "auto" and bool(_O_DIRECT)
 
 
+def _buffer() -> memoryview:
+    """This thread's page-aligned buffer (made on first use; private, not inherited by a forked child)."""
+    view: memoryview | None = getattr(_local, "view", None)
+    if view is None:
+        buf = mmap.mmap(-1, BLOCK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_DONTFORK"):
+            buf.madvise(mmap.MADV_DONTFORK)
+        view = _local.view = memoryview(buf)
+    return view
+
+
 class NewFile:
     """A file created at ``path`` (never one that exists), written with ``write``, synced by ``close``."""
 
     def __init__(self, path: Path) -> None:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        self._fd = -1
-        self.direct = False
-        if wanted():
-            try:
-                self._fd, self.direct = os.open(path, flags | _O_DIRECT, 0o666), True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:  # EINVAL: this filesystem takes no direct writes
-                    raise
-        if self._fd < 0:
-            self._fd = os.open(path, flags, 0o666)
-        self._buf = mmap.mmap(-1, BLOCK) if self.direct else None  # page-aligned
-        self._view = memoryview(self._buf) if self._buf is not None else None
+        direct = wanted()
+        busy = getattr(_local, "busy", False)  # one file at a time per thread uses its buffer
+        self._view = memoryview(bytearray(BLOCK)) if busy else _buffer()
+        self._own = not busy
+        _local.busy = True
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        except BaseException:
+            self._let_buffer_go()
+            raise
+        self.direct = direct and self._own and self._set_direct()  # a stand-in buffer is not page-aligned
         self._pos = 0
         self.size = 0
 
+    def _set_direct(self) -> bool:
+        """Direct writes asked for on the open file (asking at the open would leave a file behind when
+        the filesystem refuses them)."""
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) | _O_DIRECT)
+        except OSError as exc:
+            if exc.errno not in REFUSED:
+                raise
+            return False
+        return True
+
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        src = memoryview(data).cast("B")
-        n = len(src)
-        if self._view is None:
-            self._write_all(src)
-        while self._view is not None and len(src):
-            take = min(len(src), BLOCK - self._pos)
-            self._view[self._pos : self._pos + take] = src[:take]
-            self._pos += take
-            src = src[take:]
-            if self._pos == BLOCK:
-                self._drain(self._view, BLOCK)
-                self._pos = 0
+        with memoryview(data) as whole, whole.cast("B") as src:
+            n = len(src)
+            at = 0
+            while at < n:
+                take = min(n - at, BLOCK - self._pos)
+                self._view[self._pos : self._pos + take] = src[at : at + take]
+                self._pos += take
+                at += take
+                if self._pos == BLOCK:
+                    self._drain(0, BLOCK)
+                    self._pos = 0
         self.size += n
         return n
 
-    def _drain(self, view: memoryview, length: int) -> None:
-        """Whole blocks out directly; the rest through the page cache if the filesystem refuses."""
+    def _drain(self, start: int, end: int) -> None:
+        """The buffer's bytes ``start:end`` out: directly (whole blocks), or through the page cache once the
+        filesystem refused a direct write (a refused write writes nothing and leaves the offset)."""
         try:
-            self._write_all(view[:length])
+            self._write_all(start, end)
         except OSError as exc:
-            if exc.errno != errno.EINVAL or not self.direct:
+            if exc.errno not in REFUSED or not self.direct:
                 raise
-            self._buffered()  # nothing of this call was written: a refused direct write writes nothing
-            self._write_all(view[:length])
+            self._buffered()
+            self._write_all(start, end)
 
     def _buffered(self) -> None:
         fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
         self.direct = False
 
-    def _write_all(self, view: memoryview) -> None:
-        done = 0
-        while done < len(view):
-            n = os.write(self._fd, view[done:])
-            if n == len(view) - done or not self.direct:
-                done += n
-                continue
-            self._buffered()  # a short direct write leaves an unaligned rest: finish through the cache
+    def _write_all(self, start: int, end: int) -> None:
+        done = start
+        while done < end:
+            with self._view[done:end] as part:
+                n = os.write(self._fd, part)
+            if n <= 0:
+                raise OSError(errno.EIO, "the filesystem took no bytes")
             done += n
+            if done < end and self.direct:
+                self._buffered()  # a short direct write leaves an unaligned rest: finish through the cache
 
     def close(self) -> None:
-        """The last block out (padded, then cut back to the file's length), synced, closed."""
+        """The rest out (its whole blocks directly, the last piece through the page cache), synced, closed."""
         try:
-            if self._view is not None and self._pos:
-                if self.direct:
-                    padded = -(-self._pos // ALIGN) * ALIGN
-                    self._view[self._pos : padded] = bytes(padded - self._pos)
-                    self._drain(self._view, padded)
-                else:
-                    self._write_all(self._view[: self._pos])
+            whole = self._pos // ALIGN * ALIGN if self.direct else self._pos
+            if whole:
+                self._drain(0, whole)
+            if self._pos > whole:  # the last piece, not a whole block: through the page cache
+                self._buffered()
+                self._write_all(whole, self._pos)
             self._pos = 0
-            if os.fstat(self._fd).st_size != self.size:
-                os.ftruncate(self._fd, self.size)
             os.fsync(self._fd)
         finally:
             self._release()
@@ -115,12 +138,12 @@ class NewFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        view, buf, self._view, self._buf = self._view, self._buf, None, None
-        with contextlib.suppress(BufferError):  # a slice still held (by an error's traceback): freed with it
-            if view is not None:
-                view.release()
-            if buf is not None:
-                buf.close()
+        self._let_buffer_go()
+
+    def _let_buffer_go(self) -> None:
+        if self._own:
+            _local.busy = False
+            self._own = False
 
     def __enter__(self) -> NewFile:
         return self
