@@ -18,6 +18,11 @@ from rewind.infra.catalog.db import Catalog
 from tests.prefect_support import wait_until
 from tests.test_protect_any_job import config, protect
 
+# Progress rows come once a second: the kill lands up to a second's steps (about 10 here) past the one
+# asked for. Checkpoints 40 steps apart, the kill asked for at 50: it lands well before the next one,
+# with steps past the restore point to compare (killed just after a checkpoint, none would be left).
+STEPS, EVERY, KILL_AT, STEP_S = 100, 40, 50, 0.1
+
 
 def _killed_after(run: str, step: int, cfg: Path) -> dict[str, Any]:
     """The single-process job under protect-training, SIGKILLed once past ``step``."""
@@ -44,7 +49,8 @@ def test_a_bit_exact_comeback_matches_every_step_before_the_failure(
 ):  # type: ignore[no-untyped-def]
     from rewind.flows.training import recover_training, summary
 
-    result = _killed_after(run_name, 30, config(tmp_path, run_name, step_time_s=0.05, checkpoint_every=20))
+    cfg = config(tmp_path, run_name, steps=STEPS, step_time_s=STEP_S, checkpoint_every=EVERY)
+    result = _killed_after(run_name, KILL_AT, cfg)
     assert summary(recover_training(result["incident_id"], return_state=True))["status"] == "recovered"
     came = incidents.get_incident(Catalog(), result["incident_id"]).details["comeback"]
     assert came["compared"] >= 8 and came["identical"] == came["compared"], came  # replayed, step for step
@@ -57,10 +63,8 @@ def test_a_comeback_that_diverges_is_an_anomaly_recorded_on_the_incident(
 ):  # type: ignore[no-untyped-def]
     from rewind.flows.training import recover_training, summary
 
-    cfg = config(
-        tmp_path, run_name, step_time_s=0.05, checkpoint_every=20, diverge_lr=50.0
-    )  # after a restore
-    result = _killed_after(run_name, 30, cfg)
+    cfg = config(tmp_path, run_name, steps=STEPS, step_time_s=STEP_S, checkpoint_every=EVERY, diverge_lr=50.0)
+    result = _killed_after(run_name, KILL_AT, cfg)
     recovered = summary(recover_training(result["incident_id"], return_state=True))
     assert recovered["status"] == "failed-again", recovered
     cat = Catalog()
