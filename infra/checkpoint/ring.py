@@ -134,8 +134,8 @@ def share(manifest: mf.Manifest, disk: str) -> list[mf.FileEntry]:
 
 def pass_on(directory: Path, run: str, disks: Disks, group: dist.ProcessGroup | None = None) -> Passed | None:
     """Collective over ``group`` (every rank calls it): the committed checkpoint at ``directory`` passed
-    round the ring; this leader's part (None on other ranks, or when no leader could take part and this
-    one let nothing go to make room)."""
+    round the ring; this leader's part (None on other ranks, or when some leader cannot take part: then
+    nothing is let go to make room)."""
     rank = dist.get_rank()
     prev, nxt = neighbours(disks, rank)
     ready = _ready(directory, run, disks, prev) if disks.leads(rank) else None
@@ -206,7 +206,7 @@ def register(cat: Catalog, checkpoint_id: int, run: str, passed: list[Passed]) -
     for p in passed:
         if p.holder is None:
             continue
-        ring_room.record_let_go(cat, p.holder.id, p.evicted, f"let go from the peer ring: room for {run}")
+        ring_room.record(cat, p.holder.id, p.evicted, R.DELETED, f"let go from the peer ring: room for {run}")
         if p.directory is None:
             continue
         copies.add(cat, checkpoint_id, MEMORY, str(p.directory), key=f"{RING_KEY}{p.source_host}",
@@ -247,7 +247,7 @@ def renew(live: ring_room.Live) -> None:
 @dataclass(frozen=True, slots=True)
 class Ready:
     """A leader ready to take part: its memory tier, the committed manifest (bytes, parsed), the directory
-    the peer's share goes to, and other runs' ring copies it let go to make room."""
+    the peer's share goes to, and other runs' ring copies chosen to make room."""
 
     cfg: place.MemoryConfig
     raw: bytes

@@ -8,15 +8,13 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rewind.infra.catalog import copies
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.catalog.held import held_on
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.checkpoint import ring
 from rewind.infra.errors import ConfigError
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import hash_file
-from rewind.infra.memory import keeper
+from rewind.infra.memory import keeper, ring_room
 
 log = logging.getLogger("rewind.ring")
 
@@ -58,9 +56,7 @@ def held(raw: bytes, manifest: mf.Manifest) -> Found:
 def record_refused(cat: Catalog, tier_id: str, refused: tuple[str, ...]) -> None:
     """The rows of ring copies a restore refused in the memory tier ``tier_id`` recorded corrupt: no
     recovery counts on them again."""
-    for h in held_on(cat, copies.MEMORY, tier_id) if refused else []:
-        if h.ring and h.uri in refused:
-            copies.record(cat, h.replica_id, R.CORRUPT, "refused at a restore: a file differs from its entry")
+    ring_room.record(cat, tier_id, refused, R.CORRUPT, "refused at a restore: a file differs from its entry")
 
 
 def _proven(copy: Path, manifest: mf.Manifest) -> dict[str, Path] | None:

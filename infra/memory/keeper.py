@@ -97,9 +97,8 @@ def keep(
         cfg.root
     ):  # one copy at a time per memory tier (an agent of an earlier launch may still copy)
         rows = held.held_on(cat, copies.MEMORY, here.id)
-        have = [
-            h for h in rows if not h.ring
-        ]  # the peer ring's copies: counted, let go only by ``ring_room``
+        # the peer ring's copies: counted, let go only by ``ring_room``
+        have = [h for h in rows if not h.ring]
         if any(h.checkpoint_id == checkpoint_id for h in have):
             return None
         lease = leases.take(cat, checkpoint_id, "memory-tier")
@@ -163,7 +162,7 @@ def _let_go(cat: Catalog, cfg: MemoryConfig, room: Room, run: str) -> tuple[int,
         copies.record(cat, h.replica_id, R.DELETED, "let go from the memory tier")
         remove(h.uri)
     gone = room.rings.commit()
-    ring_room.record_let_go(cat, mark(cfg).id, gone, f"let go from the memory tier: room for {run}")
+    ring_room.record(cat, mark(cfg).id, gone, R.DELETED, f"let go from the memory tier: room for {run}")
     return tuple(h.checkpoint_id for h in room.going)
 
 

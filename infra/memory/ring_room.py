@@ -182,11 +182,12 @@ def choose(root: Path, run: str, shortfall: int) -> Eviction:
     return ev
 
 
-def record_let_go(cat: Catalog, tier_id: str, gone: tuple[str, ...], why: str) -> None:
-    """The rows of ring copies the memory tier ``tier_id`` let go (by their directories), recorded let go."""
-    for h in held_on(cat, catalog_copies.MEMORY, tier_id) if gone else []:
-        if h.ring and h.uri in gone:
-            catalog_copies.record(cat, h.replica_id, R.DELETED, why)
+def record(cat: Catalog, tier_id: str, dirs: tuple[str, ...], status: R, why: str) -> None:
+    """The rows of the ring copies at ``dirs`` in the memory tier ``tier_id`` recorded ``status`` (let go to
+    make room, or refused at a restore)."""
+    for h in held_on(cat, catalog_copies.MEMORY, tier_id) if dirs else []:
+        if h.ring and h.uri in dirs:
+            catalog_copies.record(cat, h.replica_id, status, why)
 
 
 def _made(copy: Path) -> int:
