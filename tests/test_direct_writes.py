@@ -4,7 +4,10 @@ through the page cache; and a file that exists is never overwritten."""
 
 from __future__ import annotations
 
+import mmap
+import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
@@ -126,3 +129,46 @@ def test_a_direct_write_refused_or_short_mid_file_finishes_through_the_cache(
     assert len(calls) == 2, calls  # after the second, never direct again
     assert (tmp_path / "f").read_bytes() == data, f"seed {seed}"
     assert entry.size == len(data)
+
+
+def test_a_forked_child_writes_files_with_buffers_of_its_own(tmp_path: Path) -> None:
+    """The parent's buffers are not mapped in a forked child (``MADV_DONTFORK``): a child that writes a file
+    from the thread that forked must not use them (it died of SIGSEGV when it did)."""
+    data = random.Random(11).randbytes(direct.BLOCK + 4097)
+    _write(tmp_path / "parent", data, random.Random(1))  # the parent keeps a buffer for its next file
+    assert direct._free, "no buffer kept: the child would not meet one"
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports only through its exit status
+        code = 1
+        try:
+            _write(tmp_path / "child", data, random.Random(2))
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "child").read_bytes() == data
+
+
+def test_files_written_one_after_another_reuse_one_buffer(tmp_path: Path) -> None:
+    """Each background save runs in a thread of its own: its files take the buffer the last one left, so a
+    save does not fault in (and zero) a fresh 16 MiB."""
+    data = random.Random(5).randbytes(direct.BLOCK // 2)
+    taken: list[int] = []
+    real_take = direct._take
+
+    def watched() -> mmap.mmap:
+        buf = real_take()
+        taken.append(id(buf))
+        return buf
+
+    direct._free.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(direct, "_take", watched)
+        for i in range(3):
+            t = threading.Thread(target=_write, args=(tmp_path / f"f{i}", data, random.Random(i)))
+            t.start()
+            t.join(timeout=60)
+            assert not t.is_alive()
+    assert len(set(taken)) == 1 and len(taken) == 3
+    assert all((tmp_path / f"f{i}").read_bytes() == data for i in range(3))

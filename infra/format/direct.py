@@ -2,8 +2,9 @@
 cycles as it can: the kernel neither copies the bytes into its cache nor writes them back later, and the
 job's own memory is not reclaimed to make room for them.
 
-Bytes go through one page-aligned buffer per thread (``BLOCK``, reused, never inherited by a forked
-child) and out in whole blocks; the last part that is not a whole number of ``ALIGN`` blocks goes through
+Bytes go through a page-aligned buffer (``BLOCK``) and out in whole blocks; buffers are kept for the
+next file (at most ``KEEP``: a save's next file does not fault fresh pages in) and are never inherited by a
+forked child (a child takes new ones); the last part that is not a whole number of ``ALIGN`` blocks goes through
 the page cache, so the file is never longer than its bytes and a small file is never written directly.
 Where the filesystem refuses direct writes (tmpfs before Linux 6.6, ramfs, some network or FUSE
 filesystems: when asked, or at a write), the rest of the file goes through the page cache.
@@ -27,7 +28,11 @@ BLOCK = 16 << 20
 ENV = "REWIND_DIRECT_WRITES"
 REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}  # the filesystem takes no direct writes
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file goes through the page cache
-_local = threading.local()
+KEEP = 2  # buffers kept for the next file; more, made for files written at the same time, are unmapped
+
+_lock = threading.Lock()
+_free: list[mmap.mmap] = []
+_unmapped: list[mmap.mmap] = []  # a forked child's copies of its parent's buffers: never used, never closed
 
 
 def wanted() -> bool:
@@ -39,15 +44,36 @@ def wanted() -> bool:
     return raw == "auto" and bool(_O_DIRECT)
 
 
-def _buffer() -> memoryview:
-    """This thread's page-aligned buffer (made on first use; private, not inherited by a forked child)."""
-    view: memoryview | None = getattr(_local, "view", None)
-    if view is None:
-        buf = mmap.mmap(-1, BLOCK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_DONTFORK"):
-            buf.madvise(mmap.MADV_DONTFORK)
-        view = _local.view = memoryview(buf)
-    return view
+def _take() -> mmap.mmap:
+    """A page-aligned buffer of ``BLOCK`` bytes: a kept one, or a new private one not inherited by a fork."""
+    with _lock:
+        if _free:
+            return _free.pop()
+    buf = mmap.mmap(-1, BLOCK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_DONTFORK"):
+        buf.madvise(mmap.MADV_DONTFORK)
+    return buf
+
+
+def _give(buf: mmap.mmap) -> None:
+    with _lock:
+        if len(_free) < KEEP:
+            _free.append(buf)
+            return
+    buf.close()
+
+
+def _in_child() -> None:
+    """The kept buffers are not mapped in a forked child: closing one would unmap whatever the child maps
+    there later, so they are only forgotten."""
+    global _lock
+    _lock = threading.Lock()  # a thread of the parent may have held it at the fork
+    _unmapped.extend(_free)
+    _free.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_in_child)
 
 
 class NewFile:
@@ -55,18 +81,17 @@ class NewFile:
 
     def __init__(self, path: Path) -> None:
         direct = wanted()
-        busy = getattr(_local, "busy", False)  # one file at a time per thread uses its buffer
-        self._view = memoryview(bytearray(BLOCK)) if busy else _buffer()
-        self._own = not busy
-        _local.busy = True
-        try:
-            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-        except BaseException:
-            self._let_buffer_go()
-            raise
-        self.direct = direct and self._own and self._set_direct()  # a stand-in buffer is not page-aligned
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        self._pid = os.getpid()
+        self._buf: mmap.mmap | None = _take()
+        self._view = memoryview(self._buf)
         self._pos = 0
         self.size = 0
+        try:
+            self.direct = direct and self._set_direct()
+        except BaseException:
+            self._release()
+            raise
 
     def _set_direct(self) -> bool:
         """Direct writes asked for on the open file (asking at the open would leave a file behind when
@@ -138,12 +163,13 @@ class NewFile:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
-        self._let_buffer_go()
-
-    def _let_buffer_go(self) -> None:
-        if self._own:
-            _local.busy = False
-            self._own = False
+        if self._buf is not None:
+            self._view.release()
+            if os.getpid() == self._pid:
+                _give(self._buf)
+            else:  # a copy of the parent's file in a forked child: its buffer is not mapped here
+                _unmapped.append(self._buf)
+            self._buf = None
 
     def __enter__(self) -> NewFile:
         return self
