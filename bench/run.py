@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import platform
 import shutil
@@ -25,15 +24,15 @@ import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
-from rewind.infra.format import direct, payload
 from rewind.infra.format import manifest as mf
+from rewind.infra.format import payload
 
 HERE = Path(__file__).resolve().parent
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -96,7 +95,7 @@ def machine() -> dict[str, str]:
 # -- 1 + 2: stall and persist -------------------------------------------------------
 
 
-def bench_stall_and_persist(work: Path, gib: float, repeat: int, device: str) -> dict[str, float]:
+def bench_stall_and_persist(work: Path, gib: float, repeat: int, device: str) -> dict[str, Any]:
     blob = Blob(gib, device)
     sd = blob.state_dict()
     nbytes = blob.nbytes
@@ -127,32 +126,47 @@ def bench_stall_and_persist(work: Path, gib: float, repeat: int, device: str) ->
         ck.wait()
         res["rewind_persist"].append(time.perf_counter() - t0)
         res["rewind_sync"].append(sync.save(i))
+        _baselines(work / f"b{i}", sd, raw, res)
+    ck.close()
+    m: dict[str, Any] = {k: median(v) for k, v in res.items()}
+    m["bytes"] = nbytes
+    m["dd_line"] = _dd_line(work, nbytes)
+    return m
 
-        def torch_save(i: int = i) -> None:
-            with open(work / f"t{i}.pt", "wb") as f:
-                torch.save(sd, f)
-                f.flush()
-                os.fsync(f.fileno())
 
-        res["torch_save"].append(timed(torch_save))
-        res["dcp_save"].append(timed(lambda i=i: dcp.save(sd, checkpoint_id=str(work / f"dcp{i}"))))
-        t0 = time.perf_counter()
-        fut = dcp.async_save(sd, checkpoint_id=str(work / f"dcpa{i}"))
-        res["dcp_async"].append(time.perf_counter() - t0)
-        fut.result()
+def _baselines(
+    work: Path, sd: dict[str, torch.Tensor], raw: torch.Tensor, res: dict[str, list[float]]
+) -> None:
+    """One repeat of each baseline into ``work`` (removed after): torch.save, DCP save and async_save (its
+    stall), and the raw bytes written in 8 MiB pieces; each fsynced."""
+    work.mkdir()
 
-        def raw_write(i: int = i) -> None:
-            view = memoryview(raw.numpy())
-            with open(work / f"raw{i}", "wb") as f:
-                for off in range(0, nbytes, 8 << 20):
-                    f.write(view[off : off + (8 << 20)])
-                f.flush()
-                os.fsync(f.fileno())
+    def torch_save() -> None:
+        with open(work / "t.pt", "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
 
-        res["raw_write"].append(timed(raw_write))
-        for p in work.glob("*"):
-            if p.name.startswith(("t", "dcp", "raw")) and p.name != "bench.db":
-                shutil.rmtree(p) if p.is_dir() else p.unlink()
+    def raw_write() -> None:
+        view = memoryview(raw.numpy())
+        with open(work / "raw", "wb") as f:
+            for off in range(0, len(view), 8 << 20):
+                f.write(view[off : off + (8 << 20)])
+            f.flush()
+            os.fsync(f.fileno())
+
+    res["torch_save"].append(timed(torch_save))
+    res["dcp_save"].append(timed(lambda: dcp.save(sd, checkpoint_id=str(work / "dcp"))))
+    t0 = time.perf_counter()
+    fut = dcp.async_save(sd, checkpoint_id=str(work / "dcpa"))
+    res["dcp_async"].append(time.perf_counter() - t0)
+    fut.result()
+    res["raw_write"].append(timed(raw_write))
+    shutil.rmtree(work)
+
+
+def _dd_line(work: Path, nbytes: int) -> str:
+    """What ``dd`` says of writing ``nbytes`` of zeros with an fsync: the disk's own speed, for the report."""
     dd = subprocess.run(
         ["dd", "if=/dev/zero", f"of={work / 'dd'}", "bs=8M", f"count={nbytes >> 23}", "conv=fsync"],
         capture_output=True,
@@ -160,11 +174,7 @@ def bench_stall_and_persist(work: Path, gib: float, repeat: int, device: str) ->
         check=False,
     )
     (work / "dd").unlink(missing_ok=True)
-    ck.close()
-    m = {k: median(v) for k, v in res.items()}
-    m["bytes"] = nbytes
-    m["dd_line"] = dd.stderr.strip().splitlines()[-1] if dd.stderr else ""
-    return m
+    return dd.stderr.strip().splitlines()[-1] if dd.stderr else ""
 
 
 # -- 3: restore -----------------------------------------------------------------
@@ -187,98 +197,6 @@ def bench_restore(work: Path, gib: float, repeat: int) -> dict[str, float]:
         "rewind_read_verified": median(ours),
         "torch_load": median(theirs),
         "rewind_restore_into_model": median(full),
-    }
-
-
-# -- 4: training overhead ---------------------------------------------------------
-
-
-def bench_training(
-    work: Path,
-    steps: int,
-    threads: int,
-    runs: int,
-    *,
-    env: dict[str, str] | None = None,
-    every: int | None = None,
-) -> dict[str, float | str]:
-    """``env``: settings for this measurement alone (REWIND_PERSIST_PRIORITY, REWIND_DIRECT_WRITES);
-    ``every``: checkpoint every so many steps (default: the persist ~10% of the interval)."""
-    if env:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            return bench_training(work, steps, threads, runs, every=every)
-        finally:
-            for k, v in saved.items():
-                os.environ.pop(k, None)
-                if v is not None:
-                    os.environ[k] = v
-    from rewind.examples.tiny_lm_model import TinyLM
-
-    torch.manual_seed(0)
-    torch.set_num_threads(threads)
-    model = TinyLM(vocab=256, block=64, dim=512, layers=16, heads=8, dropout=0.0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    params = sum(p.numel() for p in model.parameters())
-    x = torch.randint(0, 256, (4, 64))
-
-    def step() -> None:
-        loss = torch.nn.functional.cross_entropy(model(x).view(-1, 256), x.view(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
-    for _ in range(3):
-        step()
-    cat = Catalog(f"sqlite:///{work / 'train.db'}")
-    ck = Checkpointer(
-        "bench-train",
-        states={"model": model, "optimizer": opt},
-        root=work / "tck",
-        catalog=cat,
-        mode=SaveMode.ASYNC,
-    )
-    t0 = time.perf_counter()
-    ck.save(0)
-    ck.wait()
-    persist = time.perf_counter() - t0
-    base = [timed(step) for _ in range(steps)]
-    step_s = median(base)
-    every = every or max(1, math.ceil(10 * persist / step_s))  # persist is ~10% of the interval
-    with_ck: list[float] = []
-    without: list[float] = []
-    commit_after: list[float] = []  # from save() to the commit, while the job trains
-    for r in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(every):
-            step()
-        without.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        committed_s = None
-        for i in range(every):
-            step()
-            if i == 0:
-                ck.save(r * every + 1)
-                saved_at = time.perf_counter()
-            elif committed_s is None and ck.last_saved is not None and ck.last_saved.step == r * every + 1:
-                committed_s = time.perf_counter() - saved_at  # seen at a step's end: within a step
-        ck.wait()  # the interval includes the whole persist: no save is left running
-        with_ck.append(time.perf_counter() - t0)
-        commit_after.append(committed_s if committed_s is not None else time.perf_counter() - saved_at)
-    ck.close()
-    return {
-        "params_m": params / 1e6,
-        "threads": threads,
-        "runs": runs,
-        "step_s": step_s,
-        "persist_s": persist,
-        "every": every,
-        "interval_without_s": median(without),
-        "interval_with_s": median(with_ck),
-        "commit_after_s": median(commit_after),
-        "persist_priority": persist_priority.configured().value,
-        "direct_writes": direct.wanted(),
     }
 
 
@@ -313,40 +231,7 @@ def report_restore(results: dict, r: dict) -> None:
     results["restore_ratio_vs_torch_load"] = ratio
 
 
-def report_training(results: dict, runs: list[dict]) -> None:
-    """The headline leaves one core to the persist thread; the all-cores figure is reported beside it."""
-    for t in runs:
-        overhead = 100 * (t["interval_with_s"] / t["interval_without_s"] - 1)
-        t["overhead_pct"] = overhead
-        share = 100 * t["persist_s"] / (t["every"] * t["step_s"])
-        print(
-            f"\n== training overhead: {t['params_m']:.0f}M-param model, {t['threads']} torch thread(s) of "
-            f"{os.cpu_count()} cores, checkpoint every {t['every']} steps, median of {t['runs']} intervals =="
-        )
-        print(f"  step {t['step_s']:.3f} s, persist {t['persist_s']:.3f} s ({share:.0f}% of the interval)")
-        print(
-            f"  persist at priority {t['persist_priority']}: committed {t['commit_after_s']:.2f} s after save() "
-            "while the job trained"
-        )
-        print(
-            f"  interval without checkpoint {t['interval_without_s']:.2f} s, with {t['interval_with_s']:.2f} s: "
-            f"overhead {overhead:.1f}%"
-        )
-    results["training"] = runs
-    results["training_overhead_pct"] = runs[0]["overhead_pct"]
-    for t in runs[1:]:
-        if t.get("page_cache_alternative"):  # the persist's files written through the page cache
-            results["training_overhead_all_cores_page_cache_pct"] = t["overhead_pct"]
-            results["commit_after_s_all_cores_page_cache"] = t["commit_after_s"]
-        elif t.get("priority_alternative"):  # e.g. training_overhead_all_cores_idle_priority_pct
-            results[f"training_overhead_all_cores_{t['persist_priority']}_priority_pct"] = t["overhead_pct"]
-            results[f"commit_after_s_all_cores_{t['persist_priority']}_priority"] = t["commit_after_s"]
-        else:
-            results["training_overhead_all_cores_pct"] = t["overhead_pct"]
-            results["commit_after_s_all_cores"] = t["commit_after_s"]
-
-
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=1.0, help="state size for the save/restore benchmarks")
     p.add_argument("--repeat", type=int, default=3)
@@ -366,7 +251,35 @@ def main(argv: list[str] | None = None) -> int:
         default="stall,restore,training",
         help="comma-separated subset of stall,restore,training",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def _gpu_stall(results: dict, work: Path, gib: float, repeat: int) -> None:
+    g = bench_stall_and_persist(work, gib, repeat, "cuda")
+    print(f"\n== GPU stall ({torch.cuda.get_device_name(0)}) ==")
+    for k in ("rewind_async", "torch_save", "dcp_async"):
+        print(f"  {k:18} {g[k]:8.3f} s")
+    results["gpu"] = g
+    results["gpu_stall_ratio_vs_torch_save"] = g["rewind_async"] / g["torch_save"]
+    results["gpu_stall_ratio_vs_dcp_async"] = g["rewind_async"] / g["dcp_async"]
+
+
+SUMMARY = (
+    "stall_ratio_vs_torch_save",
+    "stall_ratio_vs_dcp_async",
+    "persist_ratio_vs_raw_write",
+    "restore_ratio_vs_torch_load",
+    "training_overhead_pct",
+    "training_overhead_all_cores_pct",
+    "training_overhead_all_cores_idle_priority_pct",
+    "training_overhead_all_cores_page_cache_pct",
+    "commit_after_s_all_cores",
+    "commit_after_s_all_cores_idle_priority",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     sections = set(args.sections.split(","))
     logging.basicConfig(level=logging.WARNING)
     out = HERE / "results.json"
@@ -380,48 +293,17 @@ def main(argv: list[str] | None = None) -> int:
         if "stall" in sections:
             report_stall(results, bench_stall_and_persist(work, args.gib, args.repeat, "cpu"), args.repeat)
             if torch.cuda.is_available():
-                g = bench_stall_and_persist(work, args.gib, args.repeat, "cuda")
-                print(f"\n== GPU stall ({torch.cuda.get_device_name(0)}) ==")
-                for k in ("rewind_async", "torch_save", "dcp_async"):
-                    print(f"  {k:18} {g[k]:8.3f} s")
-                results["gpu"] = g
-                results["gpu_stall_ratio_vs_torch_save"] = g["rewind_async"] / g["torch_save"]
-                results["gpu_stall_ratio_vs_dcp_async"] = g["rewind_async"] / g["dcp_async"]
+                _gpu_stall(results, work, args.gib, args.repeat)
         if "restore" in sections:
             report_restore(results, bench_restore(work, args.gib, args.repeat))
         if "training" in sections:
-            cores = os.cpu_count() or 1
-            threads = [args.train_threads] if args.train_threads else sorted({max(1, cores - 1), cores})
-            runs = [bench_training(work, args.train_steps, n, args.train_runs) for n in threads]
-            other = (  # the persist at the other end of REWIND_PERSIST_PRIORITY, measured beside
-                persist_priority.PersistPriority.NORMAL
-                if persist_priority.configured() is persist_priority.PersistPriority.IDLE
-                else persist_priority.PersistPriority.IDLE
-            )
-            # the alternatives checkpoint at the same interval as the configured persist on all cores
-            same = {"every": int(runs[-1]["every"])}
-            prio = {persist_priority.ENV: other.value}
-            alt = bench_training(work, args.train_steps, threads[-1], args.train_runs, env=prio, **same)
-            runs.append(alt | {"priority_alternative": True})
-            cached = {direct.ENV: "off"}
-            page = bench_training(work, args.train_steps, threads[-1], args.train_runs, env=cached, **same)
-            runs.append(page | {"page_cache_alternative": True})
-            report_training(results, runs)
+            from bench.training import measure_and_report
+
+            measure_and_report(results, work, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("\n== summary (ratios measured in one run) ==")
-    for k in (
-        "stall_ratio_vs_torch_save",
-        "stall_ratio_vs_dcp_async",
-        "persist_ratio_vs_raw_write",
-        "restore_ratio_vs_torch_load",
-        "training_overhead_pct",
-        "training_overhead_all_cores_pct",
-        "training_overhead_all_cores_idle_priority_pct",
-        "training_overhead_all_cores_page_cache_pct",
-        "commit_after_s_all_cores",
-        "commit_after_s_all_cores_idle_priority",
-    ):
+    for k in SUMMARY:
         if k in results:
             print(f"  {k:30} {results[k]:.3f}")
     out.write_text(json.dumps(results, indent=1, default=str) + "\n")

@@ -60,43 +60,10 @@ def tiny_lm(run: str, out: Path) -> list[str]:
     return command(run, out, steps=STEPS, every=EVERY, seed=0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--name", default=f"demo-{time.strftime('%Y%m%d-%H%M%S')}", help="run name")
-    args = p.parse_args(argv)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    os.environ.setdefault("PREFECT_TASKS_DEFAULT_NO_CACHE", "true")
-    # The first start of the ephemeral server migrates its database: give a busy machine time.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+def _protect_until_killed(run: str, work: Path) -> int:
+    """protect-training with the job SIGKILLed inside its step-``KILL_AT`` save; the incident it recorded."""
+    from rewind.flows.training import protect_training, summary
 
-    import torch
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
-    from safetensors.torch import load_file
-
-    from rewind.examples.runner import TrainingProcess
-    from rewind.flows.maintenance import verify_checkpoints
-    from rewind.flows.training import protect_training, recover_training, summary
-    from rewind.infra import config
-    from rewind.infra.catalog import incidents, lineage
-    from rewind.infra.catalog.db import Catalog
-
-    cat = Catalog()
-    work = config.home() / "demo" / args.name
-    run = args.name
-    t0, began = time.monotonic(), datetime.now(UTC)
-    say(f"catalog {cat.safe_url}; checkpoints under {config.checkpoint_root()}")
-
-    say("1/5 reference: 60 uninterrupted steps")
-    ref = TrainingProcess(tiny_lm(f"{run}-reference", work / "reference"), cwd=REPO)
-    if ref.finish(timeout=300) != 0:
-        raise SystemExit(ref.output.text[-2000:])
-
-    say("starting Prefect (ephemeral server unless PREFECT_API_URL is set)")
-    with get_client(sync_client=True) as client:
-        client.hello()
-    say(f"2/5 protect-training flow; the training process will be SIGKILLed inside its step-{KILL_AT} save")
     result: dict = {}
     os.environ["REWIND_FAULT"] = f"kill:save.file_written@{KILL_AT}"  # inherited by the training process only
     flow_thread = threading.Thread(
@@ -110,28 +77,37 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("REWIND_FAULT")  # the relaunch must not crash again
     if "incident_id" not in result:
         raise SystemExit(f"demo: protect-training did not record an incident: {result}")
-    incident_id = result["incident_id"]
-    say(f"protect-training recorded incident {incident_id}: {result}")
+    say(f"protect-training recorded incident {result['incident_id']}: {result}")
+    return int(result["incident_id"])
 
-    run_id = lineage.get_run(cat, run).id
-    newest = lineage.restorable(cat, run_id)[0]
+
+def _flip_a_bit(cat: Any, run: str) -> Path:
+    """One bit of the newest restorable checkpoint's model file flipped; the file."""
+    from rewind.infra.catalog import lineage
+
+    newest = lineage.restorable(cat, lineage.get_run(cat, run).id)[0]
     target = Path(newest.path) / "model.safetensors"
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0x01
     target.write_bytes(bytes(data))
-    say(f"3/5 flipped one bit in {target}")
+    return target
 
-    say("4/5 recover-training (in `rewind serve` the failure event starts it by itself)")
-    recovered = summary(recover_training(incident_id, return_state=True))
-    say_refusal(cat, incident_id)
-    say(f"recover-training: {recovered}")
-    say("5/5 verify-checkpoints (scheduled scrub)")
-    scrub = verify_checkpoints(run=run, return_state=True)
-    say(f"verify-checkpoints: {scrub.type.value}" + (f": {scrub.message}" if scrub.message else ""))
+
+def _same_weights(work: Path) -> bool:
+    import torch
+    from safetensors.torch import load_file
 
     ta = load_file(str(work / "run" / "final.safetensors"))
     tb = load_file(str(work / "reference" / "final.safetensors"))
-    equal = ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    return ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def _report(cat: Any, run: str, incident_id: int, began: datetime) -> None:
+    """The run's checkpoints, the incident's phases, the demo's flow runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterStartTime
+
+    from rewind.infra.catalog import incidents, lineage
 
     print("\n=== Rewind demo report ===")
     rows = lineage.checkpoints(cat, run)
@@ -156,6 +132,54 @@ def main(argv: list[str] | None = None) -> int:
         for fr in sorted(client.read_flow_runs(flow_run_filter=mine), key=lambda r: r.created):
             flow_name = client.read_flow(fr.flow_id).name
             print(f"  {flow_name:20} {fr.name:28} {fr.state.type.value if fr.state else '?'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--name", default=f"demo-{time.strftime('%Y%m%d-%H%M%S')}", help="run name")
+    args = p.parse_args(argv)
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("PREFECT_TASKS_DEFAULT_NO_CACHE", "true")
+    # The first start of the ephemeral server migrates its database: give a busy machine time.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+
+    from prefect.client.orchestration import get_client
+
+    from rewind.examples.runner import TrainingProcess
+    from rewind.flows.maintenance import verify_checkpoints
+    from rewind.flows.training import recover_training, summary
+    from rewind.infra import config
+    from rewind.infra.catalog.db import Catalog
+
+    cat = Catalog()
+    work = config.home() / "demo" / args.name
+    run = args.name
+    t0, began = time.monotonic(), datetime.now(UTC)
+    say(f"catalog {cat.safe_url}; checkpoints under {config.checkpoint_root()}")
+
+    say("1/5 reference: 60 uninterrupted steps")
+    ref = TrainingProcess(tiny_lm(f"{run}-reference", work / "reference"), cwd=REPO)
+    if ref.finish(timeout=300) != 0:
+        raise SystemExit(ref.output.text[-2000:])
+
+    say("starting Prefect (ephemeral server unless PREFECT_API_URL is set)")
+    with get_client(sync_client=True) as client:
+        client.hello()
+    say(f"2/5 protect-training flow; the training process will be SIGKILLed inside its step-{KILL_AT} save")
+    incident_id = _protect_until_killed(run, work)
+    say(f"3/5 flipped one bit in {_flip_a_bit(cat, run)}")
+
+    say("4/5 recover-training (in `rewind serve` the failure event starts it by itself)")
+    recovered = summary(recover_training(incident_id, return_state=True))
+    say_refusal(cat, incident_id)
+    say(f"recover-training: {recovered}")
+    say("5/5 verify-checkpoints (scheduled scrub)")
+    scrub = verify_checkpoints(run=run, return_state=True)
+    say(f"verify-checkpoints: {scrub.type.value}" + (f": {scrub.message}" if scrub.message else ""))
+
+    equal = _same_weights(work)
+    _report(cat, run, incident_id, began)
     print(f"\nfinal weights bit-identical to the uninterrupted run: {equal}")
     print(f"demo took {time.monotonic() - t0:.1f}s")
     return 0 if equal else 1

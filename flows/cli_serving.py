@@ -183,6 +183,27 @@ def _artifact_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--by", help="who triggered this, for the record (default: your user name)")
 
 
+def _rollout_options(ro: argparse.ArgumentParser) -> None:
+    """What a rollout deploys (the artifact), its traffic steps and the gates each step must pass."""
+    _artifact_options(ro)
+    ro.add_argument("--steps", default="10,50,100", help="traffic percentages (default 10,50,100)")
+    ro.add_argument("--bake", type=amount, default=60.0, help="seconds per step")
+    ro.add_argument("--checks", type=count, default=1, help="gate checks per step")
+    ro.add_argument(
+        "--warm",
+        type=amount,
+        default=120.0,
+        help="seconds the old version stays loaded after promotion while the gates keep watching (0: none)",
+    )
+    ro.add_argument("--max-error-rate", type=amount, default=0.05)
+    ro.add_argument("--max-p95-ms", type=amount, default=1000.0)
+    ro.add_argument("--min-quality", type=amount, help="share of probes answered right (needs --probe-set)")
+    ro.add_argument("--probe-set", help="JSON lines {input, expected}")
+    ro.add_argument(
+        "--failure-limit", type=count, default=0, help="failed checks tolerated before rolling back"
+    )
+
+
 def register(
     sub: Any,
     add: Add,
@@ -209,23 +230,7 @@ def register(
         "canary a checkpoint under gates; promote or roll back",
         json_flag=True,
     )
-    _artifact_options(ro)
-    ro.add_argument("--steps", default="10,50,100", help="traffic percentages (default 10,50,100)")
-    ro.add_argument("--bake", type=amount, default=60.0, help="seconds per step")
-    ro.add_argument("--checks", type=count, default=1, help="gate checks per step")
-    ro.add_argument(
-        "--warm",
-        type=amount,
-        default=120.0,
-        help="seconds the old version stays loaded after promotion while the gates keep watching (0: none)",
-    )
-    ro.add_argument("--max-error-rate", type=amount, default=0.05)
-    ro.add_argument("--max-p95-ms", type=amount, default=1000.0)
-    ro.add_argument("--min-quality", type=amount, help="share of probes answered right (needs --probe-set)")
-    ro.add_argument("--probe-set", help="JSON lines {input, expected}")
-    ro.add_argument(
-        "--failure-limit", type=count, default=0, help="failed checks tolerated before rolling back"
-    )
+    _rollout_options(ro)
     rb = add(
         sv, "rollback", wrap(cmd_rollback), "all traffic back to a known-good version, now", json_flag=True
     )

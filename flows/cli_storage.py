@@ -288,13 +288,19 @@ def _register_checkpoint_commands(sub: Any, ck: Any, add: Add, wrap: Wrap) -> No
     pin.add_argument("run")
     pin.add_argument("step", type=step)
     pin.add_argument("--unpin", action="store_true")
-    gc = add(
-        sub,
-        "gc",
-        wrap(cmd_gc),
-        "apply retention to a run: keep the last N verified, every K-th, pinned; reclaim dead copies",
-        json_flag=True,
+    _gc_options(
+        add(
+            sub,
+            "gc",
+            wrap(cmd_gc),
+            "apply retention to a run: keep the last N verified, every K-th, pinned; reclaim dead copies",
+            json_flag=True,
+        )
     )
+
+
+def _gc_options(gc: argparse.ArgumentParser) -> None:
+    """What `rewind gc` keeps (newest N, every K-th within a budget), what it reclaims and when."""
     gc.add_argument("run")
     gc.add_argument("--keep-last", type=count, default=3, help="keep the newest N verified (default: 3)")
     gc.add_argument(

@@ -105,6 +105,11 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 
 def _runs(runs: list[dict[str, Any]]) -> list[Metric]:
+    return _run_checkpoints(runs) + _run_tiers(runs)
+
+
+def _run_checkpoints(runs: list[dict[str, Any]]) -> list[Metric]:
+    """Per run: its newest checkpoints' age and step, the last save's stall, verified checkpoints, RPO."""
     age = GaugeMetricFamily(
         "rewind_checkpoint_age_seconds",
         "age of the run's newest checkpoint: status=verified, the newest verified (the recovery point); "
@@ -131,6 +136,25 @@ def _runs(runs: list[dict[str, Any]]) -> list[Metric]:
     rpo_s = GaugeMetricFamily(
         "rewind_rpo_seconds", "seconds of training since the newest verified checkpoint", labels=["run"]
     )
+    for r in runs:
+        name = r["run"]
+        newest = r["newest_unverified"] or r["newest_verified"]  # the newest committed, either status
+        for status, c in (("verified", r["newest_verified"]), ("committed", newest)):
+            if c is not None:
+                age.add_metric([name, status], max(0.0, c["age_s"]))
+                step.add_metric([name, status], c["step"])
+        if newest is not None and newest.get("save_stall_s") is not None:
+            stall.add_metric([name], newest["save_stall_s"])
+        verified.add_metric([name], r["verified_checkpoints"])
+        if r["rpo"]["steps"] is not None:
+            rpo_steps.add_metric([name], r["rpo"]["steps"])
+        if r["rpo"]["seconds"] is not None:
+            rpo_s.add_metric([name], r["rpo"]["seconds"])
+    return [age, step, stall, verified, rpo_steps, rpo_s]
+
+
+def _run_tiers(runs: list[dict[str, Any]]) -> list[Metric]:
+    """Per run and tier: bytes and copies held, replication lag in seconds and steps."""
     tier_bytes = GaugeMetricFamily(
         "rewind_tier_bytes", "bytes of live copies of the run's verified checkpoints on the tier",
         labels=["run", "tier"],
@@ -148,27 +172,14 @@ def _runs(runs: list[dict[str, Any]]) -> list[Metric]:
         "rewind_replication_lag_steps", "the same lag, in steps", labels=["run", "tier"]
     )
     for r in runs:
-        name = r["run"]
-        newest = r["newest_unverified"] or r["newest_verified"]  # the newest committed, either status
-        for status, c in (("verified", r["newest_verified"]), ("committed", newest)):
-            if c is not None:
-                age.add_metric([name, status], max(0.0, c["age_s"]))
-                step.add_metric([name, status], c["step"])
-        if newest is not None and newest.get("save_stall_s") is not None:
-            stall.add_metric([name], newest["save_stall_s"])
-        verified.add_metric([name], r["verified_checkpoints"])
-        if r["rpo"]["steps"] is not None:
-            rpo_steps.add_metric([name], r["rpo"]["steps"])
-        if r["rpo"]["seconds"] is not None:
-            rpo_s.add_metric([name], r["rpo"]["seconds"])
         for tier, t in r["tiers"].items():
-            tier_bytes.add_metric([name, tier], t["bytes"])
-            tier_copies.add_metric([name, tier], t["copies"])
+            tier_bytes.add_metric([r["run"], tier], t["bytes"])
+            tier_copies.add_metric([r["run"], tier], t["copies"])
             if t["lag_s"] is not None:
-                lag_s.add_metric([name, tier], t["lag_s"])
+                lag_s.add_metric([r["run"], tier], t["lag_s"])
             if t["lag_steps"] is not None:
-                lag_steps.add_metric([name, tier], t["lag_steps"])
-    return [age, step, stall, verified, rpo_steps, rpo_s, tier_bytes, tier_copies, lag_s, lag_steps]
+                lag_steps.add_metric([r["run"], tier], t["lag_steps"])
+    return [tier_bytes, tier_copies, lag_s, lag_steps]
 
 
 def _incidents(kinds: list[incidents.KindTotals], runs: list[dict[str, Any]]) -> list[Metric]:

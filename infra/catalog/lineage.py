@@ -167,16 +167,7 @@ def commit(
             )
         )
         if won != 1:
-            if (
-                writer is not None
-                and s.scalar(select(Checkpoint.status).where(Checkpoint.id == checkpoint_id))
-                == S.WRITING.value
-            ):
-                raise Fenced(
-                    f"checkpoint {checkpoint_id} not committed: {writer} is no longer the run's writer "
-                    "(its launch ended, or another process took the run over)"
-                )
-            raise RewindError(f"checkpoint {checkpoint_id} was no longer 'writing' at commit")
+            raise _not_committed(s, checkpoint_id, writer)
         s.add_all(
             CheckpointFile(
                 checkpoint_id=checkpoint_id, path=f.path, size=f.size, xxh3=f.xxh3, crc32c=f.crc32c
@@ -197,6 +188,17 @@ def commit(
                     bytes=sum(f.size for f in share),
                 )
             )
+
+
+def _not_committed(s: Session, checkpoint_id: int, writer: str | None) -> RewindError:
+    """Why a commit changed nothing: the writer was fenced off (still ``writing``), or it was not writing."""
+    status = s.scalar(select(Checkpoint.status).where(Checkpoint.id == checkpoint_id))
+    if writer is not None and status == S.WRITING.value:
+        return Fenced(
+            f"checkpoint {checkpoint_id} not committed: {writer} is no longer the run's writer "
+            "(its launch ended, or another process took the run over)"
+        )
+    return RewindError(f"checkpoint {checkpoint_id} was no longer 'writing' at commit")
 
 
 def transition(

@@ -36,6 +36,38 @@ def reference_losses(records: list[dict[str, Any]]) -> dict[int, float]:
     return {int(r["step"]): float(r["loss"]) for r in records if "step" in r}
 
 
+def _phases(
+    seconds: dict[str, float | None], *, nothing_to_replay: bool, error: str | None
+) -> dict[str, dict[str, Any]]:
+    """Each phase measured (ok), or the first one unmeasured failed with ``error`` and the rest skipped."""
+    phases: dict[str, dict[str, Any]] = {}
+    broken = False
+    for name in PHASES:
+        s = seconds[name]
+        if s is not None:
+            phases[name] = {"s": round(max(0.0, s), 4), "status": "ok"}
+        elif name == "replay" and seconds["first_step"] is not None and nothing_to_replay:
+            phases[name] = {"s": 0.0, "status": "ok"}
+        elif not broken and error is not None:
+            broken = True
+            phases[name] = {"s": None, "status": "failed", "why": error}
+        else:
+            phases[name] = {"s": None, "status": "skipped" if broken else "not_measured"}
+    return phases
+
+
+def _curve(
+    steps_after: list[dict[str, Any]], reference: dict[int, float]
+) -> tuple[dict[str, list[Any]] | None, float | None]:
+    """The first ``CURVE_STEPS`` losses after the recovery beside the reference's, and the largest gap."""
+    steps = [r["step"] for r in steps_after][:CURVE_STEPS]
+    loss = [float(r["loss"]) for r in steps_after][:CURVE_STEPS]
+    ref = [reference.get(s) for s in steps]
+    devs = [abs(a - b) for a, b in zip(loss, ref, strict=True) if b is not None and a == a]
+    curve = {"steps": steps, "loss": loss, "reference": ref} if steps else None
+    return curve, max(devs) if devs else None
+
+
 def measure(
     incident: Any, log: list[dict[str, Any]], reference: dict[int, float], error: str | None = None
 ) -> dict[str, Any]:
@@ -66,25 +98,10 @@ def measure(
         "first_step": steps_after[0]["t"] - resumed["t"] if resumed and steps_after else None,
         "replay": replay_end["t"] - steps_after[0]["t"] if replay_end and steps_after else None,
     }
-    phases: dict[str, dict[str, Any]] = {}
-    broken = False
-    for name in PHASES:
-        s = seconds[name]
-        if s is not None:
-            phases[name] = {"s": round(max(0.0, s), 4), "status": "ok"}
-        elif name == "replay" and seconds["first_step"] is not None and (last or 0) <= (restored or 0):
-            phases[name] = {"s": 0.0, "status": "ok"}  # nothing to replay
-        elif not broken and error is not None:
-            broken = True
-            phases[name] = {"s": None, "status": "failed", "why": error}
-        else:
-            phases[name] = {"s": None, "status": "skipped" if broken else "not_measured"}
+    phases = _phases(seconds, nothing_to_replay=(last or 0) <= (restored or 0), error=error)
     before = {r["step"]: r["t"] for r in log if "step" in r and r.get("t", 0) <= (died or 0)}
     rpo_s = died - before[restored] if died is not None and restored in before else None
-    curve_steps = [r["step"] for r in steps_after][:CURVE_STEPS]
-    curve_loss = [float(r["loss"]) for r in steps_after][:CURVE_STEPS]
-    ref = [reference.get(s) for s in curve_steps]
-    devs = [abs(a - b) for a, b in zip(curve_loss, ref, strict=True) if b is not None and a == a]
+    curve, deviation = _curve(steps_after, reference)
     return {
         "phases": phases,
         "rto_s": getattr(incident, "rto_s", None),
@@ -92,8 +109,8 @@ def measure(
         if last is not None and restored is not None
         else getattr(incident, "replayed_steps", None),
         "rpo_s": round(rpo_s, 4) if rpo_s is not None else None,
-        "loss_max_deviation": max(devs) if devs else None,
-        "loss_curve": {"steps": curve_steps, "loss": curve_loss, "reference": ref} if curve_steps else None,
+        "loss_max_deviation": deviation,
+        "loss_curve": curve,
         # inside relaunch: from the launch to every rank's process group passing its smoke test
         "topology_rebuild_s": d.get("group_ready_s"),
         "detection": d.get("detection"),  # when each signal told of the failure

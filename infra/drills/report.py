@@ -89,28 +89,30 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def render(drills: list[Any], real_incidents: list[Any]) -> str:
-    """The page: aggregates by kind (drills and real incidents), every drill, each failure located."""
-    rows = []
-    for d in drills:
-        phases = " ".join(
-            f"{n}={_fmt((d.phases.get(n) or {}).get('s'))}"
-            + ("" if (d.phases.get(n) or {}).get("status") in ("ok", None) else f"[{d.phases[n]['status']}]")
-            for n in ALL_PHASES
-            if d.phases.get(n)
-        )
-        traffic = (d.details or {}).get("traffic")
-        if traffic:  # a serving drill: what its clients saw through the fault
-            phases += f" requests={traffic['requests']} failed={traffic['failed']}"
-            if (d.details or {}).get("bad_version_answers") is not None:
-                phases += f" answered_by_bad_version={d.details['bad_version_answers']}"
-        rows.append(
-            f"<tr class='{d.outcome}'><td>{d.id}</td><td>{html.escape(d.scenario)}</td><td>{d.failure_kind}</td>"
-            f"<td>{d.started_at:%Y-%m-%d %H:%M:%S}</td><td>{d.outcome}</td><td>{_fmt(d.rto_s)}</td>"
-            f"<td>{_fmt((d.slo or {}).get('rto_s'), 0)}</td><td>{_fmt(d.rpo_steps)}</td><td>{_fmt(d.rpo_s)}</td>"
-            f"<td>{_fmt(d.loss_max_deviation, 6)}</td><td>{_fmt(d.failed_phase)}</td>"
-            f"<td>{_fmt(d.reason)}</td><td class='ph'>{html.escape(phases)}</td><td>{_fmt(d.seed)}</td></tr>"
-        )
+def _drill_row(d: Any) -> str:
+    """One drill: its measures, each phase's seconds (and status when not ok), what its clients saw."""
+    phases = " ".join(
+        f"{n}={_fmt((d.phases.get(n) or {}).get('s'))}"
+        + ("" if (d.phases.get(n) or {}).get("status") in ("ok", None) else f"[{d.phases[n]['status']}]")
+        for n in ALL_PHASES
+        if d.phases.get(n)
+    )
+    traffic = (d.details or {}).get("traffic")
+    if traffic:  # a serving drill: what its clients saw through the fault
+        phases += f" requests={traffic['requests']} failed={traffic['failed']}"
+        if (d.details or {}).get("bad_version_answers") is not None:
+            phases += f" answered_by_bad_version={d.details['bad_version_answers']}"
+    return (
+        f"<tr class='{d.outcome}'><td>{d.id}</td><td>{html.escape(d.scenario)}</td><td>{d.failure_kind}</td>"
+        f"<td>{d.started_at:%Y-%m-%d %H:%M:%S}</td><td>{d.outcome}</td><td>{_fmt(d.rto_s)}</td>"
+        f"<td>{_fmt((d.slo or {}).get('rto_s'), 0)}</td><td>{_fmt(d.rpo_steps)}</td><td>{_fmt(d.rpo_s)}</td>"
+        f"<td>{_fmt(d.loss_max_deviation, 6)}</td><td>{_fmt(d.failed_phase)}</td>"
+        f"<td>{_fmt(d.reason)}</td><td class='ph'>{html.escape(phases)}</td><td>{_fmt(d.seed)}</td></tr>"
+    )
+
+
+def _kind_rows(drills: list[Any], real_incidents: list[Any]) -> list[str]:
+    """Per failure kind: drills passed, incidents resolved, RTO p50/p95, steps replayed (skipped drills left out)."""
     kinds: dict[str, dict[str, list[Any]]] = defaultdict(lambda: {"drills": [], "incidents": []})
     for d in drills:
         if d.outcome != "skipped":
@@ -129,6 +131,13 @@ def render(drills: list[Any], real_incidents: list[Any]) -> str:
             f"<td>{resolved}/{len(incs) or '-'}</td><td>{_fmt(statistics.median(rtos) if rtos else None)}</td>"
             f"<td>{_fmt(_pct(rtos, 0.95))}</td><td>{replayed}</td></tr>"
         )
+    return agg
+
+
+def render(drills: list[Any], real_incidents: list[Any]) -> str:
+    """The page: aggregates by kind (drills and real incidents), every drill, each failure located."""
+    rows = [_drill_row(d) for d in drills]
+    agg = _kind_rows(drills, real_incidents)
     plots = "".join(f"<h2>{html.escape(t)}</h2>{img}" for t, img in _plots(drills))
     now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     return f"""<!doctype html>

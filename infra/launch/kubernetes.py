@@ -117,19 +117,13 @@ def jobset_manifest(
     nodes = spec.nnodes if spec.distributed else 1
     name, run_label = names(run, nnodes=nodes, launch_id=launch_id)
     secret = name if secret is None else secret
-    host = (
-        f"{name}-{NODE_JOB}-0-0.{name}.{namespace}.svc.{cluster_domain}"  # resolves on pod 0 from /etc/hosts
-    )
-    if spec.distributed:
-        rdzv_id = run if launch_id is None else f"{run}-{launch_id}"
-        command = _in_image(agent_command(spec, endpoint=f"{host}:{rdzv_port}", rdzv_id=rdzv_id), spec)
-    else:
-        command = _in_image(process_command(spec), spec)
     env, keys = _env(spec, secret=secret, checkpoint_mount=checkpoint_mount if checkpoint_pvc else None,
                      env_from_secret=env_from_secret)  # fmt: skip
     labels = {MANAGED_BY: "rewind", LABEL_RUN: run_label}
     if launch_id is not None:
         labels[LABEL_LAUNCH] = str(launch_id)
+    command = _command(spec, run=run, name=name, namespace=namespace, launch_id=launch_id, rdzv_port=rdzv_port,
+                       cluster_domain=cluster_domain)  # fmt: skip
     container: dict[str, Any] = {"name": NODE_JOB, "image": image, "command": command, "env": env}
     workdir = spec.cwd if working_dir is None else working_dir
     if workdir:
@@ -138,6 +132,32 @@ def jobset_manifest(
         container["ports"] = [{"name": "rdzv", "containerPort": rdzv_port, "protocol": "TCP"}]
     pod = _pod(container, gpus_per_node=gpus_per_node, service_account=service_account,
                checkpoint_pvc=checkpoint_pvc, checkpoint_mount=checkpoint_mount)  # fmt: skip
+    metadata = {
+        "name": name,
+        "namespace": namespace,
+        "labels": labels,
+        "annotations": {ANNOTATION_RUN: run, ANNOTATION_SECRET: secret, ANNOTATION_KEYS: ",".join(keys)},
+    }
+    return _jobset(metadata, pod, nodes=nodes)
+
+
+def _command(
+    spec: JobSpec, *, run: str, name: str, namespace: str, launch_id: int | None, rdzv_port: int,
+    cluster_domain: str,
+) -> list[str]:  # fmt: skip
+    """The container's command: every pod's torchrun agent meets on pod 0's stable name, or the one process."""
+    if not spec.distributed:
+        return _in_image(process_command(spec), spec)
+    host = (
+        f"{name}-{NODE_JOB}-0-0.{name}.{namespace}.svc.{cluster_domain}"  # resolves on pod 0 from /etc/hosts
+    )
+    rdzv_id = run if launch_id is None else f"{run}-{launch_id}"
+    return _in_image(agent_command(spec, endpoint=f"{host}:{rdzv_port}", rdzv_id=rdzv_id), spec)
+
+
+def _jobset(metadata: dict[str, Any], pod: dict[str, Any], *, nodes: int) -> dict[str, Any]:
+    """One replicated job of ``nodes`` indexed pods, none restarted by Kubernetes (Rewind relaunches)."""
+    labels = metadata["labels"]
     job = {
         "completionMode": "Indexed",
         "completions": nodes,
@@ -148,15 +168,14 @@ def jobset_manifest(
     return {
         "apiVersion": API_VERSION,
         "kind": KIND,
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": labels,
-            "annotations": {ANNOTATION_RUN: run, ANNOTATION_SECRET: secret, ANNOTATION_KEYS: ",".join(keys)},
-        },
+        "metadata": metadata,
         "spec": {
             "failurePolicy": {"maxRestarts": 0},
-            "network": {"enableDNSHostnames": True, "subdomain": name, "publishNotReadyAddresses": True},
+            "network": {
+                "enableDNSHostnames": True,
+                "subdomain": metadata["name"],
+                "publishNotReadyAddresses": True,
+            },
             "replicatedJobs": [
                 {
                     "name": NODE_JOB,

@@ -241,6 +241,16 @@ class _Watch:
             return min(at, seen.last_progress_at)
         return at
 
+    @staticmethod
+    def _lost_node(sup: Supervisor, failed: Observation | None, stop: Observation | None) -> int | None:
+        """The node taken for lost: the first host the scheduler reported gone (its word beats an exit
+        code), else the node of a multi-node job whose agent a signal killed (not Rewind's stop)."""
+        if sup.lost_hosts:
+            return min(sup.lost_hosts.values())
+        if failed is not None and failed.detail["exit_code"] < 0 and sup.spec.nnodes > 1 and stop is None:
+            return int(failed.detail["node"])
+        return None
+
     def outcome(self, sup: Supervisor, code: int, launch_id: int) -> Outcome:
         if self.beside.pending:
             self.notify.log(
@@ -254,17 +264,12 @@ class _Watch:
         started = self.first_step_at is not None or observe.first_step(ranks) is not None
         failed, stop = first_failure(self.exits), self.stop
         ended = stop or failed  # Rewind's own stop comes after what it saw
-        killed = (
-            failed is not None and failed.detail["exit_code"] < 0 and sup.spec.nnodes > 1 and stop is None
-        )
-        lost_node = failed.detail["node"] if killed and failed is not None else None
-        if sup.lost_hosts:  # the scheduler's word beats an exit code: the first host it reported gone
-            lost_node = min(sup.lost_hosts.values())
         anomaly = stop is not None and stop.kind is Seen.ANOMALY
         restore = next((r.detail["restore_failed"] for r in ranks if r.detail.get("restore_failed")), None)
         broken = [r for r in ranks if r.detail.get("group_failed")]  # the first to fail is the cause
         group = min(broken, key=lambda r: r.beat_at).detail["group_failed"] if broken else None
         seen = self._detection(sup, ranks)
+        gpu = stop if stop is not None and stop.kind is Seen.GPU else None
         out = Outcome(
             run=self.run,
             launch_id=launch_id,
@@ -280,14 +285,12 @@ class _Watch:
             bad_step=stop.step if anomaly and stop is not None else None,
             anomaly=stop.detail.get("reason") if stop is not None else None,
             anomaly_position=stop.detail.get("position") if stop is not None else None,
-            lost_node=lost_node,
+            lost_node=self._lost_node(sup, failed, stop),
             lost_hosts=tuple(sorted(sup.lost_hosts)),
             hosts=sup.placement.hosts if sup.placement is not None else (),
             log_dir=str(sup.log_dir) if sup.log_dir else None,
-            sick_gpus=tuple(stop.detail.get("sick_gpus") or ())
-            if stop is not None and stop.kind is Seen.GPU
-            else (),
-            gpus=tuple(stop.detail.get("gpus") or ()) if stop is not None and stop.kind is Seen.GPU else (),
+            sick_gpus=tuple(gpu.detail.get("sick_gpus") or ()) if gpu is not None else (),
+            gpus=tuple(gpu.detail.get("gpus") or ()) if gpu is not None else (),
             verified_step=self.verified_step,
             restore_failed=str(restore["reason"]) if restore is not None else None,
             group_failed=str(group["reason"]) if group is not None else None,

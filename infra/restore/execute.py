@@ -232,11 +232,7 @@ def _try(
                 copies.settle(cat, cand.checkpoint_id)
             return opened, value, copy
         _drop(opened)
-        if opened is None or opened.local_replica_id is None:  # the copy itself failed (or its download did)
-            where = Path(copy.uri) if copy.local else None
-            detail = _fail(cat, copy.replica_id, where, verdict, findings, plan.root, copy.tier)
-        else:  # the local directory it produced failed while being loaded
-            detail = _fail(cat, opened.local_replica_id, opened.directory, verdict, findings, plan.root)
+        detail = _failed_copy(cat, plan, copy, opened, verdict, findings)
         tried.append(f"{copy.tier} {verdict.value} ({detail})")
         verdicts.append(verdict)
         found += [f for f in findings if f.fatal]
@@ -244,14 +240,28 @@ def _try(
             "step %d: %s copy at %s: %s: %s", cand.step, copy.tier, copy.where(), verdict.value, detail
         )
     copies.settle(cat, cand.checkpoint_id)
-    outcome = _outcome(verdicts, shares)
     away = (
         f"no copy here: its local copy is on a disk of host {', '.join(cand.elsewhere)} not seen here"
         if cand.elsewhere
         else ""
     )
     reason = "; ".join(tried + ([away] if away else [])) or "no copy left"
-    return Skip(cand.step, cand.checkpoint_id, outcome, reason, tuple(found))
+    return Skip(cand.step, cand.checkpoint_id, _outcome(verdicts, shares), reason, tuple(found))
+
+
+def _failed_copy(
+    cat: Catalog,
+    plan: RestorePlan,
+    copy: Copy,
+    opened: _Opened | None,
+    verdict: Verdict,
+    findings: list[Finding],
+) -> str:
+    """Record what failed: the copy itself (or its download), or the local directory it produced."""
+    if opened is None or opened.local_replica_id is None:
+        where = Path(copy.uri) if copy.local else None
+        return _fail(cat, copy.replica_id, where, verdict, findings, plan.root, copy.tier)
+    return _fail(cat, opened.local_replica_id, opened.directory, verdict, findings, plan.root)
 
 
 def _outcome(verdicts: list[Verdict], shares: int) -> SkipOutcome:

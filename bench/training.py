@@ -1,0 +1,183 @@
+"""Training overhead: a 51M-parameter job on the CPU with and without a background save per interval.
+
+Run by ``python -m bench.run --sections training``. The interval is chosen so that the persist is about 10%
+of it; on all cores the other persist priority and the page cache (``REWIND_DIRECT_WRITES=off``) are measured
+beside at the same interval. Each interval with a save includes its whole persist.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from bench.run import median, timed
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint import priority as persist_priority
+from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
+from rewind.infra.format import direct
+
+
+def _tiny_job(threads: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Callable[[], None]]:
+    """A 51M-parameter TinyLM with AdamW on ``threads`` torch threads, warmed up; its step."""
+    from rewind.examples.tiny_lm_model import TinyLM
+
+    torch.manual_seed(0)
+    torch.set_num_threads(threads)
+    model = TinyLM(vocab=256, block=64, dim=512, layers=16, heads=8, dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 256, (4, 64))
+
+    def step() -> None:
+        loss = torch.nn.functional.cross_entropy(model(x).view(-1, 256), x.view(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        step()
+    return model, opt, step
+
+
+def _intervals(
+    ck: Checkpointer, step: Callable[[], None], *, every: int, runs: int
+) -> tuple[list[float], list[float], list[float]]:
+    """``runs`` pairs of intervals of ``every`` steps, alternating: without a save, then with one at its first
+    step (the whole persist inside the interval); and how long after ``save()`` each commit was seen."""
+    with_ck: list[float] = []
+    without: list[float] = []
+    commit_after: list[float] = []  # from save() to the commit, while the job trains
+    for r in range(runs):
+        t0 = time.perf_counter()
+        for _ in range(every):
+            step()
+        without.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        committed_s = None
+        for i in range(every):
+            step()
+            if i == 0:
+                ck.save(r * every + 2)
+                saved_at = time.perf_counter()
+            elif committed_s is None and ck.last_saved is not None and ck.last_saved.step == r * every + 2:
+                committed_s = time.perf_counter() - saved_at  # seen at a step's end: within a step
+        ck.wait()  # the interval includes the whole persist: no save is left running
+        with_ck.append(time.perf_counter() - t0)
+        commit_after.append(committed_s if committed_s is not None else time.perf_counter() - saved_at)
+    return without, with_ck, commit_after
+
+
+def bench_training(
+    work: Path,
+    steps: int,
+    threads: int,
+    runs: int,
+    *,
+    env: dict[str, str] | None = None,
+    every: int | None = None,
+) -> dict[str, float | str]:
+    """``env``: settings for this measurement alone (REWIND_PERSIST_PRIORITY, REWIND_DIRECT_WRITES);
+    ``every``: checkpoint every so many steps (default: the persist ~10% of the interval)."""
+    if env:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            return bench_training(work, steps, threads, runs, every=every)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None)
+                if v is not None:
+                    os.environ[k] = v
+    model, opt, step = _tiny_job(threads)
+    params = sum(p.numel() for p in model.parameters())
+    cat = Catalog(f"sqlite:///{work / 'train.db'}")
+    ck = Checkpointer(
+        "bench-train",
+        states={"model": model, "optimizer": opt},
+        root=work / "tck",
+        catalog=cat,
+        mode=SaveMode.ASYNC,
+    )
+    ck.save(0)  # the first save allocates the staging buffer (faults in a copy of the state): not timed
+    ck.wait()
+    t0 = time.perf_counter()
+    ck.save(1)
+    ck.wait()
+    persist = time.perf_counter() - t0  # a save as every later one is: the interval is ~10 times it
+    base = [timed(step) for _ in range(steps)]
+    step_s = median(base)
+    every = every or max(1, math.ceil(10 * persist / step_s))  # persist is ~10% of the interval
+    without, with_ck, commit_after = _intervals(ck, step, every=every, runs=runs)
+    ck.close()
+    return {
+        "params_m": params / 1e6,
+        "threads": threads,
+        "runs": runs,
+        "step_s": step_s,
+        "persist_s": persist,
+        "every": every,
+        "interval_without_s": median(without),
+        "interval_with_s": median(with_ck),
+        "commit_after_s": median(commit_after),
+        "persist_priority": persist_priority.configured().value,
+        "direct_writes": direct.wanted(),
+    }
+
+
+def report_training(results: dict, runs: list[dict]) -> None:
+    """The headline leaves one core to the persist thread; the all-cores figure is reported beside it."""
+    for t in runs:
+        overhead = 100 * (t["interval_with_s"] / t["interval_without_s"] - 1)
+        t["overhead_pct"] = overhead
+        share = 100 * t["persist_s"] / (t["every"] * t["step_s"])
+        print(
+            f"\n== training overhead: {t['params_m']:.0f}M-param model, {t['threads']} torch thread(s) of "
+            f"{os.cpu_count()} cores, checkpoint every {t['every']} steps, median of {t['runs']} intervals =="
+        )
+        print(f"  step {t['step_s']:.3f} s, persist {t['persist_s']:.3f} s ({share:.0f}% of the interval)")
+        print(
+            f"  persist at priority {t['persist_priority']}: committed {t['commit_after_s']:.2f} s after save() "
+            "while the job trained"
+        )
+        print(
+            f"  interval without checkpoint {t['interval_without_s']:.2f} s, with {t['interval_with_s']:.2f} s: "
+            f"overhead {overhead:.1f}%"
+        )
+    results["training"] = runs
+    results["training_overhead_pct"] = runs[0]["overhead_pct"]
+    for t in runs[1:]:
+        if t.get("page_cache_alternative"):  # the persist's files written through the page cache
+            results["training_overhead_all_cores_page_cache_pct"] = t["overhead_pct"]
+            results["commit_after_s_all_cores_page_cache"] = t["commit_after_s"]
+        elif t.get("priority_alternative"):  # e.g. training_overhead_all_cores_idle_priority_pct
+            results[f"training_overhead_all_cores_{t['persist_priority']}_priority_pct"] = t["overhead_pct"]
+            results[f"commit_after_s_all_cores_{t['persist_priority']}_priority"] = t["commit_after_s"]
+        else:
+            results["training_overhead_all_cores_pct"] = t["overhead_pct"]
+            results["commit_after_s_all_cores"] = t["commit_after_s"]
+
+
+def measure_and_report(results: dict, work: Path, args: argparse.Namespace) -> None:
+    """The job with and without saves; on all cores also the other persist priority and the page cache,
+    each at the same checkpoint interval as the configured persist."""
+    cores = os.cpu_count() or 1
+    threads = [args.train_threads] if args.train_threads else sorted({max(1, cores - 1), cores})
+    runs = [bench_training(work, args.train_steps, n, args.train_runs) for n in threads]
+    other = (  # the persist at the other end of REWIND_PERSIST_PRIORITY, measured beside
+        persist_priority.PersistPriority.NORMAL
+        if persist_priority.configured() is persist_priority.PersistPriority.IDLE
+        else persist_priority.PersistPriority.IDLE
+    )
+    same = {"every": int(runs[-1]["every"])}
+    prio = {persist_priority.ENV: other.value}
+    alt = bench_training(work, args.train_steps, threads[-1], args.train_runs, env=prio, **same)
+    runs.append(alt | {"priority_alternative": True})
+    cached = {direct.ENV: "off"}
+    page = bench_training(work, args.train_steps, threads[-1], args.train_runs, env=cached, **same)
+    runs.append(page | {"page_cache_alternative": True})
+    report_training(results, runs)
