@@ -2,7 +2,9 @@
 
 The buffer is allocated once (pinned when CUDA is present) and reused while the
 set of tensors keeps its shapes and dtypes, so the extra memory is bounded by one
-copy of the state. For CUDA tensors the copies run on a side stream: the CPU
+copy of the state (and a page per part). Each part's tensors lie as they will in its
+file (``tensorfile.file_order``, back to back, from a page boundary), so the direct
+writer sends them to the disk from the buffer itself, without copying them again. For CUDA tensors the copies run on a side stream: the CPU
 does not wait for them; the training stream waits (on the GPU) before its next
 kernel, and the writer waits for the copy-done event before reading the buffer.
 """
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rewind.infra.format import tensorfile
+
 Parts = Mapping[str, Mapping[str, torch.Tensor]]
 
 
@@ -22,8 +26,23 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _align(n: int) -> int:
-    return (n + 63) // 64 * 64
+def _page(n: int) -> int:
+    return -(-n // tensorfile.PAGE) * tensorfile.PAGE
+
+
+def _places(parts: Parts) -> tuple[dict[tuple[str, str], int], int]:
+    """Where each non-empty tensor goes in the buffer, and the bytes it needs: each part from a page
+    boundary, its tensors back to back in file order (each aligned to its element size, as in the file)."""
+    at: dict[tuple[str, str], int] = {}
+    end = 0
+    for part, tensors in parts.items():
+        end = _page(end)
+        for name in tensorfile.file_order(tensors):
+            n = _nbytes(tensors[name])
+            if n:
+                at[part, name] = end
+                end += n
+    return at, end
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +60,7 @@ class Staged:
 class StagingBuffer:
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
+        self._at: dict[tuple[str, str], int] = {}
         self._signature: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
 
@@ -52,10 +72,12 @@ class StagingBuffer:
         sig = tuple((p, n, t.dtype, tuple(t.shape)) for p, ts in parts.items() for n, t in ts.items())
         if sig == self._signature and self._buf is not None:
             return self._buf
-        total = sum(_align(_nbytes(t)) for ts in parts.values() for t in ts.values())
+        self._at, total = _places(parts)
         pin = torch.cuda.is_available()
         self._buf = None  # free the old one first: never hold two copies
-        self._buf = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+        whole = torch.empty(total + tensorfile.PAGE, dtype=torch.uint8, pin_memory=pin)
+        start = -whole.data_ptr() % tensorfile.PAGE  # the first part on a page boundary, like the rest
+        self._buf = whole[start : start + max(total, 1)]
         self._signature = sig
         return self._buf
 
@@ -67,7 +89,6 @@ class StagingBuffer:
         if on_gpu and self._stream is None:
             self._stream = torch.cuda.Stream()
         out: dict[str, dict[str, torch.Tensor]] = {}
-        offset = 0
         ctx = torch.cuda.stream(self._stream) if on_gpu else contextlib.nullcontext()
         if on_gpu and self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream())  # see the latest values
@@ -76,15 +97,12 @@ class StagingBuffer:
                 staged: dict[str, torch.Tensor] = {}
                 for name, t in tensors.items():
                     n = _nbytes(t)
-                    dst = (
-                        buf[offset : offset + n].view(t.dtype).view(t.shape)
-                        if n
-                        else torch.empty(t.shape, dtype=t.dtype)
-                    )
-                    if n:
-                        dst.copy_(t.detach(), non_blocking=t.is_cuda)
-                    staged[name] = dst
-                    offset += _align(n)
+                    if not n:
+                        staged[name] = torch.empty(t.shape, dtype=t.dtype)
+                        continue
+                    at = self._at[part, name]
+                    staged[name] = buf[at : at + n].view(t.dtype).view(t.shape)
+                    staged[name].copy_(t.detach(), non_blocking=t.is_cuda)
                 out[part] = staged
         if on_gpu:
             event = torch.cuda.Event()

@@ -13,6 +13,7 @@ filesystems: when asked, or at a write), the rest of the file goes through the p
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -28,6 +29,7 @@ BLOCK = 16 << 20
 ENV = "REWIND_DIRECT_WRITES"
 REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}  # the filesystem takes no direct writes
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file goes through the page cache
+STRAIGHT_FROM = 1 << 20  # a write this large goes to the disk from where it lies, when it can
 KEEP = 2  # buffers kept for the next file; more, made for files written at the same time, are unmapped
 
 _lock = threading.Lock()
@@ -42,6 +44,19 @@ def wanted() -> bool:
     if raw not in ("auto", "off"):
         raise ConfigError(f"{ENV}: {raw!r} is not auto or off")
     return raw == "auto" and bool(_O_DIRECT)
+
+
+def _address(view: memoryview) -> int | None:
+    """Where ``view``'s bytes lie (None for a read-only buffer: ctypes will not say)."""
+    if view.readonly:
+        return None
+    try:
+        probe = ctypes.c_char.from_buffer(view)
+    except (TypeError, ValueError):
+        return None
+    addr = ctypes.addressof(probe)
+    del probe  # lets the view go: it is released when the write ends
+    return addr
 
 
 def _take() -> mmap.mmap:
@@ -107,7 +122,7 @@ class NewFile:
     def write(self, data: bytes | bytearray | memoryview) -> int:
         with memoryview(data) as whole, whole.cast("B") as src:
             n = len(src)
-            at = 0
+            at = self._straight(src) if self.direct and n >= STRAIGHT_FROM else 0
             while at < n:
                 take = min(n - at, BLOCK - self._pos)
                 self._view[self._pos : self._pos + take] = src[at : at + take]
@@ -115,45 +130,71 @@ class NewFile:
                 at += take
                 if self._pos == BLOCK:
                     self._drain(0, BLOCK)
-                    self._pos = 0
         self.size += n
         return n
 
+    def _straight(self, src: memoryview) -> int:
+        """When ``src`` lies at an address its bytes take in the file (modulo ``ALIGN``), its whole blocks
+        go to the disk from where they are, not through the buffer (the bytes before the first boundary
+        do, after what the buffer held). How many bytes of ``src`` are written or buffered."""
+        addr = _address(src)
+        if addr is None or (addr - self._pos) % ALIGN:
+            return 0
+        head = -self._pos % ALIGN  # the buffer starts on a boundary: this many bytes bring it to the next
+        self._view[self._pos : self._pos + head] = src[:head]
+        self._pos += head
+        self._drain(0, self._pos)
+        end = head + (len(src) - head) // ALIGN * ALIGN
+        if not self.direct:  # refused while the buffer went out: the rest through the buffer
+            return head
+        with src[head:end] as blocks:
+            self._send(blocks)
+        return end
+
     def _drain(self, start: int, end: int) -> None:
-        """The buffer's bytes ``start:end`` out: directly (whole blocks), or through the page cache once the
-        filesystem refused a direct write (a refused write writes nothing and leaves the offset)."""
+        """The buffer's bytes ``start:end`` out, and the buffer empty."""
+        with self._view[start:end] as part:
+            self._send(part)
+        self._pos = 0
+
+    def _send(self, data: memoryview) -> None:
+        """``data`` out: directly (whole blocks from a page-aligned address), or through the page cache once
+        the filesystem refused a direct write (a refused write writes nothing and leaves the offset)."""
         try:
-            self._write_all(start, end)
+            self._write_all(data)
         except OSError as exc:
             if exc.errno not in REFUSED or not self.direct:
                 raise
             self._buffered()
-            self._write_all(start, end)
+            self._write_all(data)
 
     def _buffered(self) -> None:
         fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
         self.direct = False
 
-    def _write_all(self, start: int, end: int) -> None:
-        done = start
-        while done < end:
-            with self._view[done:end] as part:
+    def _write_all(self, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            with data[done:] as part:
                 n = os.write(self._fd, part)
             if n <= 0:
                 raise OSError(errno.EIO, "the filesystem took no bytes")
             done += n
-            if done < end and self.direct:
-                self._buffered()  # a short direct write leaves an unaligned rest: finish through the cache
+            if done < len(data) and self.direct and n % ALIGN:
+                self._buffered()  # a short direct write left an unaligned rest: finish through the cache
 
     def close(self) -> None:
         """The rest out (its whole blocks directly, the last piece through the page cache), synced, closed."""
         try:
-            whole = self._pos // ALIGN * ALIGN if self.direct else self._pos
+            pos = self._pos
+            whole = pos // ALIGN * ALIGN if self.direct else pos
             if whole:
-                self._drain(0, whole)
-            if self._pos > whole:  # the last piece, not a whole block: through the page cache
+                with self._view[0:whole] as part:
+                    self._send(part)
+            if pos > whole:  # the last piece, not a whole block: through the page cache
                 self._buffered()
-                self._write_all(whole, self._pos)
+                with self._view[whole:pos] as part:
+                    self._write_all(part)
             self._pos = 0
             os.fsync(self._fd)
         finally:

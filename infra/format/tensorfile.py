@@ -4,7 +4,11 @@ The layout is plain safetensors, so any tool can open ``model.safetensors``; we
 write and read it ourselves to hash while writing, and to read each file once,
 hashing it, with every tensor landing directly in storage of its own. Tensors are
 written ordered by element size, largest first, so every tensor starts at an
-offset aligned to its element size.
+offset aligned to its element size. A file of at least ``PAGE_FROM`` bytes of tensors
+has its header padded with spaces (as safetensors allows) so that its tensors start
+on a ``PAGE`` boundary: tensors staged in that order from a page-aligned address
+(``rewind.infra.checkpoint.staging``) then lie at the addresses their bytes take in
+the file, and a direct writer sends them to the disk from where they are.
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ _DTYPES: dict[torch.dtype, str] = {
 }
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _MAX_DIM = 1 << 40  # no real dimension is larger; an empty tensor could otherwise claim any shape
+PAGE = 4096  # the tensors of a large file start on such a boundary
+PAGE_FROM = 1 << 20  # from this many bytes of tensors; a smaller file is not made 4 KiB longer
+
+
+def file_order(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The order tensors take in a file: element size, largest first (so each is aligned to its own), then name."""
+    return sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
 
 
 def dtype_name(name: str, dtype: torch.dtype) -> str:
@@ -85,7 +96,7 @@ def layout(
     for name, t in tensors.items():
         if t.dtype not in _DTYPES:
             raise ConfigError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
-    order = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))
+    order = file_order(tensors)
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -100,7 +111,7 @@ def layout(
         }
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(len(raw) + 8) % 8)
+    raw += b" " * (-(len(raw) + 8) % (PAGE if offset >= PAGE_FROM else 8))
     return struct.pack("<Q", len(raw)) + raw, order
 
 
@@ -110,11 +121,38 @@ def write(
     """Stream CPU tensors to ``out`` (any object with ``write``)."""
     head, order = layout(tensors, metadata)
     out.write(head)
+    run: list[torch.Tensor] = []  # tensors that lie back to back in one storage: written as one span
     for name in order:
         t = tensors[name]
         if t.device.type != "cpu" or not t.is_contiguous():
             t = t.detach().to("cpu").contiguous()
-        out.write(byte_view(t))
+        if t.numel() == 0:
+            continue
+        if run and not _follows(run[-1], t):
+            out.write(_span(run))
+            run = []
+        run.append(t)
+    if run:
+        out.write(_span(run))
+
+
+def _follows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``b``'s bytes start where ``a``'s end, in the same storage."""
+    return (
+        a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+        and a.data_ptr() + a.numel() * a.element_size() == b.data_ptr()
+    )
+
+
+def _span(run: list[torch.Tensor]) -> memoryview:
+    """The bytes of tensors that lie back to back (``_follows``), as one view: one write, not one per tensor."""
+    if len(run) == 1:
+        return byte_view(run[0])
+    first, last = run[0], run[-1]
+    nbytes = last.data_ptr() + last.numel() * last.element_size() - first.data_ptr()
+    start = first.data_ptr() - first.untyped_storage().data_ptr()
+    whole = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage(), start, (nbytes,), (1,))
+    return byte_view(whole)
 
 
 @dataclass(frozen=True, slots=True)
