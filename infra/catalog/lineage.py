@@ -192,8 +192,10 @@ def commit(
 
 def _not_committed(s: Session, checkpoint_id: int, writer: str | None) -> RewindError:
     """Why a commit changed nothing: the writer was fenced off (still ``writing``), or it was not writing."""
-    status = s.scalar(select(Checkpoint.status).where(Checkpoint.id == checkpoint_id))
-    if writer is not None and status == S.WRITING.value:
+    if (
+        writer is not None
+        and s.scalar(select(Checkpoint.status).where(Checkpoint.id == checkpoint_id)) == S.WRITING.value
+    ):
         return Fenced(
             f"checkpoint {checkpoint_id} not committed: {writer} is no longer the run's writer "
             "(its launch ended, or another process took the run over)"

@@ -2,9 +2,10 @@
 cycles as it can: the kernel neither copies the bytes into its cache nor writes them back later, and the
 job's own memory is not reclaimed to make room for them.
 
-Bytes go through a page-aligned buffer (``BLOCK``) and out in whole blocks; buffers are kept for the
-next file (at most ``KEEP``: a save's next file does not fault fresh pages in) and are never inherited by a
-forked child (a child takes new ones); the last part that is not a whole number of ``ALIGN`` blocks goes through
+Bytes go through a page-aligned buffer (``BLOCK``) and out in whole blocks, or, for a large source that
+lies at the address its bytes take in the file (staged tensors), straight from where it lies. Buffers are
+kept for the next file (at most ``KEEP``: a save's next file does not fault fresh pages in); a forked child
+never shares their pages (it gets zeros there, or on an older kernel nothing). The last part that is not a whole number of ``ALIGN`` blocks goes through
 the page cache, so the file is never longer than its bytes and a small file is never written directly.
 Where the filesystem refuses direct writes (tmpfs before Linux 6.6, ramfs, some network or FUSE
 filesystems: when asked, or at a write), the rest of the file goes through the page cache.
@@ -18,6 +19,7 @@ import errno
 import fcntl
 import mmap
 import os
+import sys
 import threading
 from pathlib import Path
 from types import TracebackType
@@ -32,9 +34,12 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file goes throu
 STRAIGHT_FROM = 1 << 20  # a write this large goes to the disk from where it lies, when it can
 KEEP = 2  # buffers kept for the next file; more, made for files written at the same time, are unmapped
 
+_LINUX = sys.platform.startswith("linux")
+_MADV_WIPEONFORK = 18  # Linux 4.14+ (Python 3.11's mmap does not name it): a forked child gets zeros there
+
 _lock = threading.Lock()
 _free: list[mmap.mmap] = []
-_unmapped: list[mmap.mmap] = []  # a forked child's copies of its parent's buffers: never used, never closed
+_not_inherited = False  # buffers made MADV_DONTFORK (a kernel without WIPEONFORK): absent in a forked child
 
 
 def wanted() -> bool:
@@ -60,13 +65,19 @@ def _address(view: memoryview) -> int | None:
 
 
 def _take() -> mmap.mmap:
-    """A page-aligned buffer of ``BLOCK`` bytes: a kept one, or a new private one not inherited by a fork."""
+    """A page-aligned buffer of ``BLOCK`` bytes: a kept one, or a new private one whose pages a forked child
+    does not share (an ``O_DIRECT`` write in flight at a fork must not meet a copy-on-write page)."""
+    global _not_inherited
     with _lock:
         if _free:
             return _free.pop()
     buf = mmap.mmap(-1, BLOCK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_DONTFORK"):
-        buf.madvise(mmap.MADV_DONTFORK)
+    if _LINUX:
+        try:
+            buf.madvise(_MADV_WIPEONFORK)  # the child's is zeros at the same address: a buffer of its own
+        except OSError:
+            buf.madvise(mmap.MADV_DONTFORK)
+            _not_inherited = True
     return buf
 
 
@@ -78,12 +89,21 @@ def _give(buf: mmap.mmap) -> None:
     buf.close()
 
 
+def _forget(buf: mmap.mmap) -> None:
+    """A parent's buffer in a forked child. Wiped on fork, it is the child's own, closed as any other; not
+    mapped at all (``MADV_DONTFORK``), it must never be used nor closed (closing would unmap whatever the
+    child maps there later, even at the interpreter's exit): its object is kept for the process's life."""
+    if _not_inherited:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(buf))
+    else:
+        buf.close()
+
+
 def _in_child() -> None:
-    """The kept buffers are not mapped in a forked child: closing one would unmap whatever the child maps
-    there later, so they are only forgotten."""
     global _lock
     _lock = threading.Lock()  # a thread of the parent may have held it at the fork
-    _unmapped.extend(_free)
+    for buf in _free:
+        _forget(buf)
     _free.clear()
 
 
@@ -96,10 +116,15 @@ class NewFile:
 
     def __init__(self, path: Path) -> None:
         direct = wanted()
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         self._pid = os.getpid()
         self._buf: mmap.mmap | None = _take()
         self._view = memoryview(self._buf)
+        self._fd = -1
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        except BaseException:
+            self._release()
+            raise
         self._pos = 0
         self.size = 0
         try:
@@ -119,7 +144,14 @@ class NewFile:
             return False
         return True
 
+    def _ours(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                "a file opened before a fork is written and closed only by the process that opened it"
+            )
+
     def write(self, data: bytes | bytearray | memoryview) -> int:
+        self._ours()
         with memoryview(data) as whole, whole.cast("B") as src:
             n = len(src)
             at = self._straight(src) if self.direct and n >= STRAIGHT_FROM else 0
@@ -148,35 +180,33 @@ class NewFile:
         if not self.direct:  # refused while the buffer went out: the rest through the buffer
             return head
         with src[head:end] as blocks:
-            self._send(blocks)
+            self._write_all(blocks)
         return end
 
     def _drain(self, start: int, end: int) -> None:
         """The buffer's bytes ``start:end`` out, and the buffer empty."""
         with self._view[start:end] as part:
-            self._send(part)
+            self._write_all(part)
         self._pos = 0
-
-    def _send(self, data: memoryview) -> None:
-        """``data`` out: directly (whole blocks from a page-aligned address), or through the page cache once
-        the filesystem refused a direct write (a refused write writes nothing and leaves the offset)."""
-        try:
-            self._write_all(data)
-        except OSError as exc:
-            if exc.errno not in REFUSED or not self.direct:
-                raise
-            self._buffered()
-            self._write_all(data)
 
     def _buffered(self) -> None:
         fcntl.fcntl(self._fd, fcntl.F_SETFL, fcntl.fcntl(self._fd, fcntl.F_GETFL) & ~_O_DIRECT)
         self.direct = False
 
     def _write_all(self, data: memoryview) -> None:
+        """``data`` out: directly (whole blocks from a page-aligned address), or through the page cache once
+        the filesystem refused a direct write (a refused write writes nothing and leaves the offset: the
+        rest goes on from there)."""
         done = 0
         while done < len(data):
-            with data[done:] as part:
-                n = os.write(self._fd, part)
+            try:
+                with data[done:] as part:
+                    n = os.write(self._fd, part)
+            except OSError as exc:
+                if exc.errno not in REFUSED or not self.direct:
+                    raise
+                self._buffered()
+                continue
             if n <= 0:
                 raise OSError(errno.EIO, "the filesystem took no bytes")
             done += n
@@ -185,12 +215,13 @@ class NewFile:
 
     def close(self) -> None:
         """The rest out (its whole blocks directly, the last piece through the page cache), synced, closed."""
+        self._ours()
         try:
             pos = self._pos
             whole = pos // ALIGN * ALIGN if self.direct else pos
             if whole:
                 with self._view[0:whole] as part:
-                    self._send(part)
+                    self._write_all(part)
             if pos > whole:  # the last piece, not a whole block: through the page cache
                 self._buffered()
                 with self._view[whole:pos] as part:
@@ -201,16 +232,18 @@ class NewFile:
             self._release()
 
     def _release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-        if self._buf is not None:
-            self._view.release()
-            if os.getpid() == self._pid:
-                _give(self._buf)
-            else:  # a copy of the parent's file in a forked child: its buffer is not mapped here
-                _unmapped.append(self._buf)
-            self._buf = None
+        fd, self._fd = self._fd, -1
+        try:
+            if fd >= 0:
+                os.close(fd)
+        finally:
+            buf, self._buf = self._buf, None
+            if buf is not None:
+                self._view.release()
+                if os.getpid() == self._pid:
+                    _give(buf)
+                else:  # a parent's file in a forked child (its __exit__)
+                    _forget(buf)
 
     def __enter__(self) -> NewFile:
         return self
