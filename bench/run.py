@@ -5,7 +5,8 @@
 Every figure is a median over repeats, and every ratio compares numbers taken in
 this run: Rewind async stall vs torch.save+fsync, DCP save and DCP async_save;
 background persist vs a raw fsync'd write of the same bytes; restore with deep
-verification vs torch.load(weights_only=True); training steps/s with and without
+verification vs torch.load(weights_only=True); a process's first async save with its staging
+buffer prepared beforehand vs made at the save; training steps/s with and without
 checkpoints. Writes bench/results.json.
 """
 
@@ -248,8 +249,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--sections",
-        default="stall,restore,training",
-        help="comma-separated subset of stall,restore,training",
+        default="stall,restore,first,training",
+        help="comma-separated subset of stall,restore,first,training",
     )
     return p
 
@@ -269,6 +270,7 @@ SUMMARY = (
     "stall_ratio_vs_dcp_async",
     "persist_ratio_vs_raw_write",
     "restore_ratio_vs_torch_load",
+    "first_save_stall_ratio_prepared",
     "training_overhead_pct",
     "training_overhead_all_cores_pct",
     "training_overhead_all_cores_idle_priority_pct",
@@ -284,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     out = HERE / "results.json"
     results: dict = (
-        json.loads(out.read_text()) if out.exists() and sections != {"stall", "restore", "training"} else {}
+        json.loads(out.read_text())
+        if out.exists() and sections != {"stall", "restore", "first", "training"}
+        else {}
     )
     results |= {"machine": machine(), "gib": args.gib, "repeat": args.repeat}
     print(f"machine: {results['machine']}")
@@ -296,6 +300,10 @@ def main(argv: list[str] | None = None) -> int:
                 _gpu_stall(results, work, args.gib, args.repeat)
         if "restore" in sections:
             report_restore(results, bench_restore(work, args.gib, args.repeat))
+        if "first" in sections:
+            from bench import first_save
+
+            first_save.report(results, first_save.measure(work, args.gib, args.repeat))
         if "training" in sections:
             from bench.training import measure_and_report
 

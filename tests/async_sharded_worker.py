@@ -55,8 +55,9 @@ def _check(kind: str, root: str) -> bool:
     opt.step()
     catalog = Catalog(f"sqlite:///{Path(root) / 'catalog.db'}") if rank == 0 else None
     ck = ShardedCheckpointer("copysafe", root=Path(root), catalog=catalog, mode=SaveMode.ASYNC)
-    before = _snapshot(model)
     msd, osd = get_state_dict(model, opt)
+    ck.prepare({"model": msd, "optim": osd})  # shells made in the background: the save copies into them
+    before = _snapshot(model)
     ck.save(7, {"model": msd, "optim": osd}, {"rank": rank})
     with torch.no_grad():  # the moment save() returned: these values must not reach the checkpoint
         for p in model.parameters():

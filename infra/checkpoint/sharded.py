@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from rewind.infra.catalog import leases, lineage
@@ -196,6 +197,23 @@ class ShardedCheckpointer:
 
         self._runner.submit(f"sharded save of step {step}", persist)
         return stall
+
+    def prepare(self, state: dict[str, Any]) -> None:
+        """Async mode: this rank's staging shells for ``state`` as it is now, allocated and made resident
+        in the background, so that the first save stalls for a copy alone (``Checkpointer.prepare``). Not a
+        collective; a save waits for it. Never fails the job: the first save allocates the shells then."""
+        if self.mode is not SaveMode.ASYNC or self._runner.busy:
+            return
+        share = self._share(state, {})
+        if share.error is not None:  # the save that needs it says why, on every rank
+            return
+        self._runner.submit("staging shells", lambda: self._prepare(share.tensors))
+
+    def _prepare(self, tensors: dict[str, torch.Tensor]) -> None:
+        try:
+            self._stager.prepare(tensors)
+        except Exception as exc:  # never raised by a save (on one rank alone): the first save allocates
+            log.warning("staging shells not prepared: %s", exc)
 
     def _share(self, state: dict[str, Any], rank_state: dict[str, Any]) -> RankShare:
         """This rank's share, or its error as a share: a rank that cannot save still takes part in the

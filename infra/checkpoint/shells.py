@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from rewind.infra.checkpoint.populate import populate
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # torch 2.4 kept it private
@@ -72,6 +74,13 @@ class ShellStager:
         pin = torch.cuda.is_available()
         self._shells = {name: self._shell(t, pin) for name, t in tensors.items()}
         self._signature = sig
+
+    def prepare(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The shells for tensors shaped as ``tensors``, allocated and made resident (nothing copied into
+        them): ``stage`` then copies alone (``populate``)."""
+        self._ensure(tensors)
+        for shell in self._shells.values():
+            populate(_local(shell))
 
     def stage(self, tensors: dict[str, torch.Tensor]) -> StagedShells:
         """Copy ``tensors`` into the shells; the previous ``StagedShells`` must no longer be in use."""

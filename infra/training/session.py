@@ -365,6 +365,8 @@ class TrainingSession:
             self._writer.report(step, value, position)
             if step == self.start_step + 1:
                 self._writer.busy(None)
+        if step == self.start_step + 1:
+            self._prepare()  # the state has its shapes now: the first save stalls for a copy alone
         if value is not None:
             found = self.watch.observe(step, value)
             seen = (found.kind, found.reason) if found is not None else None
@@ -398,6 +400,14 @@ class TrainingSession:
         finally:
             if self._writer is not None:
                 self._writer.busy(None)
+
+    def _prepare(self) -> None:
+        """Async saves: the staging memory allocated in the background (on every rank, or none: a sharded
+        state's ``state_dict`` may be a collective)."""
+        if isinstance(self._ckpt, Checkpointer):
+            self._ckpt.prepare()
+        elif isinstance(self._ckpt, ShardedCheckpointer) and self._ckpt.mode is SaveMode.ASYNC:
+            self._ckpt.prepare({k: v.state_dict() for k, v in self.parts.items()})
 
     def _save(self, step: int, metrics: Mapping[str, float] | None) -> None:
         if isinstance(self._ckpt, Checkpointer):

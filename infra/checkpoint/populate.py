@@ -1,0 +1,49 @@
+"""A new CPU buffer's pages made resident ahead of the first copy into it, off the caller's clock.
+
+A fresh allocation is address space only: the first copy into it faults in every page as it goes
+(measured here, in a VM: 0.8-1.0 s for 607 MB of memory the process never touched, 0.14 s for memory it
+had freed; a copy into resident pages 0.05 s). Done in the background before the copy is needed, the
+copy is a copy alone. ``MADV_POPULATE_WRITE`` (Linux 5.14) does it in one call; without it each page is
+written once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+log = logging.getLogger("rewind.checkpoint")
+PAGE = 4096
+MADV_POPULATE_WRITE = 23
+_TOUCH_CHUNK = 2 << 20  # the fallback writes this much per call
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
+def populate(t: torch.Tensor) -> None:
+    """Make the pages of a new CPU tensor's bytes resident (its values are unspecified after: zeros where
+    the fallback wrote). Pinned memory is resident already: left as it is. Never raises: a buffer not
+    populated is faulted in by its first copy, as before."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or nbytes == 0 or (torch.cuda.is_available() and t.is_pinned()):
+        return
+    start = t.data_ptr()
+    first = -(-start // PAGE) * PAGE
+    whole = (start + nbytes - first) // PAGE * PAGE  # the pages wholly inside: the edges fault on use
+    if whole <= 0 or (_LIBC is not None and _LIBC.madvise(first, whole, MADV_POPULATE_WRITE) == 0):
+        return  # less than a page: its copy faults in two at most
+    for off in range(0, nbytes, _TOUCH_CHUNK):  # an older kernel: write each page once
+        ctypes.memset(start + off, 0, min(_TOUCH_CHUNK, nbytes - off))
