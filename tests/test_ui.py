@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from prefect.settings import Settings
 
-from rewind.flows.cli import ui_api_url
+from rewind.flows.cli_server import ui_api_url
 
 
 def test_the_ui_calls_the_servers_own_port_whatever_prefect_api_url_says(monkeypatch):

@@ -16,7 +16,7 @@ import sys
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from rewind.infra import yaml_file
+from rewind.infra import redact, yaml_file
 from rewind.infra.errors import ConfigError
 from rewind.infra.health.layout import Layout
 from rewind.infra.launch.launchers import LauncherKind
@@ -250,3 +250,12 @@ def process_command(spec: JobSpec) -> list[str]:
     """The command of a single-process job, with a bare ``python`` meaning this interpreter."""
     python, *rest = spec.command
     return [sys.executable if python in ("python", "python3") else python, *rest]
+
+
+def redacted(spec: JobSpec) -> dict[str, Any]:
+    """The spec as recorded on launches and incidents: environment values are secrets until proven not,
+    and so are secret-looking flags (the run's own ``job_spec`` keeps them: it must relaunch the job)."""
+    out = spec.as_dict()
+    out["env"] = dict.fromkeys(spec.env, redact.HIDDEN)
+    out["command"] = redact.argv(spec.command)
+    return out

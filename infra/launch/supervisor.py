@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rewind.infra import joblog, redact
+from rewind.infra import joblog
 from rewind.infra.catalog import jobs, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
@@ -39,7 +39,7 @@ from rewind.infra.launch.memory_agent import MemoryAgent
 from rewind.infra.launch.node_process import NodeProcess, bounded_tail
 from rewind.infra.launch.observe import Observation, Seen, first_failure
 from rewind.infra.launch.process import pids_with_env, signal_all
-from rewind.infra.launch.spec import JobSpec, agent_command, first_layout, process_command
+from rewind.infra.launch.spec import JobSpec, agent_command, first_layout, process_command, redacted
 from rewind.infra.training import progress
 
 log = logging.getLogger("rewind.supervisor")
@@ -138,7 +138,9 @@ class Supervisor:
 
     def _make_standbys(self) -> None:
         for args in self._standbys:
-            threading.Thread(target=_standby_for, args=args, daemon=True, name="rewind-standby").start()
+            threading.Thread(
+                target=warm.replace_standby, args=args, daemon=True, name="rewind-standby"
+            ).start()
         self._standbys = []
 
     def _node(self, place: Placement, node: int, cmd: list[str], env: dict[str, str]) -> NodeProcess:
@@ -384,24 +386,3 @@ class Supervisor:
         if len(self.processes) == 1:
             return bounded_tail(list(self.processes[0].tail))
         return bounded_tail([f"[node {p.node}] {line}" for p in self.processes for line in list(p.tail)])
-
-
-def _standby_for(
-    run: str, node: int, cmd: list[str], cwd: str | None, env: dict[str, str], used: bool
-) -> None:
-    """A standby for the node's next launch: a new one when the one there was just used (it is busy with
-    this launch) or none fit answers; never the job's problem if it cannot be made."""
-    try:
-        if used or not warm.ready(run, node, cmd, env):
-            warm.start(run, node, cmd, cwd, env)
-    except Exception as exc:
-        log.warning("no standby for %s node %d (its next launch starts cold): %s", run, node, exc)
-
-
-def redacted(spec: JobSpec) -> dict[str, Any]:
-    """The spec as recorded on launches and incidents: environment values are secrets until proven not,
-    and so are secret-looking flags (the run's own ``job_spec`` keeps them: it must relaunch the job)."""
-    out = spec.as_dict()
-    out["env"] = dict.fromkeys(spec.env, redact.HIDDEN)
-    out["command"] = redact.argv(spec.command)
-    return out

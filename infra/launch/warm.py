@@ -210,3 +210,15 @@ def wait_ready(run: str, node: int, command: Sequence[str], env: Mapping[str, st
             return True
         time.sleep(0.1)
     return False
+
+
+def replace_standby(
+    run: str, node: int, cmd: list[str], cwd: str | None, env: dict[str, str], used: bool
+) -> None:
+    """A standby for the node's next launch: a new one when the one there was just used (it is busy with
+    this launch) or none fit answers; never the job's problem if it cannot be made."""
+    try:
+        if used or not ready(run, node, cmd, env):
+            start(run, node, cmd, cwd, env)
+    except Exception as exc:
+        log.warning("no standby for %s node %d (its next launch starts cold): %s", run, node, exc)

@@ -27,8 +27,8 @@ from rewind.infra.health.signals import describe_exit
 from rewind.infra.launch import observe
 from rewind.infra.launch.detection import Detection, last_progress
 from rewind.infra.launch.observe import Observation, Seen, first_failure
-from rewind.infra.launch.spec import JobSpec
-from rewind.infra.launch.supervisor import Supervisor, redacted
+from rewind.infra.launch.spec import JobSpec, redacted
+from rewind.infra.launch.supervisor import Supervisor
 from rewind.infra.phases.beside import BesideVerifier, Verified
 from rewind.infra.phases.first_step import first_step_after_restore
 from rewind.infra.phases.notify import INCIDENT_KIND_LABEL, Notifier, artifact_key, run_event

@@ -25,45 +25,15 @@ from typing import Any, BinaryIO
 import boto3
 import crc32c as crc32c_mod
 from botocore.config import Config
-from botocore.exceptions import (
-    BotoCoreError,
-    ClientError,
-    EndpointConnectionError,
-    EndpointResolutionError,
-    NoCredentialsError,
-)
+from botocore.exceptions import BotoCoreError, ClientError
 
-from rewind.infra import progress, redact
-from rewind.infra.tiers.base import (
-    AlreadyExists,
-    NotCopied,
-    ObjectInfo,
-    ObjectNotFound,
-    TierAccessDenied,
-    TierConfigError,
-    TierUnavailable,
-)
+from rewind.infra import progress
+from rewind.infra.tiers import s3_errors
+from rewind.infra.tiers.base import NotCopied, ObjectInfo, ObjectNotFound, TierConfigError, TierUnavailable
 from rewind.infra.tiers.s3_ranged import RangedBody
 
 MiB = 1 << 20
 MAX_COPY = 5 << 30  # the largest object one CopyObject request may copy
-_DENIED = {
-    "AccessDenied",
-    "InvalidAccessKeyId",
-    "SignatureDoesNotMatch",
-    "InvalidToken",
-    "ExpiredToken",
-    "AccessDeniedException",
-}
-_TRANSIENT = {
-    "InternalError",
-    "SlowDown",
-    "ServiceUnavailable",
-    "RequestTimeout",
-    "BadDigest",
-    "XAmzContentSHA256Mismatch",
-    "InvalidDigest",
-}
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
@@ -134,33 +104,7 @@ class S3Tier:
     # -- errors -------------------------------------------------------------------
 
     def _error(self, exc: Exception, key: str = "") -> Exception:
-        where = f"s3://{self.bucket}/{key}" if key else f"s3://{self.bucket}"
-        if isinstance(exc, NoCredentialsError):
-            return TierAccessDenied(
-                "no S3 credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
-            )
-        if isinstance(exc, EndpointConnectionError):
-            return TierUnavailable(f"S3 endpoint {self.endpoint} is unreachable")
-        if isinstance(exc, ClientError):
-            err = exc.response.get("Error", {})
-            code = str(err.get("Code", ""))
-            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-            if code == "NoSuchBucket":
-                return TierConfigError(f"S3 bucket {self.bucket!r} does not exist at {self.endpoint}")
-            if code in ("NoSuchKey", "404", "NotFound", "NoSuchUpload"):
-                return ObjectNotFound(f"{where} does not exist")
-            if code in ("PreconditionFailed", "412", "ConditionalRequestConflict") or status == 412:
-                return AlreadyExists(f"{where} already exists; replicas are never overwritten")
-            if code in _DENIED or status == 403:
-                return TierAccessDenied(f"S3 refused the credentials for {where} ({code or status})")
-            if code in _TRANSIENT or status >= 500:
-                return TierUnavailable(f"S3 error at {where}: {code or status}")
-            return TierConfigError(f"S3 error at {where}: {code or status}: {err.get('Message', '')}")
-        if isinstance(exc, EndpointResolutionError):  # no request can ever go there: bad input, not an outage
-            return TierConfigError(f"S3 endpoint {self.endpoint} is not a valid URL (AWS_ENDPOINT_URL)")
-        if isinstance(exc, BotoCoreError | OSError):
-            return TierUnavailable(f"S3 endpoint {self.endpoint}: {redact.text(str(exc))}")
-        return exc
+        return s3_errors.tier_error(exc, self.bucket, self.endpoint, key)
 
     def _call(self, op: str, key: str = "", **kwargs: Any) -> Any:
         try:

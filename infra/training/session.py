@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch.distributed as dist
 
 from rewind.infra import config, progress
-from rewind.infra.catalog import lineage, models
+from rewind.infra.catalog import models
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint import assemble
 from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
@@ -39,14 +39,13 @@ from rewind.infra.errors import ConfigError, RewindError, is_transient
 from rewind.infra.format import payload
 from rewind.infra.health.layout import Layout, ModelShape
 from rewind.infra.health.signals import LossWatch
-from rewind.infra.training import comeback, group
+from rewind.infra.training import after_restore, comeback, group
+from rewind.infra.training.after_restore import position_of
 from rewind.infra.training.handoff import Handoff
 from rewind.infra.training.parts import ModelPart, OptimizerPart, RankRNG, job_layout, shape_of
 from rewind.infra.training.progress import LAUNCH_ENV, ProgressWriter
 
 log = logging.getLogger("rewind.session")
-# checkpoints whose recorded loss the watch starts from after a restore (the run's lineage up to it)
-SEEDS = (models.CheckpointStatus.COMMITTED, models.CheckpointStatus.VERIFIED)
 
 
 class TrainingAnomaly(RewindError):
@@ -70,10 +69,6 @@ class StatefulLoader(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-def _position(loader: Any) -> int | None:
-    return getattr(loader, "position", None) if loader is not None else None
 
 
 class TrainingSession:
@@ -172,10 +167,9 @@ class TrainingSession:
             self._smoke_test()
         with progress.tallied() as read:  # every byte of the restore point, hashed once as it is read
             self.start_step = self._restore_or_say_why()
-        self._seed_watch()
-        self._skip_window()
+        self._after_restore()
         if self._writer is not None:
-            self._writer.report(self.start_step, None, _position(self.loader))
+            self._writer.report(self.start_step, None, position_of(self.loader))
             restored = {
                 "checkpoint_id": self.restored_checkpoint_id,
                 "step": self.start_step,
@@ -205,24 +199,12 @@ class TrainingSession:
                 ok = exc is None and closed is None
                 self._writer.finish(models.RankState.FINISHED if ok else models.RankState.FAILED)
 
-    def _seed_watch(self) -> None:
-        """After a restore, the loss watch starts from the losses the run had at its checkpoints up to the
-        restore point (the catalog's record of each save): a spike on the way back is seen at once."""
-        if self.start_step <= 0 or self.catalog is None:
-            return
-        try:
-            rows = lineage.checkpoints(self.catalog, self.run)
-        except RewindError as exc:  # the watch fills again as it goes; nothing else depends on this
-            log.warning("loss history before the restore not read: %s", exc)
-            return
-        at = {
-            c.step: float(c.metrics["loss"])
-            for c in sorted(rows, key=lambda c: c.id)
-            if c.step <= self.start_step
-            and c.status in SEEDS
-            and isinstance((c.metrics or {}).get("loss"), int | float)
-        }
-        self.watch.seed([at[step] for step in sorted(at)])
+    def _after_restore(self) -> None:
+        """The loss watch seeded with the run's losses up to the restore point; a bad data window the
+        supervisor handed over stepped over (``after_restore``)."""
+        if self.catalog is not None:
+            after_restore.seed_watch(self.watch, self.catalog, self.run, self.start_step)
+        after_restore.skip_window(self.loader, self.handoff.skip)
 
     def _received(self) -> dict[str, Any]:
         h = self.handoff
@@ -296,25 +278,6 @@ class TrainingSession:
         RankRNG().load_state_dict(mine["rng"])
         return step
 
-    def _skip_window(self) -> None:
-        skip = self.handoff.skip
-        if skip is None:
-            return
-        if self.loader is None:
-            log.warning(
-                "the supervisor asked to skip samples %s..%d, but this job gave the session no loader", *skip
-            )
-            return
-        at, skip_to = _position(self.loader), getattr(self.loader, "skip_to", None)
-        if at is None or skip_to is None:
-            raise ConfigError(
-                f"the supervisor asked to skip samples {skip[0]}..{skip[1]} (a bad data window), but "
-                f"{type(self.loader).__name__} has no global position to skip in: use ResumableLoader"
-            )
-        if at < skip[1]:
-            log.warning("skipping samples %d..%d (a bad data window)", at, skip[1])
-            skip_to(skip[1])
-
     # -- the loop -----------------------------------------------------------------------
 
     def train(self, step: Callable[[int, Any], float | None], total: int, *, restarts: int = 0) -> int:
@@ -340,8 +303,7 @@ class TrainingSession:
         ):  # the failed step's gradients
             part.zero_grad(set_to_none=True)
         self.watch = LossWatch(spike_factor=self.watch.spike_factor)
-        self._seed_watch()  # the losses before the restore point, not the undone steps'
-        self._skip_window()  # a bad data window the supervisor handed over stays stepped over
+        self._after_restore()  # the losses before the restore point (not the undone steps'); the bad window
         return got.step
 
     def note_restart(self, **facts: Any) -> None:
@@ -360,7 +322,7 @@ class TrainingSession:
         """Progress for the supervisor; raises ``TrainingAnomaly`` on NaN/Inf or a spike; saves when due."""
         value = None if loss is None else float(loss)
         self.last_step = step
-        position = samples if samples is not None else _position(self.loader)
+        position = samples if samples is not None else position_of(self.loader)
         if self._writer is not None:
             self._writer.report(step, value, position)
             if step == self.start_step + 1:
@@ -388,7 +350,9 @@ class TrainingSession:
 
     def _compare(self, step: int, loss: float) -> str | None:
         """Rank 0 after a restore: why the comeback diverged at this step, if it did (``comeback``)."""
-        replays = self.rank == 0 and _position(self.loader) is not None  # the same samples at the same steps
+        replays = (
+            self.rank == 0 and position_of(self.loader) is not None
+        )  # the same samples at the same steps
         return comeback.check(self.handoff.comeback if replays else None, step, loss, self._writer)
 
     def save(self, step: int, *, metrics: Mapping[str, float] | None = None) -> None:

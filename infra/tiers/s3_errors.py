@@ -1,0 +1,71 @@
+"""S3's errors as Rewind's: which mean bad credentials, bad input, an object not there or already there, and
+which are transient (retried by the tasks); messages name the bucket and key, never a secret."""
+
+from __future__ import annotations
+
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    EndpointConnectionError,
+    EndpointResolutionError,
+    NoCredentialsError,
+)
+
+from rewind.infra import redact
+from rewind.infra.tiers.base import (
+    AlreadyExists,
+    ObjectNotFound,
+    TierAccessDenied,
+    TierConfigError,
+    TierUnavailable,
+)
+
+DENIED = {
+    "AccessDenied",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "InvalidToken",
+    "ExpiredToken",
+    "AccessDeniedException",
+}
+TRANSIENT = {
+    "InternalError",
+    "SlowDown",
+    "ServiceUnavailable",
+    "RequestTimeout",
+    "BadDigest",
+    "XAmzContentSHA256Mismatch",
+    "InvalidDigest",
+}
+
+
+def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exception:
+    """``exc`` from boto3 as Rewind's error for the tier: denied, unavailable (transient), bad input, not
+    found or already there. ``endpoint`` has no user:password in it (it is printed)."""
+    where = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
+    if isinstance(exc, NoCredentialsError):
+        return TierAccessDenied(
+            "no S3 credentials: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE"
+        )
+    if isinstance(exc, EndpointConnectionError):
+        return TierUnavailable(f"S3 endpoint {endpoint} is unreachable")
+    if isinstance(exc, ClientError):
+        err = exc.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if code == "NoSuchBucket":
+            return TierConfigError(f"S3 bucket {bucket!r} does not exist at {endpoint}")
+        if code in ("NoSuchKey", "404", "NotFound", "NoSuchUpload"):
+            return ObjectNotFound(f"{where} does not exist")
+        if code in ("PreconditionFailed", "412", "ConditionalRequestConflict") or status == 412:
+            return AlreadyExists(f"{where} already exists; replicas are never overwritten")
+        if code in DENIED or status == 403:
+            return TierAccessDenied(f"S3 refused the credentials for {where} ({code or status})")
+        if code in TRANSIENT or status >= 500:
+            return TierUnavailable(f"S3 error at {where}: {code or status}")
+        return TierConfigError(f"S3 error at {where}: {code or status}: {err.get('Message', '')}")
+    if isinstance(exc, EndpointResolutionError):  # no request can ever go there: bad input, not an outage
+        return TierConfigError(f"S3 endpoint {endpoint} is not a valid URL (AWS_ENDPOINT_URL)")
+    if isinstance(exc, BotoCoreError | OSError):
+        return TierUnavailable(f"S3 endpoint {endpoint}: {redact.text(str(exc))}")
+    return exc
