@@ -56,7 +56,8 @@ def _check(kind: str, root: str) -> bool:
     catalog = Catalog(f"sqlite:///{Path(root) / 'catalog.db'}") if rank == 0 else None
     ck = ShardedCheckpointer("copysafe", root=Path(root), catalog=catalog, mode=SaveMode.ASYNC)
     msd, osd = get_state_dict(model, opt)
-    ck.prepare({"model": msd, "optim": osd})  # shells made in the background: the save copies into them
+    if kind == "fsdp2":  # shells made in the background, the save copies into them; ddp's made at the save
+        ck.prepare({"model": msd, "optim": osd})
     before = _snapshot(model)
     ck.save(7, {"model": msd, "optim": osd}, {"rank": rank})
     with torch.no_grad():  # the moment save() returned: these values must not reach the checkpoint

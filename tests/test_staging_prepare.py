@@ -1,12 +1,13 @@
 """The staging memory of async saves made in the background before the first save, so that the first save
-stalls for a copy alone: the memory is resident before the save, the save holds the values of the call (not
-the prepared buffer's zeros), and a prepare that fails never fails the job. (A sharded save's shells
-prepared the same way: tests/test_sharded_async.py.)"""
+stalls for a copy alone: the save then faults in none of its buffer's pages (it copies into the memory the
+prepare made resident), holds the values of the call (not the prepared buffer's zeros), and a prepare that
+fails, or one asked for while a save's failure is still to be raised, never fails the job. (A sharded
+save's shells prepared the same way: tests/test_sharded_async.py.)"""
 
 from __future__ import annotations
 
-import os
-import time
+import resource
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,16 +15,27 @@ import torch
 
 from rewind.infra.catalog import lineage
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.background import BackgroundSaveError
 from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
 from rewind.infra.checkpoint.staging import StagingBuffer
 from rewind.infra.training.session import TrainingSession
+from tests.prefect_support import wait_until
 
 WIDTH = 1024  # 4 MiB a layer: the state (weights and AdamW's two moments) is about 50 MB
+PAGE = resource.getpagesize()
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """The staging copy on this thread alone, so that its page faults are this thread's to count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
 def _job() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -40,28 +52,39 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
-def _state_bytes(model: torch.nn.Module) -> int:
-    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+def _pages(model: torch.nn.Module) -> int:
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters()) // PAGE
 
 
-def test_a_prepared_buffer_is_in_memory_before_the_first_save_which_holds_the_values_of_the_call(
-    run_name: str, tmp_path: Path
-) -> None:
+def _checkpointer(
+    run: str, tmp_path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer
+) -> Checkpointer:
     cat = Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
+    return Checkpointer(run, states={"model": model, "optimizer": opt}, root=tmp_path / "ck", catalog=cat,
+                        mode=SaveMode.ASYNC)  # fmt: skip
+
+
+@pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "made-at-the-save"])
+def test_a_prepared_first_save_faults_in_no_buffer_and_holds_the_values_of_the_call(
+    run_name: str, tmp_path: Path, prepared: bool
+) -> None:
     model, opt = _job()
-    ck = Checkpointer(run_name, states={"model": model, "optimizer": opt}, root=tmp_path / "ck", catalog=cat,
-                      mode=SaveMode.ASYNC)  # fmt: skip
-    before = _rss()
-    ck.prepare()
-    ck.wait()
-    assert _rss() - before >= 0.9 * _state_bytes(model)  # resident now, not at the first save's copy
+    ck = _checkpointer(run_name, tmp_path, model, opt)
+    cat = ck._cat
+    if prepared:
+        ck.prepare()
+        ck.wait()
     assert lineage.checkpoints(cat, run_name) == []  # nothing saved by preparing
     held = {k: v.clone() for k, v in model.state_dict().items()}
+    before = _faults()
     ck.save(1)
+    faults = _faults() - before
     with torch.no_grad():  # the moment save() returned: never in the checkpoint
         for p in model.parameters():
             p.add_(1.0)
     ck.close()
+    # the unprepared save faults in every page of its buffer: the measure can tell the two apart
+    assert faults < 0.1 * _pages(model) if prepared else faults > 0.9 * _pages(model), faults
     again, opt2 = _job()
     ck2 = Checkpointer(
         run_name, states={"model": again, "optimizer": opt2}, root=tmp_path / "ck", catalog=cat
@@ -72,20 +95,24 @@ def test_a_prepared_buffer_is_in_memory_before_the_first_save_which_holds_the_va
     assert all(torch.equal(v, held[k]) for k, v in again.state_dict().items())
 
 
-def test_the_session_prepares_the_staging_memory_at_its_first_report(run_name: str, tmp_path: Path) -> None:
-    model, opt = _job()
+def test_the_session_prepares_the_staging_memory_once_the_optimizer_has_its_state(
+    run_name: str, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     cat = Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
-    with TrainingSession(run_name, model=model, optimizer=opt, checkpoint_every=1000, mode=SaveMode.ASYNC,
+    with TrainingSession(run_name, model=model, optimizer=opt, checkpoint_every=3, mode=SaveMode.ASYNC,
                          root=tmp_path / "ck", catalog=cat) as session:  # fmt: skip
-        before = _rss()
-        session.report(1, 0.5)
-        deadline = time.monotonic() + 60
-        while _rss() - before < 0.9 * _state_bytes(model) and time.monotonic() < deadline:
-            time.sleep(0.05)  # polled, bounded: the buffer is made in the background
-        assert _rss() - before >= 0.9 * _state_bytes(model)
+        session.report(1, 0.5)  # before the optimizer's first step: its state is not there to prepare
         _step(model, opt)
-        session.save(2)
-    assert [c.step for c in lineage.checkpoints(cat, run_name)] == [2]
+        session.report(2, 0.5)  # now it is: prepared in the background
+        _step(model, opt)
+        before = _faults()
+        session.report(3, 0.5)  # the first save waits for the prepare, then copies alone
+        faults = _faults() - before
+    assert faults < 0.1 * _pages(model), faults
+    assert [c.step for c in lineage.checkpoints(cat, run_name)] == [3]
 
 
 def test_a_prepare_that_fails_leaves_the_buffer_to_the_first_save(
@@ -95,11 +122,28 @@ def test_a_prepare_that_fails_leaves_the_buffer_to_the_first_save(
         raise MemoryError("no memory for the staging buffer now")
 
     monkeypatch.setattr(StagingBuffer, "prepare", no_memory)
-    cat = Catalog(f"sqlite:///{tmp_path / 'catalog.db'}")
     model, opt = _job()
-    ck = Checkpointer(run_name, states={"model": model, "optimizer": opt}, root=tmp_path / "ck", catalog=cat,
-                      mode=SaveMode.ASYNC)  # fmt: skip
+    ck = _checkpointer(run_name, tmp_path, model, opt)
+    cat = ck._cat
     ck.prepare()
     ck.save(1)  # neither raises the prepare's failure nor goes without a buffer
     ck.close()
     assert [(c.step, c.status) for c in lineage.checkpoints(cat, run_name)] == [(1, "committed")]
+
+
+def test_a_prepare_while_a_saves_failure_is_pending_leaves_it_to_the_next_save(
+    run_name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, opt = _job()
+    ck = _checkpointer(run_name, tmp_path, model, opt)
+    cat = ck._cat
+    monkeypatch.setenv("REWIND_FAULT", "eio:save.before_catalog@1")
+    ck.save(1)  # fails in the background
+    wait_until(lambda: (not ck._runner.busy) or None, 60, "the failed save ended")
+    ck.prepare()  # the failure is the next save's to raise, not the prepare's
+    with pytest.raises(BackgroundSaveError):
+        ck.save(2)
+    monkeypatch.delenv("REWIND_FAULT")
+    ck.save(3)
+    ck.close()
+    assert {c.step: c.status for c in lineage.checkpoints(cat, run_name)}[3] == "committed"

@@ -41,6 +41,11 @@ class BackgroundRunner:
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def idle(self) -> bool:
+        """No job in flight and no failure waiting to be raised: a job submitted now starts at once."""
+        return not self.busy and self._error is None
+
     def submit(self, what: str, fn: Callable[[], Any]) -> float:
         """Start ``fn`` in the background; returns seconds spent waiting for the previous job."""
         t0 = time.perf_counter()

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 
 import torch
 
 log = logging.getLogger("rewind.checkpoint")
-PAGE = 4096
+PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23
+_PIECE = 4 << 20  # populated this much per call, so the job's allocations never wait long on the map lock
 _TOUCH_CHUNK = 2 << 20  # the fallback writes this much per call
 
 
@@ -33,6 +35,18 @@ def _libc() -> ctypes.CDLL | None:
 _LIBC = _libc()
 
 
+def _advised(first: int, nbytes: int) -> bool:
+    """``MADV_POPULATE_WRITE`` over ``nbytes`` from ``first``, a piece at a time: one call holds the process's
+    memory map lock until it returns, and the job's own allocations wait on that lock (measured: a training
+    step of 0.1 s took 1.5 s beside one call over 1.2 GB). False when the kernel has no such advice."""
+    if _LIBC is None:
+        return False
+    for off in range(0, nbytes, _PIECE):
+        if _LIBC.madvise(first + off, min(_PIECE, nbytes - off), MADV_POPULATE_WRITE) != 0:
+            return False  # refused (an older kernel): the pages are faulted in by writing them
+    return True
+
+
 def populate(t: torch.Tensor) -> None:
     """Make the pages of a new CPU tensor's bytes resident (its values are unspecified after: zeros where
     the fallback wrote). Pinned memory is resident already: left as it is. Never raises: a buffer not
@@ -43,7 +57,7 @@ def populate(t: torch.Tensor) -> None:
     start = t.data_ptr()
     first = -(-start // PAGE) * PAGE
     whole = (start + nbytes - first) // PAGE * PAGE  # the pages wholly inside: the edges fault on use
-    if whole <= 0 or (_LIBC is not None and _LIBC.madvise(first, whole, MADV_POPULATE_WRITE) == 0):
+    if whole <= 0 or _advised(first, whole):
         return  # less than a page: its copy faults in two at most
     for off in range(0, nbytes, _TOUCH_CHUNK):  # an older kernel: write each page once
         ctypes.memset(start + off, 0, min(_TOUCH_CHUNK, nbytes - off))

@@ -201,8 +201,9 @@ class ShardedCheckpointer:
     def prepare(self, state: dict[str, Any]) -> None:
         """Async mode: this rank's staging shells for ``state`` as it is now, allocated and made resident
         in the background, so that the first save stalls for a copy alone (``Checkpointer.prepare``). Not a
-        collective; a save waits for it. Never fails the job: the first save allocates the shells then."""
-        if self.mode is not SaveMode.ASYNC or self._runner.busy:
+        collective; a save waits for it. Never fails the job: while a save is in flight or its failure is
+        still to be raised, it does nothing; the first save allocates the shells then."""
+        if self.mode is not SaveMode.ASYNC or not self._runner.idle:
             return
         share = self._share(state, {})
         if share.error is not None:  # the save that needs it says why, on every rank

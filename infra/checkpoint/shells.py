@@ -76,8 +76,8 @@ class ShellStager:
         self._signature = sig
 
     def prepare(self, tensors: dict[str, torch.Tensor]) -> None:
-        """The shells for tensors shaped as ``tensors``, allocated and made resident (nothing copied into
-        them): ``stage`` then copies alone (``populate``)."""
+        """The shells for tensors shaped as ``tensors``, allocated and made resident: ``stage`` then copies
+        alone (``populate``). A GPU DTensor's shell is a host copy of its shard, as DCP stages it."""
         self._ensure(tensors)
         for shell in self._shells.values():
             populate(_local(shell))

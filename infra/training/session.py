@@ -26,6 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 
 from rewind.infra import config, progress
@@ -128,6 +129,7 @@ class TrainingSession:
         self._ckpt: Checkpointer | ShardedCheckpointer | None = None
         self.last_step: int | None = None  # the newest step reported
         self._restarts: list[dict[str, Any]] = []
+        self._prepared = False  # the async staging memory asked for (``_prepare``)
 
     def _open_catalog(self) -> Catalog | None:
         """Rank 0 opens (and if need be creates) the catalog first; other ranks need it only under a supervisor."""
@@ -327,8 +329,8 @@ class TrainingSession:
             self._writer.report(step, value, position)
             if step == self.start_step + 1:
                 self._writer.busy(None)
-        if step == self.start_step + 1:
-            self._prepare()  # the state has its shapes now: the first save stalls for a copy alone
+        if not self._prepared and self.checkpoint_every and step % self.checkpoint_every:
+            self._prepare()  # not at a save's step: that save would only wait for it
         if value is not None:
             found = self.watch.observe(step, value)
             seen = (found.kind, found.reason) if found is not None else None
@@ -366,12 +368,26 @@ class TrainingSession:
                 self._writer.busy(None)
 
     def _prepare(self) -> None:
-        """Async saves: the staging memory allocated in the background (on every rank, or none: a sharded
-        state's ``state_dict`` may be a collective)."""
+        """Async saves: the staging memory made in the background before the first save (``prepare``), once
+        the state has the shapes it is saved with. One process: once every optimizer has its state (after
+        its first step). Sharded: at the first report after a restore only, on every rank alike (its
+        ``state_dict`` may be a collective, and on an optimizer without state DCP's would take a step)."""
         if isinstance(self._ckpt, Checkpointer):
-            self._ckpt.prepare()
-        elif isinstance(self._ckpt, ShardedCheckpointer) and self._ckpt.mode is SaveMode.ASYNC:
-            self._ckpt.prepare({k: v.state_dict() for k, v in self.parts.items()})
+            optimizers = [p for p in self.parts.values() if isinstance(p, torch.optim.Optimizer)]
+            if all(o.state for o in optimizers):
+                self._prepared = True
+                self._ckpt.prepare()
+            return
+        self._prepared = True  # decided once, the same on every rank
+        if not isinstance(self._ckpt, ShardedCheckpointer) or self._ckpt.mode is not SaveMode.ASYNC:
+            return
+        if self.start_step > 0:
+            try:
+                state = {k: v.state_dict() for k, v in self.parts.items()}
+            except Exception as exc:  # the save that needs it says why, on every rank
+                log.warning("staging shells not prepared: %s", exc)
+                return
+            self._ckpt.prepare(state)
 
     def _save(self, step: int, metrics: Mapping[str, float] | None) -> None:
         if isinstance(self._ckpt, Checkpointer):
