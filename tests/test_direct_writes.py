@@ -153,7 +153,7 @@ def test_a_forked_child_writes_files_with_buffers_of_its_own(tmp_path: Path) -> 
 
 def test_files_written_one_after_another_reuse_one_buffer(tmp_path: Path) -> None:
     """Each background save runs in a thread of its own: its files take the buffer the last one left, so a
-    save does not fault in (and zero) a fresh 16 MiB."""
+    save does not fault in (and zero) a fresh buffer."""
     data = random.Random(5).randbytes(direct.BLOCK // 2)
     taken: list[mmap.mmap] = []
     real_take = direct._take

@@ -1,4 +1,5 @@
-"""Multi-rank checkpoints: saved by 4 ranks, loaded by 2 and by 1, every tensor equal (gloo on CPU)."""
+"""Multi-rank checkpoints: saved by 4 ranks, loaded by 2 and by 1, every tensor equal (gloo on CPU); the files
+read by DCP's own reader too."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from rewind.infra.format.verify import check_copy
 from tests.torchrun_support import torchrun as torchrun_cmd
@@ -49,6 +51,12 @@ def test_save_with_4_ranks_load_with_2_and_1(kind, tmp_path):
     }
     expected = load_file(str(tmp_path / "expected.safetensors"))
     assert any(k.startswith("optim/") for k in expected)
+    # written by Rewind's own writer, read by DCP's alone (no Rewind): every model tensor as saved
+    dcp_to_torch_save(directory, tmp_path / "by-dcp.pt")
+    loaded = torch.load(tmp_path / "by-dcp.pt", weights_only=True)
+    by_dcp = {k.removeprefix("s.model."): v for k, v in loaded.items() if k.startswith("s.model.")}
+    assert {f"model/{k}" for k in by_dcp} == {k for k in expected if k.startswith("model/")}
+    assert all(torch.equal(v, expected[f"model/{k}"]) for k, v in by_dcp.items())
     for n in (2, 1):
         torchrun(n, "load", kind, tmp_path)
         got = load_file(str(tmp_path / f"loaded-{n}.safetensors"))

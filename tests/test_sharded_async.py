@@ -1,8 +1,9 @@
 """Async multi-rank saves (torchrun, gloo): each rank stages, training goes on, each rank persists and hashes
 in the background, and rank 0 commits only once every rank reported. A rank SIGKILLed in the middle of its
 background persist leaves nothing committed, and the job started again resumes from the checkpoint before,
-ending bit-identical to a run never interrupted. The values at the call are what is saved (copy-safe), and a
-restore waits for a save still in flight."""
+ending bit-identical to a run never interrupted. The values at the call are what is saved (copy-safe: with
+the staging shells made at the save, ddp, and prepared beforehand, fsdp2), and a restore waits for a save
+still in flight."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from rewind.infra.catalog import lineage
 from rewind.infra.catalog.db import Catalog
@@ -70,6 +72,12 @@ def test_an_async_sharded_save_holds_the_values_of_the_call_and_a_restore_waits_
     said = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
     assert done.returncode == 0 and len(said) == 2, done.stdout[-2000:] + done.stderr[-3000:]
     assert all("copy-safe step 7" in line for line in said), said
+    # the ranks' files, written by Rewind's own writer, read by DCP's alone (no Rewind, no process group)
+    dcp_to_torch_save(tmp_path / "copysafe" / "step-7", tmp_path / "by-dcp.pt")
+    loaded = torch.load(tmp_path / "by-dcp.pt", weights_only=True)
+    assert {k for k in loaded if k.startswith("s.model.")} == {
+        f"s.model.{i}.{w}" for i in (0, 1) for w in ("weight", "bias")
+    }
 
 
 def test_rank_0s_catalog_failing_reaches_every_rank_and_the_next_save_is_whole(tmp_path: Path) -> None:

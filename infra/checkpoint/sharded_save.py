@@ -25,6 +25,7 @@ from rewind.infra.errors import ConfigError, RankFailed
 from rewind.infra.faults import fault_point
 from rewind.infra.format import dcp_packs, packs, payload, store, tree
 from rewind.infra.format import manifest as mf
+from rewind.infra.format.dcp_direct import DirectWriter
 from rewind.infra.format.digest import hash_file
 from rewind.infra.format.local_tier import LocalTier
 
@@ -272,17 +273,14 @@ def _write_rank(
         entries.extend(packed.written.entries)
         raw = packed.index_bytes()
         entries.append(store.write_file(tmp / dcp_packs.index_file(rank), store.bytes_writer(raw)))
-    else:
-        dcp.save(
-            share.tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True), process_group=group
-        )
+    else:  # hashed as they are written, past the page cache: nothing read back
+        direct = DirectWriter(tmp)
+        dcp.save(share.tensors, storage_writer=direct, process_group=group)
+        entries.extend(direct.entries)
     entries.append(store.write_file(tmp / rank_state_file(rank), store.bytes_writer(share.rank_json)))
     fault_point("save.shard_written", step)  # this rank's files are down, none committed yet
     if rank == 0:
         entries.append(store.write_file(tmp / SHARED_STATE, store.bytes_writer(share.shared_json)))
-    for p in sorted(tmp.glob(f"__{rank}_*.distcp")):
-        d = hash_file(p)
-        entries.append(mf.FileEntry(p.name, d.size, d.xxh3, d.crc32c))
     return entries
 
 

@@ -57,7 +57,7 @@ class _Item:
     raw: memoryview | None = None
 
 
-def _tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
+def item_tensor(planner: SavePlanner, item: WriteItem) -> torch.Tensor:
     """The tensor DCP's own writer would save for ``item`` (on the CPU, in storage of its own size)."""
     t = planner.resolve_data(item)
     if not isinstance(t, torch.Tensor):
@@ -95,7 +95,7 @@ def _resolve(planner: SavePlanner, item: WriteItem) -> _Item:
         h.update(b"bytes\0")
         h.update(raw)
         return _Item(item, h.result().xxh3, len(raw), raw)
-    t = _tensor(planner, item)
+    t = item_tensor(planner, item)
     if not _plain(t):  # keyed by its encoding, which holds all it is
         raw = _saved(t)
         h.update(b"saved\0")
@@ -112,7 +112,7 @@ def _size(item: _Item) -> int:
 
 def _encode(planner: SavePlanner, item: _Item) -> memoryview:
     """The bytes DCP's reader expects for ``item``: ``torch.save`` of a tensor, a value's bytes as they are."""
-    return item.raw if item.raw is not None else _saved(_tensor(planner, item.write))
+    return item.raw if item.raw is not None else _saved(item_tensor(planner, item.write))
 
 
 @dataclass

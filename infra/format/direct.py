@@ -27,7 +27,7 @@ from types import TracebackType
 from rewind.infra.errors import ConfigError
 
 ALIGN = 4096  # a multiple of every logical block size in use (512, 4096)
-BLOCK = 16 << 20
+BLOCK = 4 << 20  # as fast as 16 MiB here (dd oflag=direct: 1.7 GB/s each); a quarter of the memory
 ENV = "REWIND_DIRECT_WRITES"
 REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}  # the filesystem takes no direct writes
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file goes through the page cache
