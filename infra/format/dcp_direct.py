@@ -29,13 +29,19 @@ SUFFIX = ".distcp"  # DCP's own (``filesystem.DEFAULT_SUFFIX``)
 
 
 class _Counted:
-    """The file being written, as ``torch.save`` writes to it: where each item starts and ends."""
+    """The file being written, as ``torch.save`` writes to it: where each item starts and ends, and the
+    first write that failed (``torch.save`` reports a failed write as a later, unrelated position error)."""
 
     def __init__(self, out: Any) -> None:
         self._out, self.at = out, 0
+        self.failed: BaseException | None = None
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
-        n = self._out.write(data)
+        try:
+            n = self._out.write(data)
+        except BaseException as exc:
+            self.failed = self.failed or exc
+            raise
         self.at += n
         return n
 
@@ -47,8 +53,13 @@ def _write_item(out: _Counted, planner: SavePlanner, item: WriteItem) -> None:
     """One item in DCP's encoding: a value's bytes as they are, a tensor as ``torch.save`` of it."""
     if item.type == WriteItemType.BYTE_IO:
         out.write(planner.resolve_data(item).getbuffer())  # type: ignore[union-attr]
-    else:
+        return
+    try:
         torch.save(item_tensor(planner, item), out)  # type: ignore[arg-type]  # it needs write and flush
+    except Exception:
+        if out.failed is not None:  # the disk's own error (ENOSPC, EIO), not torch's account of it
+            raise out.failed from None
+        raise
 
 
 class DirectWriter(dcp.FileSystemWriter):
@@ -57,7 +68,6 @@ class DirectWriter(dcp.FileSystemWriter):
 
     def __init__(self, path: Path) -> None:
         super().__init__(str(path), sync_files=True)
-        self._dir = Path(path)
         self.entries: list[mf.FileEntry] = []
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -72,7 +82,7 @@ class DirectWriter(dcp.FileSystemWriter):
                 info = _StorageInfo(name, start, out.at - start)
                 results.append(WriteResult(index=item.index, size_in_bytes=out.at - start, storage_data=info))
 
-        self.entries.append(store.write_file(self._dir / name, fill))
+        self.entries.append(store.write_file(Path(self.path) / name, fill))  # ``reset`` may move it
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
