@@ -10,12 +10,10 @@ written once.
 from __future__ import annotations
 
 import ctypes
-import logging
 import mmap
 
 import torch
 
-log = logging.getLogger("rewind.checkpoint")
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23
 _PIECE = 4 << 20  # populated this much per call, so the job's allocations never wait long on the map lock

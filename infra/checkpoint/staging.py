@@ -4,9 +4,10 @@ The buffer is allocated once (pinned when CUDA is present) and reused while the
 set of tensors keeps its shapes and dtypes, so the extra memory is bounded by one
 copy of the state (and a page per part). Each part's tensors lie as they will in its
 file (``tensorfile.file_order``, back to back, from a page boundary), so the direct
-writer sends them to the disk from the buffer itself, without copying them again. For CUDA tensors the copies run on a side stream: the CPU
-does not wait for them; the training stream waits (on the GPU) before its next
-kernel, and the writer waits for the copy-done event before reading the buffer.
+writer sends them to the disk from the buffer itself, without copying them again.
+For CUDA tensors the copies run on a side stream: the CPU does not wait for them;
+the training stream waits (on the GPU) before its next kernel, and the writer waits
+for the copy-done event before reading the buffer.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ job's own memory is not reclaimed to make room for them.
 Bytes go through a page-aligned buffer (``BLOCK``) and out in whole blocks, or, for a large source that
 lies at the address its bytes take in the file (staged tensors), straight from where it lies. Buffers are
 kept for the next file (at most ``KEEP``: a save's next file does not fault fresh pages in); a forked child
-never shares their pages (it gets zeros there, or on an older kernel nothing). The last part that is not a whole number of ``ALIGN`` blocks goes through
-the page cache, so the file is never longer than its bytes and a small file is never written directly.
+never shares their pages (it gets zeros there, or on an older kernel nothing). The last part that is not a
+whole number of ``ALIGN`` blocks goes through the page cache, so the file is never longer than its bytes
+and a small file is never written directly.
 Where the filesystem refuses direct writes (tmpfs before Linux 6.6, ramfs, some network or FUSE
 filesystems: when asked, or at a write), the rest of the file goes through the page cache.
 ``REWIND_DIRECT_WRITES=off`` writes every file through the page cache (through the same buffer).

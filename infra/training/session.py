@@ -266,9 +266,7 @@ class TrainingSession:
             model_shape=self.model_shape, per_rank_data=self.per_rank_data, format=self.format,
         )  # fmt: skip
         self._ckpt = sck
-        restored = sck.restore_latest(
-            lambda: {k: v.state_dict() for k, v in self.parts.items()}, target=self.handoff.restore
-        )
+        restored = sck.restore_latest(self._tree, target=self.handoff.restore)
         self.skipped = sck.skipped
         self.restored_checkpoint_id = sck.restored_checkpoint_id
         self.read_from = sck.read_from
@@ -368,32 +366,34 @@ class TrainingSession:
                 self._writer.busy(None)
 
     def _prepare(self) -> None:
-        """Async saves: the staging memory made in the background before the first save (``prepare``), once
-        the state has the shapes it is saved with. One process: once every optimizer has its state (after
-        its first step). Sharded: at the first report after a restore only, on every rank alike (its
-        ``state_dict`` may be a collective, and on an optimizer without state DCP's would take a step)."""
+        """Async saves: the staging memory made before the first save (``prepare``), once the state has its
+        saved shapes; when, in one process and sharded, is docs/design.md's rule (section 2)."""
         if isinstance(self._ckpt, Checkpointer):
             optimizers = [p for p in self.parts.values() if isinstance(p, torch.optim.Optimizer)]
-            if all(o.state for o in optimizers):
+            if all(o.state for o in optimizers):  # each has taken its first step
                 self._prepared = True
                 self._ckpt.prepare()
             return
         self._prepared = True  # decided once, the same on every rank
         if not isinstance(self._ckpt, ShardedCheckpointer) or self._ckpt.mode is not SaveMode.ASYNC:
             return
-        if self.start_step > 0:
+        if self.start_step > 0:  # restored: DCP's optimizer state_dict would step an optimizer without state
             try:
-                state = {k: v.state_dict() for k, v in self.parts.items()}
+                state = self._tree()
             except Exception as exc:  # the save that needs it says why, on every rank
                 log.warning("staging shells not prepared: %s", exc)
                 return
             self._ckpt.prepare(state)
 
+    def _tree(self) -> dict[str, Any]:
+        """The state of every part, as a sharded save and restore take it."""
+        return {k: v.state_dict() for k, v in self.parts.items()}
+
     def _save(self, step: int, metrics: Mapping[str, float] | None) -> None:
         if isinstance(self._ckpt, Checkpointer):
             self._ckpt.save(step, metrics=metrics)
         elif isinstance(self._ckpt, ShardedCheckpointer):
-            tree = {k: v.state_dict() for k, v in self.parts.items()}
+            tree = self._tree()
             self._ckpt.save(step, tree, {"rng": RankRNG().state_dict()}, metrics=dict(metrics or {}))
         else:
             raise ConfigError("save() outside the session's `with` block")
