@@ -9,6 +9,8 @@
 # 4. The stall benchmark with the state on the GPU (pinned staging buffer, side-stream copies).
 # 5. Async sharded saves on CUDA (tiny_lm_ddp --async-save, NCCL + Rewind's own gloo group): killed in its
 #    background persist of step 20, resumed from 10, bit-identical to an uninterrupted async run.
+# 6. bench.multirank with the shards on the GPU (one rank per GPU): Rewind's async stall and time to durable
+#    against DCP's async_save and save, peak RSS, training overhead (keys with a _cuda suffix).
 #
 # Rewind's own packages the GPU image may lack (sqlalchemy, alembic, mako, crc32c) can travel as wheels in
 # .whl/ (see the device tool's notes); the catalog is SQLite under a temporary REWIND_HOME.
@@ -38,41 +40,78 @@ EOF
 }
 
 
-"$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA here"; print(torch.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count())' | tee "$OUTDIR/env.txt"
+"$PY" -c 'import torch; assert torch.cuda.is_available(), "no CUDA here"; print(torch.__version__, torch.cuda.get_device_name(0), torch.cuda.device_count())' | tee -a "$OUTDIR/summary.txt"
 GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
 
-log "1/5 rewind gpu"
-"$PY" -m rewind.flows.cli gpu --json >"$OUTDIR/nvml.json" && log "NVML: $(tr -d '\n ' <"$OUTDIR/nvml.json" | cut -c1-200)"
+nvml() {
+  "$PY" -m rewind.flows.cli gpu --json >"$WORK/nvml.json"
+  log "NVML: $(tr -d '\n ' <"$WORK/nvml.json" | cut -c1-300)"
+}
 
-log "2/5 tiny_lm resume on CUDA"
-TL=("$PY" -m rewind.examples.tiny_lm --steps 60 --checkpoint-every 10 --seed 0)
-"${TL[@]}" --run ref --out "$WORK/ref" >"$OUTDIR/tiny_ref.log" 2>&1
-"${TL[@]}" --run cut --out "$WORK/cut" --stop-after 35 >"$OUTDIR/tiny_cut.log" 2>&1
-"${TL[@]}" --run cut --out "$WORK/cut" >>"$OUTDIR/tiny_cut.log" 2>&1
-same_weights "$WORK/ref/final.safetensors" "$WORK/cut/final.safetensors" "CUDA resume"
+tiny_resume() {
+  local TL=("$PY" -m rewind.examples.tiny_lm --steps 60 --checkpoint-every 10 --seed 0)
+  "${TL[@]}" --run ref --out "$WORK/ref" >"$OUTDIR/tiny.log" 2>&1
+  "${TL[@]}" --run cut --out "$WORK/cut" --stop-after 35 >>"$OUTDIR/tiny.log" 2>&1
+  "${TL[@]}" --run cut --out "$WORK/cut" >>"$OUTDIR/tiny.log" 2>&1
+  same_weights "$WORK/ref/final.safetensors" "$WORK/cut/final.safetensors" "CUDA resume"
+}
 
-if [ "$GPUS" -ge 2 ]; then
-  log "3/5 tiny_lm_ddp: 2 ranks over NCCL, then resharded onto 1"
-  DDP=("$PY" -m rewind.examples.tiny_lm_ddp --run ddp --checkpoint-every 10 --seed 0 --out "$WORK/ddp")
+ddp_reshard() {
+  local DDP=("$PY" -m rewind.examples.tiny_lm_ddp --run ddp --checkpoint-every 10 --seed 0 --out "$WORK/ddp")
   "${DDP[@]}" --steps 20 --nproc 2 >"$OUTDIR/ddp.log" 2>&1
   "${DDP[@]}" --steps 30 --nproc 1 >>"$OUTDIR/ddp.log" 2>&1
   grep -o "resumed run ddp at step [0-9]* on 1 ranks" "$OUTDIR/ddp.log" | tee -a "$OUTDIR/summary.txt"
+}
+
+gpu_stall() {
+  "$PY" -m bench.run --gib 1 --repeat 3 --sections stall --dir "$WORK" >"$OUTDIR/bench.log" 2>&1
+  grep -A8 "GPU stall" "$OUTDIR/bench.log" | tee -a "$OUTDIR/summary.txt" || true
+}
+
+async_sharded() {
+  local AS=("$PY" -m rewind.examples.tiny_lm_ddp --checkpoint-every 10 --seed 0 --nproc 1 --async-save)
+  "${AS[@]}" --run aref --steps 30 --out "$WORK/aref" >"$OUTDIR/async_sharded.log" 2>&1
+  if REWIND_FAULT=kill:save.shard_written@20 "${AS[@]}" --run acut --steps 30 --out "$WORK/acut" \
+    >>"$OUTDIR/async_sharded.log" 2>&1; then
+    log "the rank was not killed in its step-20 persist"
+    return 1
+  fi
+  "${AS[@]}" --run acut --steps 30 --out "$WORK/acut" >>"$OUTDIR/async_sharded.log" 2>&1
+  grep -o "resumed run acut at step [0-9]*" "$OUTDIR/async_sharded.log" | tee -a "$OUTDIR/summary.txt"
+  same_weights "$WORK/aref/final.safetensors" "$WORK/acut/final.safetensors" "async sharded resume on CUDA"
+}
+
+multirank_cuda() {
+  "$PY" -m bench.multirank --device cuda --ranks "$GPUS" --mib-per-rank 512 --repeat 3 --overhead-pairs 2 \
+    --dir "$WORK" >"$OUTDIR/multirank_cuda.log" 2>&1
+  grep -E "^(multirank_|rewind_|dcp_|checkpoint_every|overhead_pct_each)" "$OUTDIR/multirank_cuda.log" \
+    | tee -a "$OUTDIR/summary.txt"
+}
+
+# step N NAME FUNCTION: runs one check in a subshell (errexit on), timed; a failure is logged and the next
+# check still runs; the script exits 1 at the end if any failed.
+FAILED=0
+step() {
+  local t0=$SECONDS
+  log "$1/6 $2"
+  (set -euo pipefail; "$3")
+  local rc=$?
+  if [ "$rc" -ne 0 ]; then FAILED=1; log "$1/6 FAILED (exit $rc)"; fi
+  log "$1/6 took $((SECONDS - t0)) s"
+}
+
+set +e
+step 1 "rewind gpu" nvml
+step 2 "tiny_lm resume on CUDA" tiny_resume
+if [ "$GPUS" -ge 2 ]; then
+  step 3 "tiny_lm_ddp: 2 ranks over NCCL, then resharded onto 1" ddp_reshard
 else
-  log "3/5 skipped: $GPUS GPU(s), the NCCL reshard check needs 2"
+  log "3/6 skipped: $GPUS GPU(s), the NCCL reshard check needs 2"
 fi
-
-log "4/5 stall benchmark with the state on the GPU"
-"$PY" -m bench.run --gib 1 --repeat 3 --sections stall --dir "$WORK" >"$OUTDIR/bench.log" 2>&1
-grep -A8 "GPU stall" "$OUTDIR/bench.log" | tee -a "$OUTDIR/summary.txt" || true
-cp bench/results.json "$OUTDIR/results.json" 2>/dev/null || true
-
-log "5/5 async sharded saves on CUDA (one rank, NCCL), resumed bit-exact"
-AS=("$PY" -m rewind.examples.tiny_lm_ddp --checkpoint-every 10 --seed 0 --nproc 1 --async-save)
-"${AS[@]}" --run aref --steps 30 --out "$WORK/aref" >"$OUTDIR/async_sharded.log" 2>&1
-REWIND_FAULT=kill:save.shard_written@20 "${AS[@]}" --run acut --steps 30 --out "$WORK/acut" \
-  >>"$OUTDIR/async_sharded.log" 2>&1 && { log "the rank was not killed in its step-20 persist"; exit 1; }
-"${AS[@]}" --run acut --steps 30 --out "$WORK/acut" >>"$OUTDIR/async_sharded.log" 2>&1
-grep -o "resumed run acut at step [0-9]*" "$OUTDIR/async_sharded.log" | tee -a "$OUTDIR/summary.txt"
-same_weights "$WORK/aref/final.safetensors" "$WORK/acut/final.safetensors" "async sharded resume on CUDA"
+step 4 "stall benchmark with the state on the GPU" gpu_stall
+step 5 "async sharded saves on CUDA (one rank, NCCL), resumed bit-exact" async_sharded
+step 6 "bench.multirank with the shards on the GPU ($GPUS rank(s))" multirank_cuda
+cp bench/results.json "$OUTDIR/results.json" 2>/dev/null
 rm -rf "$WORK"
-log "done"
+log "done: $([ "$FAILED" -eq 0 ] && echo "every check passed" || echo "some checks FAILED")"
+exit "$FAILED"

@@ -1,7 +1,10 @@
 """Multi-rank checkpoint speed: Rewind's async sharded save against DCP's ``save`` and ``async_save``, on the
 same ranks and the same state (FSDP-style DTensor shards, gloo on CPU), in one run.
 
-    .venv/bin/python -m bench.multirank [--ranks 4] [--mib-per-rank 64] [--repeat 5]
+    .venv/bin/python -m bench.multirank [--ranks 4] [--mib-per-rank 64] [--repeat 5] [--device cuda]
+
+With ``--device cuda`` the shards live on the GPUs (one per rank, NCCL beside gloo) and the keys below
+are written with a ``_cuda`` suffix (``bench/gpu_check.sh`` runs it on one GPU).
 
 Every contender saves the same state dict in the same processes, in turn (the order alternating from
 repeat to repeat), a fresh directory each time.
@@ -48,17 +51,18 @@ HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 
 
-def _state(mib: int, world: int) -> dict[str, Any]:
-    """``mib`` MiB of float32 on this rank, as DTensors sharded over the world (dim 0), in 4 MiB pieces."""
+def _state(mib: int, world: int, device: str) -> dict[str, Any]:
+    """``mib`` MiB of float32 on this rank, as DTensors sharded over the world (dim 0), in 4 MiB pieces, on
+    ``device`` ("cpu" or "cuda")."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device, (world,))
     rows = (4 * MiB) // (4 * 256)
     g = torch.Generator().manual_seed(dist.get_rank())
     shards = {
         f"layer{i}.weight": DTensor.from_local(
-            torch.randn(rows, 256, generator=g), mesh, [Shard(0)], run_check=False
+            torch.randn(rows, 256, generator=g).to(device), mesh, [Shard(0)], run_check=False
         )
         for i in range(max(1, mib // 4))
     }
@@ -75,6 +79,12 @@ def _rss_kib(field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _sync() -> None:
+    """Wait for this rank's queued GPU work (a timer must not stop while kernels are still queued)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _slowest(x: float) -> float:
@@ -130,9 +140,10 @@ def _peak_growth(fn: Any) -> float:
 def _train_loop(steps: int, every: int, ck: Any, state: dict[str, Any], first_step: int) -> float:
     """Seconds for ``steps`` steps of a compute-bound loop with a gradient all-reduce; an async save every
     ``every`` steps (0: none). The state saved is the one benchmarked: its values change every step."""
-    a, b = torch.randn(384, 384), torch.randn(384, 384)
-    grad = torch.zeros(256 * 1024)
     shard = next(iter(state["model"].values())).to_local()
+    a, b = torch.randn(384, 384, device=shard.device), torch.randn(384, 384, device=shard.device)
+    grad = torch.zeros(256 * 1024, device=shard.device)
+    _sync()
     dist.barrier()
     t0 = time.perf_counter()
     for s in range(1, steps + 1):
@@ -144,6 +155,7 @@ def _train_loop(steps: int, every: int, ck: Any, state: dict[str, Any], first_st
             ck.save(first_step + s, state, {"rank": dist.get_rank()})
     if every:
         ck.wait()
+    _sync()
     dist.barrier()
     return time.perf_counter() - t0
 
@@ -165,11 +177,13 @@ def worker(args: argparse.Namespace) -> None:
     from rewind.infra.checkpoint.engine import SaveMode
     from rewind.infra.checkpoint.sharded import ShardedCheckpointer
 
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("gloo" if args.device == "cpu" else "cpu:gloo,cuda:nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     work = Path(args.dir)
-    state = _state(args.mib_per_rank, world)
+    state = _state(args.mib_per_rank, world, args.device)
     nbytes = sum(t.to_local().numel() * 4 for t in state["model"].values())
     cat = Catalog(f"sqlite:///{work / 'bench.db'}") if rank == 0 else None
     ck = ShardedCheckpointer("bench", root=work / "rewind", catalog=cat, mode=SaveMode.ASYNC)
@@ -196,6 +210,7 @@ def worker(args: argparse.Namespace) -> None:
     ck.close()
     out = {
         "ranks": world,
+        "device": args.device,
         "state_mib_per_rank": nbytes / MiB,
         **{f"{k}_s": v for k, v in med.items()},
         "rewind_first_save_rss_growth_ratio": _slowest(rss_first) / nbytes,
@@ -256,7 +271,13 @@ def _chunked_figures(work: Path, state: dict[str, Any], cat: Any, plain: Any) ->
 
 
 def _step_time(work: Path, ck: Any, state: dict[str, Any]) -> float:
-    return _slowest(_train_loop(20, 0, ck, state, 0)) / 20
+    """Seconds per step of the loop, warmed up (the first steps set up kernels and the collective's
+    communicator: on a GPU they take longer than hundreds of later ones), over at least ~0.5 s."""
+    _train_loop(20, 0, ck, state, 0)
+    steps = 20
+    while (took := _slowest(_train_loop(steps, 0, ck, state, 0))) < 0.5:
+        steps *= 4
+    return took / steps
 
 
 def main() -> None:
@@ -267,6 +288,9 @@ def main() -> None:
     p.add_argument("--checkpoints", type=int, default=3, help="async saves in each overhead loop")
     p.add_argument("--overhead-pairs", type=int, default=3, help="plain and saving loops, alternating")
     p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the state lives: cuda runs NCCL beside gloo, one GPU per rank; its figures "
+                        "go under the keys' _cuda names")  # fmt: skip
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -277,7 +301,8 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}", "--standalone",
                "-m", "bench.multirank", "--worker", "--dir", tmp, "--out", str(raw),
                "--mib-per-rank", str(args.mib_per_rank), "--repeat", str(args.repeat),
-               "--checkpoints", str(args.checkpoints), "--overhead-pairs", str(args.overhead_pairs)]  # fmt: skip
+               "--checkpoints", str(args.checkpoints), "--overhead-pairs", str(args.overhead_pairs),
+               "--device", args.device]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "REWIND_CATALOG_URL": "", "REWIND_HOME": tmp}
         subprocess.run(cmd, check=True, cwd=HERE.parent, env=env)
         fig = json.loads(raw.read_text())
@@ -295,10 +320,12 @@ def _report(fig: dict[str, Any]) -> None:
     }
     for k, v in sorted({**fig, **results}.items()):
         print(f"{k:42s} {v:.4g}" if isinstance(v, float) else f"{k:42s} {v}")
+    suffix = "_cuda" if fig["device"] == "cuda" else ""
+    machine = f"{os.cpu_count()} cores" + (f", {torch.cuda.get_device_name(0)}" if suffix else "")
     out = HERE / "results.json"
     merged = json.loads(out.read_text()) if out.exists() else {}
-    merged.update(results)
-    merged["multirank"] = {**fig, "machine": f"{os.cpu_count()} cores", "torch": torch.__version__}
+    merged.update({k + suffix: v for k, v in results.items()})
+    merged["multirank" + suffix] = {**fig, "machine": machine, "torch": torch.__version__}
     out.write_text(json.dumps(merged, indent=1, sort_keys=True, default=str) + "\n")
 
 
