@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 import torch
 
 from rewind.infra.errors import ConfigError, MalformedFile
+from rewind.infra.format import pages
 from rewind.infra.format.digest import HashingReader
 
 _DTYPES: dict[torch.dtype, str] = {
@@ -76,7 +77,7 @@ def checked_shape(name: str, shape: object) -> list[int]:
 def allocate(name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """An empty tensor to read into (``MalformedFile`` for a shape torch refuses)."""
     try:
-        return torch.empty(shape, dtype=dtype)
+        return pages.empty(shape, dtype)  # huge pages for a large one: a third of the faults' cost
     except RuntimeError as exc:  # a shape torch cannot allocate, however few bytes it claims
         raise MalformedFile(f"tensor {name!r} has shape {shape}, which torch refuses: {exc}") from exc
 
@@ -226,12 +227,7 @@ def read(reader: HashingReader, size: int) -> tuple[dict[str, torch.Tensor], dic
     for sp in _spans(header, size - 8 - n):
         if not reader.skip(sp.start - pos):
             raise EOFError("file ended before its tensors")
-        try:
-            t = torch.empty(sp.shape, dtype=sp.dtype)
-        except RuntimeError as exc:  # a shape torch cannot allocate, however few bytes it claims
-            raise MalformedFile(
-                f"tensor {sp.name!r} has shape {sp.shape}, which torch refuses: {exc}"
-            ) from exc
+        t = allocate(sp.name, sp.shape, sp.dtype)
         if sp.end > sp.start and not reader.fill(byte_view(t)):
             raise EOFError(f"file ended inside tensor {sp.name!r}")
         out[sp.name] = t
