@@ -1,4 +1,5 @@
-"""Large buffers a restore reads into, and staging buffers, are backed by huge pages where THP is offered."""
+"""A large tensor a restore reads into lies on huge pages where THP is offered on advice, and the advice
+covers that tensor's own mapping and nothing else."""
 
 from __future__ import annotations
 
@@ -8,17 +9,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from rewind.infra.checkpoint.staging import StagingBuffer
-from rewind.infra.format import tensorfile
+from rewind.infra.format import pages, tensorfile
 from rewind.infra.format.digest import Hasher, HashingReader, HashingWriter
 
-_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-MODE = re.search(r"\[(\w+)\]", _THP.read_text()).group(1) if _THP.exists() else "none"  # type: ignore[union-attr]
-needs_thp = pytest.mark.skipif(MODE not in ("madvise", "always"), reason=f"THP mode {MODE}: no huge pages")
+MODE = pages.thp_mode()
+
+
+def _mappings() -> list[tuple[int, int, str]]:
+    out = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        out.append((lo, hi, line.split()[-1] if len(line.split()) > 5 else ""))
+    return out
 
 
 def _huge_kib(t: torch.Tensor) -> int:
-    """AnonHugePages of the mappings that hold ``t``'s bytes (/proc/self/smaps; advice splits a mapping)."""
+    """AnonHugePages of the mappings that hold ``t``'s bytes (/proc/self/smaps)."""
     lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
     total, inside = 0, False
     for line in Path("/proc/self/smaps").read_text().splitlines():
@@ -30,28 +36,35 @@ def _huge_kib(t: torch.Tensor) -> int:
     return total
 
 
-@needs_thp
-def test_a_large_tensor_read_back_lies_on_huge_pages(tmp_path):
-    big = torch.randn(16 << 20)  # 64 MiB: past glibc's mmap threshold, a mapping of its own
-    small = torch.arange(10)
+def _read_back(tmp_path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     path = tmp_path / "x.safetensors"
     with open(path, "wb") as raw:
-        tensorfile.write(HashingWriter(raw), {"big": big, "small": small})
+        tensorfile.write(HashingWriter(raw), tensors)
     with open(path, "rb") as f:
         got, _ = tensorfile.read(HashingReader(f, Hasher()), path.stat().st_size)
+    return got
+
+
+@pytest.mark.skipif(MODE != "madvise", reason=f"THP mode {MODE}: huge pages come (or not) without advice")
+def test_a_large_tensor_read_back_lies_on_huge_pages(tmp_path: Path) -> None:
+    big, small = torch.randn(16 << 20), torch.arange(10)  # 64 MiB and 80 bytes
+    got = _read_back(tmp_path, {"big": big, "small": small})
     assert torch.equal(got["big"], big) and torch.equal(got["small"], small)
-    assert _huge_kib(got["big"]) >= 2048, f"THP {MODE}: the restored tensor has no huge page"
-    if MODE == "madvise":  # the advice made it: a plain allocation written alike has none
-        plain = torch.empty(16 << 20)
-        plain.copy_(big)
-        assert _huge_kib(plain) == 0
+    assert _huge_kib(got["big"]) > 0, "the restored tensor has no huge page"
+    plain = torch.empty(16 << 20)  # the same allocation written alike, not advised: none
+    plain.copy_(big)
+    assert _huge_kib(plain) == 0
 
 
-@needs_thp
-def test_a_staging_buffer_lies_on_huge_pages():
-    parts = {"model": {"w": torch.randn(16 << 20)}}
-    buf = StagingBuffer()
-    buf.prepare(parts)
-    staged = buf.stage(parts)
-    assert torch.equal(staged.parts["model"]["w"], parts["model"]["w"])
-    assert _huge_kib(staged.parts["model"]["w"]) >= 2048, f"THP {MODE}: the staging buffer has no huge page"
+def test_the_advice_covers_the_tensors_own_mapping_alone() -> None:
+    t = torch.empty(pages.MIN_HUGE_BYTES // 4 + 1000)  # just past the threshold
+    span = pages.huge_range(t)
+    assert span is not None
+    first, nbytes = span
+    end = t.data_ptr() + t.numel() * 4
+    assert first % pages.PAGE == 0 and nbytes % pages.PAGE == 0
+    assert 0 <= t.data_ptr() - first < pages.PAGE and end <= first + nbytes < end + pages.PAGE  # its pages
+    holding = [(lo, hi, name) for lo, hi, name in _mappings() if lo < first + nbytes and first < hi]
+    assert len(holding) == 1 and holding[0][2] != "[heap]", holding  # one anonymous mapping of its own
+    assert pages.huge_range(torch.empty(pages.MIN_HUGE_BYTES // 4 - 1)) is None  # may lie in the heap
+    assert pages.huge_range(torch.empty(1 << 24, 2)[:, 0]) is None  # not contiguous

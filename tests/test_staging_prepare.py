@@ -18,7 +18,6 @@ from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint.background import BackgroundSaveError
 from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
 from rewind.infra.checkpoint.staging import StagingBuffer
-from rewind.infra.format import pages
 from rewind.infra.training.session import TrainingSession
 from tests.prefect_support import wait_until
 
@@ -27,11 +26,8 @@ PAGE = resource.getpagesize()
 
 
 @pytest.fixture(autouse=True)
-def one_thread(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The staging copy on this thread alone, so that its page faults are this thread's to count, one per
-    4 KiB page: the buffer's huge-page advice is left out here (a huge page is one fault for 512 pages;
-    tests/test_pages.py holds the advice)."""
-    monkeypatch.setattr(pages, "advise_huge", lambda t: False)
+def one_thread() -> Iterator[None]:
+    """The staging copy on this thread alone, so that its page faults are this thread's to count."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

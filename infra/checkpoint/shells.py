@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from rewind.infra.checkpoint.populate import populate
-from rewind.infra.format import pages
 
 try:
     from torch.distributed.tensor import DTensor
@@ -59,7 +58,6 @@ class ShellStager:
     def _shell(t: torch.Tensor, pin: bool) -> torch.Tensor:
         local = _local(t)
         cpu = torch.empty(local.shape, dtype=local.dtype, pin_memory=pin)
-        pages.advise_huge(cpu)  # before its first page is made: fewer, cheaper faults where THP is offered
         if not isinstance(t, DTensor):
             return cpu
         if local.device.type == "cpu":

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from rewind.infra.checkpoint.populate import populate
-from rewind.infra.format import pages, tensorfile
+from rewind.infra.format import tensorfile
 
 Parts = Mapping[str, Mapping[str, torch.Tensor]]
 
@@ -78,7 +78,6 @@ class StagingBuffer:
         pin = torch.cuda.is_available()
         self._buf = None  # free the old one first: never hold two copies
         whole = torch.empty(total + tensorfile.PAGE, dtype=torch.uint8, pin_memory=pin)
-        pages.advise_huge(whole)  # before its first page is made: fewer, cheaper faults where THP is offered
         start = -whole.data_ptr() % tensorfile.PAGE  # the first part on a page boundary, like the rest
         self._buf = whole[start : start + max(total, 1)]
         self._signature = sig

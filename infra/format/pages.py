@@ -1,27 +1,34 @@
-"""Advice to the kernel about a CPU tensor's pages: huge pages for large new buffers.
+"""Advice to the kernel about a CPU tensor's pages: huge pages under a large tensor a restore reads into.
 
 A restore reads each tensor into fresh memory, and a fresh 4 KiB page costs a fault when it is first
 written: measured here (a VM, 2 cores), reading 512 MiB from /dev/shm into a new tensor took 0.30 s, into
 the same buffer backed by transparent huge pages (``MADV_HUGEPAGE`` before the first write) 0.10 s, into
-memory already resident 0.06 s. The advice is taken where the kernel's THP mode is ``always`` or
-``madvise`` and ignored elsewhere (``never``, or no THP at all): it changes no value, only how the pages
-are backed.
+memory already resident 0.06 s. Only tensors of at least ``MIN_HUGE_BYTES`` are advised: glibc gives an
+allocation that large a mapping of its own (its mmap threshold never exceeds 32 MiB), so the advice
+covers that mapping alone and goes with it when the tensor is freed; a smaller one may lie in the malloc
+heap, where the advice would outlive it and reach other allocations. Where THP is ``always`` every large
+mapping gets huge pages anyway, and where it is ``never`` (or absent) the advice does nothing: it is
+given only in ``madvise`` mode. It changes no value, only how the pages are backed.
 """
 
 from __future__ import annotations
 
 import ctypes
 import mmap
+import sys
+from pathlib import Path
 
 import torch
 
 PAGE = mmap.PAGESIZE
 MADV_HUGEPAGE = 14
-HUGE_PAGE = 2 << 20
-MIN_HUGE_BYTES = 2 * HUGE_PAGE  # below this a tensor holds at most one whole aligned huge page
+MIN_HUGE_BYTES = 32 << 20  # glibc's largest mmap threshold (64-bit): from here on, a mapping of its own
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def _libc() -> ctypes.CDLL | None:
+    if sys.platform != "linux":
+        return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -31,7 +38,18 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+def thp_mode() -> str:
+    """The kernel's transparent huge page mode (``always``, ``madvise``, ``never``), ``none`` without THP."""
+    try:
+        text = _THP.read_text()
+    except OSError:
+        return "none"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "none"
+
+
 _LIBC = _libc()
+_ADVISE = thp_mode() == "madvise"
 
 
 def madvise(first: int, nbytes: int, advice: int) -> bool:
@@ -40,25 +58,26 @@ def madvise(first: int, nbytes: int, advice: int) -> bool:
 
 
 def whole_pages(t: torch.Tensor) -> tuple[int, int]:
-    """(first address, bytes) of the pages wholly inside ``t``'s bytes; 0 bytes if there are none."""
+    """(first address, bytes) of the pages wholly inside a contiguous ``t``'s bytes; 0 bytes if none."""
     start, nbytes = t.data_ptr(), t.numel() * t.element_size()
     first = -(-start // PAGE) * PAGE
     return first, max(0, (start + nbytes - first) // PAGE * PAGE)
 
 
-def advise_huge(t: torch.Tensor) -> bool:
-    """Ask for huge pages under a large CPU tensor not yet written (pages already faulted in stay as they
-    are). Pinned memory and small tensors are left alone. Never raises."""
-    if t.device.type != "cpu" or t.numel() * t.element_size() < MIN_HUGE_BYTES:
-        return False
-    if torch.cuda.is_available() and t.is_pinned():
-        return False
-    first, nbytes = whole_pages(t)
-    return madvise(first, nbytes, MADV_HUGEPAGE)
+def huge_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """(first address, bytes) to advise for a new contiguous CPU tensor: the pages its bytes touch, edges
+    included (they lie in the tensor's own mapping), or None for one too small to have a mapping alone."""
+    nbytes = t.numel() * t.element_size()
+    if t.device.type != "cpu" or not t.is_contiguous() or nbytes < MIN_HUGE_BYTES:
+        return None
+    first = t.data_ptr() // PAGE * PAGE
+    return first, -(-(t.data_ptr() + nbytes - first) // PAGE) * PAGE
 
 
 def empty(shape: list[int], dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty`` on the CPU, huge pages asked for when it is large."""
+    """``torch.empty`` on the CPU; huge pages asked for under a large one (THP in ``madvise`` mode)."""
     t = torch.empty(shape, dtype=dtype)
-    advise_huge(t)
+    span = huge_range(t) if _ADVISE else None
+    if span is not None:
+        madvise(*span, MADV_HUGEPAGE)  # refused: 4 KiB pages, as without it
     return t
