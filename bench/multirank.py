@@ -104,6 +104,7 @@ def _fresh(base: Path, name: str) -> Path:
 def _dcp_round(state: dict[str, Any], work: Path, i: int) -> tuple[float, float, float]:
     """(sync save s, async_save stall s, async_save to durable s)."""
     d = _fresh(work, f"dcp-{i}")
+    _sync()
     dist.barrier()
     t0 = time.perf_counter()
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(d), sync_files=True))
@@ -112,6 +113,7 @@ def _dcp_round(state: dict[str, Any], work: Path, i: int) -> tuple[float, float,
     dist.barrier()
     t0 = time.perf_counter()
     fut = dcp.async_save(state, storage_writer=dcp.FileSystemWriter(str(d), sync_files=True))
+    _sync()
     stall = time.perf_counter() - t0
     # DCP's default stager is synchronous, so async_save hands back a plain Future (not an AsyncSaveResponse)
     upload = fut.upload_completion if hasattr(fut, "upload_completion") else fut
@@ -121,9 +123,12 @@ def _dcp_round(state: dict[str, Any], work: Path, i: int) -> tuple[float, float,
 
 def _rewind_round(ck: Any, state: dict[str, Any], step: int) -> tuple[float, float]:
     """(async stall s, to committed s)."""
+    _sync()
     dist.barrier()
     t0 = time.perf_counter()
-    stall = ck.save(step, state, {"rank": dist.get_rank()})
+    ck.save(step, state, {"rank": dist.get_rank()})
+    _sync()  # on a GPU: until the copies the compute stream waits for are done
+    stall = time.perf_counter() - t0
     ck.wait()
     dist.barrier()  # rank 0 committed: every rank's background save ended with its outcome
     return stall, time.perf_counter() - t0

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -64,7 +64,11 @@ class ShellStager:
             return DTensor.from_local(
                 cpu, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride()
             )
-        return t.detach().to("cpu")  # a DTensor of this mesh with a CPU shard (DCP stages it so)
+        # a DTensor of this mesh with a CPU shard (DCP stages it so), the shard pinned as DCP's own stager
+        # pins it: a side-stream copy into pageable memory would be synchronous
+        shell = cast(DTensor, t.detach().to("cpu"))
+        shell._local_tensor = cpu
+        return shell
 
     def _ensure(self, tensors: dict[str, torch.Tensor]) -> None:
         sig = self._signature_of(tensors)
