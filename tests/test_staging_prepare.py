@@ -18,6 +18,7 @@ from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint.background import BackgroundSaveError
 from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
 from rewind.infra.checkpoint.staging import StagingBuffer
+from rewind.infra.format import pages
 from rewind.infra.training.session import TrainingSession
 from tests.prefect_support import wait_until
 
@@ -68,6 +69,8 @@ def _checkpointer(
 def test_a_prepared_first_save_faults_in_no_buffer_and_holds_the_values_of_the_call(
     run_name: str, tmp_path: Path, prepared: bool
 ) -> None:
+    if not prepared and pages.thp_mode() == "always":  # a fresh buffer on 2 MiB pages: a fault per 512
+        pytest.skip("THP always: the unprepared buffer's faults are not one per 4 KiB page")
     model, opt = _job()
     ck = _checkpointer(run_name, tmp_path, model, opt)
     cat = ck._cat
