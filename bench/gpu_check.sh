@@ -109,7 +109,7 @@ step() {
 set +e
 step 1 "rewind gpu" nvml
 step 2 "tiny_lm resume on CUDA" tiny_resume
-if [ "$GPUS" -ge 2 ]; then
+if [ "$GPUS" -ge 2 ] || [[ " ${GPU_CHECKS:-3} " != *" 3 "* ]]; then
   step 3 "tiny_lm_ddp: 2 ranks over NCCL, then resharded onto 1" ddp_reshard
 else
   log "3/6 skipped: $GPUS GPU(s), the NCCL reshard check needs 2"
