@@ -24,6 +24,10 @@ OUTDIR="${1:-${OUT:-gpu-check}}"
 mkdir -p "$OUTDIR"
 PY="${PYTHON:-python3}"
 STEP_TIMEOUT="${STEP_TIMEOUT:-300}"
+for c in ${GPU_CHECKS:-}; do
+  case "$c" in [1-6]) ;; *) echo "GPU_CHECKS: '$c' is not a check number (1-6, space-separated)" >&2; exit 2 ;; esac
+done
+rm -f bench/results.json  # a warm machine's earlier keys must not pass for this run's
 if ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
@@ -54,7 +58,7 @@ nvml() {
 }
 
 tiny_resume() {
-  local TL=(timeout "$STEP_TIMEOUT" "$PY" -m rewind.examples.tiny_lm --steps 60 --checkpoint-every 10 --seed 0)
+  local TL=(timeout -k 10 "$STEP_TIMEOUT" "$PY" -m rewind.examples.tiny_lm --steps 60 --checkpoint-every 10 --seed 0)
   "${TL[@]}" --run ref --out "$WORK/ref" >"$OUTDIR/tiny.log" 2>&1
   "${TL[@]}" --run cut --out "$WORK/cut" --stop-after 35 >>"$OUTDIR/tiny.log" 2>&1
   "${TL[@]}" --run cut --out "$WORK/cut" >>"$OUTDIR/tiny.log" 2>&1
@@ -62,19 +66,19 @@ tiny_resume() {
 }
 
 ddp_reshard() {
-  local DDP=(timeout "$STEP_TIMEOUT" "$PY" -m rewind.examples.tiny_lm_ddp --run ddp --checkpoint-every 10 --seed 0 --out "$WORK/ddp")
+  local DDP=(timeout -k 10 "$STEP_TIMEOUT" "$PY" -m rewind.examples.tiny_lm_ddp --run ddp --checkpoint-every 10 --seed 0 --out "$WORK/ddp")
   "${DDP[@]}" --steps 20 --nproc 2 >"$OUTDIR/ddp.log" 2>&1
   "${DDP[@]}" --steps 30 --nproc 1 >>"$OUTDIR/ddp.log" 2>&1
   grep -o "resumed run ddp at step [0-9]* on 1 ranks" "$OUTDIR/ddp.log" | tee -a "$OUTDIR/summary.txt"
 }
 
 gpu_stall() {
-  timeout "$STEP_TIMEOUT" "$PY" -m bench.run --gib 1 --repeat 3 --sections stall --dir "$WORK" >"$OUTDIR/bench.log" 2>&1
+  timeout -k 10 "$STEP_TIMEOUT" "$PY" -m bench.run --gib 1 --repeat 3 --sections stall --dir "$WORK" >"$OUTDIR/bench.log" 2>&1
   grep -A9 "GPU stall" "$OUTDIR/bench.log" | tee -a "$OUTDIR/summary.txt" || true
 }
 
 async_sharded() {
-  local AS=(timeout "$STEP_TIMEOUT" "$PY" -m rewind.examples.tiny_lm_ddp --checkpoint-every 10 --seed 0 --nproc 1 --async-save)
+  local AS=(timeout -k 10 "$STEP_TIMEOUT" "$PY" -m rewind.examples.tiny_lm_ddp --checkpoint-every 10 --seed 0 --nproc 1 --async-save)
   "${AS[@]}" --run aref --steps 30 --out "$WORK/aref" >"$OUTDIR/async_sharded.log" 2>&1
   if REWIND_FAULT=kill:save.shard_written@20 "${AS[@]}" --run acut --steps 30 --out "$WORK/acut" \
     >>"$OUTDIR/async_sharded.log" 2>&1; then
@@ -87,7 +91,7 @@ async_sharded() {
 }
 
 multirank_cuda() {
-  timeout "$STEP_TIMEOUT" "$PY" -m bench.multirank --device cuda --ranks "$GPUS" --mib-per-rank 512 --repeat 3 --overhead-pairs 2 \
+  timeout -k 10 "$STEP_TIMEOUT" "$PY" -m bench.multirank --device cuda --ranks "$GPUS" --mib-per-rank 512 --repeat 3 --overhead-pairs 2 \
     --dir "$WORK" >"$OUTDIR/multirank_cuda.log" 2>&1
   grep -E "^(multirank_|rewind_|dcp_|checkpoint_every|overhead_pct_each)" "$OUTDIR/multirank_cuda.log" \
     | sed "s/^multirank_[a-z_]*/&_cuda/" | tee -a "$OUTDIR/summary.txt"

@@ -52,7 +52,13 @@ class ShellStager:
 
     @staticmethod
     def _signature_of(tensors: dict[str, torch.Tensor]) -> Signature:
-        return tuple((name, type(t).__name__, t.dtype, tuple(_local(t).shape)) for name, t in tensors.items())
+        """What a shell is made from: a DTensor's placements and global shape and stride as well as its
+        shard's shape (a shell reused across a change of layout would carry the old one to DCP)."""
+        return tuple(
+            (name, type(t).__name__, t.dtype, tuple(_local(t).shape), tuple(t.shape), t.stride(),
+             tuple(getattr(t, "placements", ())))
+            for name, t in tensors.items()
+        )  # fmt: skip
 
     @staticmethod
     def _shell(t: torch.Tensor, pin: bool) -> torch.Tensor:

@@ -3,10 +3,11 @@
 A restore reads each tensor into fresh memory, and a fresh 4 KiB page costs a fault when it is first
 written: measured here (a VM, 2 cores), reading 512 MiB from /dev/shm into a new tensor took 0.30 s, into
 the same buffer backed by transparent huge pages (``MADV_HUGEPAGE`` before the first write) 0.10 s, into
-memory already resident 0.06 s. Only tensors of at least ``MIN_HUGE_BYTES`` are advised: glibc gives an
-allocation that large a mapping of its own (its mmap threshold never exceeds 32 MiB), so the advice
-covers that mapping alone and goes with it when the tensor is freed; a smaller one may lie in the malloc
-heap, where the advice would outlive it and reach other allocations. Where THP is ``always`` every large
+memory already resident 0.06 s. Only a tensor glibc mapped by itself is advised (at least
+``MIN_HUGE_BYTES``, above the program break, made by the main thread): the advice then covers that
+mapping alone and goes with it when the tensor is freed. One in the malloc heap (a large free chunk is
+reused there, whatever its size) or in another thread's arena is not: there the advice would outlive it
+and reach other allocations. Where THP is ``always`` every large
 mapping gets huge pages anyway, and where it is ``never`` (or absent) the advice does nothing: it is
 given only in ``madvise`` mode. It changes no value, only how the pages are backed.
 """
@@ -15,7 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
+import platform
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -33,6 +37,8 @@ def _libc() -> ctypes.CDLL | None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         libc.madvise.restype = ctypes.c_int
+        libc.sbrk.argtypes = [ctypes.c_ssize_t]
+        libc.sbrk.restype = ctypes.c_void_p
         return libc
     except (OSError, AttributeError):
         return None
@@ -49,6 +55,7 @@ def thp_mode() -> str:
 
 
 _LIBC = _libc()
+_GLIBC = platform.libc_ver()[0] == "glibc"
 _ADVISE = thp_mode() == "madvise"
 
 
@@ -64,11 +71,24 @@ def whole_pages(t: torch.Tensor) -> tuple[int, int]:
     return first, max(0, (start + nbytes - first) // PAGE * PAGE)
 
 
+def _in_own_mapping(t: torch.Tensor) -> bool:
+    """Whether glibc mapped ``t``'s allocation by itself: made by the main thread (the main arena), above
+    the program break (not in the malloc heap, where a large free chunk can be reused too), glibc's own
+    malloc (no other allocator preloaded)."""
+    if _LIBC is None or not _GLIBC or "malloc" in os.environ.get("LD_PRELOAD", ""):
+        return False
+    if threading.current_thread() is not threading.main_thread():
+        return False  # another thread's arena lies in mappings that other allocations reuse
+    brk = _LIBC.sbrk(0)
+    return brk is not None and t.data_ptr() >= brk
+
+
 def huge_range(t: torch.Tensor) -> tuple[int, int] | None:
     """(first address, bytes) to advise for a new contiguous CPU tensor: the pages its bytes touch, edges
-    included (they lie in the tensor's own mapping), or None for one too small to have a mapping alone."""
+    included (they lie in the tensor's own mapping), or None for one that may share its pages' mapping
+    with other allocations (too small, in the malloc heap, another thread's arena)."""
     nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or not t.is_contiguous() or nbytes < MIN_HUGE_BYTES:
+    if t.device.type != "cpu" or not t.is_contiguous() or nbytes < MIN_HUGE_BYTES or not _in_own_mapping(t):
         return None
     first = t.data_ptr() // PAGE * PAGE
     return first, -(-(t.data_ptr() + nbytes - first) // PAGE) * PAGE
