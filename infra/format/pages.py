@@ -7,9 +7,9 @@ memory already resident 0.06 s. Only a tensor glibc mapped by itself is advised 
 ``MIN_HUGE_BYTES``, above the program break, made by the main thread): the advice then covers that
 mapping alone and goes with it when the tensor is freed. One in the malloc heap (a large free chunk is
 reused there, whatever its size) or in another thread's arena is not: there the advice would outlive it
-and reach other allocations. Where THP is ``always`` every large
-mapping gets huge pages anyway, and where it is ``never`` (or absent) the advice does nothing: it is
-given only in ``madvise`` mode. It changes no value, only how the pages are backed.
+and reach other allocations. Where THP is ``always`` every large mapping gets huge pages anyway, and
+where it is ``never`` (or absent) the advice does nothing: it is given only in ``madvise`` mode. It
+changes no value, only how the pages are backed.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 PAGE = mmap.PAGESIZE
 MADV_HUGEPAGE = 14
-MIN_HUGE_BYTES = 32 << 20  # glibc's largest mmap threshold (64-bit): from here on, a mapping of its own
+MIN_HUGE_BYTES = 32 << 20  # glibc's largest mmap threshold (64-bit); a free heap chunk may still serve it
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
