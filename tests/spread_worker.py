@@ -72,7 +72,9 @@ def main(mode: str, workdir: str, layout: str) -> None:
         name = "loaded"
         if rank == 0:
             sources = [s.as_dict() for s in ck.sources]
-            (work / "sources.json").write_text(json.dumps({"step": step, "disks": sources}))
+            (work / "sources.json").write_text(
+                json.dumps({"step": step, "disks": sources, "loaded": ck.loaded})
+            )
     full = _full(model, opt)
     if rank == 0:
         save_file(full, str(work / f"{name}.safetensors"))

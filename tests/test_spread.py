@@ -205,10 +205,15 @@ def test_a_lost_hosts_share_comes_from_the_next_hosts_memory_and_no_other_tier(r
     work = ringed
     ma = mf.read(work / "disks" / "a" / RUN / "step-2")
     share_a, share_b = _share_of(ma, work, "a"), _share_of(ma, work, "b")
-    for disk, peer in (("a", share_b), ("b", share_a)):  # each memory: the peer's files, manifest last
+    whole = {e.path: e.size for e in ma.files}
+    for disk, peer in (
+        ("a", share_b),
+        ("b", share_a),
+    ):  # each memory: the peer's files and its own, manifest last
         copy = _ring_copy(work, disk)
         assert copy.name.startswith("step-2-") and (copy / mf.MANIFEST_NAME).read_bytes() == ma.to_bytes()
-        assert {p.name: p.stat().st_size for p in copy.iterdir() if p.name != mf.MANIFEST_NAME} == peer
+        held = {p.name: p.stat().st_size for p in copy.iterdir() if p.name != mf.MANIFEST_NAME}
+        assert held == whole and peer.items() <= held.items(), (held, peer)  # two hosts: the whole checkpoint
 
     cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
     ring_rows = {  # the catalog knows whose share each host's memory holds: a recovery can decide on it
@@ -230,6 +235,33 @@ def test_a_lost_hosts_share_comes_from_the_next_hosts_memory_and_no_other_tier(r
     b_bytes = sum(share_b.values())
     assert a_got == {**a_got, "local": ma.total_bytes - b_bytes, "memory": b_bytes, "peer": 0, "remote": 0}
     assert c_got == {**c_got, "local": 0, "memory": 0, "peer": ma.total_bytes, "remote": 0}, c_got
+
+
+def test_a_crash_of_every_rank_reads_each_hosts_files_from_its_own_memory(ringed: Path) -> None:
+    """Every rank killed, the hosts and their disks intact: each host's memory holds its own files beside
+    its peer's, so the loads read every checkpoint byte from memory and none from the disks; bit-exact.
+    With a file of host a's own share damaged in its memory, a's copy there is refused (never read) and a's
+    ranks read their disk instead."""
+    work = ringed
+    ma = mf.read(work / "disks" / "a" / RUN / "step-2")
+    _job("load", work, "a,a,b,b", ring=True)
+    assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
+    got = json.loads((work / "sources.json").read_text())
+    assert got["loaded"]["disk"] == 0 and got["loaded"]["memory"] > 0, got
+    for d in got["disks"]:  # nothing to complete: each disk held its share, the other came from memory
+        assert d["local"] + d["memory"] == ma.total_bytes and d["peer"] == d["remote"] == 0, got
+
+    own = _share_of(ma, work, "a")
+    victim = next(p for p in sorted(_ring_copy(work, "a").iterdir()) if p.name in own)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    _job("load", work, "a,a,b,b", ring=True)
+    assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
+    got = json.loads((work / "sources.json").read_text())
+    assert got["loaded"]["disk"] > 0 and not victim.exists(), (
+        got
+    )  # refused and removed: a's ranks read their disk
 
 
 @pytest.mark.parametrize("shared_left", [True, False], ids=["shared-tier-left", "no-other-copy"])

@@ -9,7 +9,8 @@ checkpoint (``Remote``: the shared tier's, nearest first), held to its entry, an
 each file comes from the nearest place that has it: this disk, this node's memory (a ring copy of a peer's
 share, ``ring_held``, hashed again as it is taken), a peer's disk, another tier. When a file is on no disk, in
 no memory and no other tier gives it, no disk is completed: ``ShareOnly`` on every rank, and the restore
-tries the next copy.
+tries the next copy. Every rank learns which files its node's memory holds (``Completed.nearer``): the load
+reads those from memory first (this host's own share, where its leader kept it, included), proven as read.
 """
 
 from __future__ import annotations
@@ -138,6 +139,16 @@ def _send(path: Path | None, entry: mf.FileEntry, src: int) -> tuple[torch.Tenso
 Refused = Callable[[str, tuple[str, ...]], None]
 
 
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """This rank's disk's copy, completed (the directory to load from); each disk's sources (rank 0 only);
+    the files this node's memory holds, proven (path -> the ring copy holding it): read before the disk's."""
+
+    directory: Path
+    sources: list[Sources]
+    nearer: dict[str, Path]
+
+
 def complete(
     directory: Path,
     raw: bytes,
@@ -146,9 +157,9 @@ def complete(
     remote: Remote | None = None,
     *,
     refused: Refused | None = None,
-) -> tuple[Path, list[Sources]]:
-    """Collective: this rank's disk's copy of the checkpoint whose manifest bytes are ``raw``, completed;
-    (the directory to load from, each disk's sources, by leader; on rank 0 only, else empty).
+) -> Completed:
+    """Collective: this rank's disk's copy of the checkpoint whose manifest bytes are ``raw``, completed
+    (each disk's sources, by leader, on rank 0 only; the files this node's memory holds, on every rank).
 
     ``directory``: this rank's copy (rank 0: the one its restore plan chose; the others: their root's).
     ``remote`` (rank 0): fetches a file no disk at hand holds. ``refused`` (rank 0): told of each memory tier's
@@ -165,11 +176,15 @@ def complete(
     memory = ring_held.held(raw, manifest) if leads else ring_held.Found()
     taken = _take(target, manifest, memory.files, held or set()) if leads else {}
     every: list[Any] = [None] * dist.get_world_size()
+    near = {p: str(d) for p, d in memory.files.items()}
     dist.all_gather_object(
-        every, (None if held is None else (held | set(taken)), memory.tier_id, memory.refused)
+        every, (None if held is None else (held | set(taken)), memory.tier_id, memory.refused, near)
     )
     _tell_refused(every, refused)
-    have = {r: h for r, (h, _, _) in enumerate(every) if h is not None}
+    nearer = {
+        p: Path(d) for p, d in every[disks.leader(rank)][3].items()
+    }  # one listing per host: its leader's
+    have = {r: h for r, (h, _, _, _) in enumerate(every) if h is not None}
     from_memory, errors = sum(taken.values()), []
     lost = [e for e in manifest.files if not any(e.path in h for h in have.values())]
     fetched = _fetch_lost(target, lost, remote if rank == 0 else None, fresh, manifest.step)
@@ -195,13 +210,13 @@ def complete(
     report: list[Any] = [None] * dist.get_world_size()
     mine = Sources(disks.of_rank[rank].host, local, got, fetched, from_memory) if leads else None
     dist.all_gather_object(report, mine)
-    return directory, [s for s in report if s is not None] if rank == 0 else []
+    return Completed(directory, [s for s in report if s is not None] if rank == 0 else [], nearer)
 
 
 def _tell_refused(every: list[Any], refused: Refused | None) -> None:
     if refused is None:
         return
-    for _, tier_id, copies in every:
+    for _, tier_id, copies, _ in every:
         if copies:
             try:
                 refused(tier_id, copies)
@@ -218,7 +233,7 @@ def _take(target: Path, manifest: mf.Manifest, memory: dict[str, Path], held: se
         if e.path not in memory or e.path in held:
             continue
         try:
-            raw = memory[e.path].read_bytes()
+            raw = (memory[e.path] / mf.safe_relative(e.path)).read_bytes()
             got = hash_bytes(raw)
             if (got.size, got.xxh3) != (e.size, e.xxh3):
                 raise OSError(f"{e.path} in this node's memory changed since it was proven")

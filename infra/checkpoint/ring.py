@@ -6,8 +6,10 @@ process group: each sends the files placed on its disk to the next leader and re
 into its node's memory tier (``REWIND_MEMORY_ROOT``, under ``.ring/<run>/``), each file held to its manifest
 entry as it arrives, the manifest written last; the run's older ring copies are then let go (the newest
 ``REWIND_MEMORY_KEEP`` stay). A checkpoint whose incoming share does not fit some host's memory budget is
-not passed at all. The bytes live on the memory filesystem, not in a process: a crash of every rank leaves
-them, the loss of the host takes them (its next host holds its share, not its own).
+not passed at all. Where the budget holds it too, a leader keeps its own disk's files in the same ring copy
+(read from the disk once, as they are sent), so that a crash of every rank reads each host's whole copy from
+its memory. The bytes live on the memory filesystem, not in a process: a crash of every rank leaves them,
+the loss of the host takes them (its next host holds its share).
 
 A restore (``assemble``) asks each disk's leader what its memory holds of the checkpoint (``held``): the
 files of a ring copy whose manifest is the checkpoint's, each hashed again against its entry; a copy with
@@ -61,6 +63,7 @@ class Passed:
     holder: LocalTier | None = None
     source_host: str = ""
     evicted: tuple[str, ...] = ()  # other runs' ring copies this host let go to make room
+    own: int = 0  # bytes of this host's own files kept in the same copy
 
 
 def _config() -> place.MemoryConfig | None:
@@ -176,9 +179,10 @@ def _exchange(
     outgoing = share(ready.manifest, disks.of_rank[dist.get_rank()].id)
     sent = 0
     try:
-        sent, received, errors = ring_wire.exchange(directory, outgoing, incoming, ready.target, peers, group)
-        if errors:
-            raise OSError(errors[0])
+        got = ring_wire.exchange(directory, outgoing, incoming, ready.target, peers, group, own=ready.own)
+        sent = got.sent
+        if got.errors:
+            raise OSError(got.errors[0])
         kept = _commit(ready.target, ready.raw, ready.manifest.step)
     except Exception as exc:  # a peer gone mid-way raises here too: nothing half made is left
         shutil.rmtree(ready.target, ignore_errors=True)
@@ -188,7 +192,7 @@ def _exchange(
         _let_go(kept, keep=ready.cfg.keep)
     except OSError as exc:  # the new copy is whole: older ones go at the next pass
         log.warning("%s: older ring copies not let go: %s", run, exc)
-    return Passed(sent, received, kept, ready.holder, disks.of_rank[prev].host, evicted)
+    return Passed(sent, got.received, kept, ready.holder, disks.of_rank[prev].host, evicted, got.own)
 
 
 def gathered(mine: Passed | None, group: dist.ProcessGroup | None = None) -> list[Passed]:
@@ -210,7 +214,7 @@ def register(cat: Catalog, checkpoint_id: int, run: str, passed: list[Passed]) -
         if p.directory is None:
             continue
         copies.add(cat, checkpoint_id, MEMORY, str(p.directory), key=f"{RING_KEY}{p.source_host}",
-                   nbytes=p.received, status=R.VERIFIED, disk=p.holder)  # fmt: skip
+                   nbytes=p.received + p.own, status=R.VERIFIED, disk=p.holder)  # fmt: skip
         older = [h for h in ring_held_by(cat, p.holder.host, run) if h.checkpoint_id != checkpoint_id]
         # newest made first, as the host let them go (``_let_go``); by host, not by the tier's mark: a
         # host that rebooted has a new mark, and nothing of the old one
@@ -247,7 +251,8 @@ def renew(live: ring_room.Live) -> None:
 @dataclass(frozen=True, slots=True)
 class Ready:
     """A leader ready to take part: its memory tier, the committed manifest (bytes, parsed), the directory
-    the peer's share goes to, and other runs' ring copies chosen to make room."""
+    the peer's share goes to, other runs' ring copies chosen to make room, and its own disk's files to keep
+    beside the peer's (None: the budget does not hold them too)."""
 
     cfg: place.MemoryConfig
     raw: bytes
@@ -255,6 +260,7 @@ class Ready:
     target: Path
     holder: LocalTier
     eviction: ring_room.Eviction  # other runs' ring copies to let go for the room, once every leader agreed
+    own: list[mf.FileEntry] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +300,10 @@ def _prepare(directory: Path, run: str, disks: Disks, prev: int) -> Ready | Refu
         return Refused(f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold its peer's share "
                        f"({need} bytes) beside what its memory tier holds ({held_now} bytes; ended runs' "
                        "ring copies would not make the room)")  # fmt: skip
-    return Ready(cfg, raw, manifest, target, holder, eviction)
+    mine = list(manifest.files_on(disks.of_rank[dist.get_rank()].id))
+    room = cfg.budget_bytes - (need + held_now - eviction.nbytes)  # the peer's share first: room for its own?
+    own = mine if sum(e.size for e in mine) <= room else None
+    return Ready(cfg, raw, manifest, target, holder, eviction, own)
 
 
 def _incoming_dir(cfg: place.MemoryConfig, run: str) -> Path:

@@ -21,8 +21,8 @@ log = logging.getLogger("rewind.ring")
 
 @dataclass(frozen=True, slots=True)
 class Found:
-    """The checkpoint's files a node's memory holds (path -> file, each proven against its entry), the
-    ring copies refused (a file did not prove: removed) and the memory tier's id."""
+    """The checkpoint's files a node's memory holds (path -> the ring copy holding it, each file proven
+    against its entry), the ring copies refused (a file did not prove: removed) and the memory tier's id."""
 
     files: dict[str, Path] = field(default_factory=dict)
     refused: tuple[str, ...] = ()
@@ -76,5 +76,5 @@ def _proven(copy: Path, manifest: mf.Manifest) -> dict[str, Path] | None:
             )
             shutil.rmtree(copy, ignore_errors=True)
             return None
-        got[e.path] = path
+        got[e.path] = copy
     return got

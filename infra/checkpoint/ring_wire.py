@@ -2,7 +2,12 @@
 gloo process group, while the previous host's arrive; each received file hashed as it is written and kept
 only when it is its manifest entry. Nothing here raises for a file: a file that cannot be read is sent as
 zeros (no receiver keeps it), one that cannot be written is dropped, and every piece is still exchanged, so
-that no peer ever waits on a message that will not come. At most two pieces are in memory per leader."""
+that no peer ever waits on a message that will not come. At most two pieces are in memory per leader.
+
+A leader may keep its own share beside the peer's (``own``): each outgoing piece, once read, is written into
+the ring copy too, hashed like a received one, so the share is read from the disk once for both; the files
+every disk holds (no share's) are copied in whole. A file of its own that does not prove is dropped alone:
+the peer's share does not depend on it."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from rewind.infra.format import manifest as mf
-from rewind.infra.format.digest import Hasher
+from rewind.infra.format.digest import Hasher, hash_bytes
 
 log = logging.getLogger("rewind.ring")
 PIECE = 16 << 20  # bytes per message
@@ -100,6 +105,7 @@ class Writer:
             self._failed.add(e.path)
             self.errors.append(f"{e.path}: {exc}")
             self.close()
+            (self.target / mf.safe_relative(e.path)).unlink(missing_ok=True)  # never left as if kept
 
     def empty(self, entry: mf.FileEntry) -> None:
         self._start(entry)
@@ -125,6 +131,17 @@ class Writer:
             self._open = None
 
 
+@dataclass(frozen=True, slots=True)
+class Exchanged:
+    """What one leader's exchange did: bytes sent, the peer's bytes kept, the failures keeping them (the
+    ring copy is then not made) and the bytes of its own share kept beside them."""
+
+    sent: int
+    received: int
+    errors: tuple[str, ...]
+    own: int = 0
+
+
 def exchange(
     directory: Path,
     outgoing: list[mf.FileEntry],
@@ -132,14 +149,18 @@ def exchange(
     target: Path,
     peers: tuple[int, int],
     group: dist.ProcessGroup | None,
-) -> tuple[int, int, list[str]]:
+    *,
+    own: list[mf.FileEntry] | None = None,
+) -> Exchanged:
     """Send ``outgoing`` (files of ``directory``) to the next leader while the previous one's ``incoming``
-    are written into ``target``; (bytes sent, bytes kept, errors). Collective between the two peers."""
+    are written into ``target``, and ``own`` (this disk's files: ``outgoing`` and those every disk holds)
+    kept there too when given. Collective between the two peers."""
     prev, nxt = peers
     send, recv = pieces(outgoing), pieces(incoming)
     sbuf = torch.empty(max((p.length for p in send), default=0), dtype=torch.uint8)
     rbuf = torch.empty(max((p.length for p in recv), default=0), dtype=torch.uint8)
     reader, writer = Reader(directory), Writer(target)
+    mirror = Writer(target) if own is not None else None
     for e in incoming:
         if not e.size:
             _empty(writer, e)
@@ -149,6 +170,8 @@ def exchange(
             out = sbuf[: send[i].length]
             reader.fill(send[i], out)
             work = dist.isend(out, dst=nxt, group=group)
+            if mirror is not None:  # read once: kept here while it travels
+                mirror.take(send[i], out)
         if i < len(recv):
             got = rbuf[: recv[i].length]
             dist.recv(got, src=prev, group=group)
@@ -158,7 +181,45 @@ def exchange(
     reader.close()
     writer.close()
     sent = sum(e.size for e in outgoing if e.path not in reader.failed)
-    return sent, writer.kept, writer.errors
+    kept_own = _keep_own(directory, target, mirror, own or [], {e.path for e in outgoing})
+    return Exchanged(sent, writer.kept, tuple(writer.errors), kept_own)
+
+
+def _keep_own(
+    directory: Path, target: Path, mirror: Writer | None, own: list[mf.FileEntry], sent: set[str]
+) -> int:
+    """This disk's own files kept in the ring copy: those sent (already written by ``mirror``) and the
+    ones every disk holds, copied whole and proven; the bytes kept. A file that fails is left out, logged."""
+    if mirror is None:
+        return 0
+    mirror.close()
+    for e in own:
+        if e.path in sent and not e.size:
+            _empty(mirror, e)
+        elif e.path not in sent:
+            _copy_proven(directory, target, e, mirror)
+    if mirror.errors:
+        log.warning(
+            "%d of this host's own files not kept in its memory: %s", len(mirror.errors), mirror.errors[0]
+        )
+    return mirror.kept
+
+
+def _copy_proven(directory: Path, target: Path, entry: mf.FileEntry, mirror: Writer) -> None:
+    path = target / mf.safe_relative(entry.path)
+    try:
+        raw = (directory / mf.safe_relative(entry.path)).read_bytes()
+        got = hash_bytes(raw)
+        if (got.size, got.xxh3) != (entry.size, entry.xxh3):
+            raise OSError("on this disk differs from the manifest's entry")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "xb") as f:
+            f.write(raw)
+        mirror.kept += entry.size
+    except Exception as exc:
+        mirror.errors.append(f"{entry.path}: {exc}")
+        if not isinstance(exc, FileExistsError):
+            path.unlink(missing_ok=True)
 
 
 def _empty(writer: Writer, entry: mf.FileEntry) -> None:

@@ -58,6 +58,7 @@ from rewind.infra.faults import fault_point
 from rewind.infra.format import direct, payload, store
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.local_tier import LocalTier
+from rewind.infra.format.nearest import Nearest
 from rewind.infra.format.verify import Finding, Problem
 from rewind.infra.health.layout import Layout, ModelShape
 from rewind.infra.restore import execute as restore_exec
@@ -149,6 +150,9 @@ class ShardedCheckpointer:
         self.sources: list[assemble.Sources] = []  # rank 0: where the last restore's bytes came from
         self.read_from: dict[str, Any] = {}  # rank 0: the same, for the record (``assemble.read_from``)
         self._remote: remotes.RemoteFiles | None = None  # rank 0: the last restore's fetcher of lost files
+        self.loaded: dict[
+            str, int
+        ] = {}  # the last load's bytes, every rank's, read from memory and from disk
         self.send_on = SendOn(self.run, self.run_dir, self.disks, catalog=catalog if self.rank else self.catalog,
                               exit_timeout_s=exit_timeout_s, background=self.mode is SaveMode.ASYNC)  # fmt: skip
         if self.disks.leads(self.rank):
@@ -302,22 +306,24 @@ class ShardedCheckpointer:
         (``assemble``); ``directory`` is rank 0's choice, used by the ranks on its disk."""
         mine: Any = None
         error: BaseException | None = None
+        reads = Nearest(directory)
         try:
             if self.disks.spread:
                 own = self.disks.leader(self.rank) == self.disks.leader(0)
                 here = directory if own else store.step_dir(self.run_dir, manifest.step)
                 refused = self._lead_refused if self._lead is not None else None
-                directory, self.sources = assemble.complete(
-                    here, raw, manifest, self.disks, remote, refused=refused
-                )
-            mine = load(directory, manifest, state() if callable(state) else state)
+                done = assemble.complete(here, raw, manifest, self.disks, remote, refused=refused)
+                directory, self.sources = done.directory, done.sources
+                reads = Nearest(directory, done.nearer)  # this node's memory first, then its disk
+            mine = load(directory, manifest, state() if callable(state) else state, reads)
         except Exception as exc:  # every rank must reach the gather below, whatever went wrong
             error = exc
-        errors: list[Any] = [None] * self.world
-        dist.all_gather_object(errors, error)
-        failed = [e for e in errors if e is not None]
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, (error, reads.near_bytes, reads.here_bytes))
+        failed = [e for e, _, _ in every if e is not None]
         if failed and self.rank == 0:
             raise unwrap(directory, CheckpointFailures(failed))
+        self.loaded = {"memory": sum(n for _, n, _ in every), "disk": sum(h for _, _, h in every)}
         return mine if not failed else None
 
     def _lead_refused(self, tier_id: str, copies: tuple[str, ...]) -> None:
@@ -373,6 +379,8 @@ class ShardedCheckpointer:
             done.fetched,
             (remote_tiers or ["shared"])[0],
         )
+        if self.sources:  # spread over hosts' disks: what the loads read from memory, and from the disks
+            self.read_from["loaded"] = dict(self.loaded)
         self._parent = (done.step, lineage.get_checkpoint(cat, done.checkpoint_id).manifest_digest)
         restored, mine = done.value
         return done.step, restored, mine

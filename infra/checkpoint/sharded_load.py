@@ -15,6 +15,7 @@ from rewind.infra.errors import ConfigError, CorruptCheckpoint, StateMismatch, U
 from rewind.infra.format import dcp as verified_dcp
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import payload, tree
+from rewind.infra.format.nearest import Nearest
 from rewind.infra.format.verify import Finding, Problem
 
 PER_RANK_PREFIX = "data_rank"  # a rank's own loader state (``sharded.per_rank_part``)
@@ -36,21 +37,22 @@ def unwrap(directory: Path, exc: BaseException) -> BaseException:
 
 
 def load(
-    directory: Path, manifest: mf.Manifest, state: dict[str, Any]
+    directory: Path, manifest: mf.Manifest, state: dict[str, Any], reads: Nearest | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Collective: load a copy whose manifest matched the catalog into ``state``'s tensors, in place.
 
-    Every file is verified as it is read (``VerifiedReader``). Returns (the saved tree
-    with the loaded tensors, this rank's own state); a rank that did not exist when
-    the checkpoint was saved gets rank 0's state.
+    Every file is verified as it is read (``VerifiedReader``), from ``reads`` where given (a nearer copy's
+    files first, the bytes each place served counted). Returns (the saved tree with the loaded tensors,
+    this rank's own state); a rank that did not exist when the checkpoint was saved gets rank 0's state.
     """
+    reads = reads if reads is not None else Nearest(directory)
     entries = {e.path: e for e in manifest.files}
     if payload.DCP_METADATA not in entries:  # the caller's mistake, not the checkpoint's: condemn nothing
         raise ConfigError(f"{directory} is not a sharded (DCP) checkpoint: load it with Checkpointer")
     _same_world_for_per_rank_data(directory, manifest, state)
     template, tensors = tree.split(state, "s")  # the same names as at save time: where to load into
     try:
-        verified_dcp.load(tensors, directory, entries)
+        verified_dcp.load(tensors, directory, entries, reads=reads)
     except BaseException as exc:  # CheckpointException is a BaseException
         if isinstance(exc, KeyboardInterrupt | SystemExit):
             raise
@@ -63,8 +65,8 @@ def load(
                 str(directory), [Finding(Problem.CONTENT, needed, "not in the manifest")]
             )
     try:
-        restored = tree.join(shared_values(directory, entries, template), tensors)
-        mine = tree.join(_without_own_values(payload.read_json(directory, entries[own])), {})
+        restored = tree.join(shared_values(directory, entries, template, reads), tensors)
+        mine = tree.join(_without_own_values(payload.read_json(directory, entries[own], reads)), {})
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise UnloadableCheckpoint(
             str(directory), [Finding(Problem.CONTENT, SHARED_STATE, str(exc))]
@@ -85,15 +87,17 @@ def _same_world_for_per_rank_data(directory: Path, manifest: mf.Manifest, state:
         )  # fmt: skip
 
 
-def shared_values(directory: Path, entries: dict[str, Any], template: Any) -> Any:
+def shared_values(
+    directory: Path, entries: dict[str, Any], template: Any, reads: Nearest | None = None
+) -> Any:
     """Rank 0's state tree, and where ``template`` (what this rank loads into) has a part's keys it lacks
     (pipeline stages: each rank held some of the model), the other ranks' own values for them."""
-    base = _held(payload.read_json(directory, entries[SHARED_STATE]), template)
+    base = _held(payload.read_json(directory, entries[SHARED_STATE], reads), template)
     if not _lacks(base, template):
         return base
     ranks = {int(m[1]): n for n in entries if (m := RANK_FILE.fullmatch(n))}
     for name in [ranks[r] for r in sorted(ranks) if r > 0]:
-        theirs = payload.read_json(directory, entries[name])
+        theirs = payload.read_json(directory, entries[name], reads)
         own = theirs.get(OWN_VALUES) if isinstance(theirs, dict) else None
         for part, values in own.items() if isinstance(own, dict) else ():
             if part not in base:

@@ -36,7 +36,8 @@ from torch.futures import Future
 
 from rewind.infra.errors import CorruptCheckpoint, Refused, StateMismatch
 from rewind.infra.format.manifest import FileEntry
-from rewind.infra.format.verify import Finding, Problem, read_verified
+from rewind.infra.format.nearest import Nearest
+from rewind.infra.format.verify import Finding, Problem
 
 METADATA_NAME = ".metadata"
 _DCP_MODULE = "torch.distributed.checkpoint"
@@ -139,9 +140,12 @@ class VerifiedFileSystem(FileSystemBase):
     while streaming could not stop DCP from using bytes before the digest is known.
     """
 
-    def __init__(self, directory: Path, entries: Mapping[str, FileEntry]) -> None:
+    def __init__(
+        self, directory: Path, entries: Mapping[str, FileEntry], reads: Nearest | None = None
+    ) -> None:
         self.directory = Path(directory)
         self.entries = entries
+        self.reads = reads if reads is not None else Nearest(self.directory)  # a nearer copy's files first
 
     def _relative(self, path: str | os.PathLike) -> str:
         try:
@@ -160,7 +164,7 @@ class VerifiedFileSystem(FileSystemBase):
         entry = self.entries.get(rel)
         if entry is None:
             raise _content(str(self.directory), rel, "DCP needs a file the manifest does not list")
-        return io.BytesIO(read_verified(self.directory, entry))
+        return io.BytesIO(self.reads.read(entry))
 
     @contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[io.IOBase, None, None]:
@@ -238,9 +242,11 @@ class VerifiedReader(dcp.FileSystemReader):
     ``refusal`` for :func:`load`.
     """
 
-    def __init__(self, directory: Path, entries: Mapping[str, FileEntry]) -> None:
+    def __init__(
+        self, directory: Path, entries: Mapping[str, FileEntry], reads: Nearest | None = None
+    ) -> None:
         super().__init__(Path(directory))
-        self.verified = VerifiedFileSystem(Path(directory), entries)
+        self.verified = VerifiedFileSystem(Path(directory), entries, reads)
         self.fs = self.verified  # type: ignore[assignment]  # DCP calls only FileSystemBase methods on it
         self.refusal: BaseException | None = None
 
@@ -275,14 +281,15 @@ def load(
     entries: Mapping[str, FileEntry],
     *,
     process_group: Any = None,
+    reads: Nearest | None = None,
 ) -> None:
     """``dcp.load`` through a ``VerifiedReader``, re-raising this rank's own refusal unwrapped.
 
     DCP turns a reader's exception into ``CheckpointException`` carrying only
     its text; the caller needs the ``CorruptCheckpoint`` or ``OSError`` itself
-    to classify it.
+    to classify it. ``reads``: where files are read from (a nearer copy's first), counted.
     """
-    reader = VerifiedReader(directory, entries)
+    reader = VerifiedReader(directory, entries, reads)
     try:
         dcp.load(state_dict, storage_reader=reader, process_group=process_group)
     except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException

@@ -21,6 +21,7 @@ import torch
 from rewind.infra.errors import ConfigError, MalformedFile, UnloadableCheckpoint
 from rewind.infra.format import chunked, tensorfile, tree
 from rewind.infra.format import manifest as mf
+from rewind.infra.format.nearest import Nearest
 from rewind.infra.format.store import FileWriter, Link
 from rewind.infra.format.verify import Finding, Problem, read_verified, verified_read
 
@@ -101,9 +102,9 @@ def read_tensors(directory: Path, entry: mf.FileEntry) -> dict[str, torch.Tensor
     return tensors
 
 
-def read_json(directory: Path, entry: mf.FileEntry) -> Any:
-    """A JSON file, verified against ``entry`` before it is decoded."""
-    data = read_verified(directory, entry)
+def read_json(directory: Path, entry: mf.FileEntry, reads: Nearest | None = None) -> Any:
+    """A JSON file, verified against ``entry`` before it is decoded (``reads``: a nearer copy's first)."""
+    data = reads.read(entry) if reads is not None else read_verified(directory, entry)
     try:
         return json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
