@@ -61,6 +61,7 @@ bench: install
 	$(BIN)/python -m bench.catalog_scale
 	$(BIN)/python -m bench.multirank
 	$(BIN)/python -m bench.memory_tier
+	$(BIN)/python -m bench.ring
 	$(BIN)/python -m bench.rto
 
 clean:

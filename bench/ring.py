@@ -9,11 +9,17 @@ sync: the ring's pass is inside the save) for each contender, then host b is los
 removed) and ranks 2-3 come back on a spare disk c; the restore there is timed (the slowest rank), b's
 files coming from a's memory (``ring``) or, with a's ring copy removed too, from S3 (``s3``). The order of
 the two alternates from repeat to repeat. A third save per repeat with no memory tier gives the cost of
-passing the shares round the ring in a save.
+passing the shares round the ring in a save. Then every rank crashes with the hosts intact: three more
+saves, each restored on the same disks, the disks' files evicted from the page cache first (what a restore
+reads when the cache did not keep them), in rotating order: an async save, whose pass keeps each host's own
+files beside its peer's share (``own_memory``); a sync save, whose pass keeps the peer's share alone
+(``peer_memory``: each host's own files from its disk); and a restore with no memory tier (``disk``: each
+host's share from its disk, the other's sent by its ranks).
 
 Writes to bench/results.json: ``ring_restore_ratio_vs_s3`` (restore after the host loss, median, ring
-over S3), ``ring_save_ratio`` (a sync save with the ring over one without), and ``ring`` (every figure,
-the machine). Run it with nothing else running.
+over S3), ``ring_save_ratio`` (a sync save with the ring over one without), ``ring_crash_restore_ratio_vs_disk``
+(restore after every rank crashed, median, own memory over disks), ``ring_crash_own_ratio_vs_peer``
+(the same, own memory over the peer's share alone) and ``ring`` (every figure, the machine). Run it with nothing else running.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from bench.multirank import _slowest, _state
 
 HERE = Path(__file__).resolve().parent
 CASES = ("ring", "s3")
+CRASH = ("own_memory", "peer_memory", "disk")
 
 
 def _place(work: Path, disk: str, memory: bool) -> Path:
@@ -45,14 +52,17 @@ def _place(work: Path, disk: str, memory: bool) -> Path:
     return work / "disks" / disk
 
 
-def _save(work: Path, run: str, state: dict[str, Any], disk: str, *, memory: bool) -> float:
+def _save(
+    work: Path, run: str, state: dict[str, Any], disk: str, *, memory: bool, mode: str = "sync"
+) -> float:
     from rewind.infra.catalog.db import Catalog
     from rewind.infra.checkpoint.sharded import ShardedCheckpointer
 
     root = _place(work, disk, memory)
-    ck = ShardedCheckpointer(run, root=root, catalog=Catalog() if dist.get_rank() == 0 else None)
+    ck = ShardedCheckpointer(run, root=root, catalog=Catalog() if dist.get_rank() == 0 else None, mode=mode)
     started = time.perf_counter()
     ck.save(1, state, {"rank": dist.get_rank()})
+    ck.wait()  # async: persisted and passed round the ring
     seconds = _slowest(time.perf_counter() - started)
     pusher = ck.send_on.pusher
     assert pusher is None or pusher.wait(300), "the share was not sent to S3 within 300 s"
@@ -71,11 +81,23 @@ def _lose_b(work: Path, run: str, case: str) -> None:
     dist.barrier()
 
 
-def _restore(work: Path, run: str, state: dict[str, Any], disk: str) -> tuple[float, dict[str, Any]]:
+def _evicted(work: Path, run: str) -> None:
+    """Rank 0: both disks' copies of ``run`` out of the page cache."""
+    from bench.memory_tier import _evict
+
+    if dist.get_rank() == 0:
+        for d in "ab":
+            _evict(work / "disks" / d / run)
+    dist.barrier()
+
+
+def _restore(
+    work: Path, run: str, state: dict[str, Any], disk: str, *, memory: bool = True
+) -> tuple[float, dict[str, Any]]:
     from rewind.infra.catalog.db import Catalog
     from rewind.infra.checkpoint.sharded import ShardedCheckpointer
 
-    root = _place(work, disk, True)
+    root = _place(work, disk, memory)
     ck = ShardedCheckpointer(run, root=root, catalog=Catalog() if dist.get_rank() == 0 else None)
     started = time.perf_counter()
     got = ck.restore_latest(state)
@@ -89,8 +111,9 @@ def _restore(work: Path, run: str, state: dict[str, Any], disk: str) -> tuple[fl
 def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, work = dist.get_rank(), Path(args.work)
-    state = _state(args.mib_per_rank, dist.get_world_size())
+    state = _state(args.mib_per_rank, dist.get_world_size(), "cpu")
     got: dict[str, list[float]] = {"save_ring": [], "save_plain": [], "restore_ring": [], "restore_s3": []}
+    got |= {f"crash_{c}": [] for c in CRASH}
     reads: dict[str, Any] = {}
     for i in range(args.repeat):
         got["save_plain"].append(_save(work, f"plain-{i}", state, "ab"[rank // 2], memory=False))
@@ -100,6 +123,19 @@ def worker(args: argparse.Namespace) -> None:
             _lose_b(work, run, case)
             seconds, reads[case] = _restore(work, run, state, "ac"[rank // 2])
             got[f"restore_{case}"].append(seconds)
+        for case in CRASH[i % 3 :] + CRASH[: i % 3]:  # every rank crashed, the hosts intact
+            run = f"crash-{case}-{i}"
+            _save(
+                work,
+                run,
+                state,
+                "ab"[rank // 2],
+                memory=True,
+                mode="async" if case == "own_memory" else "sync",
+            )
+            _evicted(work, run)
+            seconds, reads[case] = _restore(work, run, state, "ab"[rank // 2], memory=case != "disk")
+            got[f"crash_{case}"].append(seconds)
     if rank == 0:
         (work / "figures.json").write_text(json.dumps({"times": got, "read_from": reads}))
     dist.barrier()
@@ -149,6 +185,8 @@ def _report(fig: dict[str, Any], args: argparse.Namespace) -> None:
     keys = {
         "ring_restore_ratio_vs_s3": t["restore_ring"] / t["restore_s3"],
         "ring_save_ratio": t["save_ring"] / t["save_plain"],
+        "ring_crash_restore_ratio_vs_disk": t["crash_own_memory"] / t["crash_disk"],
+        "ring_crash_own_ratio_vs_peer": t["crash_own_memory"] / t["crash_peer_memory"],
     }
     for k, v in {**t, **keys}.items():
         print(f"  {k:30} {v:10.4f}")

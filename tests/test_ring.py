@@ -36,9 +36,9 @@ def test_the_copy_just_made_is_kept_even_when_an_older_one_has_a_higher_step(tmp
     assert kept.exists() and not abandoned.exists()
 
 
-def _entry(raw: bytes) -> mf.FileEntry:
+def _entry(raw: bytes, path: str = "__1_0.distcp") -> mf.FileEntry:
     d = hash_bytes(raw)
-    return mf.FileEntry(path="__1_0.distcp", size=d.size, xxh3=d.xxh3, crc32c=d.crc32c)
+    return mf.FileEntry(path=path, size=d.size, xxh3=d.xxh3, crc32c=d.crc32c)
 
 
 @pytest.mark.parametrize("damaged", [False, True])
@@ -125,6 +125,40 @@ def test_a_leader_that_cannot_read_its_copy_says_why_and_never_raises(tmp_path: 
     disks = Disks((LocalTier("a", "h1"), LocalTier("b", "h2")))
     why = ring._ready(tmp_path / "no-such-step", "run", disks, 1)
     assert isinstance(why, ring.Refused) and "cannot be read" in why.why
+
+
+@pytest.mark.parametrize(
+    ("budget", "own", "kept"),
+    [(1 << 20, 0, True), (1 << 20, None, False), (700, 0, False)],
+    ids=["both-fit", "sync-save", "peer-share-only-fits"],
+)
+def test_a_leader_keeps_its_own_files_only_beside_its_peers_share_and_within_the_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int, own: int | None, kept: bool
+) -> None:
+    """Host h1's leader (rank 0) takes h2's 400-byte share; its own disk's files (300 bytes placed on it, 100
+    every disk holds) are kept too when asked (a background pass) and the budget holds them beside the peer's
+    share; else the peer's share alone, never refused for them."""
+    from rewind.infra.checkpoint.spread import Disks
+    from rewind.infra.format.local_tier import LocalTier
+
+    disks = Disks((LocalTier("a", "h1"), LocalTier("b", "h2")))
+    files = {
+        "__0_0.distcp": (b"a" * 300, "a"),
+        "__1_0.distcp": (b"b" * 400, "b"),
+        ".metadata": (b"m" * 100, None),
+    }
+    entries = tuple(_entry(raw, path) for path, (raw, _) in files.items())
+    placement = {path: disk for path, (_, disk) in files.items() if disk}
+    manifest = mf.Manifest("run", 1, entries, placement=placement, disks={"a": "h1", "b": "h2"})
+    step = tmp_path / "disk" / "step-1"
+    step.mkdir(parents=True)
+    (step / mf.MANIFEST_NAME).write_bytes(manifest.to_bytes())
+    monkeypatch.setenv("REWIND_MEMORY_ROOT", str(tmp_path / "memory"))
+    monkeypatch.setenv("REWIND_MEMORY_BUDGET", str(budget))
+    ready = ring._ready(step, "run", disks, 1, own)
+    assert isinstance(ready, ring.Ready), ready
+    got = None if ready.own is None else {e.path for e in ready.own}
+    assert got == ({"__0_0.distcp", ".metadata"} if kept else None), got
 
 
 def _ring_copy(root: Path, run: str, step: int, nbytes: int, made: float) -> Path:

@@ -6,9 +6,10 @@ process group: each sends the files placed on its disk to the next leader and re
 into its node's memory tier (``REWIND_MEMORY_ROOT``, under ``.ring/<run>/``), each file held to its manifest
 entry as it arrives, the manifest written last; the run's older ring copies are then let go (the newest
 ``REWIND_MEMORY_KEEP`` stay). A checkpoint whose incoming share does not fit some host's memory budget is
-not passed at all. Where the budget holds it too, a leader keeps its own disk's files in the same ring copy
-(read from the disk once, as they are sent), so that a crash of every rank reads each host's whole copy from
-its memory. The bytes live on the memory filesystem, not in a process: a crash of every rank leaves them,
+not passed at all. In a background persist (async saves), where the budget holds it too, a leader keeps its
+own disk's files in the same ring copy (read from the disk once, as they are sent), so that a crash of every
+rank reads each host's files from its memory; a sync save's pass does not (its time is the job's, and the
+disk holds them). The bytes live on the memory filesystem, not in a process: a crash of every rank leaves them,
 the loss of the host takes them (its next host holds its share).
 
 A restore (``assemble``) asks each disk's leader what its memory holds of the checkpoint (``held``): the
@@ -135,13 +136,15 @@ def share(manifest: mf.Manifest, disk: str) -> list[mf.FileEntry]:
     return [e for e in manifest.files if manifest.placement.get(e.path) == disk]
 
 
-def pass_on(directory: Path, run: str, disks: Disks, group: dist.ProcessGroup | None = None) -> Passed | None:
+def pass_on(
+    directory: Path, run: str, disks: Disks, group: dist.ProcessGroup | None = None, *, own: bool = False
+) -> Passed | None:
     """Collective over ``group`` (every rank calls it): the committed checkpoint at ``directory`` passed
     round the ring; this leader's part (None on other ranks, or when some leader cannot take part: then
-    nothing is let go to make room)."""
+    nothing is let go to make room). ``own``: each leader keeps its own disk's files too, budget permitting."""
     rank = dist.get_rank()
     prev, nxt = neighbours(disks, rank)
-    ready = _ready(directory, run, disks, prev) if disks.leads(rank) else None
+    ready = _ready(directory, run, disks, prev, rank if own else None) if disks.leads(rank) else None
     why = ready.why if isinstance(ready, Refused) else ""
     digest = manifest_digest(ready.raw) if isinstance(ready, Ready) else None
     every: list[Any] = [None] * dist.get_world_size(group)
@@ -270,15 +273,16 @@ class Refused:
     why: str
 
 
-def _ready(directory: Path, run: str, disks: Disks, prev: int) -> Ready | Refused:
-    """Whether this leader can take part: every leader must agree before any byte is sent. Never raises."""
+def _ready(directory: Path, run: str, disks: Disks, prev: int, own: int | None = None) -> Ready | Refused:
+    """Whether this leader can take part: every leader must agree before any byte is sent. Never raises.
+    ``own``: this leader's rank, to keep its own disk's files too (None: the peer's share alone)."""
     try:
-        return _prepare(directory, run, disks, prev)
+        return _prepare(directory, run, disks, prev, own)
     except Exception as exc:  # told to the other leaders, never raised alone
         return Refused(f"{type(exc).__name__}: {exc}")
 
 
-def _prepare(directory: Path, run: str, disks: Disks, prev: int) -> Ready | Refused:
+def _prepare(directory: Path, run: str, disks: Disks, prev: int, own: int | None) -> Ready | Refused:
     try:
         raw = (directory / mf.MANIFEST_NAME).read_bytes()
         manifest = mf.parse(raw)
@@ -300,10 +304,10 @@ def _prepare(directory: Path, run: str, disks: Disks, prev: int) -> Ready | Refu
         return Refused(f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold its peer's share "
                        f"({need} bytes) beside what its memory tier holds ({held_now} bytes; ended runs' "
                        "ring copies would not make the room)")  # fmt: skip
-    mine = list(manifest.files_on(disks.of_rank[dist.get_rank()].id))
+    mine = list(manifest.files_on(disks.of_rank[own].id)) if own is not None else []
     room = cfg.budget_bytes - (need + held_now - eviction.nbytes)  # the peer's share first: room for its own?
-    own = mine if sum(e.size for e in mine) <= room else None
-    return Ready(cfg, raw, manifest, target, holder, eviction, own)
+    kept = mine if mine and sum(e.size for e in mine) <= room else None
+    return Ready(cfg, raw, manifest, target, holder, eviction, kept)
 
 
 def _incoming_dir(cfg: place.MemoryConfig, run: str) -> Path:

@@ -47,6 +47,7 @@ class SendOn:
         self.pusher = share_push.SharePusher.from_env(catalog) if self.push and leads else None
         # each host's share also kept in the next host's memory
         self.ring = ring.enabled(disks, background=background)
+        self.own = background  # a host's own files kept in its memory too: only off the job's path
         # the ring's bytes go over a gloo group of its own (CPU tensors, whatever the job's backend)
         self.ring_group = dist.new_group(backend="gloo") if self.ring else None
         # while this leader lives, another run's pass never lets this run's ring copies here go (held
@@ -64,7 +65,8 @@ class SendOn:
             ring.renew(self.ring_hold)
         mine = None
         try:
-            mine = ring.pass_on(store.step_dir(self.run_dir, step), self.run, self.disks, self.ring_group)
+            directory = store.step_dir(self.run_dir, step)
+            mine = ring.pass_on(directory, self.run, self.disks, self.ring_group, own=self.own)
         except Exception as exc:  # a peer gone mid-way: the disks' copies are the ones counted on
             log.warning("%s step %d not passed round the peer ring: %s", self.run, step, exc)
         try:
