@@ -7,7 +7,7 @@ as a byte tensor, and every rank lacking it keeps it only once its bytes hash to
 last. A file on no disk at hand (its host is gone) is fetched by rank 0 from another tier's copy of the
 checkpoint (``Remote``: the shared tier's, nearest first), held to its entry, and sent on from there:
 each file comes from the nearest place that has it: this disk, this node's memory (a ring copy of a peer's
-share, ``ring_held``, hashed again as it is taken), a peer's disk, another tier. When a file is on no disk, in
+share, ``ring_held``, hashed as it is taken), a peer's disk, another tier. When a file is on no disk, in
 no memory and no other tier gives it, no disk is completed: ``ShareOnly`` on every rank, and the restore
 tries the next copy. Every rank learns which files its node's memory holds (``Completed.nearer``): the load
 reads those from memory first (this host's own share, where its leader kept it, included), proven as read.
@@ -174,12 +174,10 @@ def complete(
     target = store.temp_dir(directory.parent, manifest.step) if fresh else directory
     # a file this node's memory holds is taken before the others hear what this disk has
     memory = ring_held.held(raw, manifest) if leads else ring_held.Found()
-    taken = _take(target, manifest, memory.files, held or set()) if leads else {}
+    taken, bad = _take(target, manifest, memory.files, held or set()) if leads else ({}, ())
     every: list[Any] = [None] * dist.get_world_size()
-    near = {p: str(d) for p, d in memory.files.items()}
-    dist.all_gather_object(
-        every, (None if held is None else (held | set(taken)), memory.tier_id, memory.refused, near)
-    )
+    near = {p: str(d) for p, d in memory.files.items() if str(d) not in bad}
+    dist.all_gather_object(every, (None if held is None else (held | set(taken)), memory.tier_id, bad, near))
     _tell_refused(every, refused)
     nearer = {
         p: Path(d) for p, d in every[disks.leader(rank)][3].items()
@@ -224,24 +222,29 @@ def _tell_refused(every: list[Any], refused: Refused | None) -> None:
                 log.warning("ring copies refused in memory tier %s not recorded: %s", tier_id, exc)
 
 
-def _take(target: Path, manifest: mf.Manifest, memory: dict[str, Path], held: set[str]) -> dict[str, int]:
-    """The files this disk lacks that this node's memory holds, copied in (each hashed again on the way:
-    the memory filesystem is another copy): path -> bytes. A file not taken is logged and left to the
-    others (a peer's disk, another tier), never offered."""
+def _take(
+    target: Path, manifest: mf.Manifest, memory: dict[str, Path], held: set[str]
+) -> tuple[dict[str, int], tuple[str, ...]]:
+    """The files this disk lacks that this node's memory holds, copied in, each proven on the way: (path ->
+    bytes taken, the ring copies refused). A copy with a file that does not prove is refused (removed, no
+    more taken from it); a file not taken is left to the others (a peer's disk, another tier), never offered."""
     taken: dict[str, int] = {}
+    refused: list[str] = []
     for e in manifest.files:
-        if e.path not in memory or e.path in held:
+        copy = memory.get(e.path)
+        if copy is None or e.path in held or str(copy) in refused:
             continue
         try:
-            raw = (memory[e.path] / mf.safe_relative(e.path)).read_bytes()
+            raw = (copy / mf.safe_relative(e.path)).read_bytes()
             got = hash_bytes(raw)
             if (got.size, got.xxh3) != (e.size, e.xxh3):
-                raise OSError(f"{e.path} in this node's memory changed since it was proven")
+                refused.append(ring_held.refuse(copy, e.path))
+                continue
             _keep(target, e, raw)
             taken[e.path] = e.size
         except Exception as exc:  # never raised alone: the others are about to gather
             log.warning("%s not taken from this node's memory: %s", e.path, exc)
-    return taken
+    return taken, tuple(refused)
 
 
 def _fetch_lost(target: Path, lost: list[mf.FileEntry], remote: Remote | None, fresh: bool, step: int) -> int:

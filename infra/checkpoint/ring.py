@@ -13,9 +13,10 @@ disk holds them). The bytes live on the memory filesystem, not in a process: a c
 the loss of the host takes them (its next host holds its share).
 
 A restore (``assemble``) asks each disk's leader what its memory holds of the checkpoint (``held``): the
-files of a ring copy whose manifest is the checkpoint's, each hashed again against its entry; a copy with
-a file that does not prove is removed and none of it offered (the next copy is used). Nothing read back is
-trusted on its name: a ring copy proves itself file by file, like any other copy.
+files of a ring copy whose manifest is the checkpoint's, at their entries' sizes; each is hashed against its
+entry as it is taken or loaded (once), a copy with a file taken that does not prove is removed and no more
+of it offered (the next copy is used), and a file loaded that does not prove is read from the disk instead.
+Nothing read back is trusted on its name: a ring copy proves itself file by file, like any other copy.
 
 Passing the share never fails a save: it runs after the commit, and a failure is a warning (the disks'
 copies and the shared tier's are the ones counted on). Rank 0 records each ring copy as a memory copy of
