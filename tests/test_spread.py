@@ -45,6 +45,19 @@ def _job(
     return r
 
 
+def _checked(work: Path, disk: str) -> object:
+    """When the catalog last recorded disk ``disk``'s copy of step 2 checked."""
+    mark = local_tier.read(work / "disks" / disk)
+    assert mark
+    (ck,) = lineage.checkpoints(Catalog(f"sqlite:///{work / 'catalog.db'}"), RUN, step=2)
+    (row,) = [
+        r
+        for r in lineage.replicas_of(Catalog(f"sqlite:///{work / 'catalog.db'}"), ck.id)
+        if r.tier_id == mark.id
+    ]
+    return row.checked_at
+
+
 def _equal(a: Path, b: Path) -> bool:
     x, y = load_file(str(a)), load_file(str(b))
     return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
@@ -87,7 +100,9 @@ def test_each_disk_holds_its_share_and_a_restore_on_the_same_disks_reads_every_b
 ) -> None:
     _shares(saved)
     work = saved
+    before = _checked(work, "a")
     _job("load", work, "a,a,b,b")
+    assert _checked(work, "a") != before  # every byte of disk a's copy hashed by the load: recorded checked
     assert _equal(work / "loaded.safetensors", saved / "expected.safetensors")
     got = json.loads((work / "sources.json").read_text())
     total = mf.read(work / "disks" / "a" / RUN / "step-2").total_bytes
@@ -244,7 +259,9 @@ def test_a_crash_of_every_rank_reads_each_hosts_files_from_its_own_memory(ringed
     byte is proven as it is read, wherever it is read)."""
     work = ringed
     ma = mf.read(work / "disks" / "a" / RUN / "step-2")
+    before = _checked(work, "a")
     _job("load", work, "a,a,b,b", ring=True)
+    assert _checked(work, "a") == before  # read from memory: disk a's copy not recorded checked for it
     assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
     got = json.loads((work / "sources.json").read_text())
     assert got["loaded"]["disk"] == 0 and got["loaded"]["memory"] > 0, got

@@ -150,9 +150,10 @@ class ShardedCheckpointer:
         self.sources: list[assemble.Sources] = []  # rank 0: where the last restore's bytes came from
         self.read_from: dict[str, Any] = {}  # rank 0: the same, for the record (``assemble.read_from``)
         self._remote: remotes.RemoteFiles | None = None  # rank 0: the last restore's fetcher of lost files
-        self.loaded: dict[
-            str, int
-        ] = {}  # the last load's bytes, every rank's, read from memory and from disk
+        # the last load's bytes read from memory and from disk (every rank's reads summed: a file several
+        # ranks read counted each time); rank 0: whether its disk's ranks read that copy whole (none from memory)
+        self.loaded: dict[str, int] = {}
+        self._read_whole = True
         self.send_on = SendOn(self.run, self.run_dir, self.disks, catalog=catalog if self.rank else self.catalog,
                               exit_timeout_s=exit_timeout_s, background=self.mode is SaveMode.ASYNC)  # fmt: skip
         if self.disks.leads(self.rank):
@@ -324,6 +325,8 @@ class ShardedCheckpointer:
         if failed and self.rank == 0:
             raise unwrap(directory, CheckpointFailures(failed))
         self.loaded = {"memory": sum(n for _, n, _ in every), "disk": sum(h for _, _, h in every)}
+        lead = self.disks.leader(0)  # rank 0's disk's copy is proven only where its ranks read it all there
+        self._read_whole = not any(n for r, (_, n, _) in enumerate(every) if self.disks.leader(r) == lead)
         return mine if not failed else None
 
     def _lead_refused(self, tier_id: str, copies: tuple[str, ...]) -> None:
@@ -353,7 +356,9 @@ class ShardedCheckpointer:
         cat = self._lead[0]
         p = restore_plan.plan(cat, self.run, root=self.root, target=target)
         try:
-            done = restore_exec.execute(cat, p, load_everywhere, partial=self.disks.spread)
+            done = restore_exec.execute(
+                cat, p, load_everywhere, partial=self.disks.spread, whole=lambda: self._read_whole
+            )
         except NoRestorableCheckpoint as exc:
             self.skipped = exc.skipped
             if tried:  # DCP loads in place: a failed attempt leaves the state partly loaded

@@ -198,6 +198,7 @@ def _try(
     *,
     quick: bool,
     partial: bool,
+    whole: Callable[[], bool] = lambda: True,
 ) -> tuple[_Opened, T, Copy] | Skip:
     tried: list[str] = []
     verdicts: list[Verdict] = []
@@ -226,8 +227,9 @@ def _try(
         except UNREADABLE_ERRORS as exc:
             verdict, findings = Verdict.UNVERIFIABLE, [Finding(Problem.UNREADABLE, copy.where(), str(exc))]
         else:
-            if opened.local_replica_id is not None and (not quick or opened.fetched):
-                # a download hashed every byte; a quick open proved the manifest
+            if opened.local_replica_id is not None and (opened.fetched or (not quick and whole())):
+                # a download hashed every byte; a quick open proved the manifest; a load that read some
+                # files from a nearer copy (this node's memory) did not prove the local copy's
                 copies.record(cat, opened.local_replica_id, R.VERIFIED, None, uri=str(opened.directory))
                 copies.settle(cat, cand.checkpoint_id)
             return opened, value, copy
@@ -322,6 +324,7 @@ def restoring(
     keyring: kr.Keyring | None = None,
     quick: bool = False,
     partial: bool = False,
+    whole: Callable[[], bool] = lambda: True,
 ) -> Iterator[Restored[T]]:
     """Restore the first candidate that proves itself; its lease is held until the ``with`` block ends.
 
@@ -329,7 +332,8 @@ def restoring(
     as it loads): a local copy is held to the catalog's manifest digest and its sizes only, and is not
     recorded as verified for it. ``partial``: ``load`` completes a local copy that holds one host's share
     of a checkpoint spread over hosts' disks (the sharded checkpointer); otherwise such a copy is passed
-    over for the next."""
+    over for the next. ``whole``: asked after a load, whether it hashed every byte of the local copy (False:
+    the copy is not recorded verified for it)."""
     ring = keyring if keyring is not None else kr.from_env()
     started = time.perf_counter()
     skipped: list[Skip] = []
@@ -342,7 +346,7 @@ def restoring(
                 break
             continue
         try:
-            got = _try(cat, plan, cand, load, ring, quick=quick, partial=partial)
+            got = _try(cat, plan, cand, load, ring, quick=quick, partial=partial, whole=whole)
         except BaseException:
             leases.release(cat, lease)
             raise
@@ -378,7 +382,8 @@ def execute(
     who: str | None = None,
     keyring: kr.Keyring | None = None,
     partial: bool = False,
+    whole: Callable[[], bool] = lambda: True,
 ) -> Restored[T]:
     """:func:`restoring` for callers that are done with the checkpoint once ``load`` returned."""
-    with restoring(cat, plan, load, who=who, keyring=keyring, partial=partial) as restored:
+    with restoring(cat, plan, load, who=who, keyring=keyring, partial=partial, whole=whole) as restored:
         return restored
