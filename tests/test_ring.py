@@ -123,42 +123,78 @@ def test_a_leader_that_cannot_read_its_copy_says_why_and_never_raises(tmp_path: 
     from rewind.infra.format.local_tier import LocalTier
 
     disks = Disks((LocalTier("a", "h1"), LocalTier("b", "h2")))
-    why = ring._ready(tmp_path / "no-such-step", "run", disks, 1)
+    why = ring._ready(tmp_path / "no-such-step", "run", disks, 1, 0)
     assert isinstance(why, ring.Refused) and "cannot be read" in why.why
+
+
+_FILES = {
+    "__0_0.distcp": (b"a" * 300, "a"),
+    "__1_0.distcp": (b"b" * 400, "b"),
+    ".metadata": (b"m" * 100, None),
+}
+
+
+def _placed(step: int) -> mf.Manifest:
+    """Host h1's disk a holds 300 bytes of its own and 100 every disk holds; h2's share is 400 bytes."""
+    entries = tuple(_entry(raw, path) for path, (raw, _) in _FILES.items())
+    placement = {path: disk for path, (_, disk) in _FILES.items() if disk}
+    return mf.Manifest("run", step, entries, placement=placement, disks={"a": "h1", "b": "h2"})
+
+
+def _committed(where: Path, manifest: mf.Manifest, files: tuple[str, ...] = ()) -> Path:
+    where.mkdir(parents=True)
+    for name in files:
+        (where / name).write_bytes(_FILES[name][0])
+    (where / mf.MANIFEST_NAME).write_bytes(manifest.to_bytes())  # last, as a pass writes it
+    return where
 
 
 @pytest.mark.parametrize(
     ("budget", "own", "kept"),
-    [(1 << 20, 0, True), (1 << 20, None, False), (700, 0, False)],
+    [(1 << 20, True, True), (1 << 20, False, False), (700, True, False)],
     ids=["both-fit", "sync-save", "peer-share-only-fits"],
 )
 def test_a_leader_keeps_its_own_files_only_beside_its_peers_share_and_within_the_budget(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int, own: int | None, kept: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, budget: int, own: bool, kept: bool
 ) -> None:
-    """Host h1's leader (rank 0) takes h2's 400-byte share; its own disk's files (300 bytes placed on it, 100
-    every disk holds) are kept too when asked (a background pass) and the budget holds them beside the peer's
-    share; else the peer's share alone, never refused for them."""
+    """Host h1's leader (rank 0) takes h2's 400-byte share; its own disk's files are kept too when asked (a
+    background pass) and the budget holds them beside the peer's share; else the peer's share alone, never
+    refused for them."""
     from rewind.infra.checkpoint.spread import Disks
     from rewind.infra.format.local_tier import LocalTier
 
     disks = Disks((LocalTier("a", "h1"), LocalTier("b", "h2")))
-    files = {
-        "__0_0.distcp": (b"a" * 300, "a"),
-        "__1_0.distcp": (b"b" * 400, "b"),
-        ".metadata": (b"m" * 100, None),
-    }
-    entries = tuple(_entry(raw, path) for path, (raw, _) in files.items())
-    placement = {path: disk for path, (_, disk) in files.items() if disk}
-    manifest = mf.Manifest("run", 1, entries, placement=placement, disks={"a": "h1", "b": "h2"})
-    step = tmp_path / "disk" / "step-1"
-    step.mkdir(parents=True)
-    (step / mf.MANIFEST_NAME).write_bytes(manifest.to_bytes())
+    step = _committed(tmp_path / "disk" / "step-1", _placed(1))
     monkeypatch.setenv("REWIND_MEMORY_ROOT", str(tmp_path / "memory"))
     monkeypatch.setenv("REWIND_MEMORY_BUDGET", str(budget))
-    ready = ring._ready(step, "run", disks, 1, own)
+    ready = ring._ready(step, "run", disks, 1, 0, own=own)
     assert isinstance(ready, ring.Ready), ready
     got = None if ready.own is None else {e.path for e in ready.own}
     assert got == ({"__0_0.distcp", ".metadata"} if kept else None), got
+
+
+def test_a_hosts_own_files_in_an_older_copy_make_room_for_the_next_peer_share(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 1's copy holds h2's share (400 bytes) and h1's own files (400); the budget is 100 bytes above what
+    the tier holds: step 2's share fits only if those own files go (h1's disk holds them); they are chosen,
+    never the peer's share, and step 2's own files do not fit as well."""
+    from rewind.infra.checkpoint.spread import Disks
+    from rewind.infra.format.local_tier import LocalTier
+    from rewind.infra.memory import keeper, place, ring_room
+
+    disks = Disks((LocalTier("a", "h1"), LocalTier("b", "h2")))
+    monkeypatch.setenv("REWIND_MEMORY_ROOT", str(tmp_path / "memory"))
+    older = _committed(tmp_path / "memory" / ".ring" / "run" / "step-1-0001", _placed(1), tuple(_FILES))
+    cfg = place.config()
+    assert cfg is not None
+    keeper.mark(cfg)
+    monkeypatch.setenv("REWIND_MEMORY_BUDGET", str(ring_room.tier_bytes(cfg.root) + 100))
+    step = _committed(tmp_path / "disk" / "step-2", _placed(2))
+    ready = ring._ready(step, "run", disks, 1, 0, own=True)
+    assert isinstance(ready, ring.Ready), ready
+    assert set(ready.reclaim) == {older / "__0_0.distcp", older / ".metadata"}, ready.reclaim
+    assert ready.own is None  # 400 + 400 left: no room for step 2's own files as well
 
 
 def _ring_copy(root: Path, run: str, step: int, nbytes: int, made: float) -> Path:

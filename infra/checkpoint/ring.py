@@ -26,9 +26,11 @@ knows a lost host's share lives on in another's memory; a restore still finds th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -145,7 +147,7 @@ def pass_on(
     nothing is let go to make room). ``own``: each leader keeps its own disk's files too, budget permitting."""
     rank = dist.get_rank()
     prev, nxt = neighbours(disks, rank)
-    ready = _ready(directory, run, disks, prev, rank if own else None) if disks.leads(rank) else None
+    ready = _ready(directory, run, disks, prev, rank, own=own) if disks.leads(rank) else None
     why = ready.why if isinstance(ready, Refused) else ""
     digest = manifest_digest(ready.raw) if isinstance(ready, Ready) else None
     every: list[Any] = [None] * dist.get_world_size(group)
@@ -166,6 +168,8 @@ def pass_on(
             shutil.rmtree(ready.target, ignore_errors=True)
         return None
     evicted = ready.eviction.commit()  # every leader agreed: the room is made now
+    for path in ready.reclaim:  # this host's own files in the run's older copies: its disk holds them
+        path.unlink(missing_ok=True)
     return _exchange(directory, run, disks, ready, (prev, nxt), group, evicted)
 
 
@@ -265,6 +269,9 @@ class Ready:
     holder: LocalTier
     eviction: ring_room.Eviction  # other runs' ring copies to let go for the room, once every leader agreed
     own: list[mf.FileEntry] | None = None
+    reclaim: tuple[
+        Path, ...
+    ] = ()  # this host's own files in the run's older ring copies, removed for the room
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,16 +281,19 @@ class Refused:
     why: str
 
 
-def _ready(directory: Path, run: str, disks: Disks, prev: int, own: int | None = None) -> Ready | Refused:
-    """Whether this leader can take part: every leader must agree before any byte is sent. Never raises.
-    ``own``: this leader's rank, to keep its own disk's files too (None: the peer's share alone)."""
+def _ready(
+    directory: Path, run: str, disks: Disks, prev: int, rank: int, *, own: bool = False
+) -> Ready | Refused:
+    """Whether leader ``rank`` can take part: every leader must agree before any byte is sent. Never raises.
+    ``own``: keep its own disk's files too (else the peer's share alone)."""
     try:
-        return _prepare(directory, run, disks, prev, own)
+        return _prepare(directory, run, disks, (prev, rank), own)
     except Exception as exc:  # told to the other leaders, never raised alone
         return Refused(f"{type(exc).__name__}: {exc}")
 
 
-def _prepare(directory: Path, run: str, disks: Disks, prev: int, own: int | None) -> Ready | Refused:
+def _prepare(directory: Path, run: str, disks: Disks, ranks: tuple[int, int], own: bool) -> Ready | Refused:
+    prev, disk = ranks[0], disks.of_rank[ranks[1]].id
     try:
         raw = (directory / mf.MANIFEST_NAME).read_bytes()
         manifest = mf.parse(raw)
@@ -296,7 +306,9 @@ def _prepare(directory: Path, run: str, disks: Disks, prev: int, own: int | None
     try:
         holder = keeper.mark(cfg)  # the memory tier's directory, this user's alone, never a link
         target = _incoming_dir(cfg, run)
-        held_now = ring_room.tier_bytes(cfg.root)  # the keeper's copies and the ring's: one budget
+        reclaim = _reclaimable(ring_room.run_dir(cfg.root, run), disk)
+        # the keeper's copies and the ring's: one budget; this host's own files in older copies can go
+        held_now = ring_room.tier_bytes(cfg.root) - sum(reclaim.values())
     except (OSError, ConfigError) as exc:
         return Refused(f"a host's memory tier cannot take its peer's share: {exc}")
     eviction = ring_room.choose(cfg.root, run, need + held_now - cfg.budget_bytes)  # never raises
@@ -305,10 +317,40 @@ def _prepare(directory: Path, run: str, disks: Disks, prev: int, own: int | None
         return Refused(f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold its peer's share "
                        f"({need} bytes) beside what its memory tier holds ({held_now} bytes; ended runs' "
                        "ring copies would not make the room)")  # fmt: skip
-    mine = list(manifest.files_on(disks.of_rank[own].id)) if own is not None else []
+    mine = list(manifest.files_on(disk)) if own else []
     room = cfg.budget_bytes - (need + held_now - eviction.nbytes)  # the peer's share first: room for its own?
+    room = min(room, _free(cfg.root) - need)  # and on the memory filesystem, whatever the budget says
     kept = mine if mine and sum(e.size for e in mine) <= room else None
-    return Ready(cfg, raw, manifest, target, holder, eviction, kept)
+    return Ready(cfg, raw, manifest, target, holder, eviction, kept, tuple(reclaim))
+
+
+def _free(root: Path) -> int:
+    """Bytes free on the memory filesystem (0 when it cannot be read)."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def _reclaimable(of_run: Path, disk: str) -> dict[Path, int]:
+    """This host's own files (``disk``'s) in the run's older ring copies, with their sizes: the disk holds
+    them, so a pass may remove them for room. Files of a copy whose manifest does not name ``disk`` are
+    never counted (they would be another host's)."""
+    found: dict[Path, int] = {}
+    for copy in ring_room.copies(of_run):
+        try:
+            manifest = mf.parse((copy / mf.MANIFEST_NAME).read_bytes())
+        except (OSError, mf.ManifestError):
+            continue
+        if disk not in manifest.disks:
+            continue
+        for e in manifest.files_on(disk):
+            path = copy / mf.safe_relative(e.path)
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(path.lstat().st_mode):
+                    found[path] = path.lstat().st_size
+    return found
 
 
 def _incoming_dir(cfg: place.MemoryConfig, run: str) -> Path:

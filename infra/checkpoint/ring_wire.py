@@ -2,7 +2,8 @@
 gloo process group, while the previous host's arrive; each received file hashed as it is written and kept
 only when it is its manifest entry. Nothing here raises for a file: a file that cannot be read is sent as
 zeros (no receiver keeps it), one that cannot be written is dropped, and every piece is still exchanged, so
-that no peer ever waits on a message that will not come. At most two pieces are in memory per leader.
+that no peer ever waits on a message that will not come. At most two pieces are in memory per leader (and,
+keeping its own files, one file of those every disk holds: DCP's metadata, the shared state).
 
 A leader may keep its own share beside the peer's (``own``): each outgoing piece, once read, is written into
 the ring copy too, hashed like a received one, so the share is read from the disk once for both; the files
@@ -228,3 +229,5 @@ def _empty(writer: Writer, entry: mf.FileEntry) -> None:
     except Exception as exc:
         writer.errors.append(f"{entry.path}: {exc}")
         writer.close()
+        if not isinstance(exc, FileExistsError):  # never left as if kept
+            (writer.target / mf.safe_relative(entry.path)).unlink(missing_ok=True)
