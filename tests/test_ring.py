@@ -296,3 +296,39 @@ def test_ring_copies_let_go_for_another_runs_room_are_let_go_in_the_catalog(
     ring.register(cat, ended, "another-run", [other])
     rows = {(r.host, r.status) for r in lineage.replicas_of(cat, ended) if r.tier == "memory"}
     assert rows == {("h1", "deleted"), ("h2", "verified")}, rows
+
+
+def _memory_copy(tmp_path: Path, manifest: mf.Manifest) -> Path:
+    return _committed(tmp_path / "memory" / ".ring" / "run" / "step-1-0001", manifest, tuple(_FILES))
+
+
+@pytest.mark.parametrize("damage", ["own-file", "peer-file"])
+def test_a_damaged_own_file_is_dropped_alone_and_a_damaged_peer_file_refuses_the_copy(
+    tmp_path: Path, damage: str
+) -> None:
+    """Host h1's disk a lacks every file (a fresh disk); its memory's ring copy holds h2's share and h1's own
+    files. One of h1's own files damaged: that file alone is dropped (its disk's copy serves it), h2's share
+    is taken. A file of h2's share of another size: the copy is refused and removed, nothing taken from it."""
+    from rewind.infra.checkpoint import assemble
+
+    manifest = _placed(1)
+    copy = _memory_copy(tmp_path, manifest)
+    victim = "__0_0.distcp" if damage == "own-file" else "__1_0.distcp"
+    if damage == "own-file":
+        (copy / victim).write_bytes(b"A" + _FILES[victim][0][1:])  # the right size, not the right bytes
+    else:
+        (copy / victim).write_bytes(_FILES[victim][0] + b"!")  # another size: found when listed
+    found = ring_held.Found(*_listed(copy, manifest))
+    target = tmp_path / "disk"
+    target.mkdir()
+    taken, refused, dropped = assemble._take(target, manifest, found, set(), "a")
+    if damage == "own-file":
+        assert refused == () and victim in dropped and not (copy / victim).exists(), (refused, dropped)
+        assert set(taken) == {"__1_0.distcp", ".metadata"} and (copy / "__1_0.distcp").exists()
+    else:
+        assert refused == (str(copy),) and taken == {} and not copy.exists(), (refused, taken)
+
+
+def _listed(copy: Path, manifest: mf.Manifest) -> tuple[dict[str, Path], str, dict[str, Path]]:
+    present, odd = ring_held._present(copy, manifest)
+    return present, "tier", odd

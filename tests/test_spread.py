@@ -278,6 +278,8 @@ def test_a_crash_of_every_rank_reads_each_hosts_files_from_its_own_memory(ringed
     got = json.loads((work / "sources.json").read_text())
     loaded, size = got["loaded"], victim.stat().st_size
     assert loaded["disk"] > 0 and loaded["disk"] % size == 0 and loaded["memory"] > 0, (size, got)
+    copy = _ring_copy(work, "a")  # b's share in a's memory never depends on a's own files
+    assert all((copy / name).is_file() for name in _share_of(ma, work, "b")), sorted(copy.iterdir())
 
 
 @pytest.mark.parametrize("shared_left", [True, False], ids=["shared-tier-left", "no-other-copy"])

@@ -142,7 +142,8 @@ Refused = Callable[[str, tuple[str, ...]], None]
 @dataclass(frozen=True, slots=True)
 class Completed:
     """This rank's disk's copy, completed (the directory to load from); each disk's sources (rank 0 only);
-    the files this node's memory holds, proven (path -> the ring copy holding it): read before the disk's."""
+    the files this node's memory holds (path -> the ring copy holding it; proven where they are read): read
+    before the disk's."""
 
     directory: Path
     sources: list[Sources]
@@ -174,9 +175,12 @@ def complete(
     target = store.temp_dir(directory.parent, manifest.step) if fresh else directory
     # a file this node's memory holds is taken before the others hear what this disk has
     memory = ring_held.held(raw, manifest) if leads else ring_held.Found()
-    taken, bad = _take(target, manifest, memory.files, held or set()) if leads else ({}, ())
+    own_disk = disks.of_rank[rank].id
+    taken, bad, dropped = (
+        _take(target, manifest, memory, held or set(), own_disk) if leads else ({}, (), set())
+    )
     every: list[Any] = [None] * dist.get_world_size()
-    near = {p: str(d) for p, d in memory.files.items() if str(d) not in bad}
+    near = {p: str(d) for p, d in memory.files.items() if str(d) not in bad and p not in dropped}
     dist.all_gather_object(every, (None if held is None else (held | set(taken)), memory.tier_id, bad, near))
     _tell_refused(every, refused)
     nearer = {
@@ -223,28 +227,39 @@ def _tell_refused(every: list[Any], refused: Refused | None) -> None:
 
 
 def _take(
-    target: Path, manifest: mf.Manifest, memory: dict[str, Path], held: set[str]
-) -> tuple[dict[str, int], tuple[str, ...]]:
-    """The files this disk lacks that this node's memory holds, copied in, each proven on the way: (path ->
-    bytes taken, the ring copies refused). A copy with a file that does not prove is refused (removed, no
-    more taken from it); a file not taken is left to the others (a peer's disk, another tier), never offered."""
+    target: Path, manifest: mf.Manifest, memory: ring_held.Found, held: set[str], disk: str
+) -> tuple[dict[str, int], tuple[str, ...], set[str]]:
+    """The files this disk (``disk``) lacks that this node's memory holds, copied in, each proven on the way:
+    (path -> bytes taken, the ring copies refused, files of this host's own dropped). A file of the peer's
+    share that does not prove (or is of another size) refuses its copy: removed, no more taken from it; one of
+    this host's own is dropped alone (``ring_held.failed``). A file not taken is left to the others (a
+    peer's disk, another tier), never offered."""
     taken: dict[str, int] = {}
     refused: list[str] = []
+    dropped: set[str] = set()
+
+    def failed(copy: Path, path: str) -> None:
+        gone = ring_held.failed(copy, path, manifest, disk)
+        refused.extend([gone] if gone else [])
+        dropped.add(path)
+
+    for path, odd in memory.wrong.items():
+        failed(odd, path)
     for e in manifest.files:
-        copy = memory.get(e.path)
+        copy = memory.files.get(e.path)
         if copy is None or e.path in held or str(copy) in refused:
             continue
         try:
             raw = (copy / mf.safe_relative(e.path)).read_bytes()
             got = hash_bytes(raw)
             if (got.size, got.xxh3) != (e.size, e.xxh3):
-                refused.append(ring_held.refuse(copy, e.path))
+                failed(copy, e.path)
                 continue
             _keep(target, e, raw)
             taken[e.path] = e.size
         except Exception as exc:  # never raised alone: the others are about to gather
             log.warning("%s not taken from this node's memory: %s", e.path, exc)
-    return taken, tuple(refused)
+    return taken, tuple(refused), dropped
 
 
 def _fetch_lost(target: Path, lost: list[mf.FileEntry], remote: Remote | None, fresh: bool, step: int) -> int:

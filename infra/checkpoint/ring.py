@@ -169,7 +169,8 @@ def pass_on(
         return None
     evicted = ready.eviction.commit()  # every leader agreed: the room is made now
     for path in ready.reclaim:  # this host's own files in the run's older copies: its disk holds them
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # never raised alone: the peer is about to send
+            path.unlink()
     return _exchange(directory, run, disks, ready, (prev, nxt), group, evicted)
 
 
@@ -306,9 +307,14 @@ def _prepare(directory: Path, run: str, disks: Disks, ranks: tuple[int, int], ow
     try:
         holder = keeper.mark(cfg)  # the memory tier's directory, this user's alone, never a link
         target = _incoming_dir(cfg, run)
-        reclaim = _reclaimable(ring_room.run_dir(cfg.root, run), disk)
-        # the keeper's copies and the ring's: one budget; this host's own files in older copies can go
-        held_now = ring_room.tier_bytes(cfg.root) - sum(reclaim.values())
+        held_now = ring_room.tier_bytes(cfg.root)  # the keeper's copies and the ring's: one budget
+        mine = list(manifest.files_on(disk)) if own else []
+        # this host's own files in the run's older copies can go (its disk holds them), when room is short
+        short = need + held_now + sum(e.size for e in mine) > min(
+            cfg.budget_bytes, held_now + _free(cfg.root)
+        )
+        reclaim = _reclaimable(ring_room.run_dir(cfg.root, run), disk) if short else {}
+        held_now -= sum(reclaim.values())
     except (OSError, ConfigError) as exc:
         return Refused(f"a host's memory tier cannot take its peer's share: {exc}")
     eviction = ring_room.choose(cfg.root, run, need + held_now - cfg.budget_bytes)  # never raises
@@ -317,9 +323,9 @@ def _prepare(directory: Path, run: str, disks: Disks, ranks: tuple[int, int], ow
         return Refused(f"a host's memory budget ({cfg.budget_bytes} bytes) cannot hold its peer's share "
                        f"({need} bytes) beside what its memory tier holds ({held_now} bytes; ended runs' "
                        "ring copies would not make the room)")  # fmt: skip
-    mine = list(manifest.files_on(disk)) if own else []
     room = cfg.budget_bytes - (need + held_now - eviction.nbytes)  # the peer's share first: room for its own?
-    room = min(room, _free(cfg.root) - need)  # and on the memory filesystem, whatever the budget says
+    freed = sum(reclaim.values()) + eviction.nbytes  # and on the memory filesystem, whatever the budget says
+    room = min(room, _free(cfg.root) + freed - need)
     kept = mine if mine and sum(e.size for e in mine) <= room else None
     return Ready(cfg, raw, manifest, target, holder, eviction, kept, tuple(reclaim))
 
@@ -339,6 +345,8 @@ def _reclaimable(of_run: Path, disk: str) -> dict[Path, int]:
     never counted (they would be another host's)."""
     found: dict[Path, int] = {}
     for copy in ring_room.copies(of_run):
+        if copy.is_symlink():  # never through a link
+            continue
         try:
             manifest = mf.parse((copy / mf.MANIFEST_NAME).read_bytes())
         except (OSError, mf.ManifestError):

@@ -4,6 +4,7 @@ once), and the refusal of a copy with a file that did not prove (removed; the ca
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import stat
@@ -23,10 +24,12 @@ log = logging.getLogger("rewind.ring")
 @dataclass(frozen=True, slots=True)
 class Found:
     """The checkpoint's files a node's memory holds (path -> the ring copy holding it: a regular file of its
-    entry's size, not yet proven) and the memory tier's id."""
+    entry's size, not yet proven), the memory tier's id, and files present but of another size or kind
+    (path -> the copy: ``failed``)."""
 
     files: dict[str, Path] = field(default_factory=dict)
     tier_id: str = ""
+    wrong: dict[str, Path] = field(default_factory=dict)
 
 
 def held(raw: bytes, manifest: mf.Manifest) -> Found:
@@ -37,17 +40,34 @@ def held(raw: bytes, manifest: mf.Manifest) -> Found:
     if cfg is None:
         return Found()
     found: dict[str, Path] = {}
+    wrong: dict[str, Path] = {}
     try:
         if not ring.on():
             return Found()
         mark = keeper.mark(cfg)  # this user's own directory, not a link: never read through another's
         for m in (cfg.root / ring.RING_DIR).glob(f"*/step-*-*/{mf.MANIFEST_NAME}"):
             if m.read_bytes() == raw:
-                found.update(_present(m.parent, manifest))
+                present, odd = _present(m.parent, manifest)
+                found.update(present)
+                wrong.update(odd)
     except (OSError, ConfigError) as exc:
         log.warning("the memory tier's ring copies not read: %s", exc)
         return Found()
-    return Found(found, mark.id)
+    return Found(found, mark.id, wrong)
+
+
+def failed(copy: Path, path: str, manifest: mf.Manifest, disk: str) -> str | None:
+    """A file of ring copy ``copy`` that did not prove, on the host whose disk is ``disk``: one of its own
+    (placed on ``disk``, or on every disk: the disk holds it) is removed alone, the peer's share never
+    depending on it; one of the peer's share refuses the copy (``refuse``: its directory returned)."""
+    if manifest.placement.get(path, disk) != disk:
+        return refuse(copy, path)
+    log.warning(
+        "ring copy %s: this host's own %s differs from its entry: removed (its disk holds it)", copy, path
+    )
+    with contextlib.suppress(OSError):
+        (copy / mf.safe_relative(path)).unlink()
+    return None
 
 
 def refuse(copy: Path, path: str) -> str:
@@ -64,14 +84,16 @@ def record_refused(cat: Catalog, tier_id: str, refused: tuple[str, ...]) -> None
     ring_room.record(cat, tier_id, refused, R.CORRUPT, "refused at a restore: a file differs from its entry")
 
 
-def _present(copy: Path, manifest: mf.Manifest) -> dict[str, Path]:
-    """The manifest's files the copy holds as regular files of their entries' sizes (path -> the copy)."""
+def _present(copy: Path, manifest: mf.Manifest) -> tuple[dict[str, Path], dict[str, Path]]:
+    """The manifest's files the copy holds as regular files of their entries' sizes, and those present of
+    another size or kind (each path -> the copy); a file absent is neither (its own files may be let go)."""
     got: dict[str, Path] = {}
+    odd: dict[str, Path] = {}
     for e in manifest.files:
         try:
             st = (copy / mf.safe_relative(e.path)).lstat()
         except OSError:
             continue
-        if stat.S_ISREG(st.st_mode) and st.st_size == e.size:
-            got[e.path] = copy
-    return got
+        ok = stat.S_ISREG(st.st_mode) and st.st_size == e.size
+        (got if ok else odd)[e.path] = copy
+    return got, odd

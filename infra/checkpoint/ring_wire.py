@@ -12,6 +12,7 @@ the peer's share does not depend on it."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 from dataclasses import dataclass, field
@@ -105,8 +106,10 @@ class Writer:
         except Exception as exc:  # this file is lost; the pieces still come and are let go
             self._failed.add(e.path)
             self.errors.append(f"{e.path}: {exc}")
-            self.close()
-            (self.target / mf.safe_relative(e.path)).unlink(missing_ok=True)  # never left as if kept
+            with contextlib.suppress(OSError):  # a close that fails (a full filesystem) is this file's loss
+                self.close()
+            with contextlib.suppress(OSError):  # never left as if kept
+                (self.target / mf.safe_relative(e.path)).unlink()
 
     def empty(self, entry: mf.FileEntry) -> None:
         self._start(entry)
@@ -128,8 +131,8 @@ class Writer:
 
     def close(self) -> None:
         if self._open is not None:
-            self._open[1].close()
-            self._open = None
+            f, self._open = self._open[1], None
+            f.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +196,8 @@ def _keep_own(
     ones every disk holds, copied whole and proven; the bytes kept. A file that fails is left out, logged."""
     if mirror is None:
         return 0
-    mirror.close()
+    with contextlib.suppress(OSError):  # its last file then fails to prove below: never the peer's share
+        mirror.close()
     for e in own:
         if e.path in sent and not e.size:
             _empty(mirror, e)
@@ -230,4 +234,5 @@ def _empty(writer: Writer, entry: mf.FileEntry) -> None:
         writer.errors.append(f"{entry.path}: {exc}")
         writer.close()
         if not isinstance(exc, FileExistsError):  # never left as if kept
-            (writer.target / mf.safe_relative(entry.path)).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                (writer.target / mf.safe_relative(entry.path)).unlink()

@@ -325,7 +325,7 @@ class ShardedCheckpointer:
         if failed and self.rank == 0:
             raise unwrap(directory, CheckpointFailures(failed))
         self.loaded = {"memory": sum(n for _, n, _ in every), "disk": sum(h for _, _, h in every)}
-        lead = self.disks.leader(0)  # rank 0's disk's copy is proven only where its ranks read it all there
+        lead = self.disks.leader(0)  # rank 0's disk's copy is not proven by reads its ranks took from memory
         self._read_whole = not any(n for r, (_, n, _) in enumerate(every) if self.disks.leader(r) == lead)
         return mine if not failed else None
 

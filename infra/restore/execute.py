@@ -332,8 +332,8 @@ def restoring(
     as it loads): a local copy is held to the catalog's manifest digest and its sizes only, and is not
     recorded as verified for it. ``partial``: ``load`` completes a local copy that holds one host's share
     of a checkpoint spread over hosts' disks (the sharded checkpointer); otherwise such a copy is passed
-    over for the next. ``whole``: asked after a load, whether it hashed every byte of the local copy (False:
-    the copy is not recorded verified for it)."""
+    over for the next. ``whole``: asked after a load, whether it read the local copy itself (False: it read
+    files from a nearer copy, this node's memory, and the local copy is not recorded verified for it)."""
     ring = keyring if keyring is not None else kr.from_env()
     started = time.perf_counter()
     skipped: list[Skip] = []
