@@ -256,7 +256,8 @@ def test_a_crash_of_every_rank_reads_each_hosts_files_from_its_own_memory(ringed
     """Every rank killed, the hosts and their disks intact: each host's memory holds its own files beside
     its peer's, so the loads read every checkpoint byte from memory and none from the disks; bit-exact.
     With a file of host a's own share damaged in its memory, that file alone is read from a's disk (every
-    byte is proven as it is read, wherever it is read)."""
+    byte is proven as it is read, wherever it is read), and dropped from a's memory alone: b's share there
+    stays."""
     work = ringed
     ma = mf.read(work / "disks" / "a" / RUN / "step-2")
     before = _checked(work, "a")
@@ -276,10 +277,11 @@ def test_a_crash_of_every_rank_reads_each_hosts_files_from_its_own_memory(ringed
     _job("load", work, "a,a,b,b", ring=True)
     assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
     got = json.loads((work / "sources.json").read_text())
-    loaded, size = got["loaded"], victim.stat().st_size
+    loaded, size = got["loaded"], len(data)
     assert loaded["disk"] > 0 and loaded["disk"] % size == 0 and loaded["memory"] > 0, (size, got)
     copy = _ring_copy(work, "a")  # b's share in a's memory never depends on a's own files
     assert all((copy / name).is_file() for name in _share_of(ma, work, "b")), sorted(copy.iterdir())
+    assert not victim.exists()
 
 
 @pytest.mark.parametrize("shared_left", [True, False], ids=["shared-tier-left", "no-other-copy"])

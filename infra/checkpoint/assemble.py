@@ -148,6 +148,7 @@ class Completed:
     directory: Path
     sources: list[Sources]
     nearer: dict[str, Path]
+    tier_id: str = ""  # the memory tier ``nearer`` is on
 
 
 def complete(
@@ -212,7 +213,8 @@ def complete(
     report: list[Any] = [None] * dist.get_world_size()
     mine = Sources(disks.of_rank[rank].host, local, got, fetched, from_memory) if leads else None
     dist.all_gather_object(report, mine)
-    return Completed(directory, [s for s in report if s is not None] if rank == 0 else [], nearer)
+    sources = [s for s in report if s is not None] if rank == 0 else []
+    return Completed(directory, sources, nearer, every[disks.leader(rank)][1])
 
 
 def _tell_refused(every: list[Any], refused: Refused | None) -> None:

@@ -307,7 +307,7 @@ class ShardedCheckpointer:
         (``assemble``); ``directory`` is rank 0's choice, used by the ranks on its disk."""
         mine: Any = None
         error: BaseException | None = None
-        reads = Nearest(directory)
+        reads, tier_id = Nearest(directory), ""
         try:
             if self.disks.spread:
                 own = self.disks.leader(self.rank) == self.disks.leader(0)
@@ -315,19 +315,40 @@ class ShardedCheckpointer:
                 refused = self._lead_refused if self._lead is not None else None
                 done = assemble.complete(here, raw, manifest, self.disks, remote, refused=refused)
                 directory, self.sources = done.directory, done.sources
-                reads = Nearest(directory, done.nearer)  # this node's memory first, then its disk
+                reads, tier_id = Nearest(directory, done.nearer), done.tier_id  # this node's memory first
             mine = load(directory, manifest, state() if callable(state) else state, reads)
         except Exception as exc:  # every rank must reach the gather below, whatever went wrong
             error = exc
         every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, (error, reads.near_bytes, reads.here_bytes))
-        failed = [e for e, _, _ in every if e is not None]
+        missed = tuple((path, str(copy), tier_id) for path, copy in reads.missed)
+        dist.all_gather_object(every, (error, reads.near_bytes, reads.here_bytes, missed))
+        self._drop_missed(manifest, every)
+        failed = [e for e, _, _, _ in every if e is not None]
         if failed and self.rank == 0:
             raise unwrap(directory, CheckpointFailures(failed))
-        self.loaded = {"memory": sum(n for _, n, _ in every), "disk": sum(h for _, _, h in every)}
+        self.loaded = {"memory": sum(x[1] for x in every), "disk": sum(x[2] for x in every)}
         lead = self.disks.leader(0)  # rank 0's disk's copy is not proven by reads its ranks took from memory
-        self._read_whole = not any(n for r, (_, n, _) in enumerate(every) if self.disks.leader(r) == lead)
+        self._read_whole = not any(x[1] for r, x in enumerate(every) if self.disks.leader(r) == lead)
         return mine if not failed else None
+
+    def _drop_missed(self, manifest: mf.Manifest, every: list[Any]) -> None:
+        """Memory files a load found not proving (it read the disk's instead): each host's leader drops its own
+        ones (``ring_held.failed``: a file of its own alone, a file of the peer's share the whole copy), and
+        rank 0 records the refused copies corrupt. Never raises."""
+        seen: set[tuple[str, str, str]] = set()
+        for r, (_, _, _, missed) in enumerate(every):
+            disk = self.disks.of_rank[r].id
+            for path, copy, tier_id in missed:
+                if (path, copy, tier_id) in seen:
+                    continue
+                seen.add((path, copy, tier_id))
+                if self.disks.leads(self.rank) and self.disks.leader(r) == self.disks.leader(self.rank):
+                    ring_held.failed(Path(copy), path, manifest, disk)
+                if self.rank == 0 and manifest.placement.get(path, disk) != disk:
+                    try:
+                        self._lead_refused(tier_id, (copy,))
+                    except Exception as exc:  # the restore goes on: the copy is gone, the row says so later
+                        log.warning("ring copy %s refused at a load not recorded: %s", copy, exc)
 
     def _lead_refused(self, tier_id: str, copies: tuple[str, ...]) -> None:
         """Ring copies a node's memory refused at this restore: no recovery counts on them again."""

@@ -19,12 +19,14 @@ log = logging.getLogger("rewind.restore")
 @dataclass
 class Nearest:
     """``directory``: the copy; ``nearer``: manifest path -> a directory holding that file nearer (read first).
-    ``near_bytes`` and ``here_bytes``: what each served so far."""
+    ``near_bytes`` and ``here_bytes``: what each served so far; ``missed``: the nearer files that did not
+    prove (path, their directory), for whoever keeps that copy to drop."""
 
     directory: Path
     nearer: Mapping[str, Path] = field(default_factory=dict)
     near_bytes: int = 0
     here_bytes: int = 0
+    missed: list[tuple[str, Path]] = field(default_factory=list)
 
     def read(self, entry: mf.FileEntry) -> bytes:
         """The file's bytes, proven to be ``entry``'s (``CorruptCheckpoint`` when the copy's are not)."""
@@ -35,6 +37,8 @@ class Nearest:
                 self.near_bytes += len(data)
                 return data
             except (CorruptCheckpoint, OSError) as exc:  # the copy itself still holds it
+                if isinstance(exc, CorruptCheckpoint):
+                    self.missed.append((entry.path, place))
                 log.warning("%s not read from %s (%s): read from %s", entry.path, place, exc, self.directory)
         data = read_verified(self.directory, entry)
         self.here_bytes += len(data)
