@@ -184,9 +184,8 @@ def complete(
     near = {p: str(d) for p, d in memory.files.items() if str(d) not in bad and p not in dropped}
     dist.all_gather_object(every, (None if held is None else (held | set(taken)), memory.tier_id, bad, near))
     _tell_refused(every, refused)
-    nearer = {
-        p: Path(d) for p, d in every[disks.leader(rank)][3].items()
-    }  # one listing per host: its leader's
+    # one listing per host: its leader's
+    nearer = {p: Path(d) for p, d in every[disks.leader(rank)][3].items()}
     have = {r: h for r, (h, _, _, _) in enumerate(every) if h is not None}
     from_memory, errors = sum(taken.values()), []
     lost = [e for e in manifest.files if not any(e.path in h for h in have.values())]

@@ -270,9 +270,8 @@ class Ready:
     holder: LocalTier
     eviction: ring_room.Eviction  # other runs' ring copies to let go for the room, once every leader agreed
     own: list[mf.FileEntry] | None = None
-    reclaim: tuple[
-        Path, ...
-    ] = ()  # this host's own files in the run's older ring copies, removed for the room
+    # this host's own files in the run's older ring copies, removed for the room once every leader agreed
+    reclaim: tuple[Path, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

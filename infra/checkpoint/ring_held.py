@@ -1,6 +1,7 @@
 """What this node's memory holds of a checkpoint in the peer ring's copies (``ring``): the files present at
-their entries' sizes, each to be proven by whoever reads it (a restore hashes every byte it takes or loads,
-once), and the refusal of a copy with a file that did not prove (removed; the catalog stops counting on it)."""
+their entries' sizes, each proven where a restore reads it (as it is taken or loaded, never on the listing's
+word), and what a file that did not prove costs: a host's own file alone, or the whole copy for a file of
+the peer's share (removed; the catalog stops counting on it)."""
 
 from __future__ import annotations
 

@@ -196,8 +196,8 @@ def _keep_own(
     ones every disk holds, copied whole and proven; the bytes kept. A file that fails is left out, logged."""
     if mirror is None:
         return 0
-    with contextlib.suppress(OSError):  # its last file then fails to prove below: never the peer's share
-        mirror.close()
+    with contextlib.suppress(OSError):  # nothing is open after a file's last piece: a failing close never
+        mirror.close()  # costs the peer's share
     for e in own:
         if e.path in sent and not e.size:
             _empty(mirror, e)
@@ -223,8 +223,9 @@ def _copy_proven(directory: Path, target: Path, entry: mf.FileEntry, mirror: Wri
         mirror.kept += entry.size
     except Exception as exc:
         mirror.errors.append(f"{entry.path}: {exc}")
-        if not isinstance(exc, FileExistsError):
-            path.unlink(missing_ok=True)
+        if not isinstance(exc, FileExistsError):  # never left as if kept; never raised (the peer's share)
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def _empty(writer: Writer, entry: mf.FileEntry) -> None:
