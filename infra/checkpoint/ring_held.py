@@ -9,12 +9,14 @@ import contextlib
 import logging
 import shutil
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.checkpoint import ring
+from rewind.infra.checkpoint.spread import Disks
 from rewind.infra.errors import ConfigError
 from rewind.infra.format import manifest as mf
 from rewind.infra.memory import keeper, ring_room
@@ -77,6 +79,33 @@ def refuse(copy: Path, path: str) -> str:
     log.warning("ring copy %s: %s differs from the manifest's entry: refused and removed", copy, path)
     shutil.rmtree(copy, ignore_errors=True)
     return str(copy)
+
+
+def drop_missed(
+    manifest: mf.Manifest,
+    disks: Disks,
+    rank: int,
+    missed: list[tuple[tuple[str, str, str], ...]],
+    record: Callable[[str, tuple[str, ...]], None] | None,
+) -> None:
+    """After a load: the memory files each rank found not proving (``missed[r]``: (path, ring copy, memory
+    tier id), read from the disk instead). Each host's leader (``rank``) drops its host's ones (``failed``: a
+    file of its own alone, a file of the peer's share the whole copy); rank 0 (``record``) records those
+    copies refused. Never raises."""
+    seen: set[tuple[str, str, str]] = set()
+    for r, found in enumerate(missed):
+        disk = disks.of_rank[r].id
+        for path, copy, tier_id in found:
+            if (path, copy, tier_id) in seen:
+                continue
+            seen.add((path, copy, tier_id))
+            if disks.leads(rank) and disks.leader(r) == disks.leader(rank):
+                failed(Path(copy), path, manifest, disk)
+            if record is not None and manifest.placement.get(path, disk) != disk:
+                try:
+                    record(tier_id, (copy,))
+                except Exception as exc:  # the restore goes on: the copy is gone, the row says so later
+                    log.warning("ring copy %s refused at a load not recorded: %s", copy, exc)
 
 
 def record_refused(cat: Catalog, tier_id: str, refused: tuple[str, ...]) -> None:

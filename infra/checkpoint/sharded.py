@@ -150,10 +150,8 @@ class ShardedCheckpointer:
         self.sources: list[assemble.Sources] = []  # rank 0: where the last restore's bytes came from
         self.read_from: dict[str, Any] = {}  # rank 0: the same, for the record (``assemble.read_from``)
         self._remote: remotes.RemoteFiles | None = None  # rank 0: the last restore's fetcher of lost files
-        # the last load's bytes read from memory and from disk (every rank's reads summed: a file several
-        # ranks read counted each time); rank 0: whether its disk's ranks read that copy whole (none from memory)
-        self.loaded: dict[str, int] = {}
-        self._read_whole = True
+        self.loaded: dict[str, int] = {}  # the last load's bytes from memory and disk, every rank's summed
+        self._read_whole = True  # rank 0: whether its disk's ranks read that copy there, none from memory
         self.send_on = SendOn(self.run, self.run_dir, self.disks, catalog=catalog if self.rank else self.catalog,
                               exit_timeout_s=exit_timeout_s, background=self.mode is SaveMode.ASYNC)  # fmt: skip
         if self.disks.leads(self.rank):
@@ -322,7 +320,8 @@ class ShardedCheckpointer:
         every: list[Any] = [None] * self.world
         missed = tuple((path, str(copy), tier_id) for path, copy in reads.missed)
         dist.all_gather_object(every, (error, reads.near_bytes, reads.here_bytes, missed))
-        self._drop_missed(manifest, every)
+        record = self._lead_refused if self._lead is not None else None
+        ring_held.drop_missed(manifest, self.disks, self.rank, [x[3] for x in every], record)
         failed = [e for e, _, _, _ in every if e is not None]
         if failed and self.rank == 0:
             raise unwrap(directory, CheckpointFailures(failed))
@@ -330,25 +329,6 @@ class ShardedCheckpointer:
         lead = self.disks.leader(0)  # rank 0's disk's copy is not proven by reads its ranks took from memory
         self._read_whole = not any(x[1] for r, x in enumerate(every) if self.disks.leader(r) == lead)
         return mine if not failed else None
-
-    def _drop_missed(self, manifest: mf.Manifest, every: list[Any]) -> None:
-        """Memory files a load found not proving (it read the disk's instead): each host's leader drops its own
-        ones (``ring_held.failed``: a file of its own alone, a file of the peer's share the whole copy), and
-        rank 0 records the refused copies corrupt. Never raises."""
-        seen: set[tuple[str, str, str]] = set()
-        for r, (_, _, _, missed) in enumerate(every):
-            disk = self.disks.of_rank[r].id
-            for path, copy, tier_id in missed:
-                if (path, copy, tier_id) in seen:
-                    continue
-                seen.add((path, copy, tier_id))
-                if self.disks.leads(self.rank) and self.disks.leader(r) == self.disks.leader(self.rank):
-                    ring_held.failed(Path(copy), path, manifest, disk)
-                if self.rank == 0 and manifest.placement.get(path, disk) != disk:
-                    try:
-                        self._lead_refused(tier_id, (copy,))
-                    except Exception as exc:  # the restore goes on: the copy is gone, the row says so later
-                        log.warning("ring copy %s refused at a load not recorded: %s", copy, exc)
 
     def _lead_refused(self, tier_id: str, copies: tuple[str, ...]) -> None:
         """Ring copies a node's memory refused at this restore: no recovery counts on them again."""
