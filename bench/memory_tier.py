@@ -1,14 +1,21 @@
 """Restore from the memory tier against restore from the local disk: the same checkpoint, the same path.
 
-One single-process checkpoint (``--mib`` of float32 in 16 tensors) is saved to the local tier on disk and
-copied into a memory tier on /dev/shm by the memory agent's own function (``keeper.keep``); then it is
-restored through the one restore path (``restore.execute``, every byte hashed against the catalog's
-digest as it is read into tensors), from the memory copy and from the local copy, alternating, median of
+One single-process checkpoint of a model (``--mib`` of float32 in 16 tensors) is saved to the local tier on
+disk and copied into a memory tier on /dev/shm by the memory agent's own function (``keeper.keep``); then it
+is restored through the one restore path (``restore.execute``, every byte hashed against the catalog's
+digest) into the model, as ``Checkpointer.restore_latest`` does (``read_states`` with the model's part
+``copied``, then ``load_state_dict``), from the memory copy and from the local copy, alternating, median of
 ``--repeats``. The local copy is measured twice: with its pages evicted from the page cache first
 (``posix_fadvise(DONTNEED)``: what a restore reads when the cache did not keep the checkpoint, e.g. a
-machine whose memory the job filled) and as the page cache left it (a crash right after the save). Writes
-``memory_tier_restore_ratio_vs_local`` (evicted), ``memory_tier_restore_ratio_vs_local_cached`` and
-``memory_tier_keep_s`` (the agent's copy into memory, off the job's path) to bench/results.json.
+machine whose memory the job filled) and as the page cache left it (a crash right after the save).
+
+A module copies what it is given into its own tensors, so its part is read from memory over the tier's
+pages (``rewind.infra.format.mapped``, copy-on-write) with no copy of its own. A part whose tensors the job
+keeps (a dict, an optimizer's state) is read into new tensors from either tier: measured as well, the same
+bytes read as kept tensors (``read_states`` alone). Writes ``memory_tier_restore_ratio_vs_local`` (into the
+model, evicted), ``memory_tier_restore_ratio_vs_local_cached``, ``memory_tier_restore_kept_ratio_vs_local``
+(kept tensors, evicted) and ``memory_tier_keep_s`` (the agent's copy into memory, off the job's path) to
+bench/results.json.
 """
 
 from __future__ import annotations
@@ -38,16 +45,23 @@ def _evict(directory: Path) -> None:
                 os.close(fd)
 
 
-def _restore_s(run: str, root: Path, tier: str, evict: Path | None) -> float:
+def _restore_s(run: str, root: Path, tier: str, evict: Path | None, model: Any) -> float:
+    """Seconds to restore from ``tier`` into ``model`` (None: the tensors read and kept, not copied)."""
     from rewind.infra.catalog.db import Catalog
     from rewind.infra.format import payload
     from rewind.infra.restore import execute, plan
+
+    def load(directory: Path, manifest: Any) -> None:
+        if model is None:
+            payload.read_states(directory, manifest)
+        else:  # what Checkpointer.restore_latest does for a module
+            model.load_state_dict(payload.read_states(directory, manifest, copied=("model",))["model"])
 
     cat = Catalog()
     if evict is not None:
         _evict(evict)
     started = time.perf_counter()
-    done = execute.execute(cat, plan.plan(cat, run, root=root, tiers=(tier,)), payload.read_states)
+    done = execute.execute(cat, plan.plan(cat, run, root=root, tiers=(tier,)), load)
     seconds = time.perf_counter() - started
     assert done.source == tier, done.source
     return seconds
@@ -63,25 +77,28 @@ def measure(mib: int, repeats: int, work: Path) -> dict[str, Any]:
     cfg = place.config()
     assert cfg is not None, "no memory tier on this machine"
     n = mib * (1 << 20) // 4 // 16
-    state = {f"w{i}": torch.randn(n) for i in range(16)}
+    model = torch.nn.ParameterDict({f"w{i}": torch.nn.Parameter(torch.randn(n)) for i in range(16)})
     cat, root = Catalog(), work / "ckpt"
-    ck = Checkpointer("bench", states={"model": state}, root=root, catalog=cat)
+    ck = Checkpointer("bench", states={"model": model}, root=root, catalog=cat)
     ck.save(1)
     saved = ck.last_saved
     assert saved is not None
     kept = keeper.keep(cat, saved.checkpoint_id, cfg)
     assert kept is not None
-    times: dict[str, list[float]] = {"memory": [], "local": [], "local_cached": []}
+    kinds = ["memory", "local", "local_cached", "memory_kept", "local_kept"]
+    times: dict[str, list[float]] = {k: [] for k in kinds}
     for i in range(repeats):
-        order = ["memory", "local", "local_cached"] if i % 2 == 0 else ["local_cached", "local", "memory"]
-        for what in order:
-            tier = "memory" if what == "memory" else "local"
-            evict = Path(saved.path) if what == "local" else None
-            times[what].append(_restore_s("bench", root, tier, evict))
+        for what in kinds if i % 2 == 0 else kinds[::-1]:
+            tier = "memory" if what.startswith("memory") else "local"
+            evict = Path(saved.path) if tier == "local" and what != "local_cached" else None
+            times[what].append(
+                _restore_s("bench", root, tier, evict, None if what.endswith("kept") else model)
+            )
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "memory_tier_restore_ratio_vs_local": round(med["memory"] / med["local"], 3),
         "memory_tier_restore_ratio_vs_local_cached": round(med["memory"] / med["local_cached"], 3),
+        "memory_tier_restore_kept_ratio_vs_local": round(med["memory_kept"] / med["local_kept"], 3),
         "memory_tier_keep_s": round(kept.seconds, 3),
         "memory_tier": {"bytes": kept.nbytes, "repeats": repeats,
                         **{f"restore_{k}_s": round(v, 3) for k, v in med.items()}},

@@ -90,9 +90,11 @@ def test_tensorfile_is_plain_safetensors_and_aligned(tmp_path):
     )  # one per tensor (empties share 0)
 
 
-def _read_bytes(raw: bytes):  # type: ignore[no-untyped-def]
+def _read_bytes(raw: bytes, how: str = "read"):  # type: ignore[no-untyped-def]
     import io
 
+    if how == "over":  # a whole file in memory (a mapping), tensors made over its bytes
+        return tensorfile.over(memoryview(bytearray(raw)))
     return tensorfile.read(HashingReader(io.BytesIO(raw), Hasher()), len(raw))
 
 
@@ -118,9 +120,25 @@ def _span(dtype: str, shape: list[int], start: int, end: int) -> dict:
         (_file({"a": {"dtype": "F32", "shape": [float("inf")], "data_offsets": [0, 0]}}, b""), "malformed"),
     ],
 )
-def test_tensorfile_rejects_lying_headers(raw, error):
+@pytest.mark.parametrize("how", ["read", "over"])
+def test_tensorfile_rejects_lying_headers(raw, error, how):
     with pytest.raises(MalformedFile, match=error):
-        _read_bytes(raw)
+        _read_bytes(raw, how)
+
+
+def test_tensors_over_a_file_in_memory_are_its_values_each_in_a_storage_of_its_own():
+    import io
+
+    tensors = {"a": torch.randn(300, 1000), "b": torch.arange(7, dtype=torch.int8), "c": torch.tensor(2.5)}
+    out = io.BytesIO()
+    tensorfile.write(out, tensors)
+    whole = bytearray(out.getvalue())
+    misaligned = _file({"x": _span("F32", [2], 0, 8)}, b"\x00\x00\x80\x3f\x00\x00\x00\x40")  # 1.0, 2.0
+    for raw, want in ((whole, tensors), (bytearray(misaligned), {"x": torch.tensor([1.0, 2.0])})):
+        got, _ = tensorfile.over(memoryview(raw))
+        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+        assert all(t.storage_offset() == 0 for t in got.values())  # no tensor is a view into another's
+    assert len(misaligned) % 4 != 0  # its tensor lies at an offset no float32 can start at: copied
 
 
 @pytest.mark.parametrize(

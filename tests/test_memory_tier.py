@@ -43,9 +43,9 @@ def _memory_copies(cat: Catalog, run: str) -> dict[int, list[copies.Replica]]:
     }
 
 
-def _job(run: str, cat: Catalog, root: Path) -> tuple[torch.nn.Module, Checkpointer]:
+def _job(run: str, cat: Catalog, root: Path, width: int = 64) -> tuple[torch.nn.Module, Checkpointer]:
     torch.manual_seed(0)
-    model = torch.nn.Linear(64, 64)
+    model = torch.nn.Linear(width, width)
     return model, Checkpointer(run, states={"model": model}, root=root, catalog=cat)
 
 
@@ -56,12 +56,13 @@ def _saved(ck: Checkpointer, step: int) -> int:
     return ck.last_saved.checkpoint_id
 
 
+@pytest.mark.parametrize("width", [64, 1024], ids=["copied", "mapped"])  # 16 KiB read, 4 MiB mapped
 def test_a_damaged_memory_copy_is_refused_removed_and_the_local_copy_used(
-    rewind_env, run_name, tmp_path, memory_root
+    rewind_env, run_name, tmp_path, memory_root, width
 ):  # type: ignore[no-untyped-def]
     cat, cfg = Catalog(), place.config()
     assert cfg is not None
-    _model, ck = _job(run_name, cat, tmp_path / "ckpt")
+    _model, ck = _job(run_name, cat, tmp_path / "ckpt", width)
     saved = _saved(ck, 1)
     kept = keeper.keep(cat, saved, cfg)
     assert kept is not None and kept.directory.is_relative_to(memory_root) and kept.nbytes > 0
@@ -71,11 +72,54 @@ def test_a_damaged_memory_copy_is_refused_removed_and_the_local_copy_used(
     data[len(data) // 2] ^= 0xFF
     biggest.write_bytes(bytes(data))
 
-    _, again = _job(run_name, cat, tmp_path / "ckpt")
+    _, again = _job(run_name, cat, tmp_path / "ckpt", width)
     got = again.restore_latest()
     assert got is not None and got.source == "local" and got.step == 1
     [mem] = _memory_copies(cat, run_name)[1]
     assert mem.status == R.CORRUPT.value and not kept.directory.exists()
+
+
+class _Holder(torch.nn.Module):
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for k, v in state.items():
+            self.register_buffer(k, v.clone())
+
+
+@pytest.mark.parametrize(
+    "kind", ["module", "dict"]
+)  # a module copies what it is given (mapped), a dict keeps it
+def test_what_a_job_restores_from_memory_is_its_own_the_memory_copy_never_changes(
+    rewind_env, run_name, tmp_path, memory_root, kind
+):  # type: ignore[no-untyped-def]
+    """A module's part is read from memory over the tier's pages, copy-on-write: neither the job's writes
+    to what it restored nor the copy being let go change the memory copy or the job's tensors."""
+    cat, cfg = Catalog(), place.config()
+    assert cfg is not None
+    torch.manual_seed(1)
+    saved = {"w": torch.randn(1024, 1024), "b": torch.randn(1024).to(torch.bfloat16)}  # 4 MiB: mapped
+
+    def job(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Checkpointer]:
+        holder = _Holder(state) if kind == "module" else state
+        ck = Checkpointer(run_name, states={"part": holder}, root=tmp_path / "ckpt", catalog=cat)
+        return (dict(holder.named_buffers()) if isinstance(holder, _Holder) else holder), ck
+
+    _, ck = job(dict(saved))
+    kept = keeper.keep(cat, _saved(ck, 1), cfg)
+    assert kept is not None
+    first, ck = job({k: torch.zeros_like(v) for k, v in saved.items()})
+    got = ck.restore_latest()
+    assert got is not None and got.source == "memory"
+    assert all(torch.equal(first[k], v) for k, v in saved.items())  # restored in place: the job's own tensors
+    first["w"].mul_(-1)
+    first["b"].add_(1)
+
+    again, ck = job({k: torch.zeros_like(v) for k, v in saved.items()})
+    got = ck.restore_latest()
+    assert got is not None and got.source == "memory"  # proved itself: the job's writes stayed the job's
+    keeper.remove(kept.directory)  # let go while the job still holds what it restored
+    assert all(torch.equal(again[k], v) for k, v in saved.items())
+    assert torch.equal(first["w"], -saved["w"]) and torch.equal(first["b"], saved["b"] + 1)
 
 
 def test_older_memory_copies_are_let_go_by_count_and_budget(

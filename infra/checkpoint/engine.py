@@ -299,7 +299,10 @@ class Checkpointer:
 
     def _load(self, directory: Path, manifest: mf.Manifest) -> None:
         """Read (verifying every byte) and apply; a state the job refuses is a ``StateMismatch``."""
-        states = payload.read_states(directory, manifest)
+        copied = [
+            name for name, s in self._stateful.items() if isinstance(s, torch.nn.Module)
+        ]  # into its own
+        states = payload.read_states(directory, manifest, copied=copied)
         missing = sorted(set(self._stateful) - set(states))
         if missing:
             raise StateMismatch(

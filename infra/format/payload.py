@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import binascii
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
 
 from rewind.infra.errors import ConfigError, MalformedFile, UnloadableCheckpoint
-from rewind.infra.format import chunked, tensorfile, tree
+from rewind.infra.format import chunked, mapped, tensorfile, tree
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.nearest import Nearest
 from rewind.infra.format.store import FileWriter, Link
@@ -89,9 +89,17 @@ def _unloadable(directory: Path, path: str, why: str) -> UnloadableCheckpoint:
     return UnloadableCheckpoint(str(directory), [Finding(Problem.CONTENT, path, why)])
 
 
-def read_tensors(directory: Path, entry: mf.FileEntry) -> dict[str, torch.Tensor]:
-    """One safetensors file, verified against ``entry``; every tensor owns its storage."""
+def read_tensors(directory: Path, entry: mf.FileEntry, *, may_map: bool = False) -> dict[str, torch.Tensor]:
+    """One safetensors file, verified against ``entry``; every tensor has a storage of its own. ``may_map``:
+    a file on a memory filesystem is mapped copy-on-write instead (``mapped``), for tensors the caller
+    copies into its own and lets go (a first write to a mapped page costs more than the copy saved)."""
     problem: Exception | None = None
+    proven = mapped.verified_mapping(directory, entry) if may_map else None
+    if proven is not None:
+        try:
+            return tensorfile.over(proven)[0]
+        except (ValueError, EOFError) as exc:  # the bytes are the recorded ones: the writer made a bad file
+            raise _unloadable(directory, entry.path, str(exc)) from exc
     with verified_read(directory, entry) as reader:
         try:
             tensors, _meta = tensorfile.read(reader, entry.size)
@@ -111,8 +119,9 @@ def read_json(directory: Path, entry: mf.FileEntry, reads: Nearest | None = None
         raise _unloadable(directory, entry.path, f"not JSON ({str(exc)[:200]})") from exc
 
 
-def read_states(directory: Path, manifest: mf.Manifest) -> dict[str, Any]:
-    """Verified state dicts per part.
+def read_states(directory: Path, manifest: mf.Manifest, *, copied: Collection[str] = ()) -> dict[str, Any]:
+    """Verified state dicts per part. ``copied``: the parts whose tensors the caller copies into tensors of
+    its own as it loads them (a module's ``load_state_dict``): read from a memory tier without a copy.
 
     ``CorruptCheckpoint`` names a file whose bytes differ; ``UnloadableCheckpoint`` one
     whose bytes match but whose content cannot be a state; ``OSError`` is an I/O error.
@@ -129,9 +138,10 @@ def read_states(directory: Path, manifest: mf.Manifest) -> dict[str, Any]:
     if STATE_FILE not in entries:
         raise _unloadable(directory, STATE_FILE, "not listed in the manifest")
     tensors: dict[str, torch.Tensor] = {}
+    mappable = {f"{part}.safetensors" for part in copied}
     for path, entry in entries.items():
         if path.endswith(".safetensors"):
-            tensors.update(read_tensors(directory, entry))
+            tensors.update(read_tensors(directory, entry, may_map=path in mappable))
     if chunked.INDEX_FILE in entries:
         index = read_json(directory, entries[chunked.INDEX_FILE])
         try:

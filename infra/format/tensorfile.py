@@ -207,24 +207,14 @@ def read(reader: HashingReader, size: int) -> tuple[dict[str, torch.Tensor], dic
     head = bytearray(8)
     if size < 8 or not reader.fill(memoryview(head)):
         raise EOFError("file is shorter than a safetensors header")
-    (n,) = struct.unpack("<Q", head)
-    if 8 + n > size:
-        raise MalformedFile(f"header length {n} runs past the end of the file ({size} bytes)")
+    n = _header_length(bytes(head), size)
     raw = bytearray(n)
     if not reader.fill(memoryview(raw)):
         raise EOFError("file ended inside its header")
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise MalformedFile(f"header is not JSON ({str(exc)[:100]})") from exc
-    if not isinstance(header, dict):
-        raise MalformedFile("header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise MalformedFile("header metadata is not a JSON object")
+    spans, metadata = _decode_header(raw, size - 8 - n)
     out: dict[str, torch.Tensor] = {}
     pos = 0
-    for sp in _spans(header, size - 8 - n):
+    for sp in spans:
         if not reader.skip(sp.start - pos):
             raise EOFError("file ended before its tensors")
         t = allocate(sp.name, sp.shape, sp.dtype)
@@ -232,4 +222,49 @@ def read(reader: HashingReader, size: int) -> tuple[dict[str, torch.Tensor], dic
             raise EOFError(f"file ended inside tensor {sp.name!r}")
         out[sp.name] = t
         pos = sp.end
-    return out, {str(k): str(v) for k, v in metadata.items()}
+    return out, metadata
+
+
+def over(mapping: memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors of a whole file already in memory (a private mapping the caller proved), made over its
+    bytes without a copy: each tensor has a storage of its own over its own bytes (one that lies at an
+    offset not aligned to its element size is copied). Raises ``ValueError`` for a malformed file."""
+    size = len(mapping)
+    n = _header_length(bytes(mapping[:8]), size)
+    spans, metadata = _decode_header(mapping[8 : 8 + n], size - 8 - n)
+    out: dict[str, torch.Tensor] = {}
+    for sp in spans:
+        itemsize = torch.empty(0, dtype=sp.dtype).element_size()
+        at, count = 8 + n + sp.start, (sp.end - sp.start) // itemsize
+        if count == 0 or at % itemsize:
+            t = allocate(sp.name, sp.shape, sp.dtype)
+            byte_view(t)[:] = mapping[at : 8 + n + sp.end]
+        else:
+            t = torch.frombuffer(mapping, dtype=sp.dtype, count=count, offset=at).reshape(sp.shape)
+        out[sp.name] = t
+    return out, metadata
+
+
+def _header_length(head: bytes, size: int) -> int:
+    if size < 8 or len(head) < 8:
+        raise EOFError("file is shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", head)
+    if 8 + n > size:
+        raise MalformedFile(f"header length {n} runs past the end of the file ({size} bytes)")
+    return int(n)
+
+
+def _decode_header(
+    raw: bytes | bytearray | memoryview, data_bytes: int
+) -> tuple[list[_Span], dict[str, str]]:
+    """The header's tensors in file order (validated against ``data_bytes``) and its metadata."""
+    try:
+        header = json.loads(bytes(raw))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise MalformedFile(f"header is not JSON ({str(exc)[:100]})") from exc
+    if not isinstance(header, dict):
+        raise MalformedFile("header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise MalformedFile("header metadata is not a JSON object")
+    return _spans(header, data_bytes), {str(k): str(v) for k, v in metadata.items()}
