@@ -14,8 +14,9 @@ pages (``rewind.infra.format.mapped``, copy-on-write) with no copy of its own. A
 keeps (a dict, an optimizer's state) is read into new tensors from either tier: measured as well, the same
 bytes read as kept tensors (``read_states`` alone). Writes ``memory_tier_restore_ratio_vs_local`` (into the
 model, evicted), ``memory_tier_restore_ratio_vs_local_cached``, ``memory_tier_restore_kept_ratio_vs_local``
-(kept tensors, evicted) and ``memory_tier_keep_s`` (the agent's copy into memory, off the job's path) to
-bench/results.json.
+(kept tensors, evicted), ``memory_tier_kept_mapped_written_ratio`` (kept tensors restored from memory and
+written once: read over the mapping, which the restore does not do, over read into new tensors) and
+``memory_tier_keep_s`` (the agent's copy into memory, off the job's path) to bench/results.json.
 """
 
 from __future__ import annotations
@@ -45,14 +46,20 @@ def _evict(directory: Path) -> None:
                 os.close(fd)
 
 
-def _restore_s(run: str, root: Path, tier: str, evict: Path | None, model: Any) -> float:
-    """Seconds to restore from ``tier`` into ``model`` (None: the tensors read and kept, not copied)."""
+def _restore_s(run: str, root: Path, tier: str, evict: Path | None, model: Any, written: str = "") -> float:
+    """Seconds to restore from ``tier`` into ``model`` (None: the tensors read and kept, not copied).
+    ``written``: the tensors kept, each written once after (``mapped``: read over the memory copy's pages,
+    as the restore never does for kept tensors: what a first write to them would cost)."""
     from rewind.infra.catalog.db import Catalog
     from rewind.infra.format import payload
     from rewind.infra.restore import execute, plan
 
     def load(directory: Path, manifest: Any) -> None:
-        if model is None:
+        if written:
+            got = payload.read_states(directory, manifest, copied=("model",) if written == "mapped" else ())
+            for t in got["model"].values():
+                t.add_(1.0)
+        elif model is None:
             payload.read_states(directory, manifest)
         else:  # what Checkpointer.restore_latest does for a module
             model.load_state_dict(payload.read_states(directory, manifest, copied=("model",))["model"])
@@ -94,11 +101,19 @@ def measure(mib: int, repeats: int, work: Path) -> dict[str, Any]:
             times[what].append(
                 _restore_s("bench", root, tier, evict, None if what.endswith("kept") else model)
             )
+    for _ in range(3):  # why kept tensors are never mapped: the first write's copy-on-write faults
+        for how in ("mapped", "read"):
+            times.setdefault(f"memory_kept_{how}_written", []).append(
+                _restore_s("bench", root, "memory", None, None, how)
+            )
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "memory_tier_restore_ratio_vs_local": round(med["memory"] / med["local"], 3),
         "memory_tier_restore_ratio_vs_local_cached": round(med["memory"] / med["local_cached"], 3),
         "memory_tier_restore_kept_ratio_vs_local": round(med["memory_kept"] / med["local_kept"], 3),
+        "memory_tier_kept_mapped_written_ratio": round(
+            med["memory_kept_mapped_written"] / med["memory_kept_read_written"], 3
+        ),
         "memory_tier_keep_s": round(kept.seconds, 3),
         "memory_tier": {"bytes": kept.nbytes, "repeats": repeats,
                         **{f"restore_{k}_s": round(v, 3) for k, v in med.items()}},

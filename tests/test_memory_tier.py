@@ -5,12 +5,14 @@ the budget; a memory copy never makes a checkpoint verified (it is volatile)."""
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import signal
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +21,10 @@ from rewind.infra.catalog import copies, incidents, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.errors import CorruptCheckpoint
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import mapped
+from rewind.infra.format.digest import hash_bytes
 from rewind.infra.memory import keeper, place
 from tests.prefect_support import wait_until
 from tests.test_protect_any_job import config, protect, ranks_at
@@ -80,29 +86,66 @@ def test_a_damaged_memory_copy_is_refused_removed_and_the_local_copy_used(
 
 
 class _Holder(torch.nn.Module):
+    """A module whose tensors are buffers (one of them empty)."""
+
     def __init__(self, state: dict[str, torch.Tensor]) -> None:
         super().__init__()
         for k, v in state.items():
             self.register_buffer(k, v.clone())
+        self.register_buffer("none", torch.empty(0))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.named_buffers() if k != "none"}
+
+
+class _Assigning(_Holder):
+    """Keeps the tensors it is given instead of copying them."""
+
+    def load_state_dict(self, state_dict, strict=True, assign=False):  # type: ignore[no-untyped-def]
+        return super().load_state_dict(state_dict, strict=strict, assign=True)
+
+
+class _Extra(_Holder):
+    """Its tensors in an extra state, which it keeps as given."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        super().__init__({})
+        self.extra = {k: v.clone() for k, v in state.items()}
+
+    def get_extra_state(self) -> dict[str, torch.Tensor]:
+        return self.extra
+
+    def set_extra_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.extra = state
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return self.extra
+
+
+def _mapped_from(root: Path) -> list[str]:
+    """This process's mappings of files under ``root``."""
+    gc.collect()
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(root) in line]
 
 
 @pytest.mark.parametrize(
-    "kind", ["module", "dict"]
-)  # a module copies what it is given (mapped), a dict keeps it
+    "kind", [_Holder, _Assigning, _Extra, dict], ids=["module", "assigning", "extra", "dict"]
+)
 def test_what_a_job_restores_from_memory_is_its_own_the_memory_copy_never_changes(
     rewind_env, run_name, tmp_path, memory_root, kind
 ):  # type: ignore[no-untyped-def]
-    """A module's part is read from memory over the tier's pages, copy-on-write: neither the job's writes
-    to what it restored nor the copy being let go change the memory copy or the job's tensors."""
+    """A module's part is read from memory over the tier's pages, copy-on-write; what the job holds after
+    the load is its own whatever its state object keeps: its writes never reach the memory copy, the copy
+    let go leaves its tensors intact, and it maps none of the tier's files afterwards (their memory freed)."""
     cat, cfg = Catalog(), place.config()
     assert cfg is not None
     torch.manual_seed(1)
     saved = {"w": torch.randn(1024, 1024), "b": torch.randn(1024).to(torch.bfloat16)}  # 4 MiB: mapped
 
-    def job(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Checkpointer]:
-        holder = _Holder(state) if kind == "module" else state
+    def job(state: dict[str, torch.Tensor]) -> tuple[Any, Checkpointer]:
+        holder = kind(state) if kind is not dict else state
         ck = Checkpointer(run_name, states={"part": holder}, root=tmp_path / "ckpt", catalog=cat)
-        return (dict(holder.named_buffers()) if isinstance(holder, _Holder) else holder), ck
+        return (holder.tensors if kind is not dict else lambda: holder), ck
 
     _, ck = job(dict(saved))
     kept = keeper.keep(cat, _saved(ck, 1), cfg)
@@ -110,16 +153,47 @@ def test_what_a_job_restores_from_memory_is_its_own_the_memory_copy_never_change
     first, ck = job({k: torch.zeros_like(v) for k, v in saved.items()})
     got = ck.restore_latest()
     assert got is not None and got.source == "memory"
-    assert all(torch.equal(first[k], v) for k, v in saved.items())  # restored in place: the job's own tensors
-    first["w"].mul_(-1)
-    first["b"].add_(1)
+    assert all(torch.equal(first()[k], v) for k, v in saved.items())
+    first()["w"].mul_(-1)
+    first()["b"].add_(1)
 
     again, ck = job({k: torch.zeros_like(v) for k, v in saved.items()})
     got = ck.restore_latest()
     assert got is not None and got.source == "memory"  # proved itself: the job's writes stayed the job's
+    assert _mapped_from(memory_root) == []
     keeper.remove(kept.directory)  # let go while the job still holds what it restored
-    assert all(torch.equal(again[k], v) for k, v in saved.items())
-    assert torch.equal(first["w"], -saved["w"]) and torch.equal(first["b"], saved["b"] + 1)
+    assert all(torch.equal(again()[k], v) for k, v in saved.items())
+    assert torch.equal(first()["w"], -saved["w"]) and torch.equal(first()["b"], saved["b"] + 1)
+
+
+def test_a_file_on_a_memory_filesystem_is_mapped_only_once_it_proves(memory_root, tmp_path):  # type: ignore[no-untyped-def]
+    data = os.urandom(2 << 20)
+    d = hash_bytes(data)
+    entry = mf.FileEntry("x.bin", d.size, d.xxh3, d.crc32c)
+    for where in (memory_root, tmp_path):
+        where.mkdir(parents=True, exist_ok=True)
+        (where / "x.bin").write_bytes(data)
+    assert mapped.in_memory(memory_root) and not mapped.in_memory(tmp_path)
+    view = mapped.verified_mapping(memory_root, entry)
+    assert view is not None and view == data  # mapped, every byte the entry's
+    assert mapped.verified_mapping(tmp_path, entry) is None  # on a disk: read the usual way
+    small = hash_bytes(data[:4096])
+    (memory_root / "small.bin").write_bytes(data[:4096])
+    assert mapped.verified_mapping(memory_root, mf.FileEntry("small.bin", 4096, small.xxh3, "")) is None
+    damaged = bytearray(data)
+    damaged[12345] ^= 1
+    (memory_root / "x.bin").unlink()  # never written in place: replaced
+    (memory_root / "x.bin").write_bytes(bytes(damaged))
+    with pytest.raises(CorruptCheckpoint, match="xxh3"):
+        mapped.verified_mapping(memory_root, entry)
+    (memory_root / "x.bin").unlink()
+    (memory_root / "x.bin").write_bytes(data[:-1])
+    with pytest.raises(CorruptCheckpoint, match="holds"):
+        mapped.verified_mapping(memory_root, entry)
+    (memory_root / "x.bin").unlink()
+    with pytest.raises(CorruptCheckpoint, match="not on disk"):
+        mapped.verified_mapping(memory_root, entry)
+    assert view == data  # the first mapping kept the bytes it proved, whatever became of the file
 
 
 def test_older_memory_copies_are_let_go_by_count_and_budget(

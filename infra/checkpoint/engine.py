@@ -34,6 +34,7 @@ from rewind.infra import config, progress, throttle
 from rewind.infra.catalog import leases, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
+from rewind.infra.checkpoint import own_tensors
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.recording import recorded_save
@@ -299,9 +300,7 @@ class Checkpointer:
 
     def _load(self, directory: Path, manifest: mf.Manifest) -> None:
         """Read (verifying every byte) and apply; a state the job refuses is a ``StateMismatch``."""
-        copied = [
-            name for name, s in self._stateful.items() if isinstance(s, torch.nn.Module)
-        ]  # into its own
+        copied = [name for name, s in self._stateful.items() if own_tensors.copies_on_load(s)]
         states = payload.read_states(directory, manifest, copied=copied)
         missing = sorted(set(self._stateful) - set(states))
         if missing:
@@ -311,6 +310,8 @@ class Checkpointer:
         for name, stateful in self._stateful.items():
             try:
                 stateful.load_state_dict(states[name])
+                if name in copied:  # read over a memory copy's pages, maybe: none kept
+                    own_tensors.own_kept(stateful, states[name])  # type: ignore[arg-type]
             except torch.OutOfMemoryError:
                 raise  # this process, not the checkpoint: nothing to judge it by
             except _REFUSALS as exc:  # the user's object refused it: which side is wrong is decided later

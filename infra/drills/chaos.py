@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import signal as signals
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -138,13 +139,7 @@ def _damage(d: Path, step: int, how: str) -> str:
         target.unlink()
     elif how == "flip_byte" and data:
         target = data[0]
-        with open(target, "r+b") as f:
-            f.seek(target.stat().st_size // 2)
-            b = f.read(1)
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([b[0] ^ 0xFF]))
-            f.flush()
-            os.fsync(f.fileno())
+        _flip(target)
     else:
         raise ConfigError(f"cannot {how!r} step {step} of {d}")
     return f"{how} step {step}: {target}"
@@ -296,3 +291,21 @@ def stop_servers(now: bool = False, configuration: dict[str, Any] | None = None)
             else:
                 os.environ[k] = v
     return stopped
+
+
+def _flip(target: Path) -> None:
+    """One byte of ``target`` flipped, as a damaged copy renamed over it: a checkpoint's file is never
+    written in place (design.md §4.1), so a restore that mapped it keeps the bytes it proved."""
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".flip")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, target.stat().st_mode & 0o7777)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -3,85 +3,131 @@
 A file in the memory tier (tmpfs) is memory already: reading it into new tensors would fault in as many
 fresh pages and copy every byte. Instead the file is mapped private (``MAP_PRIVATE``: a page the job
 writes becomes the job's own copy; the tier's copy never changes), every byte of the mapping is hashed
-against the file's entry, and only then are tensors made over the mapping's pages.
+against the file's entry, and only then are tensors made over the mapping's pages. Only for tensors the
+caller copies into its own and lets go (a module's parameters and buffers): a first write to a mapped page
+costs more than the copy saved.
 
-This holds because a checkpoint file must never be written in place once it has been written: copies are
-made under new names (exclusive create, temporary directories renamed) and are only ever unlinked, so
-the bytes under a proven mapping cannot change (an unlinked file's pages live on while mapped).
+This holds because a checkpoint's file must never be written in place once written (design.md §4.1):
+copies are made under new names (exclusive create, temporary files renamed) and are only ever unlinked,
+so the bytes under a proven mapping cannot change (an unlinked file's pages live on while mapped). Any
+memory filesystem qualifies, the memory tier's and a local tier's on tmpfs alike.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
 import os
+import sys
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from rewind.infra import progress
 from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.format import files
 from rewind.infra.format import manifest as mf
-from rewind.infra.format.digest import Hasher
+from rewind.infra.format.digest import CHUNK, Hasher
 from rewind.infra.format.verify import Finding, Problem, entry_mismatch, not_a_file, open_for_read
 
 TMPFS_MAGIC, RAMFS_MAGIC = 0x01021994, 0x858458F6
-MIN_BYTES = 1 << 20  # a smaller file is copied: mapping it saves nothing worth its page-table cost
-_STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux; f_type is its first word
+MIN_BYTES = 1 << 20  # a smaller file is read: mapping it saves nothing worth its page-table cost
+MADV_POPULATE_READ = 22  # Linux 5.14: fault the pages in, an I/O error reported as an errno, not a SIGBUS
+_STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux
 
 
-def _fstatfs() -> Any:
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).fstatfs
-    except (OSError, AttributeError):  # not Linux, or no C library to ask
+def _libc() -> Any:
+    if sys.platform != "linux":
         return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    return fn
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
+        libc.statfs.restype = ctypes.c_int
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return libc
 
 
-_FSTATFS = _fstatfs()
+_LIBC = _libc()
 
 
-def in_memory(f: BinaryIO) -> bool:
-    """Whether an open file lies on a memory filesystem (tmpfs, ramfs); False where that cannot be told."""
-    if _FSTATFS is None:
+def in_memory(directory: Path) -> bool:
+    """Whether ``directory`` lies on a memory filesystem (tmpfs, ramfs); False where that cannot be told.
+    ``f_type`` is struct statfs's first word on x86-64 and aarch64 (elsewhere this reads another field
+    and says False: files are then read, as without mapping)."""
+    if _LIBC is None:
         return False
     buf = ctypes.create_string_buffer(_STATFS_BYTES)
-    if _FSTATFS(f.fileno(), buf) != 0:
+    if _LIBC.statfs(os.fsencode(directory), buf) != 0:
         return False
-    f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
-    return f_type in (TMPFS_MAGIC, RAMFS_MAGIC)
+    return ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF in (TMPFS_MAGIC, RAMFS_MAGIC)
 
 
 def verified_mapping(directory: Path, entry: mf.FileEntry) -> memoryview | None:
     """``entry``'s file mapped copy-on-write, every byte proven against ``entry``; None when the file is not
-    on a memory filesystem or is small (read it the usual way). ``CorruptCheckpoint`` for a missing or
-    different file, ``OSError`` for an I/O error, as ``verify.verified_read``."""
-    if entry.size < MIN_BYTES:
+    on a memory filesystem, is small, or cannot be mapped (read it the usual way). ``CorruptCheckpoint``
+    for a missing or different file, ``OSError`` for an I/O error, as ``verify.verified_read``.
+
+    The view returned is what keeps the mapping: it must never be released while a tensor made over it
+    lives (``torch.frombuffer`` holds the view, not the mapping)."""
+    if entry.size < MIN_BYTES or not in_memory(directory):
         return None
     try:
         with open_for_read(directory, entry.path) as f:
-            if not in_memory(f):
-                return None
             size = os.fstat(f.fileno()).st_size
-            wrong = entry_mismatch(entry, size, entry.xxh3) if size != entry.size else None
-            if wrong is not None:
-                raise CorruptCheckpoint(str(directory), [wrong])
-            whole = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            if size != entry.size:
+                raise CorruptCheckpoint(str(directory), [_size(entry, size)])
+            try:
+                whole = mmap.mmap(
+                    f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
+            except OSError:  # no address space or commit charge for it: read it instead
+                return None
     except FileNotFoundError as exc:
         raise CorruptCheckpoint(
             str(directory), [Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")]
         ) from exc
     except files.NotAFile as exc:
         raise CorruptCheckpoint(str(directory), [not_a_file(entry, exc)]) from exc
-    view = memoryview(whole)
-    hasher = Hasher(with_crc=False)
-    hasher.update(view)
-    progress.advance(size)
-    wrong = entry_mismatch(entry, size, hasher.result().xxh3)
+    try:
+        _populate(whole)
+        view = memoryview(whole)
+        wrong = entry_mismatch(entry, size, _hash(view))
+    except BaseException:
+        whole.close()
+        raise
     if wrong is not None:
         view.release()
         whole.close()
         raise CorruptCheckpoint(str(directory), [wrong])
     return view
+
+
+def _size(entry: mf.FileEntry, size: int) -> Finding:
+    return Finding(Problem.SIZE, entry.path, f"manifest says {entry.size} bytes, the file holds {size}")
+
+
+def _populate(whole: mmap.mmap) -> None:
+    """The mapping's pages faulted in at once: an error reading them is an ``OSError`` here, where touching
+    them while hashing would kill the process (SIGBUS). A kernel without it (before 5.14) is let be."""
+    if _LIBC is None:
+        return
+    anchor = ctypes.c_char.from_buffer(whole)  # the mapping's address (an export, let go before returning)
+    try:
+        if _LIBC.madvise(ctypes.addressof(anchor), len(whole), MADV_POPULATE_READ) != 0:
+            err = ctypes.get_errno()
+            if err not in (errno.EINVAL, errno.ENOSYS):
+                raise OSError(err, f"reading a mapped file: {os.strerror(err)}")
+    finally:
+        del anchor
+
+
+def _hash(view: memoryview) -> str:
+    hasher = Hasher(with_crc=False)
+    for at in range(0, len(view), CHUNK):
+        with view[at : at + CHUNK] as piece:
+            hasher.update(piece)
+        progress.advance(min(CHUNK, len(view) - at))
+    return hasher.result().xxh3

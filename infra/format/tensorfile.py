@@ -236,11 +236,15 @@ def over(mapping: memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     for sp in spans:
         itemsize = torch.empty(0, dtype=sp.dtype).element_size()
         at, count = 8 + n + sp.start, (sp.end - sp.start) // itemsize
-        if count == 0 or at % itemsize:
+        if count == 0:
+            t = allocate(sp.name, sp.shape, sp.dtype)
+        elif at % itemsize:  # no tensor of this dtype can start there: a copy of its own
             t = allocate(sp.name, sp.shape, sp.dtype)
             byte_view(t)[:] = mapping[at : 8 + n + sp.end]
         else:
-            t = torch.frombuffer(mapping, dtype=sp.dtype, count=count, offset=at).reshape(sp.shape)
+            flat = torch.frombuffer(mapping, dtype=sp.dtype, count=count, offset=at)
+            stride = torch.empty(sp.shape, dtype=sp.dtype, device="meta").stride()
+            t = torch.empty(0, dtype=sp.dtype).set_(flat.untyped_storage(), 0, sp.shape, stride)  # not a view
         out[sp.name] = t
     return out, metadata
 
