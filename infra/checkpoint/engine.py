@@ -308,10 +308,11 @@ class Checkpointer:
                 str(directory), [Finding(Problem.CONTENT, ",".join(missing), "no such state saved")]
             )
         for name, stateful in self._stateful.items():
+            handed = own_tensors.storages(states[name]) if name in copied else frozenset()
             try:
                 stateful.load_state_dict(states[name])
-                if name in copied:  # read over a memory copy's pages, maybe: none kept
-                    own_tensors.own_kept(stateful, states[name])  # type: ignore[arg-type]
+                if handed:  # read over a memory copy's pages, maybe: none kept
+                    own_tensors.own_kept(stateful, handed)  # type: ignore[arg-type]
             except torch.OutOfMemoryError:
                 raise  # this process, not the checkpoint: nothing to judge it by
             except _REFUSALS as exc:  # the user's object refused it: which side is wrong is decided later

@@ -25,10 +25,15 @@ def copies_on_load(obj: object) -> bool:
     return all(getattr(type(m), "set_extra_state", base) is base for m in obj.modules())
 
 
-def own_kept(module: torch.nn.Module, given: Any) -> int:
-    """Give ``module`` a copy of each parameter or buffer it kept from ``given`` (its state dict as read);
-    how many it kept."""
-    handed = {t.untyped_storage().data_ptr() for t in _tensors(given) if t.numel()}
+def storages(given: Any) -> frozenset[int]:
+    """The storages of the tensors in a state as read, taken before it is loaded (a swap-tensors load
+    exchanges the given tensors' storages with the module's)."""
+    return frozenset(t.untyped_storage().data_ptr() for t in _tensors(given) if t.numel())
+
+
+def own_kept(module: torch.nn.Module, handed: frozenset[int]) -> int:
+    """Give ``module`` a copy of each parameter or buffer whose storage is one of ``handed`` (``storages``
+    of what its ``load_state_dict`` was given); how many it kept."""
     kept = 0
     with torch.no_grad():
         for t in itertools.chain(module.parameters(), module.buffers()):
