@@ -51,6 +51,7 @@ def _restore_s(run: str, root: Path, tier: str, evict: Path | None, model: Any, 
     ``written``: the tensors kept, each written once after (``mapped``: read over the memory copy's pages,
     as the restore never does for kept tensors: what a first write to them would cost)."""
     from rewind.infra.catalog.db import Catalog
+    from rewind.infra.checkpoint import own_tensors
     from rewind.infra.format import payload
     from rewind.infra.restore import execute, plan
 
@@ -62,7 +63,10 @@ def _restore_s(run: str, root: Path, tier: str, evict: Path | None, model: Any, 
         elif model is None:
             payload.read_states(directory, manifest)
         else:  # what Checkpointer.restore_latest does for a module
-            model.load_state_dict(payload.read_states(directory, manifest, copied=("model",))["model"])
+            state = payload.read_states(directory, manifest, copied=("model",))["model"]
+            handed = own_tensors.storages(state)
+            model.load_state_dict(state)
+            own_tensors.own_kept(model, handed)
 
     cat = Catalog()
     if evict is not None:

@@ -128,22 +128,28 @@ def test_tensorfile_rejects_lying_headers(raw, error, how):
 
 
 def test_tensors_over_a_file_in_memory_are_its_values_each_in_a_storage_of_its_own():
+    import ctypes
     import io
 
-    tensors = {
-        "a": torch.randn(300, 1000),
-        "b": torch.arange(7, dtype=torch.int8),
-        "c": torch.tensor(2.5),
-        "e": torch.empty(0, 4),
-    }
+    dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+              torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]  # fmt: skip
+    tensors = {f"t{i}": (torch.randn(64, 1000) * 4).to(dt) for i, dt in enumerate(dtypes)}
+    tensors |= {"c": torch.tensor(2.5), "e": torch.empty(0, 4)}
     out = io.BytesIO()
     tensorfile.write(out, tensors)
+    whole = bytearray(out.getvalue())
+    start = ctypes.addressof(ctypes.c_char.from_buffer(whole))
+    got, _ = tensorfile.over(memoryview(whole))
+    assert all(start <= t.data_ptr() < start + len(whole) for k, t in got.items() if t.numel())  # no copies
     header = _file({"x": _span("F32", [2], 0, 8)}, b"")
     misaligned = header + b"\x00\x00\x80\x3f\x00\x00\x00\x40"  # 1.0, 2.0 at an offset no float32 starts at
     assert len(header) % 4 != 0
     for raw, want in ((out.getvalue(), tensors), (misaligned, {"x": torch.tensor([1.0, 2.0])})):
         got, _ = tensorfile.over(memoryview(bytearray(raw)))
-        assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
+        assert set(got) == set(want)
+        assert all(got[k].dtype == v.dtype and torch.equal(got[k].view(torch.uint8), v.view(torch.uint8))
+                   for k, v in want.items() if v.dim())  # fmt: skip
+        assert all(torch.equal(got[k], v) for k, v in want.items() if not v.dim())
         spans = sorted(
             (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in got.values() if t.numel()
         )

@@ -6,6 +6,7 @@ the budget; a memory copy never makes a checkpoint verified (it is volatile)."""
 from __future__ import annotations
 
 import gc
+import io
 import os
 import shutil
 import signal
@@ -20,10 +21,12 @@ import torch
 from rewind.infra.catalog import copies, incidents, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.checkpoint import own_tensors
 from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.drills import chaos
 from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import mapped
+from rewind.infra.format import mapped, tensorfile
 from rewind.infra.format.digest import hash_bytes
 from rewind.infra.memory import keeper, place
 from tests.prefect_support import wait_until
@@ -132,7 +135,7 @@ def _mapped_from(root: Path) -> list[str]:
     "kind", [_Holder, _Assigning, _Extra, dict], ids=["module", "assigning", "extra", "dict"]
 )
 def test_what_a_job_restores_from_memory_is_its_own_the_memory_copy_never_changes(
-    rewind_env, run_name, tmp_path, memory_root, kind
+    rewind_env, run_name, tmp_path, memory_root, kind, monkeypatch
 ):  # type: ignore[no-untyped-def]
     """A module's part is read from memory over the tier's pages, copy-on-write; what the job holds after
     the load is its own whatever its state object keeps: its writes never reach the memory copy, the copy
@@ -150,6 +153,15 @@ def test_what_a_job_restores_from_memory_is_its_own_the_memory_copy_never_change
     _, ck = job(dict(saved))
     kept = keeper.keep(cat, _saved(ck, 1), cfg)
     assert kept is not None
+    maps = mapped.verified_mapping
+    made: list[str] = []  # the files read over a mapping
+
+    def spy(directory: Path, entry: mf.FileEntry) -> memoryview | None:
+        view = maps(directory, entry)
+        made.extend([entry.path] if view is not None else [])
+        return view
+
+    monkeypatch.setattr(mapped, "verified_mapping", spy)
     first, ck = job({k: torch.zeros_like(v) for k, v in saved.items()})
     got = ck.restore_latest()
     assert got is not None and got.source == "memory"
@@ -160,10 +172,53 @@ def test_what_a_job_restores_from_memory_is_its_own_the_memory_copy_never_change
     again, ck = job({k: torch.zeros_like(v) for k, v in saved.items()})
     got = ck.restore_latest()
     assert got is not None and got.source == "memory"  # proved itself: the job's writes stayed the job's
+    assert made == (["part.safetensors"] * 2 if kind is _Holder else [])  # only torch's own loading maps
     assert _mapped_from(memory_root) == []
     keeper.remove(kept.directory)  # let go while the job still holds what it restored
     assert all(torch.equal(again()[k], v) for k, v in saved.items())
     assert torch.equal(first()["w"], -saved["w"]) and torch.equal(first()["b"], saved["b"] + 1)
+
+
+def test_which_state_objects_are_read_over_a_mapping_and_a_module_left_on_one_gets_its_own():
+    class Hooked(torch.nn.Linear):
+        pass
+
+    hooked = Hooked(4, 4)
+    hooked.register_load_state_dict_post_hook(lambda module, keys: None)
+    verdicts = [
+        own_tensors.copies_on_load(o)
+        for o in (
+            torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)),
+            _Assigning({}),
+            _Extra({}),
+            hooked,
+            {"w": torch.zeros(1)},
+        )
+    ]
+    assert verdicts == [True, False, False, False, False]
+
+    raw = io.BytesIO()
+    tensorfile.write(raw, {"weight": torch.ones(4, 4)})
+    whole = bytearray(raw.getvalue())
+    given, _ = tensorfile.over(memoryview(whole))
+    module = torch.nn.Linear(4, 4, bias=False)
+    handed = own_tensors.storages(given)
+    module.load_state_dict(given, assign=True)  # keeps the tensor it is given, over the buffer
+    assert own_tensors.own_kept(module, handed) == 1
+    whole[-64:] = bytes(64)  # the buffer changes: the module's weight no longer lies over it
+    assert torch.equal(module.weight, torch.ones(4, 4))
+
+
+def test_the_flip_byte_drill_never_changes_a_file_a_restore_mapped(memory_root):  # type: ignore[no-untyped-def]
+    memory_root.mkdir(parents=True)
+    data = os.urandom(2 << 20)
+    d = hash_bytes(data)
+    (memory_root / "x.safetensors").write_bytes(data)
+    view = mapped.verified_mapping(memory_root, mf.FileEntry("x.safetensors", d.size, d.xxh3, d.crc32c))
+    assert view is not None
+    chaos._flip(memory_root / "x.safetensors")
+    assert (memory_root / "x.safetensors").read_bytes() != data and view == data  # the proven bytes stay
+    assert [p.name for p in memory_root.iterdir()] == ["x.safetensors"]  # no temporary file left
 
 
 def test_a_file_on_a_memory_filesystem_is_mapped_only_once_it_proves(memory_root, tmp_path):  # type: ignore[no-untyped-def]

@@ -310,14 +310,20 @@ class Checkpointer:
         for name, stateful in self._stateful.items():
             handed = own_tensors.storages(states[name]) if name in copied else frozenset()
             try:
-                stateful.load_state_dict(states[name])
-                if handed:  # read over a memory copy's pages, maybe: none kept
+                self._apply(directory, name, stateful, states[name])
+            finally:  # loaded or refused part-way: nothing it kept may hold a memory copy's pages
+                if handed:
                     own_tensors.own_kept(stateful, handed)  # type: ignore[arg-type]
-            except torch.OutOfMemoryError:
-                raise  # this process, not the checkpoint: nothing to judge it by
-            except _REFUSALS as exc:  # the user's object refused it: which side is wrong is decided later
-                detail = f"{type(exc).__name__}: {str(exc)[:300]}"
-                raise StateMismatch(str(directory), [Finding(Problem.CONTENT, name, detail)]) from exc
+
+    @staticmethod
+    def _apply(directory: Path, name: str, stateful: Stateful, state: Any) -> None:
+        try:
+            stateful.load_state_dict(state)
+        except torch.OutOfMemoryError:
+            raise  # this process, not the checkpoint: nothing to judge it by
+        except _REFUSALS as exc:  # the user's object refused it: which side is wrong is decided later
+            detail = f"{type(exc).__name__}: {str(exc)[:300]}"
+            raise StateMismatch(str(directory), [Finding(Problem.CONTENT, name, detail)]) from exc
 
     # -- start-up hygiene -------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """Which parts of a job may be read over a memory copy's pages, and a copy of its own for what one kept.
 
 A part is read mapped (``rewind.infra.format.mapped``) only when its state object copies what its
-``load_state_dict`` is given into tensors of its own: a ``torch.nn.Module`` none of whose submodules keeps
-an extra state (``set_extra_state`` may keep anything). A module can still keep a tensor it was given
-(``load_state_dict(assign=True)`` in an override, the swap-tensors path): after the load, any parameter or
-buffer whose storage is one the restore handed it gets a copy of its own, so no mapped page is kept (nor
-written: a first write to one costs more than the copy).
+``load_state_dict`` is given into tensors of its own: a ``torch.nn.Module`` loaded by torch's own code
+throughout (no override of ``load_state_dict`` or ``_load_from_state_dict`` outside torch, no extra state,
+no load hooks), which copies each tensor into the parameter or buffer it names. Should one still keep a
+tensor it was given (the swap-tensors path), or a load be refused part-way, each parameter or buffer left
+over a mapping gets a copy of its own after the load, so none keeps a memory copy's pages (nor writes
+them: a first write to a mapped page costs more than the copy). What a module keeps elsewhere than its
+parameters and buffers is not looked for: the conditions above leave it nothing else to keep.
 """
 
 from __future__ import annotations
@@ -18,17 +20,39 @@ import torch
 
 
 def copies_on_load(obj: object) -> bool:
-    """Whether ``obj``'s ``load_state_dict`` copies the tensors it is given into its own."""
-    if not isinstance(obj, torch.nn.Module):
-        return False
-    base = torch.nn.Module.set_extra_state
-    return all(getattr(type(m), "set_extra_state", base) is base for m in obj.modules())
+    """Whether ``obj``'s ``load_state_dict`` copies the tensors it is given into its own: a module whose
+    every submodule loads with torch's own code (``load_state_dict`` and ``_load_from_state_dict`` defined
+    in torch), keeps no extra state and has no load hooks of its own (any of those may keep what it is
+    given anywhere: an attribute, a dict, a numpy array)."""
+    return (
+        isinstance(obj, torch.nn.Module)
+        and _torch_own(type(obj), "load_state_dict")
+        and all(
+            _torch_own(type(m), "_load_from_state_dict")
+            and getattr(type(m), "set_extra_state", _EXTRA) is _EXTRA
+            and not m._load_state_dict_pre_hooks
+            and not m._load_state_dict_post_hooks
+            for m in obj.modules()
+        )
+    )
+
+
+_EXTRA = torch.nn.Module.set_extra_state
+
+
+def _torch_own(cls: type, method: str) -> bool:
+    return str(getattr(getattr(cls, method, None), "__module__", "")).startswith("torch.")
 
 
 def storages(given: Any) -> frozenset[int]:
-    """The storages of the tensors in a state as read, taken before it is loaded (a swap-tensors load
-    exchanges the given tensors' storages with the module's)."""
-    return frozenset(t.untyped_storage().data_ptr() for t in _tensors(given) if t.numel())
+    """The storages of the tensors in a state as read that lie over a mapping (``tensorfile.over``: not
+    resizable; every tensor read into memory of its own is), taken before the state is loaded (a
+    swap-tensors load exchanges the given tensors' storages with the module's)."""
+    return frozenset(
+        t.untyped_storage().data_ptr()
+        for t in _tensors(given)
+        if t.numel() and not t.untyped_storage().resizable()  # made over a mapping, not allocated
+    )
 
 
 def own_kept(module: torch.nn.Module, handed: frozenset[int]) -> int:

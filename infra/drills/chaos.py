@@ -298,7 +298,7 @@ def _flip(target: Path) -> None:
     written in place (design.md §4.1), so a restore that mapped it keeps the bytes it proved."""
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".flip")
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-", suffix=".flip")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

@@ -76,26 +76,25 @@ def verified_mapping(directory: Path, entry: mf.FileEntry) -> memoryview | None:
         return None
     try:
         with open_for_read(directory, entry.path) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != entry.size:
-                raise CorruptCheckpoint(str(directory), [_size(entry, size)])
-            try:
-                whole = mmap.mmap(
-                    f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                )
-            except OSError:  # no address space or commit charge for it: read it instead
-                return None
+            whole = _map(f.fileno(), directory, entry)
     except FileNotFoundError as exc:
         raise CorruptCheckpoint(
             str(directory), [Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")]
         ) from exc
     except files.NotAFile as exc:
         raise CorruptCheckpoint(str(directory), [not_a_file(entry, exc)]) from exc
+    if whole is None:
+        return None
     try:
-        _populate(whole)
+        _populate(whole, directory, entry)
         view = memoryview(whole)
-        wrong = entry_mismatch(entry, size, _hash(view))
     except BaseException:
+        whole.close()
+        raise
+    try:
+        wrong = entry_mismatch(entry, len(whole), _hash(view))
+    except BaseException:
+        view.release()  # before the close, or the close raises BufferError in the error's place
         whole.close()
         raise
     if wrong is not None:
@@ -105,23 +104,42 @@ def verified_mapping(directory: Path, entry: mf.FileEntry) -> memoryview | None:
     return view
 
 
+def _map(fd: int, directory: Path, entry: mf.FileEntry) -> mmap.mmap | None:
+    """The open file mapped private; None when it cannot be (read it instead)."""
+    size = os.fstat(fd).st_size
+    if size != entry.size:
+        raise CorruptCheckpoint(str(directory), [_size(entry, size)])
+    try:
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    except ValueError:  # shorter than it was a moment ago
+        raise CorruptCheckpoint(str(directory), [_size(entry, os.fstat(fd).st_size)]) from None
+    except OSError:  # no address space or commit charge for it
+        return None
+
+
 def _size(entry: mf.FileEntry, size: int) -> Finding:
     return Finding(Problem.SIZE, entry.path, f"manifest says {entry.size} bytes, the file holds {size}")
 
 
-def _populate(whole: mmap.mmap) -> None:
-    """The mapping's pages faulted in at once: an error reading them is an ``OSError`` here, where touching
-    them while hashing would kill the process (SIGBUS). A kernel without it (before 5.14) is let be."""
+def _populate(whole: mmap.mmap, directory: Path, entry: mf.FileEntry) -> None:
+    """The mapping's pages faulted in at once: an error reading them is an error here (a file cut short
+    since it was mapped a SIZE finding, an I/O error an ``OSError``), where touching them while hashing
+    would kill the process (SIGBUS). A kernel without it (before 5.14) is let be. A file cut short after
+    this still faults while hashed or used: no checkpoint file is ever cut short (design.md §4.1)."""
     if _LIBC is None:
         return
     anchor = ctypes.c_char.from_buffer(whole)  # the mapping's address (an export, let go before returning)
     try:
-        if _LIBC.madvise(ctypes.addressof(anchor), len(whole), MADV_POPULATE_READ) != 0:
-            err = ctypes.get_errno()
-            if err not in (errno.EINVAL, errno.ENOSYS):
-                raise OSError(err, f"reading a mapped file: {os.strerror(err)}")
+        failed = _LIBC.madvise(ctypes.addressof(anchor), len(whole), MADV_POPULATE_READ) != 0
+        err = ctypes.get_errno() if failed else 0
     finally:
         del anchor
+    if err in (0, errno.EINVAL, errno.ENOSYS):
+        return
+    if err == errno.EFAULT:  # past the end of the file: it was cut short
+        size = os.stat(directory / mf.safe_relative(entry.path)).st_size
+        raise CorruptCheckpoint(str(directory), [_size(entry, size)])
+    raise OSError(err, f"reading a mapped file: {os.strerror(err)}")
 
 
 def _hash(view: memoryview) -> str:
