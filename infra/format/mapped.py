@@ -25,10 +25,9 @@ from typing import Any
 
 from rewind.infra import progress
 from rewind.infra.errors import CorruptCheckpoint
-from rewind.infra.format import files
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import CHUNK, Hasher
-from rewind.infra.format.verify import Finding, Problem, entry_mismatch, not_a_file, open_for_read
+from rewind.infra.format.verify import Finding, Problem, entry_mismatch, open_entry
 
 TMPFS_MAGIC, RAMFS_MAGIC = 0x01021994, 0x858458F6
 MIN_BYTES = 1 << 20  # a smaller file is read: mapping it saves nothing worth its page-table cost
@@ -74,15 +73,8 @@ def verified_mapping(directory: Path, entry: mf.FileEntry) -> memoryview | None:
     lives (``torch.frombuffer`` holds the view, not the mapping)."""
     if entry.size < MIN_BYTES or not in_memory(directory):
         return None
-    try:
-        with open_for_read(directory, entry.path) as f:
-            whole = _map(f.fileno(), directory, entry)
-    except FileNotFoundError as exc:
-        raise CorruptCheckpoint(
-            str(directory), [Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")]
-        ) from exc
-    except files.NotAFile as exc:
-        raise CorruptCheckpoint(str(directory), [not_a_file(entry, exc)]) from exc
+    with open_entry(directory, entry) as f:
+        whole = _map(f.fileno(), directory, entry)
     if whole is None:
         return None
     try:

@@ -339,23 +339,31 @@ def require(report: Report) -> mf.Manifest:
 
 
 @contextlib.contextmanager
-def verified_read(directory: Path, entry: mf.FileEntry) -> Iterator[HashingReader]:
-    """One hashed read of a file; leaving the block proves the bytes read were exactly ``entry``'s.
-
-    ``CorruptCheckpoint`` for a missing or different file (or no regular file at all); ``OSError`` for an
-    I/O error. Whatever the block read is only to be used once the block has been left.
-    """
+def open_entry(directory: Path, entry: mf.FileEntry) -> Iterator[BinaryIO]:
+    """``entry``'s file opened for a verifying read: ``CorruptCheckpoint`` for a missing file or one that is
+    not a regular file inside ``directory``."""
     try:
         with open_for_read(directory, entry.path) as f:
-            reader = HashingReader(f, Hasher(with_crc=False))
-            yield reader
-            reader.finish(entry.size)  # a shorter or longer file must show, whatever the block read
+            yield f
     except FileNotFoundError as exc:
         raise CorruptCheckpoint(
             str(directory), [Finding(Problem.MISSING, entry.path, "listed in the manifest but not on disk")]
         ) from exc
     except files.NotAFile as exc:
         raise CorruptCheckpoint(str(directory), [not_a_file(entry, exc)]) from exc
+
+
+@contextlib.contextmanager
+def verified_read(directory: Path, entry: mf.FileEntry) -> Iterator[HashingReader]:
+    """One hashed read of a file; leaving the block proves the bytes read were exactly ``entry``'s.
+
+    ``CorruptCheckpoint`` for a missing or different file (or no regular file at all); ``OSError`` for an
+    I/O error. Whatever the block read is only to be used once the block has been left.
+    """
+    with open_entry(directory, entry) as f:
+        reader = HashingReader(f, Hasher(with_crc=False))
+        yield reader
+        reader.finish(entry.size)  # a shorter or longer file must show, whatever the block read
     wrong = entry_mismatch(entry, reader.count, reader.hasher.result().xxh3)
     if wrong is not None:
         raise CorruptCheckpoint(str(directory), [wrong])
