@@ -16,7 +16,6 @@ reads those from memory first (this host's own share, where its leader kept it, 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import stat
 from collections.abc import Callable
@@ -114,10 +113,27 @@ def _keep(target: Path, entry: mf.FileEntry, raw: bytes) -> None:
     """Write a file whose bytes were held to its entry into ``target`` (written aside, then renamed)."""
     path = target / mf.safe_relative(entry.path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.unlink(missing_ok=True)
-    store.write_file(tmp, store.bytes_writer(raw))
-    os.replace(tmp, path)
+    store.replace_file(path, store.bytes_writer(raw))
+
+
+def _exchange(target: Path, manifest: mf.Manifest, have: dict[int, set[str]], errors: list[str]) -> int:
+    """Collective: each file some rank lacks, sent from the lowest rank holding it to every rank; the bytes
+    this rank received. What failed is added to ``errors`` (a rank with errors keeps nothing more)."""
+    rank, got = dist.get_rank(), 0
+    for e in manifest.files:
+        lacking = [r for r, h in have.items() if e.path not in h]
+        if not lacking:
+            continue
+        src = min(r for r, h in have.items() if e.path in h)
+        data, error = _send(target / e.path if rank == src else None, e, src)
+        errors += [error] if error else []
+        if rank in lacking and not errors:
+            try:
+                _receive(target, e, data)
+                got += e.size
+            except Exception as exc:  # every rank must reach the next collective, whatever failed here
+                errors.append(f"{type(exc).__name__}: {exc}")
+    return got
 
 
 def _send(path: Path | None, entry: mf.FileEntry, src: int) -> tuple[torch.Tensor, str | None]:
@@ -187,24 +203,12 @@ def complete(
     # one listing per host: its leader's
     nearer = {p: Path(d) for p, d in every[disks.leader(rank)][3].items()}
     have = {r: h for r, (h, _, _, _) in enumerate(every) if h is not None}
-    from_memory, errors = sum(taken.values()), []
+    from_memory = sum(taken.values())
+    errors: list[str] = []
     lost = [e for e in manifest.files if not any(e.path in h for h in have.values())]
     fetched = _fetch_lost(target, lost, remote if rank == 0 else None, fresh, manifest.step)
     have[0] = have[0] | {e.path for e in lost}
-    got = 0
-    for e in manifest.files:
-        lacking = [r for r, h in have.items() if e.path not in h]
-        if not lacking:
-            continue
-        src = min(r for r, h in have.items() if e.path in h)
-        data, error = _send(target / e.path if rank == src else None, e, src)
-        errors += [error] if error else []
-        if rank in lacking and not errors:
-            try:
-                _receive(target, e, data)
-                got += e.size
-            except Exception as exc:  # every rank must reach the next collective, whatever failed here
-                errors.append(f"{type(exc).__name__}: {exc}")
+    got = _exchange(target, manifest, have, errors)
     _agree(errors, target if fresh else None)
     if fresh:  # a disk without a copy: now a whole one
         store.commit(target, manifest, raw)

@@ -15,7 +15,6 @@ import logging
 import os
 import shutil
 import signal as signals
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from rewind.infra.catalog.models import ReplicaStatus
 from rewind.infra.drills import servers
 from rewind.infra.drills.context import run_of, state_dir
 from rewind.infra.errors import ConfigError, NotFoundError, RewindError
-from rewind.infra.format import chunked, packs
+from rewind.infra.format import chunked, packs, store
 
 log = logging.getLogger("rewind.drill")
 POLL_S = 0.2
@@ -298,14 +297,4 @@ def _flip(target: Path) -> None:
     written in place (design.md §4.1), so a restore that mapped it keeps the bytes it proved."""
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0xFF
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-", suffix=".flip")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, target.stat().st_mode & 0o7777)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    store.replace_file(target, store.bytes_writer(bytes(data)))

@@ -26,6 +26,7 @@ from typing import Any
 from rewind.infra import progress
 from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.format import manifest as mf
+from rewind.infra.format import pages
 from rewind.infra.format.digest import CHUNK, Hasher
 from rewind.infra.format.verify import Finding, Problem, entry_mismatch, open_entry
 
@@ -42,8 +43,6 @@ def _libc() -> Any:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.statfs.argtypes = [ctypes.c_char_p, ctypes.c_void_p]
         libc.statfs.restype = ctypes.c_int
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        libc.madvise.restype = ctypes.c_int
     except (OSError, AttributeError):
         return None
     return libc
@@ -118,12 +117,13 @@ def _populate(whole: mmap.mmap, directory: Path, entry: mf.FileEntry) -> None:
     since it was mapped a SIZE finding, an I/O error an ``OSError``), where touching them while hashing
     would kill the process (SIGBUS). A kernel without it (before 5.14) is let be. A file cut short after
     this still faults while hashed or used: no checkpoint file is ever cut short (design.md §4.1)."""
-    if _LIBC is None:
-        return
     anchor = ctypes.c_char.from_buffer(whole)  # the mapping's address (an export, let go before returning)
     try:
-        failed = _LIBC.madvise(ctypes.addressof(anchor), len(whole), MADV_POPULATE_READ) != 0
-        err = ctypes.get_errno() if failed else 0
+        err = (
+            0
+            if pages.madvise(ctypes.addressof(anchor), len(whole), MADV_POPULATE_READ)
+            else ctypes.get_errno()
+        )
     finally:
         del anchor
     if err in (0, errno.EINVAL, errno.ENOSYS):

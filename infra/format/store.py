@@ -153,6 +153,15 @@ def write_file(path: Path, fill: FileWriter) -> mf.FileEntry:
     return mf.FileEntry(path=path.name, size=d.size, xxh3=d.xxh3, crc32c=d.crc32c)
 
 
+def replace_file(path: Path, fill: FileWriter) -> None:
+    """``path`` written whole beside it (``.<name>.tmp-<pid>``) and renamed over whatever was there: a
+    checkpoint's file is never written in place (a reader, or a mapping, never sees it change)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    write_file(tmp, fill)
+    os.replace(tmp, path)
+
+
 def temp_dir(run_dir: Path, step: int) -> Path:
     """A fresh ``step-<N>.tmp-<pid>-<id>/`` for a save in flight (the tier's root marked first)."""
     local_tier.ensure(run_dir.parent)
