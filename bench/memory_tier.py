@@ -3,8 +3,7 @@
 One single-process checkpoint of a model (``--mib`` of float32 in 16 tensors) is saved to the local tier on
 disk and copied into a memory tier on /dev/shm by the memory agent's own function (``keeper.keep``); then it
 is restored through the one restore path (``restore.execute``, every byte hashed against the catalog's
-digest) into the model, as ``Checkpointer.restore_latest`` does (``read_states`` with the model's part
-``copied``, then ``load_state_dict``), from the memory copy and from the local copy, alternating, median of
+digest) into the model by the checkpointer's own load, as ``Checkpointer.restore_latest`` does, from the memory copy and from the local copy, alternating, median of
 ``--repeats``. The local copy is measured twice: with its pages evicted from the page cache first
 (``posix_fadvise(DONTNEED)``: what a restore reads when the cache did not keep the checkpoint, e.g. a
 machine whose memory the job filled) and as the page cache left it (a crash right after the save).
@@ -46,12 +45,12 @@ def _evict(directory: Path) -> None:
                 os.close(fd)
 
 
-def _restore_s(run: str, root: Path, tier: str, evict: Path | None, model: Any, written: str = "") -> float:
-    """Seconds to restore from ``tier`` into ``model`` (None: the tensors read and kept, not copied).
-    ``written``: the tensors kept, each written once after (``mapped``: read over the memory copy's pages,
-    as the restore never does for kept tensors: what a first write to them would cost)."""
+def _restore_s(run: str, root: Path, tier: str, evict: Path | None, into: Any, written: str = "") -> float:
+    """Seconds to restore from ``tier`` through ``into`` (a checkpointer's own load, as ``restore_latest``
+    hands the restore; None: the tensors read and kept, not copied). ``written``: the tensors kept, each
+    written once after (``mapped``: read over the memory copy's pages, as the restore never does for kept
+    tensors: what a first write to them would cost)."""
     from rewind.infra.catalog.db import Catalog
-    from rewind.infra.checkpoint import own_tensors
     from rewind.infra.format import payload
     from rewind.infra.restore import execute, plan
 
@@ -60,13 +59,10 @@ def _restore_s(run: str, root: Path, tier: str, evict: Path | None, model: Any, 
             got = payload.read_states(directory, manifest, copied=("model",) if written == "mapped" else ())
             for t in got["model"].values():
                 t.add_(1.0)
-        elif model is None:
+        elif into is None:
             payload.read_states(directory, manifest)
-        else:  # what Checkpointer.restore_latest does for a module
-            state = payload.read_states(directory, manifest, copied=("model",))["model"]
-            handed = own_tensors.storages(state)
-            model.load_state_dict(state)
-            own_tensors.own_kept(model, handed)
+        else:
+            into(directory, manifest)
 
     cat = Catalog()
     if evict is not None:
@@ -103,7 +99,7 @@ def measure(mib: int, repeats: int, work: Path) -> dict[str, Any]:
             tier = "memory" if what.startswith("memory") else "local"
             evict = Path(saved.path) if tier == "local" and what != "local_cached" else None
             times[what].append(
-                _restore_s("bench", root, tier, evict, None if what.endswith("kept") else model)
+                _restore_s("bench", root, tier, evict, None if what.endswith("kept") else ck._load)
             )
     for _ in range(3):  # why kept tensors are never mapped: the first write's copy-on-write faults
         for how in ("mapped", "read"):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import io
+import mmap
 import os
 import shutil
 import signal
@@ -126,7 +127,8 @@ class _Extra(_Holder):
 
 
 def _mapped_from(root: Path) -> list[str]:
-    """This process's mappings of files under ``root``."""
+    """This process's mappings of files under ``root``, once what restores let go is dropped."""
+    assert own_tensors.dropped(timeout=30)
     gc.collect()
     return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(root) in line]
 
@@ -249,6 +251,39 @@ def test_a_file_on_a_memory_filesystem_is_mapped_only_once_it_proves(memory_root
     with pytest.raises(CorruptCheckpoint, match="not on disk"):
         mapped.verified_mapping(memory_root, entry)
     assert view == data  # the first mapping kept the bytes it proved, whatever became of the file
+
+
+def test_a_mapping_faulted_in_by_helpers_span_by_span_proves_every_byte_in_order(memory_root, monkeypatch):  # type: ignore[no-untyped-def]
+    """Helper threads fault a large file's pages in a span at a time while the hash follows: the bytes hashed
+    are the file's in order, a damaged last span is refused, and a file cut short after it was mapped is a
+    SIZE finding (a span past its end cannot be faulted in), never a SIGBUS while hashing."""
+    monkeypatch.setattr(mapped, "SPAN", 1 << 20)  # 5 spans, the last a part one
+    data = os.urandom((4 << 20) + 4096)
+    d = hash_bytes(data)
+    entry = mf.FileEntry("x.bin", d.size, d.xxh3, d.crc32c)
+    memory_root.mkdir(parents=True, exist_ok=True)
+    (memory_root / "x.bin").write_bytes(data)
+    view = mapped.verified_mapping(memory_root, entry)
+    assert view is not None and view == data
+    damaged = bytearray(data)
+    damaged[-1] ^= 1
+    (memory_root / "x.bin").unlink()
+    (memory_root / "x.bin").write_bytes(bytes(damaged))
+    with pytest.raises(CorruptCheckpoint, match="xxh3"):
+        mapped.verified_mapping(memory_root, entry)
+    (memory_root / "x.bin").unlink()
+    (memory_root / "x.bin").write_bytes(data)
+    real_map = mapped._map
+
+    def cut_after_mapping(fd: int, directory: Path, e: mf.FileEntry) -> mmap.mmap | None:
+        whole = real_map(fd, directory, e)
+        os.truncate(directory / e.path, 2 << 20)  # what design.md §4.1 forbids, done by something else
+        return whole
+
+    monkeypatch.setattr(mapped, "_map", cut_after_mapping)
+    with pytest.raises(CorruptCheckpoint, match="holds 2097152"):
+        mapped.verified_mapping(memory_root, entry)
+    assert view == data
 
 
 def test_older_memory_copies_are_let_go_by_count_and_budget(

@@ -307,6 +307,7 @@ class Checkpointer:
             raise StateMismatch(
                 str(directory), [Finding(Problem.CONTENT, ",".join(missing), "no such state saved")]
             )
+        mapped = False
         for name, stateful in self._stateful.items():
             handed = own_tensors.storages(states[name]) if name in copied else frozenset()
             try:
@@ -314,6 +315,9 @@ class Checkpointer:
             finally:  # loaded or refused part-way: nothing it kept may hold a memory copy's pages
                 if handed:
                     own_tensors.own_kept(stateful, handed)  # type: ignore[arg-type]
+                    mapped = True
+        if mapped:
+            own_tensors.let_go(states)  # the mappings' teardown off the restore's path
 
     @staticmethod
     def _apply(directory: Path, name: str, stateful: Stateful, state: Any) -> None:

@@ -20,6 +20,7 @@ import errno
 import mmap
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,8 @@ from rewind.infra.format.verify import Finding, Problem, entry_mismatch, open_en
 TMPFS_MAGIC, RAMFS_MAGIC = 0x01021994, 0x858458F6
 MIN_BYTES = 1 << 20  # a smaller file is read: mapping it saves nothing worth its page-table cost
 MADV_POPULATE_READ = 22  # Linux 5.14: fault the pages in, an I/O error reported as an errno, not a SIGBUS
+SPAN = 32 << 20  # faulted in by one helper at a time, ahead of the hash
+HELPERS = 2  # a helper faults pages in at about half the rate one thread hashes them
 _STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux
 
 
@@ -76,14 +79,9 @@ def verified_mapping(directory: Path, entry: mf.FileEntry) -> memoryview | None:
         whole = _map(f.fileno(), directory, entry)
     if whole is None:
         return None
+    view = memoryview(whole)
     try:
-        _populate(whole, directory, entry)
-        view = memoryview(whole)
-    except BaseException:
-        whole.close()
-        raise
-    try:
-        wrong = entry_mismatch(entry, len(whole), _hash(view))
+        wrong = entry_mismatch(entry, len(whole), _populated_hash(whole, view, directory, entry))
     except BaseException:
         view.release()  # before the close, or the close raises BufferError in the error's place
         whole.close()
@@ -112,32 +110,48 @@ def _size(entry: mf.FileEntry, size: int) -> Finding:
     return Finding(Problem.SIZE, entry.path, f"manifest says {entry.size} bytes, the file holds {size}")
 
 
-def _populate(whole: mmap.mmap, directory: Path, entry: mf.FileEntry) -> None:
-    """The mapping's pages faulted in at once: an error reading them is an error here (a file cut short
-    since it was mapped a SIZE finding, an I/O error an ``OSError``), where touching them while hashing
-    would kill the process (SIGBUS). A kernel without it (before 5.14) is let be. A file cut short after
-    this still faults while hashed or used: no checkpoint file is ever cut short (design.md §4.1)."""
-    anchor = ctypes.c_char.from_buffer(whole)  # the mapping's address (an export, let go before returning)
-    try:
-        err = (
-            0
-            if pages.madvise(ctypes.addressof(anchor), len(whole), MADV_POPULATE_READ)
-            else ctypes.get_errno()
-        )
-    finally:
-        del anchor
+def _populated_hash(whole: mmap.mmap, view: memoryview, directory: Path, entry: mf.FileEntry) -> str:
+    """The xxh3 of the mapping, its pages faulted in ahead of the hash a span at a time by helper threads
+    (``MADV_POPULATE_READ``: the kernel's page-table work, most of a mapped read's cost, runs on other
+    cores while this thread hashes the spans already in)."""
+    anchor = ctypes.c_char.from_buffer(whole)  # the mapping's address (an export, let go at once)
+    base = ctypes.addressof(anchor)
+    del anchor
+    spans = [(at, min(SPAN, len(whole) - at)) for at in range(0, len(whole), SPAN)]
+    hasher = Hasher(with_crc=False)
+    with ThreadPoolExecutor(max_workers=_helpers(len(spans)), thread_name_prefix="rewind-populate") as pool:
+        faulted = [pool.submit(_populate, base + at, size) for at, size in spans]
+        try:
+            for (at, size), done in zip(spans, faulted, strict=True):
+                _check(done.result(), directory, entry)
+                for pos in range(at, at + size, CHUNK):
+                    with view[pos : min(pos + CHUNK, at + size)] as piece:
+                        hasher.update(piece)
+                    progress.advance(min(CHUNK, at + size - pos))
+        except BaseException:
+            for f in faulted:
+                f.cancel()
+            raise
+    return hasher.result().xxh3
+
+
+def _helpers(spans: int) -> int:
+    return max(1, min(HELPERS, spans, len(os.sched_getaffinity(0))))
+
+
+def _populate(first: int, nbytes: int) -> int:
+    """The pages of ``first`` .. ``first + nbytes`` faulted in; the errno, 0 when they are in."""
+    return 0 if pages.madvise(first, nbytes, MADV_POPULATE_READ) else ctypes.get_errno()
+
+
+def _check(err: int, directory: Path, entry: mf.FileEntry) -> None:
+    """An error faulting pages in is an error here (a file cut short since it was mapped a SIZE finding, an
+    I/O error an ``OSError``), where touching them while hashing would kill the process (SIGBUS). A kernel
+    without it (before 5.14) is let be: the hash faults them in. A file cut short after this still faults
+    while hashed or used: no checkpoint file is ever cut short (design.md §4.1)."""
     if err in (0, errno.EINVAL, errno.ENOSYS):
         return
     if err == errno.EFAULT:  # past the end of the file: it was cut short
         size = os.stat(directory / mf.safe_relative(entry.path)).st_size
         raise CorruptCheckpoint(str(directory), [_size(entry, size)])
     raise OSError(err, f"reading a mapped file: {os.strerror(err)}")
-
-
-def _hash(view: memoryview) -> str:
-    hasher = Hasher(with_crc=False)
-    for at in range(0, len(view), CHUNK):
-        with view[at : at + CHUNK] as piece:
-            hasher.update(piece)
-        progress.advance(min(CHUNK, len(view) - at))
-    return hasher.result().xxh3
