@@ -47,6 +47,23 @@ def _places(parts: Parts) -> tuple[dict[tuple[str, str], int], int]:
     return at, end
 
 
+def _views(
+    parts: Parts, at: dict[tuple[str, str], int], buf: torch.Tensor
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Each tensor's place in ``buf`` (``_places``), shaped as the tensor; an empty tensor a new one."""
+    views: dict[str, dict[str, torch.Tensor]] = {}
+    for part, tensors in parts.items():
+        views[part] = {}
+        for name, t in tensors.items():
+            n = _nbytes(t)
+            views[part][name] = (
+                buf[at[part, name] : at[part, name] + n].view(t.dtype).view(t.shape)
+                if n
+                else torch.empty(t.shape, dtype=t.dtype)
+            )
+    return views
+
+
 @dataclass(frozen=True, slots=True)
 class Staged:
     """Copies of the tensors, valid until the next ``stage``; ``ready()`` blocks until copies landed."""
@@ -63,6 +80,7 @@ class StagingBuffer:
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
         self._at: dict[tuple[str, str], int] = {}
+        self._views: dict[str, dict[str, torch.Tensor]] = {}  # each tensor's place in the buffer, made once
         self._signature: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
 
@@ -80,6 +98,7 @@ class StagingBuffer:
         whole = torch.empty(total + tensorfile.PAGE, dtype=torch.uint8, pin_memory=pin)
         start = -whole.data_ptr() % tensorfile.PAGE  # the first part on a page boundary, like the rest
         self._buf = whole[start : start + max(total, 1)]
+        self._views = _views(parts, self._at, self._buf)
         self._signature = sig
         return self._buf
 
@@ -91,7 +110,7 @@ class StagingBuffer:
 
     def stage(self, parts: Parts) -> Staged:
         """Copy ``parts`` into the buffer; the previous ``Staged`` must no longer be in use."""
-        buf = self._ensure(parts)
+        self._ensure(parts)
         on_gpu = any(t.is_cuda for ts in parts.values() for t in ts.values())
         event = None
         if on_gpu and self._stream is None:
@@ -102,16 +121,11 @@ class StagingBuffer:
             self._stream.wait_stream(torch.cuda.current_stream())  # see the latest values
         with ctx, torch.no_grad():
             for part, tensors in parts.items():
-                staged: dict[str, torch.Tensor] = {}
+                staged = self._views[part]
                 for name, t in tensors.items():
-                    n = _nbytes(t)
-                    if not n:
-                        staged[name] = torch.empty(t.shape, dtype=t.dtype)
-                        continue
-                    at = self._at[part, name]
-                    staged[name] = buf[at : at + n].view(t.dtype).view(t.shape)
-                    staged[name].copy_(t.detach(), non_blocking=t.is_cuda)
-                out[part] = staged
+                    if t.numel():
+                        staged[name].copy_(t.detach(), non_blocking=t.is_cuda)
+                out[part] = dict(staged)
         if on_gpu:
             event = torch.cuda.Event()
             event.record(self._stream)
