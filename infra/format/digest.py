@@ -14,14 +14,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-import crc32c
 import xxhash
+from awscrt import checksums
 
 from rewind.infra import progress, throttle
 
 DIGEST_ALGORITHM = "xxh3-128"
 CHUNK = 8 << 20
 CACHED = 256 << 10  # a piece hashed by both digests in turn fits in a core's L2 cache
+
+
+def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
+    """The CRC32C of ``data``, continuing ``crc`` (AWS's implementation: VPCLMULQDQ where the CPU has it,
+    measured here at twice the SSE4.2 rate of the crc32c package, which a save pays on every byte)."""
+    return checksums.crc32c(data, crc)
+
+
+def crc32c_b64(value: int) -> str:
+    """A CRC32C as S3 reports it: base64 of its 4 bytes, big-endian."""
+    return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +67,11 @@ class Hasher:
                 for at in range(0, len(view), CACHED):
                     with view[at : at + CACHED] as piece:
                         self._xxh.update(piece)
-                        self._crc = crc32c.crc32c(piece, self._crc)
+                        self._crc = crc32c(piece, self._crc)
             self._size += len(view)
 
     def result(self) -> FileDigest:
-        crc = base64.b64encode(self._crc.to_bytes(4, "big")).decode() if self._with_crc else ""
+        crc = crc32c_b64(self._crc) if self._with_crc else ""
         return FileDigest(size=self._size, xxh3=self._xxh.hexdigest(), crc32c=crc)
 
 

@@ -12,7 +12,6 @@ the server already holds and sends only the missing ones.
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import re
@@ -23,11 +22,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import boto3
-import crc32c as crc32c_mod
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from rewind.infra import progress
+from rewind.infra.format import digest
 from rewind.infra.tiers import s3_errors
 from rewind.infra.tiers.base import NotCopied, ObjectInfo, ObjectNotFound, TierConfigError, TierUnavailable
 from rewind.infra.tiers.s3_ranged import RangedBody
@@ -44,10 +43,6 @@ def parse_uri(uri: str) -> tuple[str, str]:
     if not bucket:
         raise TierConfigError(f"S3 URI {uri!r} names no bucket")
     return bucket, prefix.strip("/")
-
-
-def crc32c_b64(value: int) -> str:
-    return base64.b64encode(value.to_bytes(4, "big")).decode()
 
 
 def _same_part(held: dict[str, Any], data: bytes, crc: str) -> bool:
@@ -306,7 +301,7 @@ class S3Tier:
         def send(n: int) -> tuple[dict[str, Any], int]:
             offset = (n - 1) * self.part_size
             data = os.pread(fd, min(self.part_size, size - offset), offset)
-            crc = crc32c_b64(crc32c_mod.crc32c(data))
+            crc = digest.crc32c_b64(digest.crc32c(data))
             have = held.get(n)
             if have and int(have["Size"]) == len(data) and _same_part(have, data, crc):
                 return {"PartNumber": n, "ETag": have["ETag"], "ChecksumCRC32C": crc}, 0
