@@ -13,6 +13,7 @@ import shutil
 import signal
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -284,6 +285,16 @@ def test_a_mapping_faulted_in_by_helpers_span_by_span_proves_every_byte_in_order
     with pytest.raises(CorruptCheckpoint, match="holds 2097152"):
         mapped.verified_mapping(memory_root, entry)
     assert view == data
+    monkeypatch.setattr(mapped, "_map", real_map)
+    (memory_root / "x.bin").unlink()
+    (memory_root / "x.bin").write_bytes(data)
+
+    def no_thread(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(ThreadPoolExecutor, "submit", no_thread)  # no helper to be had: still proven
+    again = mapped.verified_mapping(memory_root, entry)
+    assert again is not None and again == data
 
 
 def test_older_memory_copies_are_let_go_by_count_and_budget(

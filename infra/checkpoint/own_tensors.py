@@ -13,11 +13,14 @@ parameters and buffers is not looked for: the conditions above leave it nothing 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+FORK_WAIT_S = 10.0  # a fork waits at most this long for parts being dropped
 
 
 def copies_on_load(obj: object) -> bool:
@@ -72,19 +75,22 @@ def let_go(states: dict[str, Any]) -> None:
     """Empty ``states`` (parts as read, loaded) and drop what it held on a thread of its own: the last
     tensor over a memory copy's mapping unmaps it, and the kernel's page-table teardown (13 ms per 512 MiB
     measured here) runs beside the job's next steps instead of before them. The caller must hold no other
-    reference to the parts."""
+    reference to the parts. Where no thread can be started they are dropped here."""
     held = list(states.values())
     states.clear()
     drop = threading.Thread(target=held.clear, name="rewind-unmap", daemon=True)
     with _LOCK:
         _DROPPING[:] = [t for t in _DROPPING if t.is_alive()] + [drop]
-    drop.start()
+    try:
+        drop.start()
+    except RuntimeError:  # a process limit on threads, or the interpreter shutting down
+        held.clear()
 
 
 def dropped(timeout: float = 30.0) -> bool:
     """Wait up to ``timeout`` seconds for the parts ``let_go`` was given to be dropped; whether they are."""
     with _LOCK:
-        waiting = list(_DROPPING)
+        waiting = [t for t in _DROPPING if t.ident is not None]
     for t in waiting:
         t.join(timeout)
     return not any(t.is_alive() for t in waiting)
@@ -92,6 +98,10 @@ def dropped(timeout: float = 30.0) -> bool:
 
 _LOCK = threading.Lock()
 _DROPPING: list[threading.Thread] = []
+# A child forked while parts wait to be dropped would inherit them without the thread that drops them, and
+# keep a memory copy's pages mapped for its whole life (a data loader's persistent workers): wait first.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=lambda: dropped(timeout=FORK_WAIT_S))
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:

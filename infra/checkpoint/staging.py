@@ -89,12 +89,14 @@ class StagingBuffer:
         return 0 if self._buf is None else self._buf.numel()
 
     def _ensure(self, parts: Parts) -> torch.Tensor:
-        sig = tuple((p, n, t.dtype, tuple(t.shape)) for p, ts in parts.items() for n, t in ts.items())
+        sig = tuple(
+            (p, tuple((n, t.dtype, tuple(t.shape)) for n, t in ts.items())) for p, ts in parts.items()
+        )
         if sig == self._signature and self._buf is not None:
             return self._buf
         self._at, total = _places(parts)
         pin = torch.cuda.is_available()
-        self._buf = None  # free the old one first: never hold two copies
+        self._buf, self._views, self._signature = None, {}, None  # the old one freed first: never two copies
         whole = torch.empty(total + tensorfile.PAGE, dtype=torch.uint8, pin_memory=pin)
         start = -whole.data_ptr() % tensorfile.PAGE  # the first part on a page boundary, like the rest
         self._buf = whole[start : start + max(total, 1)]

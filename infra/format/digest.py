@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+import crc32c as _crc32c
 import xxhash
-from awscrt import checksums
 
 from rewind.infra import progress, throttle
 
@@ -25,9 +25,8 @@ CACHED = 256 << 10  # a piece hashed by both digests in turn fits in a core's L2
 
 
 def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
-    """The CRC32C of ``data``, continuing ``crc`` (AWS's implementation: VPCLMULQDQ where the CPU has it,
-    measured here at twice the SSE4.2 rate of the crc32c package, which a save pays on every byte)."""
-    return checksums.crc32c(data, crc)
+    """The CRC32C of ``data``, continuing ``crc``."""
+    return _crc32c.crc32c(data, crc)
 
 
 def crc32c_b64(value: int) -> str:

@@ -20,7 +20,7 @@ import errno
 import mmap
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -120,19 +120,29 @@ def _populated_hash(whole: mmap.mmap, view: memoryview, directory: Path, entry: 
     spans = [(at, min(SPAN, len(whole) - at)) for at in range(0, len(whole), SPAN)]
     hasher = Hasher(with_crc=False)
     with ThreadPoolExecutor(max_workers=_helpers(len(spans)), thread_name_prefix="rewind-populate") as pool:
-        faulted = [pool.submit(_populate, base + at, size) for at, size in spans]
+        faulted = [_submitted(pool, base + at, size) for at, size in spans]
         try:
             for (at, size), done in zip(spans, faulted, strict=True):
-                _check(done.result(), directory, entry)
+                _check(done.result() if done else _populate(base + at, size), directory, entry)
                 for pos in range(at, at + size, CHUNK):
                     with view[pos : min(pos + CHUNK, at + size)] as piece:
                         hasher.update(piece)
                     progress.advance(min(CHUNK, at + size - pos))
         except BaseException:
             for f in faulted:
-                f.cancel()
+                if f:
+                    f.cancel()
             raise
     return hasher.result().xxh3
+
+
+def _submitted(pool: ThreadPoolExecutor, first: int, nbytes: int) -> Future[int] | None:
+    """The span faulted in by a helper; None where no helper thread can be started (a process limit on
+    threads, the interpreter shutting down): this thread faults it in as it hashes it."""
+    try:
+        return pool.submit(_populate, first, nbytes)
+    except RuntimeError:
+        return None
 
 
 def _helpers(spans: int) -> int:
