@@ -163,3 +163,33 @@ def test_a_prepare_while_a_saves_failure_is_pending_leaves_it_to_the_next_save(
     ck.save(3)
     ck.close()
     assert {c.step: c.status for c in lineage.checkpoints(cat, run_name)}[3] == "committed"
+
+
+def test_a_new_layout_lets_the_old_buffer_go_before_the_new_one_is_made(monkeypatch):  # type: ignore[no-untyped-def]
+    """Staging memory stays one copy of the state: when the state's layout changes (a first save before the
+    optimizer had its moments, then one after), the old buffer is freed before the new one is allocated,
+    and a part with no tensors is part of the layout."""
+    sb = StagingBuffer()
+    first = {"model": {"w": torch.randn(1024, 256)}}
+    staged = sb.stage(first)
+    assert torch.equal(staged.parts["model"]["w"], first["model"]["w"])
+    assert sb._buf is not None
+    old = sb._buf.untyped_storage()  # the old buffer's memory: this reference alone once it is let go
+    del staged
+    made: list[int] = []
+    real_empty = torch.empty
+
+    def empty(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(
+            torch._C._storage_Use_Count(old._cdata)
+        )  # who else holds it when the new one is asked for
+        return real_empty(*args, **kwargs)
+
+    second = {"model": {"w": torch.randn(1024, 256)}, "optimizer": {"m": torch.randn(1024, 256)}}
+    monkeypatch.setattr(torch, "empty", empty)
+    staged = sb.stage(second)
+    monkeypatch.setattr(torch, "empty", real_empty)
+    assert made and made[0] == 1, made
+    assert all(torch.equal(staged.parts[p][n], second[p][n]) for p in second for n in second[p])
+    third = {**second, "extra": {}}  # the same tensors, one more part with none
+    assert sb.stage(third).parts["extra"] == {}
