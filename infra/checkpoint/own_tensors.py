@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -79,29 +80,29 @@ def let_go(states: dict[str, Any]) -> None:
     held = list(states.values())
     states.clear()
     drop = threading.Thread(target=held.clear, name="rewind-unmap", daemon=True)
-    with _LOCK:
-        _DROPPING[:] = [t for t in _DROPPING if t.is_alive()] + [drop]
     try:
         drop.start()
     except RuntimeError:  # a process limit on threads, or the interpreter shutting down
         held.clear()
+        return
+    _DROPPING[:] = [t for t in _DROPPING if t.is_alive()] + [drop]  # one statement: no lock to hold
 
 
 def dropped(timeout: float = 30.0) -> bool:
-    """Wait up to ``timeout`` seconds for the parts ``let_go`` was given to be dropped; whether they are."""
-    with _LOCK:
-        waiting = [t for t in _DROPPING if t.ident is not None]
+    """Wait up to ``timeout`` seconds in all for the parts ``let_go`` was given to be dropped; whether they
+    are. Takes no lock: it runs before every fork (``os.register_at_fork``), a signal handler's too."""
+    deadline = time.monotonic() + timeout
+    waiting = list(_DROPPING)
     for t in waiting:
-        t.join(timeout)
+        t.join(max(0.0, deadline - time.monotonic()))
     return not any(t.is_alive() for t in waiting)
 
 
-_LOCK = threading.Lock()
 _DROPPING: list[threading.Thread] = []
 # A child forked while parts wait to be dropped would inherit them without the thread that drops them, and
 # keep a memory copy's pages mapped for its whole life (a data loader's persistent workers): wait first.
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=lambda: dropped(timeout=FORK_WAIT_S))
+    os.register_at_fork(before=lambda: dropped(timeout=FORK_WAIT_S), after_in_child=_DROPPING.clear)
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:
