@@ -85,7 +85,7 @@ def let_go(states: dict[str, Any]) -> None:
     except RuntimeError:  # a process limit on threads, or the interpreter shutting down
         held.clear()
         return
-    _DROPPING[:] = [t for t in _DROPPING if t.is_alive()] + [drop]  # one statement: no lock to hold
+    _DROPPING[:] = [t for t in _DROPPING if t.is_alive()] + [drop]  # no lock: the fork hook reads it
 
 
 def dropped(timeout: float = 30.0) -> bool:

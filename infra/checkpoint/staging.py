@@ -79,7 +79,6 @@ class Staged:
 class StagingBuffer:
     def __init__(self) -> None:
         self._buf: torch.Tensor | None = None
-        self._at: dict[tuple[str, str], int] = {}
         self._views: dict[str, dict[str, torch.Tensor]] = {}  # each tensor's place in the buffer, made once
         self._signature: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
@@ -94,13 +93,13 @@ class StagingBuffer:
         )
         if sig == self._signature and self._buf is not None:
             return self._buf
-        self._at, total = _places(parts)
+        at, total = _places(parts)
         pin = torch.cuda.is_available()
         self._buf, self._views, self._signature = None, {}, None  # the old one freed first: never two copies
         whole = torch.empty(total + tensorfile.PAGE, dtype=torch.uint8, pin_memory=pin)
         start = -whole.data_ptr() % tensorfile.PAGE  # the first part on a page boundary, like the rest
         self._buf = whole[start : start + max(total, 1)]
-        self._views = _views(parts, self._at, self._buf)
+        self._views = _views(parts, at, self._buf)
         self._signature = sig
         return self._buf
 
