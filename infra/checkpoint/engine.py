@@ -307,7 +307,7 @@ class Checkpointer:
             raise StateMismatch(
                 str(directory), [Finding(Problem.CONTENT, ",".join(missing), "no such state saved")]
             )
-        mapped = False
+        mapped: dict[str, Any] = {}
         for name, stateful in self._stateful.items():
             handed = own_tensors.storages(states[name]) if name in copied else frozenset()
             try:
@@ -315,9 +315,9 @@ class Checkpointer:
             finally:  # loaded or refused part-way: nothing it kept may hold a memory copy's pages
                 if handed:
                     own_tensors.own_kept(stateful, handed)  # type: ignore[arg-type]
-                    mapped = True
+                    mapped[name] = states.pop(name)
         if mapped:
-            own_tensors.let_go(states)  # the mappings' teardown off the restore's path
+            own_tensors.let_go(mapped)  # the mappings' teardown off the restore's path; the rest dropped here
 
     @staticmethod
     def _apply(directory: Path, name: str, stateful: Stateful, state: Any) -> None:

@@ -95,7 +95,10 @@ class StagingBuffer:
             return self._buf
         at, total = _places(parts)
         pin = torch.cuda.is_available()
+        had = self._buf is not None
         self._buf, self._views, self._signature = None, {}, None  # the old one freed first: never two copies
+        if pin and had:
+            _unpin_freed()
         whole = torch.empty(total + tensorfile.PAGE, dtype=torch.uint8, pin_memory=pin)
         start = -whole.data_ptr() % tensorfile.PAGE  # the first part on a page boundary, like the rest
         self._buf = whole[start : start + max(total, 1)]
@@ -132,3 +135,12 @@ class StagingBuffer:
             event.record(self._stream)
             torch.cuda.current_stream().wait_event(event)  # no in-place update before the copy is done
         return Staged(out, event)
+
+
+def _unpin_freed() -> None:
+    """Give the pinned memory freed back to the system: CUDA's caching host allocator keeps a freed block
+    for reuse, and a larger buffer cannot use it (two copies of the state pinned after a
+    layout change). Only blocks no tensor uses are freed; a build without it keeps its cache."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
