@@ -28,12 +28,19 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _job(
-    mode: str, work: Path, layout: str, *, ok: bool = True, shared: Path | None = None, ring: bool = False
+    mode: str,
+    work: Path,
+    layout: str,
+    *,
+    ok: bool = True,
+    shared: Path | None = None,
+    ring: bool = False,
+    sync: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("REWIND_SHARED_URI", None)
-    if ring:  # each host its memory, async saves: the ring on by default (REWIND_MEMORY_RING unset)
-        env |= {"REWIND_TEST_RING": "1", "REWIND_TEST_ASYNC": "1"}
+    if ring:  # each host its memory, async saves (``sync``: sync ones): the ring on by default (unset)
+        env |= {"REWIND_TEST_RING": "1", **({} if sync else {"REWIND_TEST_ASYNC": "1"})}
         env.pop("REWIND_MEMORY_RING", None)
     if shared is not None:
         env["REWIND_SHARED_URI"] = str(shared)
@@ -187,9 +194,9 @@ def test_files_another_timeline_left_on_the_shared_tier_never_complete_a_copy(sa
 
 
 @pytest.fixture
-def ringed(tmp_path: Path) -> Path:
-    """Steps 1 and 2 saved on disks a and b (async), each host with its own memory tier (the peer ring on
-    by default) and a shared tier."""
+def ringed(tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """Steps 1 and 2 saved on disks a and b (async; sync where the test's parameter says so), each host with
+    its own memory tier (the peer ring on by default) and a shared tier."""
     (tmp_path / "shared").mkdir()
     for place in ("disks", "memory"):  # each host's disk and memory marked by a host of its own name
         for d in "ab":
@@ -197,7 +204,8 @@ def ringed(tmp_path: Path) -> Path:
             root.mkdir(parents=True)
             mark = {"id": f"{place}-{d}-{tmp_path.name}", "host": f"host-{d}"}
             (root / local_tier.MARK).write_text(json.dumps(mark), encoding="utf-8")
-    _job("save", tmp_path, "a,a,b,b", shared=tmp_path / "shared", ring=True)
+    sync = getattr(request, "param", "async") == "sync"
+    _job("save", tmp_path, "a,a,b,b", shared=tmp_path / "shared", ring=True, sync=sync)
     return tmp_path
 
 
@@ -252,9 +260,11 @@ def test_a_lost_hosts_share_comes_from_the_next_hosts_memory_and_no_other_tier(r
     assert c_got == {**c_got, "local": 0, "memory": 0, "peer": ma.total_bytes, "remote": 0}, c_got
 
 
+@pytest.mark.parametrize("ringed", ["async", "sync"], indirect=True)
 def test_a_crash_of_every_rank_reads_each_hosts_files_from_its_own_memory(ringed: Path) -> None:
     """Every rank killed, the hosts and their disks intact: each host's memory holds its own files beside
-    its peer's, so the loads read every checkpoint byte from memory and none from the disks; bit-exact.
+    its peer's (passed off the job's path: in an async save's persist, after a sync save returned), so the
+    loads read every checkpoint byte from memory and none from the disks; bit-exact.
     With a file of host a's own share damaged in its memory, that file alone is read from a's disk (every
     byte is proven as it is read, wherever it is read), and dropped from a's memory alone: b's share there
     stays."""

@@ -6,10 +6,11 @@ process group: each sends the files placed on its disk to the next leader and re
 into its node's memory tier (``REWIND_MEMORY_ROOT``, under ``.ring/<run>/``), each file held to its manifest
 entry as it arrives, the manifest written last; the run's older ring copies are then let go (the newest
 ``REWIND_MEMORY_KEEP`` stay). A checkpoint whose incoming share does not fit some host's memory budget is
-not passed at all. In a background persist (async saves), where the budget holds it too, a leader keeps its
-own disk's files in the same ring copy (read from the disk once, as they are sent), so that a crash of every
-rank reads each host's files from its memory; a sync save's pass does not (its time is the job's, and the
-disk holds them). The bytes live on the memory filesystem, not in a process: a crash of every rank leaves them,
+not passed at all. Off the job's path (an async save's background persist; after a sync save, on each rank's
+background thread), where the budget holds it too, a leader keeps its own disk's files in the same ring copy
+(read from the disk once, as they are sent), so that a crash of every rank reads each host's files from its
+memory; a pass inside a sync save (``REWIND_MEMORY_RING=on``) does not (its time is the job's, and the disk
+holds them). The bytes live on the memory filesystem, not in a process: a crash of every rank leaves them,
 the loss of the host takes them (its next host holds its share).
 
 A restore (``assemble``) asks each disk's leader what its memory holds of the checkpoint (``held``): the
@@ -81,8 +82,9 @@ def _config() -> place.MemoryConfig | None:
 
 
 def setting() -> str:
-    """``REWIND_MEMORY_RING``: ``auto`` (the default: async saves pass their shares in the background
-    persist; a sync save, whose time is the job's, does not), ``on`` (sync saves too) or ``off``."""
+    """``REWIND_MEMORY_RING``: ``auto`` (the default: every save's shares are passed off the job's path: an
+    async save's in its background persist, a sync save's on a background thread once it returned), ``on``
+    (a sync save's inside the save: it returns with its ring copies made, its stall longer) or ``off``."""
     raw = os.environ.get(RING_ENV, "").strip().lower() or "auto"
     if raw not in ("auto", "on", "off"):
         raise ConfigError(f"{RING_ENV}: {raw!r} is not auto, on or off")
@@ -94,14 +96,14 @@ def on() -> bool:
     return setting() != "off"
 
 
-def enabled(disks: Disks, *, background: bool) -> bool:
+def enabled(disks: Disks) -> bool:
     """Collective: whether the ranks pass their shares round a ring (the checkpoint is spread over hosts'
-    disks, every disk's leader has a memory tier, and the setting allows it for this save mode: ``background``
-    when the save persists in the background); the same answer on every rank."""
+    disks, every disk's leader has a memory tier, and the setting is not ``off``); the same answer on every
+    rank."""
     if not disks.spread:  # the same on every rank: no collective needed to say no
         return False
     try:
-        wanted = setting() in (("on", "auto") if background else ("on",))
+        wanted = on()
     except ConfigError as exc:
         log.warning("no peer ring: %s", exc)
         wanted = False

@@ -1,6 +1,12 @@
 """Where a committed multi-rank checkpoint goes next, decided the same way on every rank: each disk's share
 to the shared tier (``share_push``, in the background) and round the peer ring into the hosts' memory
-(``ring``). Neither ever fails a save: the checkpoint is committed before either starts."""
+(``ring``). Neither ever fails a save: the checkpoint is committed before either starts.
+
+Both run off the job's path unless asked otherwise: the share push on a sender thread of its own, the ring's
+pass in an async save's background persist, or, after a sync save, on the rank's background runner (every
+rank runs every pass, in order: a pass still running when the next save commits is waited for, so that the
+ranks' collectives never differ; the wait lands in a save's stall only when passes take longer than the
+interval between saves). ``REWIND_MEMORY_RING=on`` passes a sync save's shares inside the save instead."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ import torch.distributed as dist
 
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint import ring, share_push
+from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.spread import Disks
 from rewind.infra.format import store
 
@@ -31,12 +38,15 @@ class SendOn:
         catalog: Catalog | None,
         exit_timeout_s: float,
         background: bool,
+        behind: BackgroundRunner | None = None,
     ) -> None:
         """``catalog``: where a disk's leader registers a shared copy it completes (rank 0's; another
         rank's only under a supervisor). A disk's leader sends its share to the shared tier itself when
         nothing else can read its disk: the checkpoint is spread over hosts' disks, or the job runs on a
         scheduler's hosts. ``background``: saves persist in the background (async), where the ring's pass
-        is off the job's path (the next save waits for it only if it is still running)."""
+        is off the job's path (the next save waits for it only if it is still running). ``behind``: a
+        sync save's runner for work after it returned, the ring's pass (not when ``REWIND_MEMORY_RING=on``:
+        then inside the save)."""
         self.run, self.run_dir, self.disks = run, run_dir, disks
         self.rank = dist.get_rank()
         self.exit_timeout_s = exit_timeout_s
@@ -46,8 +56,12 @@ class SendOn:
         leads = disks.leads(self.rank)
         self.pusher = share_push.SharePusher.from_env(catalog) if self.push and leads else None
         # each host's share also kept in the next host's memory
-        self.ring = ring.enabled(disks, background=background)
-        self.own = background  # a host's own files kept in its memory too: only off the job's path
+        self.ring = ring.enabled(disks)
+        inside = (
+            not background and self.ring and ring.setting() == "on"
+        )  # a valid setting: ``enabled`` read it
+        self.behind = behind if self.ring and not background and not inside else None
+        self.own = not inside  # a host's own files kept in its memory too: only off the job's path
         # the ring's bytes go over a gloo group of its own (CPU tensors, whatever the job's backend)
         self.ring_group = dist.new_group(backend="gloo") if self.ring else None
         # while this leader lives, another run's pass never lets this run's ring copies here go (held
@@ -61,6 +75,13 @@ class SendOn:
         self._pushed(step, group)
         if not self.ring:
             return
+        if self.behind is None:
+            self._passed(step, lead, checkpoint_id)
+        else:  # every rank's previous pass waited for: the same passes in the same order on every rank
+            self.behind.submit(f"ring pass of step {step}", lambda: self._passed(step, lead, checkpoint_id))
+
+    def _passed(self, step: int, lead: Catalog | None, checkpoint_id: int | None) -> None:
+        """Collective over the ring's group: the checkpoint of ``step`` passed round the ring (never raises)."""
         if self.ring_hold is not None:
             ring.renew(self.ring_hold)
         mine = None

@@ -153,7 +153,8 @@ class ShardedCheckpointer:
         self.loaded: dict[str, int] = {}  # the last load's bytes from memory and disk, every rank's summed
         self._read_whole = True  # rank 0: whether its disk's ranks read that copy there, none from memory
         self.send_on = SendOn(self.run, self.run_dir, self.disks, catalog=catalog if self.rank else self.catalog,
-                              exit_timeout_s=exit_timeout_s, background=self.mode is SaveMode.ASYNC)  # fmt: skip
+                              exit_timeout_s=exit_timeout_s, background=self.mode is SaveMode.ASYNC,
+                              behind=self._runner)  # fmt: skip
         if self.disks.leads(self.rank):
             store.sweep_temp(self.run_dir)
         dist.barrier()
@@ -168,7 +169,8 @@ class ShardedCheckpointer:
         """Collective: a checkpoint of ``state`` (and this rank's ``rank_state``) at ``step``; returns
         the seconds the caller was blocked.
 
-        Sync: returns on every rank once the checkpoint is committed. Async: returns once this rank's
+        Sync: returns on every rank once the checkpoint is committed (the peer ring's pass, if any, then
+        runs on this rank's background runner, which the next commit and any restore wait for). Async: returns once this rank's
         tensors are copied into its staging shells and its JSON is serialised (later changes never
         reach the checkpoint); the rank then writes and hashes in the background, and rank 0 commits
         once every rank reported its digests. A save asked for while the previous one is still
