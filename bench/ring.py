@@ -12,8 +12,8 @@ the two alternates from repeat to repeat. A third save per repeat with no memory
 passing the shares round the ring in a save. Then every rank crashes with the hosts intact: three more
 saves, each restored on the same disks, the disks' files evicted from the page cache first (what a restore
 reads when the cache did not keep them), in rotating order: an async save, whose pass keeps each host's own
-files beside its peer's share (``own_memory``); a sync save, whose pass keeps the peer's share alone
-(``peer_memory``: each host's own files from its disk); and a restore with no memory tier (``disk``: each
+files beside its peer's share (``own_memory``); a sync save, whose pass inside the save (``REWIND_MEMORY_RING=on``) keeps the peer's share
+alone (``peer_memory``: each host's own files from its disk); and a restore with no memory tier (``disk``: each
 host's share from its disk, the other's sent by its ranks).
 
 Writes to bench/results.json: ``ring_restore_ratio_vs_s3`` (restore after the host loss, median, ring

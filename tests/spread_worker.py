@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -45,7 +46,10 @@ def main(mode: str, workdir: str, layout: str) -> None:
             opt.zero_grad()
             msd, osd = get_state_dict(model, opt)
             ck.save(step, {"model": msd, "optim": osd}, {"rank": rank, "step": step})
-            ck.wait()  # async: committed (and passed round the ring) before the next step
+            if save_mode == "async":
+                ck.wait()  # committed (and passed round the ring) before the next step
+            elif step == 1 and os.environ.get("REWIND_FAULT", "").startswith("hold:ring.pass"):
+                _pass_runs_after_the_save(ck)
             # each host's share of this step sent before the next save: a save that finds a sender still busy
             # skips the shared tier (by design), and on a loaded machine step 1's sending can outlast step 2
             pusher = ck.send_on.pusher
@@ -83,6 +87,21 @@ def main(mode: str, workdir: str, layout: str) -> None:
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
+
+
+def _pass_runs_after_the_save(ck: object) -> None:
+    """Sync saves, the ring's pass held on one rank (``REWIND_FAULT=hold:ring.pass@1%<rank>``): there the
+    save returned while its pass waits on the rank's runner; the pass then let go. The next save (which must
+    wait for it) and ``close`` (the same) follow without any other wait."""
+    release = Path(os.environ["REWIND_FAULT_RELEASE"])
+    held = Path(f"{release}.held")
+    if os.environ.get("RANK") == os.environ["REWIND_FAULT"].rpartition("%")[2]:
+        deadline = time.monotonic() + 120
+        while not held.exists():  # the runner's thread reaches the point after the save returned
+            assert time.monotonic() < deadline, "the ring's pass never started after the sync save"
+            time.sleep(0.02)
+        assert ck._runner.busy and not release.exists()  # type: ignore[attr-defined]
+        release.touch()
 
 
 if __name__ == "__main__":

@@ -213,6 +213,36 @@ def test_which_state_objects_are_read_over_a_mapping_and_a_module_left_on_one_ge
     assert torch.equal(module.weight, torch.ones(4, 4))
 
 
+def test_only_parts_read_over_a_mapping_are_dropped_on_the_unmapping_thread(
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """A restore from memory hands the drop thread the parts read over a mapping (a module's) and nothing
+    else (an optimizer's state, read into tensors of its own, is dropped where it was read)."""
+    cat, cfg = Catalog(), place.config()
+    assert cfg is not None
+    torch.manual_seed(2)
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB: mapped
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    ck = Checkpointer(
+        run_name, states={"model": model, "optimizer": opt}, root=tmp_path / "ckpt", catalog=cat
+    )
+    assert keeper.keep(cat, _saved(ck, 1), cfg) is not None
+    handed: list[list[str]] = []
+    real = own_tensors.let_go
+    monkeypatch.setattr(own_tensors, "let_go", lambda states: (handed.append(sorted(states)), real(states)))
+    again = torch.nn.Linear(1024, 1024)
+    ck = Checkpointer(
+        run_name, states={"model": again, "optimizer": torch.optim.AdamW(again.parameters())},
+        root=tmp_path / "ckpt", catalog=cat,
+    )  # fmt: skip
+    got = ck.restore_latest()
+    assert got is not None and got.source == "memory"
+    assert handed == [["model"]] and torch.equal(again.weight, model.weight)
+    assert _mapped_from(memory_root) == []
+
+
 def test_the_flip_byte_drill_never_changes_a_file_a_restore_mapped(memory_root):  # type: ignore[no-untyped-def]
     memory_root.mkdir(parents=True)
     data = os.urandom(2 << 20)

@@ -61,7 +61,9 @@ def slurm_env(lab: slurm_lab.Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     (tmp_path / "shared").mkdir()
     monkeypatch.setenv("REWIND_SHARED_URI", str(tmp_path / "shared"))
     monkeypatch.setenv("REWIND_MEMORY_ROOT", "/dev/shm/rewind-lab")  # each host's own memory: the peer ring
-    monkeypatch.setenv("REWIND_MEMORY_RING", "on")  # the job's saves are sync: the ring asked for anyway
+    monkeypatch.setenv(
+        "REWIND_MEMORY_RING", "on"
+    )  # sync saves: the pass inside each save (the default passes after it)
     lab.wait_idle()
     return tmp_path
 

@@ -42,6 +42,8 @@ def _job(
     if ring:  # each host its memory, async saves (``sync``: sync ones): the ring on by default (unset)
         env |= {"REWIND_TEST_RING": "1", **({} if sync else {"REWIND_TEST_ASYNC": "1"})}
         env.pop("REWIND_MEMORY_RING", None)
+    if ring and sync and mode == "save":  # rank 2's first pass held: the save returns, the next one waits
+        env |= {"REWIND_FAULT": "hold:ring.pass@1%2", "REWIND_FAULT_RELEASE": str(work / "release")}
     if shared is not None:
         env["REWIND_SHARED_URI"] = str(shared)
     r = subprocess.run(

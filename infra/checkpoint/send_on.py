@@ -4,9 +4,10 @@ to the shared tier (``share_push``, in the background) and round the peer ring i
 
 Both run off the job's path unless asked otherwise: the share push on a sender thread of its own, the ring's
 pass in an async save's background persist, or, after a sync save, on the rank's background runner (every
-rank runs every pass, in order: a pass still running when the next save commits is waited for, so that the
-ranks' collectives never differ; the wait lands in a save's stall only when passes take longer than the
-interval between saves). ``REWIND_MEMORY_RING=on`` passes a sync save's shares inside the save instead."""
+rank runs every pass, in order: the next save waits for a pass still running before it writes anything, so
+that the ranks' collectives never differ and a pass never reads a step a later save replaces; the wait lands
+in a save's stall only when passes take longer than the interval between saves). ``REWIND_MEMORY_RING=on``
+passes a sync save's shares inside the save instead."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint import ring, share_push
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.spread import Disks
+from rewind.infra.faults import fault_point
 from rewind.infra.format import store
 
 log = logging.getLogger("rewind.sharded")
@@ -77,11 +79,19 @@ class SendOn:
             return
         if self.behind is None:
             self._passed(step, lead, checkpoint_id)
-        else:  # every rank's previous pass waited for: the same passes in the same order on every rank
+        else:  # the save waited for the previous pass: the same passes in the same order on every rank
             self.behind.submit(f"ring pass of step {step}", lambda: self._passed(step, lead, checkpoint_id))
 
     def _passed(self, step: int, lead: Catalog | None, checkpoint_id: int | None) -> None:
-        """Collective over the ring's group: the checkpoint of ``step`` passed round the ring (never raises)."""
+        """Collective over the ring's group: the checkpoint of ``step`` passed round the ring. Never raises:
+        a pass on a background runner that raised would fail the next save on this rank alone."""
+        try:
+            fault_point("ring.pass", step)
+            self._pass(step, lead, checkpoint_id)
+        except Exception as exc:  # logged: the disks' copies are the ones counted on
+            log.warning("%s step %d not passed round the peer ring: %s", self.run, step, exc)
+
+    def _pass(self, step: int, lead: Catalog | None, checkpoint_id: int | None) -> None:
         if self.ring_hold is not None:
             ring.renew(self.ring_hold)
         mine = None

@@ -169,8 +169,9 @@ class ShardedCheckpointer:
         """Collective: a checkpoint of ``state`` (and this rank's ``rank_state``) at ``step``; returns
         the seconds the caller was blocked.
 
-        Sync: returns on every rank once the checkpoint is committed (the peer ring's pass, if any, then
-        runs on this rank's background runner, which the next commit and any restore wait for). Async: returns once this rank's
+        Sync: returns on every rank once the checkpoint is committed (by default the peer ring's pass, if
+        any, then runs on this rank's background runner, which the next save, a restore, ``wait`` and
+        ``close`` wait for: ``close`` must come before the process group is destroyed). Async: returns once this rank's
         tensors are copied into its staging shells and its JSON is serialised (later changes never
         reach the checkpoint); the rank then writes and hashes in the background, and rank 0 commits
         once every rank reported its digests. A save asked for while the previous one is still
@@ -180,6 +181,7 @@ class ShardedCheckpointer:
         started = time.perf_counter()
         metrics = dict(metrics or {})  # frozen at the call, like the state
         if self.mode is SaveMode.SYNC:
+            self._runner.wait()  # the previous save's ring pass, if still running: one at a time, in order
             self._persist(step, self._share(state, rank_state), metrics, None)
             dist.barrier()  # no rank goes on before the checkpoint is committed
             self.last_stall_s = time.perf_counter() - started
@@ -264,12 +266,14 @@ class ShardedCheckpointer:
         self.send_on.after_commit(step, self._group, cat, self._parent_id)
 
     def wait(self) -> None:
-        """Block until this rank's in-flight background save ended; raise if it failed."""
+        """Block until this rank's in-flight background work ended (an async save's persist, a sync save's
+        ring pass); raise if a save failed."""
         self._runner.wait()
 
     def close(self) -> None:
-        """Wait for an in-flight save, then let another process write this run (rank 0 holds the
-        writer lease)."""
+        """Wait for an in-flight save (or ring pass), then let another process write this run (rank 0 holds
+        the writer lease). Must come before the process group is destroyed: a pass still running talks over
+        a group of its own."""
         try:
             self._runner.close()
             self.send_on.close()
