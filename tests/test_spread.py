@@ -20,6 +20,7 @@ from rewind.infra.catalog import lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.format import local_tier
 from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import manifest_digest
 from rewind.infra.format.verify import Verdict, check_copy, partial
 from tests.spread_worker import RUN
 from tests.torchrun_support import torchrun
@@ -123,6 +124,29 @@ def test_each_disk_holds_its_share_and_a_restore_on_the_same_disks_reads_every_b
         assert check_copy(copy, None, deep=True).verdict is Verdict.VERIFIED and not partial(
             copy, mf.read(copy)
         )
+
+
+def test_a_step_saved_again_on_another_timeline_moves_every_disks_old_copy_aside(saved: Path) -> None:
+    """The job saves steps 1 and 2 again (a timeline replayed after a roll back): every disk's copy of the old
+    checkpoints is moved aside (not only rank 0's), their catalog rows follow them there, the new ones
+    commit on both disks and restore bit-exact."""
+    work = saved
+    cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
+    (old,) = lineage.checkpoints(cat, RUN, step=2)
+    _job("save", work, "a,a,b,b")
+    by_status = {c.status: c for c in lineage.checkpoints(cat, RUN, step=2)}
+    assert set(by_status) == {"superseded", "committed"}, by_status
+    new = by_status["committed"]
+    assert by_status["superseded"].id == old.id and new.manifest_digest != old.manifest_digest
+    for ck in (old, new):
+        rows = [r for r in lineage.replicas_of(cat, ck.id) if r.tier == "local"]
+        assert len(rows) == 2, rows  # one copy on each disk, each row naming the bytes it describes
+        for r in rows:
+            assert ("/.quarantine/" in r.uri) == (ck is old), r.uri
+            assert manifest_digest((Path(r.uri) / mf.MANIFEST_NAME).read_bytes()) == ck.manifest_digest, r.uri
+    _job("load", work, "a,a,b,b")
+    assert json.loads((work / "sources.json").read_text())["step"] == 2
+    assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
 
 
 def test_with_a_disk_gone_and_no_other_copy_the_job_refuses_to_start_over(saved: Path) -> None:

@@ -201,11 +201,13 @@ def set_local(cat: Catalog, checkpoint_id: int, path: str, status: R, nbytes: in
     return rid
 
 
-def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str) -> None:
-    """A local directory was moved aside: every copy row that pointed at it follows it there.
+def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str, *, disk: LocalTier | None = None) -> None:
+    """A local directory was moved aside: every copy row that pointed at it follows it there. ``disk``: the
+    disk it lies on, where that is another host's (its path may be this one's too); else the disk here.
 
     Its status stays what the last check found: moving bytes out of the way proves nothing about them.
     """
+    on_disk = Replica.tier_id == disk.id if disk is not None else disks.this_disk(old_uri)
     with cat.session() as s:
         s.execute(
             update(Replica)
@@ -213,7 +215,7 @@ def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str) -> None:
                 Replica.tier == LOCAL,
                 Replica.uri == old_uri,
                 Replica.status != R.DELETED.value,
-                disks.this_disk(old_uri),
+                on_disk,
             )
             .values(uri=new_uri, detail=reason)
         )

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rewind.infra.catalog import leases, lineage
+from rewind.infra.catalog import copies, leases, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint import assemble, remotes, ring_held, spread
 from rewind.infra.checkpoint import priority as persist_priority
@@ -252,6 +252,10 @@ class ShardedCheckpointer:
                 ))  # fmt: skip
                 row.append(ck_id)
 
+            def aside(moved: Sequence[tuple[spread.Moved, LocalTier]]) -> None:
+                for m, disk in moved:  # another host's disk: its path may be this host's too
+                    copies.moved(cat, m.old, m.new, "superseded by a new save", disk=disk)
+
             def commit(final: Path, digest: str, also_on: Sequence[tuple[str, LocalTier]]) -> None:
                 lineage.commit(
                     cat, row[0], mf.read(final), digest=digest, stall_s=stall, uri=str(final),
@@ -260,7 +264,13 @@ class ShardedCheckpointer:
                 leases.touch_writer(cat, run_id)
 
             _, digest = save(
-                self.run_dir, self.run, step, share, parent=self._parent, lead=LeadHooks(begin, commit), **kw
+                self.run_dir,
+                self.run,
+                step,
+                share,
+                parent=self._parent,
+                lead=LeadHooks(begin, commit, aside),
+                **kw,
             )
             self._parent_id, self._parent = row[0], (step, digest)
         self.send_on.after_commit(step, self._group, cat, self._parent_id)

@@ -69,11 +69,15 @@ def failed_share(exc: BaseException) -> RankShare:
 @dataclass(frozen=True, slots=True)
 class LeadHooks:
     """Rank 0's catalog side of a save, run inside the protocol so every rank hears of its failure:
-    ``begin`` before any rank writes, ``commit(final, digest, also_on)`` before the outcome is announced."""
+    ``begin`` before any rank writes, ``aside(moved)`` once other disks moved their copies of the same step
+    aside (a timeline the run left), whatever becomes of the save, and ``commit(final, digest, also_on)``
+    before the outcome is announced."""
 
     begin: Callable[[], None]
     # (committed directory, manifest digest, the copies on other disks: (directory, disk))
     commit: Callable[[Path, str, Sequence[tuple[str, LocalTier]]], None]
+    # the copies other disks held at this step, moved aside: (where from and to, disk)
+    aside: Callable[[Sequence[tuple[spread.Moved, LocalTier]]], None] = lambda moved: None
 
 
 def save(
@@ -167,13 +171,14 @@ def _close_spread(
         if other_leader:
             shutil.rmtree(tmp, ignore_errors=True)
         raise RankFailed(f"sharded save of step {facts.step} failed: {value}")
-    mine: tuple[str | None, str | None] = (None, None)
+    mine: tuple[str | None, str | None, spread.Moved | None] = (None, None, None)
     if other_leader:
         try:
-            mine = (None, str(spread.commit_share(tmp, value)))
+            final, moved = spread.commit_share(tmp, value)
+            mine = (None, str(final), moved)
         except Exception as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            mine = (f"rank {rank} ({disks.of_rank[rank].host}): {type(exc).__name__}: {exc}", None)
+            mine = (f"rank {rank} ({disks.of_rank[rank].host}): {type(exc).__name__}: {exc}", None, None)
     reports: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, mine, group=group)
     outcome: list[Any] = [_finish_spread(tmp, value, reports, disks, lead) if rank == 0 else None]
@@ -206,13 +211,16 @@ def _finish_spread(
     """Rank 0, once every other disk's copy is renamed in: its own copy and the catalog's commit."""
     final: Path | None = None
     try:
-        errors = [e for e, _ in reports if e]
+        aside = [(moved, disks.of_rank[r]) for r, (_, _, moved) in enumerate(reports) if moved]
+        if lead is not None and aside:  # the rows follow the bytes, before any row may name the new ones
+            lead.aside(aside)
+        errors = [e for e, _, _ in reports if e]
         if errors:
             raise RankFailed("; ".join(errors))
         done = store.commit(tmp, mf.parse(prepared.raw), prepared.raw)
         final = done.path
         if lead is not None:
-            also = [(path, disks.of_rank[r]) for r, (_, path) in enumerate(reports) if path]
+            also = [(path, disks.of_rank[r]) for r, (_, path, _) in enumerate(reports) if path]
             lead.commit(final, done.digest, also)
         return "ok", done.digest
     except Exception as exc:

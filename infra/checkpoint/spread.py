@@ -79,9 +79,10 @@ def prepare(tmp: Path, manifest: mf.Manifest) -> Prepared:
     return Prepared(manifest.to_bytes(), common)
 
 
-def commit_share(tmp: Path, prepared: Prepared) -> Path:
+def commit_share(tmp: Path, prepared: Prepared) -> tuple[Path, Moved | None]:
     """Another disk's leader: the shared files written beside this disk's ranks' files, each held to the
-    manifest's entry, then the manifest and the rename. The committed directory."""
+    manifest's entry, then the manifest and the rename. The committed directory, and where a copy this disk
+    held at the same step (a timeline the run left: rank 0 superseded its checkpoint) was moved aside."""
     manifest = mf.parse(prepared.raw)
     want = {e.path: e for e in manifest.files}
     for name, data in prepared.common.items():
@@ -89,10 +90,24 @@ def commit_share(tmp: Path, prepared: Prepared) -> Path:
         if (got.size, got.xxh3) != (want[name].size, want[name].xxh3):
             raise OSError(f"{name} differs from the manifest's entry after it was written to {tmp}")
     store.fsync_dir(tmp)
-    return store.commit(tmp, manifest, prepared.raw).path
+    aside: list[Moved] = []
+
+    def displace(final: Path) -> None:
+        aside.append(Moved(str(final), str(store.quarantine(final, "superseded"))))
+
+    return store.commit(tmp, manifest, prepared.raw, displace=displace).path, (aside[0] if aside else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Moved:
+    """A disk's copy moved aside (``store.quarantine``): the catalog's rows of it must follow it."""
+
+    old: str
+    new: str
 
 
 def undo(path: Path | None) -> None:
-    """Remove a disk's copy the catalog will never name (rank 0 failed to commit after it was renamed)."""
+    """Remove a disk's copy the catalog will never name (rank 0 failed to commit after it was renamed). A copy
+    it displaced stays aside: its checkpoint was superseded, and its rows were told where it went."""
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
