@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -39,6 +40,7 @@ def main(mode: str, workdir: str, layout: str) -> None:
     save_mode = "async" if os.environ.get("REWIND_TEST_ASYNC") else "sync"
     ck = ShardedCheckpointer(RUN, root=root, catalog=catalog, mode=save_mode)
     if mode == "save":
+        held: list[str] = []  # what the held pass's release found (sync saves, the ring's pass held)
         for step in (1, 2):
             torch.manual_seed(100 + rank * 10 + step)
             model(torch.randn(4, 32)).pow(2).mean().backward()
@@ -49,7 +51,9 @@ def main(mode: str, workdir: str, layout: str) -> None:
             if save_mode == "async":
                 ck.wait()  # committed (and passed round the ring) before the next step
             elif step == 1 and os.environ.get("REWIND_FAULT", "").startswith("hold:ring.pass"):
-                _pass_runs_after_the_save(ck)
+                _pass_runs_after_the_save(ck, work, held)
+            elif step == 2:
+                assert held in ([], ["nothing of step 2 written"]), held
             # each host's share of this step sent before the next save: a save that finds a sender still busy
             # skips the shared tier (by design), and on a loaded machine step 1's sending can outlast step 2
             pusher = ck.send_on.pusher
@@ -89,19 +93,30 @@ def main(mode: str, workdir: str, layout: str) -> None:
     os._exit(0)
 
 
-def _pass_runs_after_the_save(ck: object) -> None:
+def _pass_runs_after_the_save(ck: object, work: Path, found: list[str]) -> None:
     """Sync saves, the ring's pass held on one rank (``REWIND_FAULT=hold:ring.pass@1%<rank>``): there the
-    save returned while its pass waits on the rank's runner; the pass then let go. The next save (which must
-    wait for it) and ``close`` (the same) follow without any other wait."""
+    save returned while its pass waits on the rank's runner. The pass is let go a second into the next save,
+    which must not write anything before it ends (every rank's save waits for its own pass, and the others'
+    passes for the held one); ``close`` waits for the last pass. No other wait between them."""
     release = Path(os.environ["REWIND_FAULT_RELEASE"])
     held = Path(f"{release}.held")
-    if os.environ.get("RANK") == os.environ["REWIND_FAULT"].rpartition("%")[2]:
-        deadline = time.monotonic() + 120
-        while not held.exists():  # the runner's thread reaches the point after the save returned
-            assert time.monotonic() < deadline, "the ring's pass never started after the sync save"
-            time.sleep(0.02)
-        assert ck._runner.busy and not release.exists()  # type: ignore[attr-defined]
+    if os.environ.get("RANK") != os.environ["REWIND_FAULT"].rpartition("%")[2]:
+        return
+    deadline = time.monotonic() + 120
+    while not held.exists():  # the runner's thread reaches the point after the save returned
+        assert time.monotonic() < deadline, "the ring's pass never started after the sync save"
+        time.sleep(0.02)
+    assert ck._runner.busy and not release.exists()  # type: ignore[attr-defined]
+
+    def let_go() -> None:
+        threading.Event().wait(1.0)  # the next save has had a second to write, were it not waiting
+        written = [p.name for d in (work / "disks").iterdir() for p in (d / RUN).glob("*step-2*")]
+        found.append(
+            f"step 2 written before the pass ended: {written}" if written else "nothing of step 2 written"
+        )
         release.touch()
+
+    threading.Thread(target=let_go, daemon=True).start()
 
 
 if __name__ == "__main__":

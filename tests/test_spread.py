@@ -16,11 +16,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rewind.infra.catalog import lineage
+from rewind.infra.catalog import copies, lineage
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import ReplicaStatus
+from rewind.infra.checkpoint.engine import Checkpointer
 from rewind.infra.format import local_tier
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import manifest_digest
+from rewind.infra.format.local_tier import LocalTier
 from rewind.infra.format.verify import Verdict, check_copy, partial
 from tests.spread_worker import RUN
 from tests.torchrun_support import torchrun
@@ -147,6 +150,25 @@ def test_a_step_saved_again_on_another_timeline_moves_every_disks_old_copy_aside
     _job("load", work, "a,a,b,b")
     assert json.loads((work / "sources.json").read_text())["step"] == 2
     assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
+
+
+def test_rows_of_another_hosts_disk_follow_its_copy_by_the_disks_id_not_the_path(
+    rewind_env, run_name, tmp_path
+):  # type: ignore[no-untyped-def]
+    """Node-local disks share paths: rank 0 moving (or letting go) the rows of host h2's copy at a path must
+    touch h2's rows alone, never h1's copy at the same path, nor one on the disk rank 0 itself sees."""
+    cat = Catalog()
+    root = tmp_path / "ckpt"
+    Checkpointer(run_name, states={"model": torch.nn.Linear(4, 4)}, root=root, catalog=cat).save(10)
+    (ck,) = lineage.checkpoints(cat, run_name, 10)
+    path = f"/nvme/{run_name}/step-10"
+    for host in ("h1", "h2", "h3"):
+        copies.add(cat, ck.id, "local", path, key=None, nbytes=1, status=ReplicaStatus.VERIFIED,
+                   disk=LocalTier(f"disk-{host}", host))  # fmt: skip
+    copies.moved(cat, path, f"{path}.aside", "moved", disk=LocalTier("disk-h2", "h2"))
+    copies.vacate(cat, path, "gone", disk=LocalTier("disk-h3", "h3"))
+    rows = {r.host: (r.uri, r.status) for r in lineage.replicas_of(cat, ck.id) if r.uri.startswith("/nvme")}
+    assert rows == {"h1": (path, "verified"), "h2": (f"{path}.aside", "verified"), "h3": (path, "deleted")}
 
 
 def test_with_a_disk_gone_and_no_other_copy_the_job_refuses_to_start_over(saved: Path) -> None:

@@ -207,7 +207,6 @@ def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str, *, disk: LocalT
 
     Its status stays what the last check found: moving bytes out of the way proves nothing about them.
     """
-    on_disk = Replica.tier_id == disk.id if disk is not None else disks.this_disk(old_uri)
     with cat.session() as s:
         s.execute(
             update(Replica)
@@ -215,7 +214,7 @@ def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str, *, disk: LocalT
                 Replica.tier == LOCAL,
                 Replica.uri == old_uri,
                 Replica.status != R.DELETED.value,
-                on_disk,
+                _on_disk(old_uri, disk),
             )
             .values(uri=new_uri, detail=reason)
         )
@@ -372,8 +371,9 @@ def location_in_use(cat: Catalog, replica_id: int) -> bool:
     return any(_effective_key(k, r, st) == mine for k, st, r in others)
 
 
-def vacate(cat: Catalog, uri: str, reason: str) -> None:
-    """Nothing lies at this local path any more: copy rows still naming it are let go."""
+def vacate(cat: Catalog, uri: str, reason: str, *, disk: LocalTier | None = None) -> None:
+    """Nothing lies at this local path any more: copy rows still naming it are let go. ``disk``: as for
+    ``moved``."""
     with cat.session() as s:
         s.execute(
             update(Replica)
@@ -381,7 +381,7 @@ def vacate(cat: Catalog, uri: str, reason: str) -> None:
                 Replica.tier == LOCAL,
                 Replica.uri == uri,
                 Replica.status != R.DELETED.value,
-                disks.this_disk(uri),
+                _on_disk(uri, disk),
             )
             .values(status=R.DELETED.value, detail=reason, checked_at=utcnow())
         )
@@ -404,3 +404,9 @@ def every_copy(cat: Catalog, run: str | None = None) -> list[tuple[Replica, Chec
 def effective_key(rep: Replica, run: str, step: int) -> str:
     """Where a shared or off-site copy lies below its tier root."""
     return _effective_key(rep.key, run, step)
+
+
+def _on_disk(uri: str, disk: LocalTier | None) -> Any:
+    """Rows of copies on ``disk`` (another host's: its paths may be this host's too), else on the disk that
+    holds ``uri`` here."""
+    return Replica.tier_id == disk.id if disk is not None else disks.this_disk(uri)

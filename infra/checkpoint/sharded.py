@@ -254,7 +254,10 @@ class ShardedCheckpointer:
 
             def aside(moved: Sequence[tuple[spread.Moved, LocalTier]]) -> None:
                 for m, disk in moved:  # another host's disk: its path may be this host's too
-                    copies.moved(cat, m.old, m.new, "superseded by a new save", disk=disk)
+                    if m.new is None:
+                        copies.vacate(cat, m.old, "gone before a new save at this step", disk=disk)
+                    else:
+                        copies.moved(cat, m.old, m.new, "superseded by a new save", disk=disk)
 
             def commit(final: Path, digest: str, also_on: Sequence[tuple[str, LocalTier]]) -> None:
                 lineage.commit(

@@ -69,14 +69,14 @@ def failed_share(exc: BaseException) -> RankShare:
 @dataclass(frozen=True, slots=True)
 class LeadHooks:
     """Rank 0's catalog side of a save, run inside the protocol so every rank hears of its failure:
-    ``begin`` before any rank writes, ``aside(moved)`` once other disks moved their copies of the same step
-    aside (a timeline the run left), whatever becomes of the save, and ``commit(final, digest, also_on)``
-    before the outcome is announced."""
+    ``begin`` before any rank writes, ``aside(moved)`` once other disks committed (or failed to), with what
+    each held at the step (a copy of a timeline the run left moved aside, or nothing: the rows naming it
+    follow it, or are let go), and ``commit(final, digest, also_on)`` before the outcome is announced."""
 
     begin: Callable[[], None]
     # (committed directory, manifest digest, the copies on other disks: (directory, disk))
     commit: Callable[[Path, str, Sequence[tuple[str, LocalTier]]], None]
-    # the copies other disks held at this step, moved aside: (where from and to, disk)
+    # what other disks held at this step: (moved aside from and to, or nothing there; the disk)
     aside: Callable[[Sequence[tuple[spread.Moved, LocalTier]]], None] = lambda moved: None
 
 
@@ -173,12 +173,13 @@ def _close_spread(
         raise RankFailed(f"sharded save of step {facts.step} failed: {value}")
     mine: tuple[str | None, str | None, spread.Moved | None] = (None, None, None)
     if other_leader:
+        aside: list[spread.Moved] = []
         try:
-            final, moved = spread.commit_share(tmp, value)
-            mine = (None, str(final), moved)
+            mine = (None, str(spread.commit_share(tmp, value, aside)), aside[0])
         except Exception as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            mine = (f"rank {rank} ({disks.of_rank[rank].host}): {type(exc).__name__}: {exc}", None, None)
+            shutil.rmtree(_written(tmp, facts.step), ignore_errors=True)
+            why = f"rank {rank} ({disks.of_rank[rank].host}): {type(exc).__name__}: {exc}"
+            mine = (why, None, aside[0] if aside else None)  # a copy moved aside is told all the same
     reports: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, mine, group=group)
     outcome: list[Any] = [_finish_spread(tmp, value, reports, disks, lead) if rank == 0 else None]
@@ -224,8 +225,14 @@ def _finish_spread(
             lead.commit(final, done.digest, also)
         return "ok", done.digest
     except Exception as exc:
-        shutil.rmtree(final or tmp, ignore_errors=True)
+        shutil.rmtree(final or _written(tmp, mf.parse(prepared.raw).step), ignore_errors=True)
         return "error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankFailed) else str(exc)
+
+
+def _written(tmp: Path, step: int) -> Path:
+    """Where this save's copy lies on this disk: its temporary directory, or, once renamed (a commit that
+    failed syncing the run's directory after it), the step's (any older copy there was moved aside first)."""
+    return tmp if tmp.exists() else store.step_dir(tmp.parent, step)
 
 
 def _open(run_dir: Path, step: int, lead: LeadHooks | None) -> tuple[str, str, int]:

@@ -79,10 +79,11 @@ def prepare(tmp: Path, manifest: mf.Manifest) -> Prepared:
     return Prepared(manifest.to_bytes(), common)
 
 
-def commit_share(tmp: Path, prepared: Prepared) -> tuple[Path, Moved | None]:
+def commit_share(tmp: Path, prepared: Prepared, aside: list[Moved]) -> Path:
     """Another disk's leader: the shared files written beside this disk's ranks' files, each held to the
-    manifest's entry, then the manifest and the rename. The committed directory, and where a copy this disk
-    held at the same step (a timeline the run left: rank 0 superseded its checkpoint) was moved aside."""
+    manifest's entry, then the manifest and the rename; the committed directory. ``aside`` is told (even if
+    this then fails) where a copy this disk held at the same step (a timeline the run left: rank 0
+    superseded its checkpoint) was moved, or, once committed, that none was there."""
     manifest = mf.parse(prepared.raw)
     want = {e.path: e for e in manifest.files}
     for name, data in prepared.common.items():
@@ -90,24 +91,28 @@ def commit_share(tmp: Path, prepared: Prepared) -> tuple[Path, Moved | None]:
         if (got.size, got.xxh3) != (want[name].size, want[name].xxh3):
             raise OSError(f"{name} differs from the manifest's entry after it was written to {tmp}")
     store.fsync_dir(tmp)
-    aside: list[Moved] = []
 
     def displace(final: Path) -> None:
         aside.append(Moved(str(final), str(store.quarantine(final, "superseded"))))
 
-    return store.commit(tmp, manifest, prepared.raw, displace=displace).path, (aside[0] if aside else None)
+    final = store.commit(tmp, manifest, prepared.raw, displace=displace).path
+    if not aside:
+        aside.append(Moved(str(final), None))
+    return final
 
 
 @dataclass(frozen=True, slots=True)
 class Moved:
-    """A disk's copy moved aside (``store.quarantine``): the catalog's rows of it must follow it."""
+    """What a disk held where a save committed: a copy moved aside to ``new`` (``store.quarantine``: the
+    catalog's rows of it must follow it), or nothing (``new`` None: rows still naming ``old`` there describe
+    nothing, and must be let go before a row names the new copy)."""
 
     old: str
-    new: str
+    new: str | None
 
 
 def undo(path: Path | None) -> None:
     """Remove a disk's copy the catalog will never name (rank 0 failed to commit after it was renamed). A copy
-    it displaced stays aside: its checkpoint was superseded, and its rows were told where it went."""
+    it displaced stays aside: its checkpoint was superseded, and rank 0 has its rows follow it."""
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
