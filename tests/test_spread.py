@@ -152,6 +152,28 @@ def test_a_step_saved_again_on_another_timeline_moves_every_disks_old_copy_aside
     assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
 
 
+def test_a_disk_holding_another_checkpoint_at_the_step_a_restore_completes_moves_it_and_its_rows_aside(
+    saved: Path,
+) -> None:
+    """Host b was away while the run saved steps 1-2 again on host a alone (another timeline): when b comes
+    back, its disk still holds the old step 2. The restore completes b's copy of the new step 2 there, moving
+    the old one aside, and the old checkpoint's row on b follows it (it would name the new bytes)."""
+    work = saved
+    cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
+    (old,) = lineage.checkpoints(cat, RUN, step=2)
+    _job("save", work, "a,a,a,a")
+    _job("load", work, "a,a,b,b")
+    assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
+    new = next(c for c in lineage.checkpoints(cat, RUN, step=2) if c.id != old.id)
+    disk_b = local_tier.read(work / "disks" / "b")
+    assert disk_b is not None
+    (row,) = [r for r in lineage.replicas_of(cat, old.id) if r.tier_id == disk_b.id]
+    assert "/.quarantine/" in row.uri, row.uri
+    assert manifest_digest((Path(row.uri) / mf.MANIFEST_NAME).read_bytes()) == old.manifest_digest
+    b_step = work / "disks" / "b" / RUN / "step-2"
+    assert manifest_digest((b_step / mf.MANIFEST_NAME).read_bytes()) == new.manifest_digest
+
+
 def test_rows_of_another_hosts_disk_follow_its_copy_by_the_disks_id_not_the_path(
     rewind_env, run_name, tmp_path
 ):  # type: ignore[no-untyped-def]

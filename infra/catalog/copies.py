@@ -12,7 +12,7 @@ from collections.abc import Collection, Iterable
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Select, and_, case, func, or_, select, update
+from sqlalchemy import Select, and_, case, func, or_, select, true, update
 
 from rewind.infra.catalog import disks, lineage
 from rewind.infra.catalog.db import Catalog, changed, chunks
@@ -201,12 +201,23 @@ def set_local(cat: Catalog, checkpoint_id: int, path: str, status: R, nbytes: in
     return rid
 
 
-def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str, *, disk: LocalTier | None = None) -> None:
+def moved(
+    cat: Catalog,
+    old_uri: str,
+    new_uri: str,
+    reason: str,
+    *,
+    disk: LocalTier | None = None,
+    staying: str | None = None,
+) -> None:
     """A local directory was moved aside: every copy row that pointed at it follows it there. ``disk``: the
     disk it lies on, where that is another host's (its path may be this one's too); else the disk here.
+    ``staying``: the manifest digest of the checkpoint whose copy is made at ``old_uri`` now (a restore
+    completing a disk): its rows stay.
 
     Its status stays what the last check found: moving bytes out of the way proves nothing about them.
     """
+    kept = select(Checkpoint.id).where(Checkpoint.manifest_digest == staying)
     with cat.session() as s:
         s.execute(
             update(Replica)
@@ -215,6 +226,7 @@ def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str, *, disk: LocalT
                 Replica.uri == old_uri,
                 Replica.status != R.DELETED.value,
                 _on_disk(old_uri, disk),
+                Replica.checkpoint_id.not_in(kept) if staying is not None else true(),
             )
             .values(uri=new_uri, detail=reason)
         )

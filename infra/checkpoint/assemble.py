@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,11 @@ import torch
 import torch.distributed as dist
 
 from rewind.infra.checkpoint import ring_held
-from rewind.infra.checkpoint.spread import Disks
+from rewind.infra.checkpoint.spread import Disks, Moved
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import store
 from rewind.infra.format.digest import hash_bytes
+from rewind.infra.format.local_tier import LocalTier
 from rewind.infra.restore.execute import ShareOnly
 
 log = logging.getLogger("rewind.assemble")
@@ -153,6 +154,8 @@ def _send(path: Path | None, entry: mf.FileEntry, src: int) -> tuple[torch.Tenso
 
 
 Refused = Callable[[str, tuple[str, ...]], None]
+# rank 0: copies of another checkpoint moved aside from where disks complete this one (their rows follow them)
+Displaced = Callable[[Sequence[tuple[Moved, LocalTier]]], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,18 +178,22 @@ def complete(
     remote: Remote | None = None,
     *,
     refused: Refused | None = None,
+    displaced: Displaced | None = None,
 ) -> Completed:
     """Collective: this rank's disk's copy of the checkpoint whose manifest bytes are ``raw``, completed
     (each disk's sources, by leader, on rank 0 only; the files this node's memory holds, on every rank).
 
     ``directory``: this rank's copy (rank 0: the one its restore plan chose; the others: their root's).
     ``remote`` (rank 0): fetches a file no disk at hand holds. ``refused`` (rank 0): told of each memory tier's
-    ring copies refused (memory tier id, their directories), before anything else can fail. A file sent that is not the manifest's (or
+    ring copies refused (memory tier id, their directories), before anything else can fail; ``displaced``
+    (rank 0): of each disk's copy of another checkpoint moved aside from ``directory``. A file sent that is not the manifest's (or
     not readable by its sender) fails the restore on every rank, judging no copy: ``OSError``."""
     rank = dist.get_rank()
     leads = disks.leads(rank)
+    moved = None
     if leads and directory.exists() and not _same_checkpoint(directory, raw):
-        store.quarantine(directory, "displaced")  # another checkpoint under the same step: kept aside
+        # another checkpoint under the same step: kept aside
+        moved = Moved(str(directory), str(store.quarantine(directory, "displaced")))
     held = _held(directory, manifest) if leads else None
     fresh = leads and not held
     target = store.temp_dir(directory.parent, manifest.step) if fresh else directory
@@ -198,11 +205,14 @@ def complete(
     )
     every: list[Any] = [None] * dist.get_world_size()
     near = {p: str(d) for p, d in memory.files.items() if str(d) not in bad and p not in dropped}
-    dist.all_gather_object(every, (None if held is None else (held | set(taken)), memory.tier_id, bad, near))
+    dist.all_gather_object(
+        every, (None if held is None else (held | set(taken)), memory.tier_id, bad, near, moved)
+    )
     _tell_refused(every, refused)
+    _tell_displaced([(m, disks.of_rank[r]) for r, (*_, m) in enumerate(every) if m], displaced)
     # one listing per host: its leader's
     nearer = {p: Path(d) for p, d in every[disks.leader(rank)][3].items()}
-    have = {r: h for r, (h, _, _, _) in enumerate(every) if h is not None}
+    have = {r: h for r, (h, *_) in enumerate(every) if h is not None}
     from_memory = sum(taken.values())
     errors: list[str] = []
     lost = [e for e in manifest.files if not any(e.path in h for h in have.values())]
@@ -220,10 +230,18 @@ def complete(
     return Completed(directory, sources, nearer, every[disks.leader(rank)][1])
 
 
+def _tell_displaced(moved: list[tuple[Moved, LocalTier]], displaced: Displaced | None) -> None:
+    if moved and displaced is not None:
+        try:
+            displaced(moved)
+        except Exception as exc:  # the restore goes on: those rows name the path this copy now takes
+            log.warning("copies moved aside not recorded: %s", exc)
+
+
 def _tell_refused(every: list[Any], refused: Refused | None) -> None:
     if refused is None:
         return
-    for _, tier_id, copies, _ in every:
+    for _, tier_id, copies, *_ in every:
         if copies:
             try:
                 refused(tier_id, copies)

@@ -57,6 +57,7 @@ from rewind.infra.errors import (
 from rewind.infra.faults import fault_point
 from rewind.infra.format import direct, payload, store
 from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import manifest_digest
 from rewind.infra.format.local_tier import LocalTier
 from rewind.infra.format.nearest import Nearest
 from rewind.infra.format.verify import Finding, Problem
@@ -252,13 +253,6 @@ class ShardedCheckpointer:
                 ))  # fmt: skip
                 row.append(ck_id)
 
-            def aside(moved: Sequence[tuple[spread.Moved, LocalTier]]) -> None:
-                for m, disk in moved:  # another host's disk: its path may be this host's too
-                    if m.new is None:
-                        copies.vacate(cat, m.old, "gone before a new save at this step", disk=disk)
-                    else:
-                        copies.moved(cat, m.old, m.new, "superseded by a new save", disk=disk)
-
             def commit(final: Path, digest: str, also_on: Sequence[tuple[str, LocalTier]]) -> None:
                 lineage.commit(
                     cat, row[0], mf.read(final), digest=digest, stall_s=stall, uri=str(final),
@@ -272,7 +266,7 @@ class ShardedCheckpointer:
                 step,
                 share,
                 parent=self._parent,
-                lead=LeadHooks(begin, commit, aside),
+                lead=LeadHooks(begin, commit, self._lead_aside),
                 **kw,
             )
             self._parent_id, self._parent = row[0], (step, digest)
@@ -329,8 +323,10 @@ class ShardedCheckpointer:
             if self.disks.spread:
                 own = self.disks.leader(self.rank) == self.disks.leader(0)
                 here = directory if own else store.step_dir(self.run_dir, manifest.step)
-                refused = self._lead_refused if self._lead is not None else None
-                done = assemble.complete(here, raw, manifest, self.disks, remote, refused=refused)
+                leads = self._lead is not None
+                done = assemble.complete(here, raw, manifest, self.disks, remote,
+                                         refused=self._lead_refused if leads else None,
+                                         displaced=self._displaced(raw) if leads else None)  # fmt: skip
                 directory, self.sources = done.directory, done.sources
                 reads, tier_id = Nearest(directory, done.nearer), done.tier_id  # this node's memory first
             mine = load(directory, manifest, state() if callable(state) else state, reads)
@@ -348,6 +344,26 @@ class ShardedCheckpointer:
         lead = self.disks.leader(0)  # rank 0's disk's copy is not proven by reads its ranks took from memory
         self._read_whole = not any(x[1] for r, x in enumerate(every) if self.disks.leader(r) == lead)
         return mine if not failed else None
+
+    def _lead_aside(
+        self, moved: Sequence[tuple[spread.Moved, LocalTier]], staying: str | None = None
+    ) -> None:
+        """Copies disks moved aside (a step saved again, a restore completing a disk that held another
+        checkpoint there), or found nothing where a save put its own: the rows naming them follow them, or
+        are let go, matched by each disk's id (another host's path may be this host's too); those of the
+        checkpoint whose manifest digest is ``staying`` (made there now) stay."""
+        if self._lead is None:
+            return
+        for m, disk in moved:
+            if m.new is None:
+                copies.vacate(self._lead[0], m.old, "gone before a new save at this step", disk=disk)
+            else:
+                copies.moved(self._lead[0], m.old, m.new, "moved aside for another checkpoint", disk=disk,
+                             staying=staying)  # fmt: skip
+
+    def _displaced(self, raw: bytes) -> assemble.Displaced:
+        """Rank 0's record of copies moved aside while disks complete the checkpoint whose manifest is ``raw``."""
+        return lambda moved: self._lead_aside(moved, manifest_digest(raw))
 
     def _lead_refused(self, tier_id: str, copies: tuple[str, ...]) -> None:
         """Ring copies a node's memory refused at this restore: no recovery counts on them again."""
