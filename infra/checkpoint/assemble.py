@@ -196,6 +196,8 @@ def complete(
         moved = Moved(str(directory), str(store.quarantine(directory, "displaced")))
     held = _held(directory, manifest) if leads else None
     fresh = leads and not held
+    if fresh and moved is None and directory.exists():  # its manifest, none of its files: made again
+        moved = Moved(str(directory), str(store.quarantine(directory, "displaced")))
     target = store.temp_dir(directory.parent, manifest.step) if fresh else directory
     # a file this node's memory holds is taken before the others hear what this disk has
     memory = ring_held.held(raw, manifest) if leads else ring_held.Found()
