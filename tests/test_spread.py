@@ -174,6 +174,26 @@ def test_a_disk_holding_another_checkpoint_at_the_step_a_restore_completes_moves
     assert manifest_digest((b_step / mf.MANIFEST_NAME).read_bytes()) == new.manifest_digest
 
 
+def test_a_disk_copy_left_with_its_manifest_alone_is_made_again_from_the_peers_and_the_shared_tier(
+    tmp_path: Path,
+) -> None:
+    """Disk b's copy of step 2 lost every file but its manifest (an operator's cleanup, a disk that lost
+    blocks): the restore moves it aside and makes b's copy again (b's share from the shared tier, the rest
+    from a's ranks), and loads step 2 bit-exact."""
+    work, shared = tmp_path, tmp_path / "shared"
+    shared.mkdir()
+    _job("save", work, "a,a,b,b", shared=shared)
+    b_step = work / "disks" / "b" / RUN / "step-2"
+    for p in b_step.iterdir():
+        if p.name != mf.MANIFEST_NAME:
+            p.unlink()
+    _job("load", work, "a,a,b,b", shared=shared)
+    got = json.loads((work / "sources.json").read_text())
+    assert got["step"] == 2 and got["disks"][1]["local"] == 0, got
+    assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
+    assert check_copy(b_step, None, deep=True).verdict is Verdict.VERIFIED
+
+
 def test_rows_of_another_hosts_disk_follow_its_copy_by_the_disks_id_not_the_path(
     rewind_env, run_name, tmp_path
 ):  # type: ignore[no-untyped-def]
