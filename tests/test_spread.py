@@ -192,6 +192,10 @@ def test_a_disk_copy_left_with_its_manifest_alone_is_made_again_from_the_peers_a
     assert got["step"] == 2 and got["disks"][1]["local"] == 0, got
     assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
     assert check_copy(b_step, None, deep=True).verdict is Verdict.VERIFIED
+    cat, disk_b = Catalog(f"sqlite:///{work / 'catalog.db'}"), local_tier.read(work / "disks" / "b")
+    (ck,) = lineage.checkpoints(cat, RUN, step=2)
+    (row,) = [r for r in lineage.replicas_of(cat, ck.id) if disk_b and r.tier_id == disk_b.id]
+    assert row.uri == str(b_step), row.uri  # the restored checkpoint's row stays with the copy made again
 
 
 def test_rows_of_another_hosts_disk_follow_its_copy_by_the_disks_id_not_the_path(

@@ -8,11 +8,11 @@ and corrupt only when no copy is left that could verify. An unverifiable copy
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Select, and_, case, func, or_, select, true, update
+from sqlalchemy import Select, Update, and_, case, func, or_, select, true, update
 
 from rewind.infra.catalog import disks, lineage
 from rewind.infra.catalog.db import Catalog, changed, chunks
@@ -217,19 +217,40 @@ def moved(
 
     Its status stays what the last check found: moving bytes out of the way proves nothing about them.
     """
-    kept = select(Checkpoint.id).where(Checkpoint.manifest_digest == staying)
     with cat.session() as s:
-        s.execute(
-            update(Replica)
-            .where(
-                Replica.tier == LOCAL,
-                Replica.uri == old_uri,
-                Replica.status != R.DELETED.value,
-                _on_disk(old_uri, disk),
-                Replica.checkpoint_id.not_in(kept) if staying is not None else true(),
-            )
-            .values(uri=new_uri, detail=reason)
+        s.execute(_moving(old_uri, new_uri, reason, disk, staying))
+
+
+def followed(
+    cat: Catalog,
+    moves: Sequence[tuple[str, str | None, LocalTier]],
+    reason: str,
+    *,
+    staying: str | None = None,
+) -> None:
+    """Other hosts' disks moved their copies at these paths aside (``(old, new, disk)``; ``new`` None:
+    nothing lay there): in one transaction, the rows follow them (``moved``) or are let go (``vacate``)."""
+    with cat.session() as s:
+        for old, new, disk in moves:
+            if new is None:
+                s.execute(_vacating(old, "gone before a new copy at this path", disk))
+            else:
+                s.execute(_moving(old, new, reason, disk, staying))
+
+
+def _moving(old_uri: str, new_uri: str, reason: str, disk: LocalTier | None, staying: str | None) -> Update:
+    kept = select(Checkpoint.id).where(Checkpoint.manifest_digest == staying)
+    return (
+        update(Replica)
+        .where(
+            Replica.tier == LOCAL,
+            Replica.uri == old_uri,
+            Replica.status != R.DELETED.value,
+            _on_disk(old_uri, disk),
+            Replica.checkpoint_id.not_in(kept) if staying is not None else true(),
         )
+        .values(uri=new_uri, detail=reason)
+    )
 
 
 def condemned(ck: Checkpoint) -> bool:
@@ -387,16 +408,20 @@ def vacate(cat: Catalog, uri: str, reason: str, *, disk: LocalTier | None = None
     """Nothing lies at this local path any more: copy rows still naming it are let go. ``disk``: as for
     ``moved``."""
     with cat.session() as s:
-        s.execute(
-            update(Replica)
-            .where(
-                Replica.tier == LOCAL,
-                Replica.uri == uri,
-                Replica.status != R.DELETED.value,
-                _on_disk(uri, disk),
-            )
-            .values(status=R.DELETED.value, detail=reason, checked_at=utcnow())
+        s.execute(_vacating(uri, reason, disk))
+
+
+def _vacating(uri: str, reason: str, disk: LocalTier | None) -> Update:
+    return (
+        update(Replica)
+        .where(
+            Replica.tier == LOCAL,
+            Replica.uri == uri,
+            Replica.status != R.DELETED.value,
+            _on_disk(uri, disk),
         )
+        .values(status=R.DELETED.value, detail=reason, checked_at=utcnow())
+    )
 
 
 def every_copy(cat: Catalog, run: str | None = None) -> list[tuple[Replica, Checkpoint, str]]:

@@ -4,7 +4,9 @@ Each disk's leader says which of the manifest's files its copy holds (present, o
 their bytes are hashed as DCP reads them). A file some disk lacks is sent by the lowest rank holding it
 as a byte tensor, and every rank lacking it keeps it only once its bytes hash to the manifest's entry
 (nothing received is unpickled). A disk with no copy yet (a spare host) gets a whole one, manifest
-last. A file on no disk at hand (its host is gone) is fetched by rank 0 from another tier's copy of the
+last; a copy of another checkpoint at the step (a timeline replayed while the host was away), or one left
+with its manifest alone (not rank 0's, which its plan proved), is moved aside first and rank 0 told, so
+that the catalog's rows follow it. A file on no disk at hand (its host is gone) is fetched by rank 0 from another tier's copy of the
 checkpoint (``Remote``: the shared tier's, nearest first), held to its entry, and sent on from there:
 each file comes from the nearest place that has it: this disk, this node's memory (a ring copy of a peer's
 share, ``ring_held``, hashed as it is taken), a peer's disk, another tier. When a file is on no disk, in
@@ -189,16 +191,9 @@ def complete(
     (rank 0): of each disk's copy of another checkpoint moved aside from ``directory``. A file sent that is not the manifest's (or
     not readable by its sender) fails the restore on every rank, judging no copy: ``OSError``."""
     rank = dist.get_rank()
-    leads = disks.leads(rank)
-    moved = None
-    if leads and directory.exists() and not _same_checkpoint(directory, raw):
-        # another checkpoint under the same step: kept aside
-        moved = Moved(str(directory), str(store.quarantine(directory, "displaced")))
-    held = _held(directory, manifest) if leads else None
-    fresh = leads and not held
-    if fresh and moved is None and directory.exists():  # its manifest, none of its files: made again
-        moved = Moved(str(directory), str(store.quarantine(directory, "displaced")))
-    target = store.temp_dir(directory.parent, manifest.step) if fresh else directory
+    ready = _ready(directory, raw, manifest, rank) if disks.leads(rank) else _Ready(directory)
+    leads = disks.leads(rank) and ready.error is None
+    held, target, fresh = ready.held, ready.target, ready.target != directory
     # a file this node's memory holds is taken before the others hear what this disk has
     memory = ring_held.held(raw, manifest) if leads else ring_held.Found()
     own_disk = disks.of_rank[rank].id
@@ -208,10 +203,16 @@ def complete(
     every: list[Any] = [None] * dist.get_world_size()
     near = {p: str(d) for p, d in memory.files.items() if str(d) not in bad and p not in dropped}
     dist.all_gather_object(
-        every, (None if held is None else (held | set(taken)), memory.tier_id, bad, near, moved)
+        every,
+        (None if held is None else (held | set(taken)), memory.tier_id, bad, near, ready.moved, ready.error),
     )
     _tell_refused(every, refused)
-    _tell_displaced([(m, disks.of_rank[r]) for r, (*_, m) in enumerate(every) if m], displaced)
+    _tell_displaced([(x[4], disks.of_rank[r]) for r, x in enumerate(every) if x[4]], displaced)
+    unready = [x[5] for x in every if x[5]]
+    if unready:  # every rank fails together, none left waiting in a collective
+        if fresh:
+            shutil.rmtree(target, ignore_errors=True)
+        raise OSError(f"a disk's copy could not be readied: {'; '.join(unready[:3])}")
     # one listing per host: its leader's
     nearer = {p: Path(d) for p, d in every[disks.leader(rank)][3].items()}
     have = {r: h for r, (h, *_) in enumerate(every) if h is not None}
@@ -230,6 +231,34 @@ def complete(
     dist.all_gather_object(report, mine)
     sources = [s for s in report if s is not None] if rank == 0 else []
     return Completed(directory, sources, nearer, every[disks.leader(rank)][1])
+
+
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    """A disk's leader ready to complete its copy: what it moved aside, the files it holds (None: not a
+    leader), where the copy is made (a fresh temporary directory, or the copy itself); or why not."""
+
+    target: Path
+    held: set[str] | None = None
+    moved: Moved | None = None
+    error: str | None = None
+
+
+def _ready(directory: Path, raw: bytes, manifest: mf.Manifest, rank: int) -> _Ready:
+    """A leader's copy readied: another checkpoint's under the same step moved aside, and (a disk other than
+    rank 0's, whose copy its plan proved) one left with its manifest alone, to be made again. Never raises:
+    an error is told to every rank."""
+    moved = None
+    try:
+        if directory.exists() and not _same_checkpoint(directory, raw):
+            moved = Moved(str(directory), str(store.quarantine(directory, "displaced")))
+        held = _held(directory, manifest)
+        if not held and moved is None and directory.exists() and rank != 0:
+            moved = Moved(str(directory), str(store.quarantine(directory, "displaced")))
+        target = store.temp_dir(directory.parent, manifest.step) if not held else directory
+        return _Ready(target, held, moved)
+    except OSError as exc:
+        return _Ready(directory, None, moved, f"rank {rank}: {type(exc).__name__}: {exc}")
 
 
 def _tell_displaced(moved: list[tuple[Moved, LocalTier]], displaced: Displaced | None) -> None:

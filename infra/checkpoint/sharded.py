@@ -352,14 +352,9 @@ class ShardedCheckpointer:
         checkpoint there), or found nothing where a save put its own: the rows naming them follow them, or
         are let go, matched by each disk's id (another host's path may be this host's too); those of the
         checkpoint whose manifest digest is ``staying`` (made there now) stay."""
-        if self._lead is None:
-            return
-        for m, disk in moved:
-            if m.new is None:
-                copies.vacate(self._lead[0], m.old, "gone before a new save at this step", disk=disk)
-            else:
-                copies.moved(self._lead[0], m.old, m.new, "moved aside for another checkpoint", disk=disk,
-                             staying=staying)  # fmt: skip
+        if self._lead is not None:
+            moves = [(m.old, m.new, disk) for m, disk in moved]
+            copies.followed(self._lead[0], moves, "moved aside for another checkpoint", staying=staying)
 
     def _displaced(self, raw: bytes) -> assemble.Displaced:
         """Rank 0's record of copies moved aside while disks complete the checkpoint whose manifest is ``raw``."""

@@ -6,6 +6,7 @@ background thread over a group of its own."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -177,12 +178,12 @@ def _close_spread(
         try:
             mine = (None, str(spread.commit_share(tmp, value, aside)), aside[0])
         except Exception as exc:
-            shutil.rmtree(_written(tmp, facts.step), ignore_errors=True)
+            _remove_written(tmp, facts.step, value.raw)
             why = f"rank {rank} ({disks.of_rank[rank].host}): {type(exc).__name__}: {exc}"
             mine = (why, None, aside[0] if aside else None)  # a copy moved aside is told all the same
     reports: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(reports, mine, group=group)
-    outcome: list[Any] = [_finish_spread(tmp, value, reports, disks, lead) if rank == 0 else None]
+    outcome: list[Any] = [_finish_spread(tmp, value, reports, disks, lead, facts.step) if rank == 0 else None]
     dist.broadcast_object_list(outcome, src=0, group=group)
     kind, digest = outcome[0]
     if kind == "error":
@@ -207,7 +208,7 @@ def _prepare_spread(tmp: Path, gathered: list[Any], facts: _Facts, disks: Disks)
 
 
 def _finish_spread(
-    tmp: Path, prepared: spread.Prepared, reports: list[Any], disks: Disks, lead: LeadHooks | None
+    tmp: Path, prepared: spread.Prepared, reports: list[Any], disks: Disks, lead: LeadHooks | None, step: int
 ) -> tuple[str, str]:
     """Rank 0, once every other disk's copy is renamed in: its own copy and the catalog's commit."""
     final: Path | None = None
@@ -225,14 +226,23 @@ def _finish_spread(
             lead.commit(final, done.digest, also)
         return "ok", done.digest
     except Exception as exc:
-        shutil.rmtree(final or _written(tmp, mf.parse(prepared.raw).step), ignore_errors=True)
+        if final is None:
+            _remove_written(tmp, step, prepared.raw)
+        else:  # renamed, then the catalog's commit failed
+            shutil.rmtree(final, ignore_errors=True)
         return "error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankFailed) else str(exc)
 
 
-def _written(tmp: Path, step: int) -> Path:
-    """Where this save's copy lies on this disk: its temporary directory, or, once renamed (a commit that
-    failed syncing the run's directory after it), the step's (any older copy there was moved aside first)."""
-    return tmp if tmp.exists() else store.step_dir(tmp.parent, step)
+def _remove_written(tmp: Path, step: int, raw: bytes) -> None:
+    """This save's copy on this disk removed: its temporary directory, or, once renamed (a commit that failed
+    syncing the run's directory after it), the step's, if that holds this save's manifest (never another's)."""
+    if tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    final = store.step_dir(tmp.parent, step)
+    with contextlib.suppress(OSError):
+        if (final / mf.MANIFEST_NAME).read_bytes() == raw:
+            shutil.rmtree(final, ignore_errors=True)
 
 
 def _open(run_dir: Path, step: int, lead: LeadHooks | None) -> tuple[str, str, int]:
