@@ -240,17 +240,8 @@ def followed(
 
 def _moving(old_uri: str, new_uri: str, reason: str, disk: LocalTier | None, staying: str | None) -> Update:
     kept = select(Checkpoint.id).where(Checkpoint.manifest_digest == staying)
-    return (
-        update(Replica)
-        .where(
-            Replica.tier == LOCAL,
-            Replica.uri == old_uri,
-            Replica.status != R.DELETED.value,
-            _on_disk(old_uri, disk),
-            Replica.checkpoint_id.not_in(kept) if staying is not None else true(),
-        )
-        .values(uri=new_uri, detail=reason)
-    )
+    others = Replica.checkpoint_id.not_in(kept) if staying is not None else true()
+    return update(Replica).where(*_rows_at(old_uri, disk), others).values(uri=new_uri, detail=reason)
 
 
 def condemned(ck: Checkpoint) -> bool:
@@ -412,16 +403,13 @@ def vacate(cat: Catalog, uri: str, reason: str, *, disk: LocalTier | None = None
 
 
 def _vacating(uri: str, reason: str, disk: LocalTier | None) -> Update:
-    return (
-        update(Replica)
-        .where(
-            Replica.tier == LOCAL,
-            Replica.uri == uri,
-            Replica.status != R.DELETED.value,
-            _on_disk(uri, disk),
-        )
-        .values(status=R.DELETED.value, detail=reason, checked_at=utcnow())
-    )
+    gone = {"status": R.DELETED.value, "detail": reason, "checked_at": utcnow()}
+    return update(Replica).where(*_rows_at(uri, disk)).values(**gone)
+
+
+def _rows_at(uri: str, disk: LocalTier | None) -> tuple[Any, ...]:
+    """The live rows of local copies at ``uri`` on ``disk`` (``_on_disk``)."""
+    return (Replica.tier == LOCAL, Replica.uri == uri, Replica.status != R.DELETED.value, _on_disk(uri, disk))
 
 
 def every_copy(cat: Catalog, run: str | None = None) -> list[tuple[Replica, Checkpoint, str]]:
