@@ -211,8 +211,8 @@ def test_rows_of_another_hosts_disk_follow_its_copy_by_the_disks_id_not_the_path
     for host in ("h1", "h2", "h3"):
         copies.add(cat, ck.id, "local", path, key=None, nbytes=1, status=ReplicaStatus.VERIFIED,
                    disk=LocalTier(f"disk-{host}", host))  # fmt: skip
-    copies.moved(cat, path, f"{path}.aside", "moved", disk=LocalTier("disk-h2", "h2"))
-    copies.vacate(cat, path, "gone", disk=LocalTier("disk-h3", "h3"))
+    moves = [(path, f"{path}.aside", LocalTier("disk-h2", "h2")), (path, None, LocalTier("disk-h3", "h3"))]
+    copies.followed(cat, moves, "moved")
     rows = {r.host: (r.uri, r.status) for r in lineage.replicas_of(cat, ck.id) if r.uri.startswith("/nvme")}
     assert rows == {"h1": (path, "verified"), "h2": (f"{path}.aside", "verified"), "h3": (path, "deleted")}
 

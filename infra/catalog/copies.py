@@ -201,24 +201,13 @@ def set_local(cat: Catalog, checkpoint_id: int, path: str, status: R, nbytes: in
     return rid
 
 
-def moved(
-    cat: Catalog,
-    old_uri: str,
-    new_uri: str,
-    reason: str,
-    *,
-    disk: LocalTier | None = None,
-    staying: str | None = None,
-) -> None:
-    """A local directory was moved aside: every copy row that pointed at it follows it there. ``disk``: the
-    disk it lies on, where that is another host's (its path may be this one's too); else the disk here.
-    ``staying``: the manifest digest of the checkpoint whose copy is made at ``old_uri`` now (a restore
-    completing a disk): its rows stay.
+def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str) -> None:
+    """A local directory was moved aside: every copy row that pointed at it follows it there.
 
     Its status stays what the last check found: moving bytes out of the way proves nothing about them.
     """
     with cat.session() as s:
-        s.execute(_moving(old_uri, new_uri, reason, disk, staying))
+        s.execute(_moving(old_uri, new_uri, reason, None, None))
 
 
 def followed(
@@ -229,7 +218,9 @@ def followed(
     staying: str | None = None,
 ) -> None:
     """Other hosts' disks moved their copies at these paths aside (``(old, new, disk)``; ``new`` None:
-    nothing lay there): in one transaction, the rows follow them (``moved``) or are let go (``vacate``)."""
+    nothing lay there): in one transaction, the rows on each disk (matched by its id: another host's path may
+    be this host's too) follow them (``moved``) or are let go (``vacate``); those of the checkpoint whose
+    manifest digest is ``staying`` (its copy made there now, by a restore) stay."""
     with cat.session() as s:
         for old, new, disk in moves:
             if new is None:
@@ -395,11 +386,10 @@ def location_in_use(cat: Catalog, replica_id: int) -> bool:
     return any(_effective_key(k, r, st) == mine for k, st, r in others)
 
 
-def vacate(cat: Catalog, uri: str, reason: str, *, disk: LocalTier | None = None) -> None:
-    """Nothing lies at this local path any more: copy rows still naming it are let go. ``disk``: as for
-    ``moved``."""
+def vacate(cat: Catalog, uri: str, reason: str) -> None:
+    """Nothing lies at this local path any more: copy rows still naming it are let go."""
     with cat.session() as s:
-        s.execute(_vacating(uri, reason, disk))
+        s.execute(_vacating(uri, reason, None))
 
 
 def _vacating(uri: str, reason: str, disk: LocalTier | None) -> Update:

@@ -250,10 +250,9 @@ def _ready(directory: Path, raw: bytes, manifest: mf.Manifest, rank: int) -> _Re
     an error is told to every rank."""
     moved = None
     try:
-        if directory.exists() and not _same_checkpoint(directory, raw):
-            moved = Moved(str(directory), str(store.quarantine(directory, "displaced")))
-        held = _held(directory, manifest)
-        if not held and moved is None and directory.exists() and rank != 0:
+        other = directory.exists() and not _same_checkpoint(directory, raw)
+        held = set() if other else _held(directory, manifest)
+        if other or (not held and directory.exists() and rank != 0):
             moved = Moved(str(directory), str(store.quarantine(directory, "displaced")))
         target = store.temp_dir(directory.parent, manifest.step) if not held else directory
         return _Ready(target, held, moved)
