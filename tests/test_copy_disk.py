@@ -98,3 +98,27 @@ def test_the_copys_own_disk_finds_it_missing(two_disks, run_name, tmp_path):
         scrub.stdout + scrub.stderr
     )  # its own disk: the copy is gone, and it says so
     assert _local_rows(run_name, 20) == {disk_a.id: "missing"}
+
+
+def test_a_dead_copy_here_is_reclaimed_though_another_disk_holds_a_live_one_at_its_path(
+    two_disks, run_name, tmp_path
+):
+    """Node-local paths repeat across hosts: node-a saving step 20 again must not keep node-b's dead copy."""
+    root, disk_a, disk_b = two_disks
+    assert _rewind("ckpt", "restore", run_name, "--json").returncode == 0  # node-b's own copy of step 20
+    mine = root / run_name / "step-20"
+    assert mine.is_dir() and _local_rows(run_name, 20) == {disk_a.id: "verified", disk_b.id: "verified"}
+
+    root.rename(tmp_path / "node-b-disk")  # node-a again: it saves step 20 anew (a replayed timeline)
+    (tmp_path / "node-a-disk").rename(root)
+    ck = Checkpointer(run_name, states={"model": torch.nn.Linear(64, 64)}, root=root, catalog=Catalog())
+    ck.save(20)
+    ck.close()
+    assert _local_rows(run_name, 20) == {disk_a.id: "pending"}  # the new checkpoint, on node-a's disk alone
+    root.rename(tmp_path / "node-a-disk")  # node-b again: its copy of the old step 20 is dead
+    (tmp_path / "node-b-disk").rename(root)
+
+    gc = _rewind("gc", run_name, "--grace-days", "0", "--keep-last", "5")
+    assert gc.returncode == 0, gc.stdout + gc.stderr
+    assert not mine.exists()  # reclaimed: node-a's live copy lies on another disk
+    assert (tmp_path / "node-a-disk" / run_name / "step-20").is_dir()  # which nobody here touched

@@ -350,7 +350,9 @@ def location_in_use(cat: Catalog, replica_id: int) -> bool:
     """Is where this copy lies also where a copy of another, still wanted checkpoint lies?
 
     A dead row may still name a directory or key that a newer save of the same step
-    has taken over; deleting "its" bytes would delete the new checkpoint.
+    has taken over; deleting "its" bytes would delete the new checkpoint. A local copy's
+    directory is shared only with copies on the same disk (another host's disk may hold a
+    live copy at the same path: that one does not keep this one's bytes).
     """
     wanted = [S.WRITING.value, S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]
     with cat.session() as s:
@@ -380,6 +382,8 @@ def location_in_use(cat: Catalog, replica_id: int) -> bool:
             rep.tier not in disks.DIRECTORY_TIERS
         ):  # a tier root holds every copy on it: only the same key (or none recorded) can clash
             q = q.where(or_(Replica.key == mine, Replica.key.is_(None)))
+        elif rep.tier_id is not None:  # node-local paths repeat across hosts: only this disk's (or unknown)
+            q = q.where(or_(Replica.tier_id == rep.tier_id, Replica.tier_id.is_(None)))
         others = s.execute(q).all()
     if rep.tier in disks.DIRECTORY_TIERS:
         return bool(others)
