@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog import copies, lineage, moved_copies
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import ReplicaStatus
 from rewind.infra.checkpoint.engine import Checkpointer
@@ -212,7 +212,7 @@ def test_rows_of_another_hosts_disk_follow_its_copy_by_the_disks_id_not_the_path
         copies.add(cat, ck.id, "local", path, key=None, nbytes=1, status=ReplicaStatus.VERIFIED,
                    disk=LocalTier(f"disk-{host}", host))  # fmt: skip
     moves = [(path, f"{path}.aside", LocalTier("disk-h2", "h2")), (path, None, LocalTier("disk-h3", "h3"))]
-    copies.followed(cat, moves, "moved")
+    moved_copies.followed(cat, moves, "moved")
     rows = {r.host: (r.uri, r.status) for r in lineage.replicas_of(cat, ck.id) if r.uri.startswith("/nvme")}
     assert rows == {"h1": (path, "verified"), "h2": (f"{path}.aside", "verified"), "h3": (path, "deleted")}
 

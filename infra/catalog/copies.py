@@ -8,11 +8,11 @@ and corrupt only when no copy is left that could verify. An unverifiable copy
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable
 from datetime import datetime
 from typing import Any, NamedTuple
 
-from sqlalchemy import Select, Update, and_, case, func, or_, select, true, update
+from sqlalchemy import Select, and_, case, func, or_, select, update
 
 from rewind.infra.catalog import disks, lineage
 from rewind.infra.catalog.db import Catalog, changed, chunks
@@ -201,40 +201,6 @@ def set_local(cat: Catalog, checkpoint_id: int, path: str, status: R, nbytes: in
     return rid
 
 
-def moved(cat: Catalog, old_uri: str, new_uri: str, reason: str) -> None:
-    """A local directory was moved aside: every copy row that pointed at it follows it there.
-
-    Its status stays what the last check found: moving bytes out of the way proves nothing about them.
-    """
-    with cat.session() as s:
-        s.execute(_moving(old_uri, new_uri, reason, None, None))
-
-
-def followed(
-    cat: Catalog,
-    moves: Sequence[tuple[str, str | None, LocalTier]],
-    reason: str,
-    *,
-    staying: str | None = None,
-) -> None:
-    """Other hosts' disks moved their copies at these paths aside (``(old, new, disk)``; ``new`` None:
-    nothing lay there): in one transaction, the rows on each disk (matched by its id: another host's path may
-    be this host's too) follow them (``moved``) or are let go (``vacate``); those of the checkpoint whose
-    manifest digest is ``staying`` (its copy made there now, by a restore) stay."""
-    with cat.session() as s:
-        for old, new, disk in moves:
-            if new is None:
-                s.execute(_vacating(old, "gone before a new copy at this path", disk))
-            else:
-                s.execute(_moving(old, new, reason, disk, staying))
-
-
-def _moving(old_uri: str, new_uri: str, reason: str, disk: LocalTier | None, staying: str | None) -> Update:
-    kept = select(Checkpoint.id).where(Checkpoint.manifest_digest == staying)
-    others = Replica.checkpoint_id.not_in(kept) if staying is not None else true()
-    return update(Replica).where(*_rows_at(old_uri, disk), others).values(uri=new_uri, detail=reason)
-
-
 def condemned(ck: Checkpoint) -> bool:
     """Corrupt for its content (not for its copies): nothing a copy shows can make it restorable."""
     return is_condemned(ck.status, ck.status_reason)
@@ -390,22 +356,6 @@ def location_in_use(cat: Catalog, replica_id: int) -> bool:
     return any(_effective_key(k, r, st) == mine for k, st, r in others)
 
 
-def vacate(cat: Catalog, uri: str, reason: str) -> None:
-    """Nothing lies at this local path any more: copy rows still naming it are let go."""
-    with cat.session() as s:
-        s.execute(_vacating(uri, reason, None))
-
-
-def _vacating(uri: str, reason: str, disk: LocalTier | None) -> Update:
-    gone = {"status": R.DELETED.value, "detail": reason, "checked_at": utcnow()}
-    return update(Replica).where(*_rows_at(uri, disk)).values(**gone)
-
-
-def _rows_at(uri: str, disk: LocalTier | None) -> tuple[Any, ...]:
-    """The live rows of local copies at ``uri`` on ``disk`` (``_on_disk``)."""
-    return (Replica.tier == LOCAL, Replica.uri == uri, Replica.status != R.DELETED.value, _on_disk(uri, disk))
-
-
 def every_copy(cat: Catalog, run: str | None = None) -> list[tuple[Replica, Checkpoint, str]]:
     """Every copy row not let go on purpose, with its checkpoint and run name: what a catalog check compares."""
     with cat.session() as s:
@@ -423,9 +373,3 @@ def every_copy(cat: Catalog, run: str | None = None) -> list[tuple[Replica, Chec
 def effective_key(rep: Replica, run: str, step: int) -> str:
     """Where a shared or off-site copy lies below its tier root."""
     return _effective_key(rep.key, run, step)
-
-
-def _on_disk(uri: str, disk: LocalTier | None) -> Any:
-    """Rows of copies on ``disk`` (another host's: its paths may be this host's too), else on the disk that
-    holds ``uri`` here."""
-    return Replica.tier_id == disk.id if disk is not None else disks.this_disk(uri)

@@ -6,7 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog import lineage, moved_copies
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus as S
 from rewind.infra.format import store
@@ -40,9 +40,11 @@ def recorded_save(
             + (f" (it was corrupt: {old.status_reason})" if old.status == S.CORRUPT else ""),
         )
     if final.exists():
-        copies.moved(cat, str(final), str(store.quarantine(final, "superseded")), "superseded by a new save")
+        moved_copies.moved(
+            cat, str(final), str(store.quarantine(final, "superseded")), "superseded by a new save"
+        )
     else:  # rows of older checkpoints that lost this directory must not come to name the new one
-        copies.vacate(cat, str(final), "gone before a new save at this step")
+        moved_copies.vacate(cat, str(final), "gone before a new save at this step")
     ck_id = lineage.begin(
         cat, run_id, step, str(final), parent_id=parent_id, layout=layout, environment=environment
     )

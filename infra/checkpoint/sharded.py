@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rewind.infra.catalog import copies, leases, lineage
+from rewind.infra.catalog import leases, lineage, moved_copies
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint import assemble, remotes, ring_held, spread
 from rewind.infra.checkpoint import priority as persist_priority
@@ -354,7 +354,7 @@ class ShardedCheckpointer:
         checkpoint whose manifest digest is ``staying`` (made there now) stay."""
         if self._lead is not None:
             moves = [(m.old, m.new, disk) for m, disk in moved]
-            copies.followed(self._lead[0], moves, "moved aside for another checkpoint", staying=staying)
+            moved_copies.followed(self._lead[0], moves, "moved aside for another checkpoint", staying=staying)
 
     def _displaced(self, raw: bytes) -> assemble.Displaced:
         """Rank 0's record of copies moved aside while disks complete the checkpoint whose manifest is ``raw``."""

@@ -37,7 +37,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from rewind.infra.catalog import copies, leases
+from rewind.infra.catalog import copies, leases, moved_copies
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.errors import (
@@ -179,7 +179,7 @@ def _open(
 
     def displace(final: Path) -> None:  # what is there did not prove itself: kept, out of the way
         moved = store.quarantine(final, "displaced")
-        copies.moved(cat, str(final), str(moved), f"displaced by a copy from {copy.tier}")
+        moved_copies.moved(cat, str(final), str(moved), f"displaced by a copy from {copy.tier}")
 
     key = copy.key or transfer.copy_key(cand.run, cand.step)
     tier = open_tier(copy.uri)
