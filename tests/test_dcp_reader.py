@@ -451,3 +451,29 @@ if __name__ == "__main__":
     if sys.argv[1:2] != ["roundtrip"] or len(sys.argv) != 3:
         raise SystemExit("usage: python -m tests.test_dcp_reader roundtrip WORKDIR")
     _worker_roundtrip(Path(sys.argv[2]))
+
+
+def _build_on(module: str, name: str, attribute: str) -> bytes:
+    """A pickle that pushes ``module.name`` (a class) and has BUILD set ``attribute`` on it to None."""
+    key = attribute.encode()
+    return (
+        f"c{module}\n{name}\n".encode()
+        + b"N}X"
+        + len(key).to_bytes(4, "little")
+        + key
+        + b"Ns\x86b."  # None, {attribute: None}: TUPLE2; BUILD; STOP
+    )
+
+
+@pytest.mark.parametrize("attribute", ["__init__", "__eq__", "state_dict_metadata"])
+def test_load_metadata_refuses_to_set_attributes_on_a_dcp_class(attribute):
+    """BUILD on a class would change it for the whole process (a forged .metadata disarming every later
+    load); the C unpickler allows it for any allowed global, Rewind's refuses before anything is set."""
+    before = dict(vars(Metadata))
+    with pytest.raises(CorruptCheckpoint) as exc:
+        vdcp.load_metadata(_build_on(Metadata.__module__, "Metadata", attribute))
+    changed = {k for k in set(vars(Metadata)) | set(before) if vars(Metadata).get(k) is not before.get(k)}
+    assert not changed, f"a forged pickle set {changed} on the Metadata class"
+    assert "refuses to build" in exc.value.findings[0].detail
+    md = Metadata(state_dict_metadata={})
+    assert vdcp.load_metadata(pickle.dumps(md)) == md

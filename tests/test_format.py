@@ -158,11 +158,49 @@ def test_tensors_over_a_file_in_memory_are_its_values_each_in_a_storage_of_its_o
 
 
 @pytest.mark.parametrize(
-    "path", ["../x", "/etc/passwd", "a/../../b", "", "a//b", "a\\..\\b", "manifest.json"]
+    "path",
+    [
+        "../x",
+        "/etc/passwd",
+        "a/../../b",
+        "",
+        "a//b",
+        "a\\..\\b",
+        "manifest.json",
+        ".",
+        "./a",
+        "a\x00b",
+        "\ud800",
+        "n" * 256,
+    ],
 )
 def test_manifest_refuses_escaping_paths(path):
     with pytest.raises(mf.ManifestError):
         mf.safe_relative(path)
+
+
+def _listing(files: str, step: str = "1") -> bytes:
+    return f'{{"format": "{mf.FORMAT}", "run": "r", "step": {step}, "files": [{files}]}}'.encode()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        _listing(
+            '{"path": "x", "size": 1, "xxh3": "0", "crc32c": ""}, {"path": "x/y", "size": 1, "xxh3": "0", '
+            '"crc32c": ""}'
+        ),
+        _listing('{"path": "x", "size": 1e400, "xxh3": "0", "crc32c": ""}'),
+        _listing("", step="Infinity"),
+        _listing("", step="NaN"),
+        _listing("", step="9" * 5000),
+    ],
+    ids=["file-and-directory", "infinite-size", "infinity", "nan", "huge-int"],
+)
+def test_a_manifest_no_copy_could_match_is_refused_in_one_line(raw):
+    """A writer's bug (or a forger's) is a ManifestError, never a traceback nor a copy judged unverifiable."""
+    with pytest.raises(mf.ManifestError):
+        mf.parse(raw)
 
 
 def test_keyring_signs_rotates_and_tells_unknown_keys_from_tampering():

@@ -20,7 +20,7 @@ import io
 import os
 import pickle
 import sys
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path, PurePosixPath
@@ -96,13 +96,41 @@ def allowed_global(module: str, name: str) -> Any:
     return found if found is not None else _dcp_type(module, name)
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """An unpickler that resolves only the globals DCP metadata consists of."""
+def _buildable(inst: Any, state: Any) -> bool:
+    """May pickle's BUILD set ``state`` on ``inst``? Only on an instance (never a class, whose methods it
+    would replace for the whole process) of a DCP dataclass: through the class's own ``__setstate__``, or
+    a state naming only its fields."""
+    cls = type(inst)
+    if isinstance(inst, type) or _dcp_type(cls.__module__, cls.__qualname__) is not cls:
+        return False
+    if getattr(cls, "__setstate__", None) is not None and "__setstate__" in vars(cls):
+        return True
+    fields = {f.name for f in dataclasses.fields(inst)} if dataclasses.is_dataclass(inst) else set()
+    parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+    return all(part is None or (isinstance(part, dict) and set(part) <= fields) for part in parts)
+
+
+# Python's own unpickler, whose BUILD can be checked (the C one's cannot)
+_PyUnpickler: Any = pickle._Unpickler
+
+
+class _MetadataUnpickler(_PyUnpickler):
+    """An unpickler that resolves only the globals DCP metadata consists of, and builds only their
+    instances (the C unpickler would let BUILD set attributes on any object, a class included)."""
+
+    dispatch: dict[int, Callable[[Any], None]] = dict(_PyUnpickler.dispatch)
 
     def __init__(self, data: bytes | bytearray | memoryview, location: str, name: str) -> None:
         super().__init__(io.BytesIO(data))
         self._location = location
         self._name = name
+
+    def _load_build(self) -> None:
+        if len(self.stack) < 2 or not _buildable(self.stack[-2], self.stack[-1]):
+            raise _content(self._location, self._name, "refuses to build anything but DCP's own records")
+        _PyUnpickler.dispatch[pickle.BUILD[0]](self)
+
+    dispatch[pickle.BUILD[0]] = _load_build
 
     def find_class(self, module: str, name: str) -> Any:
         found = allowed_global(module, name)

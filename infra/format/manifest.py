@@ -30,6 +30,7 @@ from rewind.infra.format.digest import DIGEST_ALGORITHM, manifest_digest
 
 MANIFEST_NAME = "manifest.json"
 MAX_BYTES = 64 << 20  # a manifest larger than this is refused unread: no real one comes near it
+NAME_MAX = 255  # bytes in one path component on every filesystem Rewind writes to
 FORMAT = "rewind.checkpoint/3"
 PLACED_FORMAT = "rewind.checkpoint/4"  # with ``placement``: files spread over hosts' disks
 READABLE_FORMATS = ("rewind.checkpoint/1", "rewind.checkpoint/2", FORMAT, PLACED_FORMAT)
@@ -116,8 +117,15 @@ class Manifest:
 def contained(path: str) -> str:
     """Return ``path`` if, joined to a directory, it stays inside that directory; else raise."""
     p = PurePosixPath(path)
-    if not path or p.is_absolute() or "\\" in path or any(part in ("..", "") for part in path.split("/")):
+    parts = path.split("/")
+    if not path or p.is_absolute() or "\\" in path or any(part in ("..", "", ".") for part in parts):
         raise ManifestError(f"manifest names path {path!r}, which escapes the checkpoint directory")
+    try:
+        encoded = [part.encode() for part in parts]
+    except UnicodeEncodeError:
+        raise ManifestError(f"manifest names path {path!r}, which no filesystem can hold") from None
+    if "\0" in path or any(len(part) > NAME_MAX for part in encoded):
+        raise ManifestError(f"manifest names path {path!r}, which no filesystem can hold")
     return str(p)
 
 
@@ -129,11 +137,23 @@ def safe_relative(path: str) -> str:
     return str(p)
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a manifest holds")
+
+
+def _no_file_is_a_directory(paths: set[str]) -> None:
+    """No listed file may also be a directory of another (``x`` and ``x/y``): no copy could hold both."""
+    for path in paths:
+        for parent in PurePosixPath(path).parents:
+            if str(parent) in paths:
+                raise ManifestError(f"manifest lists {str(parent)!r} as a file and a directory")
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The manifest's JSON object, format checked; what a signature is verified over."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError, a 4300-digit number
         raise ManifestError(f"manifest is not valid JSON ({str(exc)[:200]})") from exc
     found = body.get("format") if isinstance(body, dict) else None
     version = str(found).removeprefix("rewind.checkpoint/")
@@ -160,6 +180,7 @@ def parse(raw: bytes) -> Manifest:
             if size < 0:
                 raise ManifestError(f"manifest gives {path!r} a negative size")
             files.append(FileEntry(path=path, size=size, xxh3=str(f["xxh3"]), crc32c=str(f["crc32c"])))
+        _no_file_is_a_directory(seen)
         parent, parent_digest = body.get("parent_step"), body.get("parent_digest")
         step = int(body["step"])
         if not 0 <= step < 2**63:
@@ -177,7 +198,7 @@ def parse(raw: bytes) -> Manifest:
             writer={str(k): str(v) for k, v in dict(body.get("writer") or {}).items()},
             **_placement(body, seen),
         )
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
         if isinstance(exc, ManifestError):
             raise
         raise ManifestError(f"manifest is missing or mistypes a field ({exc!r})") from exc
