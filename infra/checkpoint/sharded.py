@@ -127,16 +127,7 @@ class ShardedCheckpointer:
         self._lead = (
             (self.catalog, lineage.ensure_run(self.catalog, run)) if self.catalog is not None else None
         )
-        refused = ""
-        if self._lead is not None:
-            try:
-                leases.take_writer(*self._lead)
-            except RunBusy as exc:
-                refused = str(exc)
-        box: list[Any] = [refused]
-        dist.broadcast_object_list(box, src=0)  # every rank learns it: none goes on alone
-        if box[0]:
-            raise RunBusy(box[0])
+        self._take_writer()
         self._parent_id: int | None = None
         self._parent: tuple[int, str | None] | None = None  # rank 0: (step, manifest digest) of the parent
         self.skipped: tuple[Skip, ...] = ()  # rank 0: what the last restore passed over, and why
@@ -159,6 +150,19 @@ class ShardedCheckpointer:
         if self.disks.leads(self.rank):
             store.sweep_temp(self.run_dir)
         dist.barrier()
+
+    def _take_writer(self) -> None:
+        """Rank 0 takes the run's writer lease; every rank learns whether it was refused (none goes on alone)."""
+        refused = ""
+        if self._lead is not None:
+            try:
+                leases.take_writer(*self._lead)
+            except RunBusy as exc:
+                refused = str(exc)
+        box: list[Any] = [refused]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise RunBusy(box[0])
 
     def save(
         self,

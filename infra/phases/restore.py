@@ -99,6 +99,16 @@ class RestorePoint:
         }
 
 
+def _announce_chosen_corrupt(notify: Notifier, p: plan.RestorePlan, exc: CorruptCheckpoint) -> None:
+    """One checkpoint was asked for and it is damaged on every copy: say so (an older one is not tried)."""
+    if p.exact and p.candidates:
+        chosen = p.candidates[0]
+        announce_corrupt(
+            notify, run=p.run, step=chosen.step, checkpoint_id=chosen.checkpoint_id, path=exc.location,
+            findings=exc.findings,
+        )  # fmt: skip
+
+
 def restore_point(
     cat: Catalog,
     *,
@@ -145,12 +155,7 @@ def restore_point(
         ):
             retired = _roll_back(cat, run, done.step, reason) if roll_back else []
     except CorruptCheckpoint as exc:  # the step the caller chose is damaged on every copy
-        if p.exact and p.candidates:
-            chosen = p.candidates[0]
-            announce_corrupt(
-                notify, run=run, step=chosen.step, checkpoint_id=chosen.checkpoint_id, path=exc.location,
-                findings=exc.findings,
-            )  # fmt: skip
+        _announce_chosen_corrupt(notify, p, exc)
         raise
     _announce_skipped(notify, run, done.skipped)
     digest = lineage.get_checkpoint(cat, done.checkpoint_id).manifest_digest

@@ -137,6 +137,29 @@ def _candidates(
     return q
 
 
+_COLUMNS = (
+    Checkpoint.id,
+    Checkpoint.step,
+    Checkpoint.status,
+    Checkpoint.status_reason,
+    Checkpoint.manifest_digest,
+    Checkpoint.total_bytes,
+)
+
+
+def _candidate(
+    r: Any, run: str, rows: list[copies.CopyRow], tiers: Collection[str] | None
+) -> Candidate | None:
+    """The checkpoint of row ``r`` (``_COLUMNS``) with its copies, or None when it is no candidate."""
+    found, away, ring = _copies(rows, tiers)
+    if r.status == S.CORRUPT.value and (not found or copies.is_condemned(r.status, r.status_reason)):
+        return None  # condemned for good, or nothing left that could verify
+    if tiers is not None and not found:
+        return None  # not on the tiers asked for: not a candidate there, and not "missing" either
+    status, digest = str(r.status), str(r.manifest_digest)
+    return Candidate(r.id, run, r.step, status, digest, r.total_bytes or 0, found, away, ring)
+
+
 def plan(
     cat: Catalog,
     run: str,
@@ -160,39 +183,12 @@ def plan(
     if target is not None:
         before_step = target.step + 1 if before_step is None else min(before_step, target.step + 1)
     ids = _candidates(run_id, step, before_step, checkpoint_id)
-    columns = (
-        Checkpoint.id,
-        Checkpoint.step,
-        Checkpoint.status,
-        Checkpoint.status_reason,
-        Checkpoint.manifest_digest,
-        Checkpoint.total_bytes,
-    )
     with cat.session() as s:
         rows = s.execute(
-            ids.with_only_columns(*columns).order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
+            ids.with_only_columns(*_COLUMNS).order_by(Checkpoint.step.desc(), Checkpoint.id.desc())
         ).all()
     by_id = copies.copy_rows(cat, ids, statuses=copies.USABLE_VALUES)
-    candidates = []
-    for r in rows:
-        found, away, ring = _copies(by_id.get(r.id, []), tiers)
-        if r.status == S.CORRUPT.value and (not found or copies.is_condemned(r.status, r.status_reason)):
-            continue  # condemned for good, or nothing left that could verify
-        if tiers is not None and not found:
-            continue  # not on the tiers asked for: not a candidate there, and not "missing" either
-        candidates.append(
-            Candidate(
-                r.id,
-                run,
-                r.step,
-                str(r.status),
-                str(r.manifest_digest),
-                r.total_bytes or 0,
-                found,
-                away,
-                ring,
-            )
-        )
+    candidates = [c for r in rows if (c := _candidate(r, run, by_id.get(r.id, []), tiers)) is not None]
     if target is not None:
         _warn_if_not(target, run, candidates)
     exact = step is not None or checkpoint_id is not None

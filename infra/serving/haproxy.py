@@ -77,8 +77,18 @@ def render(*, port: int, router_port: int, gates: list[tuple[int, str]], directo
     differ per instance); the router spreads requests over the gates, checks each instance's /ping,
     and sends a request that an instance dropped (killed mid-request, refused) to another one.
     """
+    servers = "".join(
+        f"    server ts{i} {LOOPBACK}:{gate_port} check inter 300 fall 1 rise 1\n"
+        for i, (gate_port, _) in enumerate(gates)
+    )
+    gated = "".join(_gate(i, gp, up, directory) for i, (gp, up) in enumerate(gates))
+    return _head(port=port, router_port=router_port, directory=directory) + servers + gated
+
+
+def _head(*, port: int, router_port: int, directory: Path) -> str:
+    """Everything before the router's servers: logging, defaults, the client frontend, the router."""
     accepted, sock = directory / "accepted.map", admin_socket(directory)
-    head = f"""# Written by Rewind; weights change through the runtime API at {sock}, never by editing this.
+    return f"""# Written by Rewind; weights change through the runtime API at {sock}, never by editing this.
 # The last requests of every section, with their termination flags: `show events buf` on the socket.
 ring buf
     size 1048576
@@ -130,11 +140,6 @@ listen {ROUTER}
     http-request set-var(txn.session) req.body,json_query('$.session_id') unless {{ var(txn.session) -m found }}
     stick on var(txn.session)
 """
-    servers = "".join(
-        f"    server ts{i} {LOOPBACK}:{gate_port} check inter 300 fall 1 rise 1\n"
-        for i, (gate_port, _) in enumerate(gates)
-    )
-    return head + servers + "".join(_gate(i, gp, up, directory) for i, (gp, up) in enumerate(gates))
 
 
 @dataclass(frozen=True, slots=True)
