@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import random
 from typing import Any
 
@@ -127,13 +128,46 @@ def test_tensorfile_rejects_lying_headers(raw, error, how):
         _read_bytes(raw, how)
 
 
+_EVERY_DTYPE = [
+    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64, torch.uint16, torch.uint32,
+    torch.uint64, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+]  # fmt: skip
+
+
+def _filled(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Values of every byte pattern a tensor of ``dtype`` may hold (random bits, not one value's)."""
+    n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (n,), dtype=torch.uint8)
+    if dtype is torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+@pytest.mark.parametrize("dtype", _EVERY_DTYPE, ids=str)
+def test_every_dtype_safetensors_names_is_saved_and_read_back_bit_exact(tmp_path, dtype):
+    """A state holding any dtype safetensors has a name for (complex RoPE tables, unsigned counters, AMD's
+    float8) is saved in a file Hugging Face's reader opens, and read back bit for bit."""
+    seed = int(torch.randint(0, 2**31, ()).item())
+    torch.manual_seed(seed)
+    tensors = {"x": _filled(dtype, (5, 7)), "y": _filled(dtype, (3,))}
+    path = tmp_path / "x.safetensors"
+    with open(path, "wb") as raw:
+        tensorfile.write(HashingWriter(raw), tensors)
+    theirs = load_file(str(path))
+    with open(path, "rb") as f:
+        ours, _ = tensorfile.read(HashingReader(f, Hasher()), path.stat().st_size)
+    for k, t in tensors.items():
+        for got in (ours[k], theirs[k]):
+            assert got.dtype == dtype and got.shape == t.shape, f"seed {seed}"
+            assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), f"seed {seed}"
+
+
 def test_tensors_over_a_file_in_memory_are_its_values_each_in_a_storage_of_its_own():
     import ctypes
     import io
 
-    dtypes = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-              torch.int8, torch.uint8, torch.bool, torch.float8_e4m3fn, torch.float8_e5m2]  # fmt: skip
-    tensors = {f"t{i}": (torch.randn(64, 1000) * 4).to(dt) for i, dt in enumerate(dtypes)}
+    tensors = {f"t{i}": (torch.randn(64, 1000) * 4).to(dt) for i, dt in enumerate(_EVERY_DTYPE)}
     tensors |= {"c": torch.tensor(2.5), "e": torch.empty(0, 4)}
     out = io.BytesIO()
     tensorfile.write(out, tensors)

@@ -40,6 +40,14 @@ _DTYPES: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
     torch.float8_e4m3fn: "F8_E4M3",
     torch.float8_e5m2: "F8_E5M2",
+    # the names safetensors (and so Hugging Face's tools) gives these too: RoPE tables kept as complex
+    # buffers, unsigned ids and counters, AMD's float8
+    torch.complex64: "C64",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
 }
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _MAX_DIM = 1 << 40  # no real dimension is larger; an empty tensor could otherwise claim any shape
