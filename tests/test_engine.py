@@ -115,3 +115,38 @@ def test_secrets_on_the_command_line_never_reach_a_manifest(rewind_env, run_name
     assert "--lr 0.1" in json.loads(raw)["environment"]["argv"]  # the rest of the command line stays
     (row,) = lineage.checkpoints(Catalog(), run_name)
     assert "hunter2" not in json.dumps(row.environment)
+
+
+_DATALESS = {
+    "meta": lambda: torch.empty(3, device="meta"),
+    "sparse": lambda: torch.eye(3).to_sparse(),
+    "sparse-csr": lambda: torch.eye(3).to_sparse_csr(),
+    "quantized": lambda: torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.qint8),
+}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("kind", sorted(_DATALESS))
+def test_a_tensor_without_dense_data_is_a_one_line_error_and_nothing_is_committed(
+    rewind_env, run_name, tmp_path, kind, mode
+):
+    """A meta, sparse or quantized tensor in the state is named at save (not torch's error from the staging
+    copy); the run's earlier checkpoint stays the one restored, and the next save of a dense state lands."""
+    cat = Catalog()
+    extras: dict = {"t": torch.ones(3)}
+    ck = Checkpointer(run_name, states={"extras": extras}, root=tmp_path / "ckpt", catalog=cat, mode=mode)
+    ck.save(1)
+    extras["t"] = _DATALESS[kind]()
+    with pytest.raises(ConfigError, match=r"^the tensor at 'extras\.t' is "):
+        ck.save(2)
+    ck.wait()
+    assert [c.step for c in lineage.checkpoints(cat, run_name) if c.status == "committed"] == [1]
+    extras["t"] = torch.full((3,), 2.0)
+    ck.save(3)
+    ck.wait()
+    ck.close()
+    again: dict = {}
+    ck2 = Checkpointer(run_name, states={"extras": again}, root=tmp_path / "ckpt", catalog=cat)
+    assert ck2.restore_latest().step == 3
+    assert torch.equal(again["t"], torch.full((3,), 2.0))
+    ck2.close()

@@ -19,12 +19,36 @@ from rewind.infra.errors import ConfigError
 _TAGS = ("__tensor__", "__tuple__", "__dict__", "__bytes__", "__ndarray__")
 
 
+def _refuse_dataless(t: torch.Tensor, path: str) -> None:
+    """A plain tensor that holds no dense data (meta, sparse, quantized, nested) is a one-line ``ConfigError``
+    here, not torch's error from deep in a save. Subclasses (DTensor, ShardedTensor) are DCP's to judge."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return
+    why = (
+        "on the meta device (no data yet)"
+        if t.device.type == "meta"
+        else f"of layout {t.layout}"
+        if t.layout is not torch.strided
+        else "quantized"
+        if t.is_quantized
+        else "nested"
+        if t.is_nested
+        else ""
+    )
+    if why:
+        raise ConfigError(
+            f"the tensor at {path!r} is {why}: Rewind saves and loads dense tensors that hold data "
+            "(e.g. .to_dense(), .dequantize(), or its parts as tensors of their own)"
+        )
+
+
 def split(tree: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
     """Return (json_tree, tensors); tensors are named ``prefix/<path>``."""
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
+            _refuse_dataless(obj, path)
             tensors[path] = obj
             return {"__tensor__": path}
         if obj is None or isinstance(obj, bool | int | float | str):
