@@ -477,3 +477,29 @@ def test_load_metadata_refuses_to_set_attributes_on_a_dcp_class(attribute):
     assert "refuses to build" in exc.value.findings[0].detail
     md = Metadata(state_dict_metadata={})
     assert vdcp.load_metadata(pickle.dumps(md)) == md
+
+
+def test_torchtitan_train_state_with_bytesio_values_loads(tmp_path):
+    """TorchTitan's TrainState saves its loss history as io.BytesIO values (DCP pickles them): such a
+    checkpoint (adopted from TorchTitan) loads, values equal; an object that could run code still does not."""
+    import io
+
+    def buffer(values: list[float]) -> io.BytesIO:
+        out = io.BytesIO()
+        torch.save(values, out)
+        return out
+
+    losses = [2.5, 2.25, 2.0]
+    state = {"model": _state(1)["model"], "train_state": {"step": 7, "global_avg_losses": buffer(losses),
+                                                         "log_steps": buffer([1, 2, 3])}}  # fmt: skip
+    entries = _save(tmp_path / "ckpt", state)
+    target = {"model": _state(2)["model"], "train_state": {"step": 0, "global_avg_losses": io.BytesIO(),
+                                                          "log_steps": io.BytesIO()}}  # fmt: skip
+    vdcp.load(target, tmp_path / "ckpt", entries)
+    got = target["train_state"]
+    assert got["step"] == 7
+    for name in ("global_avg_losses", "log_steps"):
+        got[name].seek(0)  # as TorchTitan reads them
+    assert torch.load(got["global_avg_losses"], weights_only=True) == losses
+    assert torch.load(got["log_steps"], weights_only=True) == [1, 2, 3]
+    _assert_same(_snapshot(target["model"]), _snapshot(state["model"]))

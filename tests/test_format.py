@@ -58,6 +58,20 @@ def test_tree_round_trip_keeps_types_and_bits():
     assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
 
 
+def test_tree_keeps_bytesio_values_as_torchtitan_train_state_holds_them():
+    """TorchTitan's TrainState returns its loss history as io.BytesIO: kept (bytes and position) through JSON."""
+    import io
+
+    history = io.BytesIO()
+    torch.save([2.5, 2.25], history)
+    at = history.tell()
+    j, tensors = tree.split({"train_state": {"step": 3, "global_avg_losses": history}}, "s")
+    back = tree.join(json.loads(json.dumps(j)), tensors)["train_state"]["global_avg_losses"]
+    assert isinstance(back, io.BytesIO) and back.tell() == at and back.getvalue() == history.getvalue()
+    back.seek(0)
+    assert torch.load(back, weights_only=True) == [2.5, 2.25]
+
+
 def test_tree_refuses_unknown_objects():
     with pytest.raises(ConfigError, match=r"at 'x.bad'"):
         tree.split({"bad": object()}, "x")

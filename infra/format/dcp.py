@@ -230,6 +230,23 @@ def _first_reason(exc: BaseException) -> str:
     return next((ln for ln in lines if "GLOBAL" in ln), lines[0])
 
 
+# Globals a non-tensor value may name beyond torch's own weights-only set: TorchTitan's TrainState keeps
+# its loss history as io.BytesIO (whose state is its own buffer and position, nothing it could run).
+_VALUE_GLOBALS = (io.BytesIO,)
+
+
+@contextmanager
+def _values_allowed() -> Generator[None, None, None]:
+    """``torch.load(weights_only=True)`` admitting ``_VALUE_GLOBALS`` too, for this call only where torch can."""
+    scoped = getattr(torch.serialization, "safe_globals", None)  # torch >= 2.5
+    if scoped is None:
+        torch.serialization.add_safe_globals(list(_VALUE_GLOBALS))
+        yield
+        return
+    with scoped(list(_VALUE_GLOBALS)):
+        yield
+
+
 class _SafeValues:
     """Passes the planner only non-tensor values that decode with ``torch.load(weights_only=True)``.
 
@@ -246,7 +263,8 @@ class _SafeValues:
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
         try:
-            torch.load(value, map_location="cpu", weights_only=True)
+            with _values_allowed():
+                torch.load(value, map_location="cpu", weights_only=True)
         except Exception as exc:  # any decoding failure of verified bytes means a bad file
             fqn = read_item.storage_index.fqn
             info = self._reader.storage_data.get(read_item.storage_index)

@@ -2,12 +2,13 @@
 
 Non-tensor state (RNG, scheduler, data position, optimizer hyper-parameters) goes
 to JSON so that loading never unpickles anything. Types JSON lacks (tuples,
-non-string keys, bytes, numpy arrays) are tagged so they come back exactly.
+non-string keys, bytes, io.BytesIO, numpy arrays) are tagged so they come back exactly.
 """
 
 from __future__ import annotations
 
 import base64
+import io
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 
 from rewind.infra.errors import ConfigError
 
-_TAGS = ("__tensor__", "__tuple__", "__dict__", "__bytes__", "__ndarray__")
+_TAGS = ("__tensor__", "__tuple__", "__dict__", "__bytes__", "__bytesio__", "__ndarray__")
 
 
 def _refuse_dataless(t: torch.Tensor, path: str) -> None:
@@ -63,6 +64,8 @@ def split(tree: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
             return [walk(v, f"{path}.{i}") for i, v in enumerate(obj)]
         if isinstance(obj, bytes | bytearray):
             return {"__bytes__": base64.b64encode(bytes(obj)).decode()}
+        if type(obj) is io.BytesIO:  # TorchTitan's TrainState keeps its loss history so
+            return {"__bytesio__": [base64.b64encode(obj.getvalue()).decode(), obj.tell()]}
         if isinstance(obj, np.ndarray):
             arr = np.ascontiguousarray(obj)
             return {
@@ -76,7 +79,7 @@ def split(tree: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
             return walk(obj.item(), path)
         raise ConfigError(
             f"cannot checkpoint {type(obj).__name__} at {path!r}: use tensors, numbers, strings, "
-            "lists, tuples, dicts, bytes or numpy arrays"
+            "lists, tuples, dicts, bytes, io.BytesIO or numpy arrays"
         )
 
     return walk(tree, prefix), tensors
@@ -100,6 +103,10 @@ def join(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             return {join(k, tensors): join(v, tensors) for k, v in value}
         if tag == "__bytes__":
             return base64.b64decode(value)
+        if tag == "__bytesio__":
+            out = io.BytesIO(base64.b64decode(value[0]))
+            out.seek(int(value[1]))
+            return out
         if tag == "__ndarray__":
             raw = base64.b64decode(value["data"])
             return np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(value["shape"]).copy()
