@@ -181,3 +181,84 @@ def test_retention_never_deletes_an_adopted_directory(rewind_env, run_name, tmp_
     policy = retention.Policy(keep_last=1, grace_s=0)
     retention.execute(cat, retention.plan(cat, run_name, policy), policy)
     assert all((d / "model.safetensors").exists() for d in dirs)
+
+
+def _hf_dir(root: Path, name: str, global_step: object = None) -> Path:
+    """A directory HF Trainer could have written: weights, and its state naming ``global_step``."""
+    from safetensors.torch import save_file
+
+    d = root / name
+    d.mkdir(parents=True)
+    save_file({"w": torch.ones(2)}, str(d / "model.safetensors"))
+    if global_step is not None:
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": global_step}))
+    return d
+
+
+@pytest.mark.parametrize(
+    ("name", "global_step"),
+    [("final", -1), ("final", 1e19), ("final", 12.9), ("final", True), ("step-9999999999999999999", None)],
+    ids=["negative", "float-huge", "fraction", "bool", "name-too-large"],
+)
+def test_adopt_refuses_a_step_no_checkpoint_can_hold_and_writes_nothing(
+    rewind_env, run_name, tmp_path, capsys, name, global_step
+):
+    """The step a directory's name or trainer_state.json gives is checked before anything is written, so a
+    corrected adoption (``--step``) of the same directory goes through."""
+    d = _hf_dir(tmp_path, name, global_step if global_step is not None else 5)
+    if global_step is None:
+        (d / "trainer_state.json").unlink()
+    capsys.readouterr()
+    assert rewind(["adopt", str(d), "--run", run_name]) == 2
+    err = capsys.readouterr().err
+    assert "not a whole number from 0 to" in err and "Traceback" not in err
+    assert not (d / "manifest.json").exists()
+    assert _adopt(capsys, str(d), "--run", run_name, "--step", "5")["step"] == 5
+
+
+def test_adopt_refuses_a_directory_still_being_written(rewind_env, run_name, tmp_path, capsys, monkeypatch):
+    """A file written to while adoption hashes it, or a DCP directory without its last file (.metadata),
+    is refused in one line with nothing written; adopted once the writer is done."""
+    from rewind.infra.inventory import adopt as adopt_mod
+
+    model, opt = _model(0)
+    d = tmp_path / "step-4"
+    dcp.save(_state(model, opt), checkpoint_id=str(d))
+    metadata = (d / ".metadata").read_bytes()
+    (d / ".metadata").unlink()
+    capsys.readouterr()
+    assert rewind(["adopt", str(d), "--run", run_name, "--format", "dcp"]) == 2
+    assert "has no .metadata" in capsys.readouterr().err
+    (d / ".metadata").write_bytes(metadata)
+
+    real_hash = adopt_mod.hash_file
+    shard = next(d.glob("*.distcp"))
+
+    def writer_still_at_work(p: Path):  # type: ignore[no-untyped-def]
+        got = real_hash(p)
+        if p == shard:
+            with open(p, "ab") as f:  # the writer's next bytes land while adoption hashes
+                f.write(b"more")
+        return got
+
+    monkeypatch.setattr(adopt_mod, "hash_file", writer_still_at_work)
+    assert rewind(["adopt", str(d), "--run", run_name]) == 2
+    assert "changed while it was hashed" in capsys.readouterr().err
+    assert not (d / "manifest.json").exists()
+    monkeypatch.setattr(adopt_mod, "hash_file", real_hash)
+    with open(shard, "r+b") as f:  # the writer finished: the file as it was
+        f.truncate(shard.stat().st_size - 4)
+    assert _adopt(capsys, str(d), "--run", run_name)["step"] == 4
+
+
+def test_adopt_names_why_a_manifest_json_is_in_the_way(rewind_env, run_name, tmp_path, capsys):
+    d = _hf_dir(tmp_path, "checkpoint-3", 3)
+    (d / "manifest.json").write_text('{"tool": "someone else\'s"}')
+    capsys.readouterr()
+    assert rewind(["adopt", str(d), "--run", run_name]) == 2
+    assert "another tool's file" in capsys.readouterr().err
+    (d / "manifest.json").unlink()
+    (d / "sub").mkdir()
+    (d / "sub" / "manifest.json").write_text("{}")
+    assert rewind(["adopt", str(d), "--run", run_name]) == 2
+    assert "has the name of Rewind's manifest" in capsys.readouterr().err

@@ -105,17 +105,23 @@ def test_a_loader_of_rewinds_own_files_refuses_an_adopted_checkpoint_and_condemn
 
 
 def test_weights_export_cannot_read_refuse_the_export_not_the_checkpoint(rewind_env, run_name, tmp_path):
-    """An adopted safetensors directory whose model holds a dtype Rewind's reader lacks (uint16): the export
-    is refused in one line; the checkpoint, whose every byte is the one adopted, stays verified."""
-    from safetensors.torch import save_file
+    """An adopted safetensors directory whose model holds a dtype Rewind's reader lacks (F8_E8M0, newer than
+    its table): the export is refused in one line; the checkpoint, whose every byte is the one adopted, stays
+    verified."""
+    import struct
 
     from rewind.infra.inventory.adopt import adopt
 
     directory = tmp_path / "weights" / "checkpoint-3"
     directory.mkdir(parents=True)
-    save_file(
-        {"w": torch.ones(4), "ids": torch.zeros(4, dtype=torch.uint16)}, str(directory / "model.safetensors")
-    )
+    header = json.dumps(
+        {
+            "w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+            "ids": {"dtype": "F8_E8M0", "shape": [4], "data_offsets": [16, 20]},
+        }
+    ).encode()
+    data = torch.ones(4).numpy().tobytes() + bytes(4)
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + data)
     cat = Catalog()
     assert adopt(cat, directory, run=run_name).format == "safetensors"
     before = _snapshot(directory)

@@ -18,7 +18,7 @@ import re
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from rewind.infra.catalog import copies, disks, imported, lineage
 from rewind.infra.catalog.db import Catalog
@@ -29,6 +29,7 @@ from rewind.infra.format import manifest as mf
 from rewind.infra.format import store
 from rewind.infra.format.digest import hash_file, manifest_digest
 from rewind.infra.format.verify import check_copy
+from rewind.infra.inventory.scan import MAX_STEP
 
 log = logging.getLogger("rewind.adopt")
 FORMATS = ("dcp", "torchtitan", "hf-trainer", "safetensors")
@@ -61,16 +62,24 @@ def detect(path: Path) -> str:
     raise ConfigError(f"{path} is not a DCP, TorchTitan, HF Trainer or safetensors checkpoint: give --format")
 
 
+def checked_step(value: object, source: str) -> int:
+    """``value`` as a step the catalog and a manifest hold (an int from 0 to 2**63-1), else a ``ConfigError``."""
+    if type(value) is not int or not 0 <= value <= MAX_STEP:
+        raise ConfigError(f"{source} gives step {str(value)[:40]!r}, not a whole number from 0 to {MAX_STEP}")
+    return value
+
+
 def step_of(path: Path, fmt: str) -> int:
     """The step a directory's name or HF Trainer's own state says it holds."""
     m = _STEP_NAME.fullmatch(path.name)
     if m:
-        return int(m.group(1))
+        return checked_step(int(m.group(1)), f"the name of {path}")
     if fmt == "hf-trainer":
         try:
-            return int(json.loads((path / "trainer_state.json").read_text())["global_step"])
+            found = json.loads((path / "trainer_state.json").read_text())["global_step"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot read global_step from {path}/trainer_state.json: {exc}") from exc
+        return checked_step(found, f"{path}/trainer_state.json")
     raise ConfigError(f"cannot tell which step {path} holds from its name: give --step")
 
 
@@ -82,14 +91,49 @@ def _entries(path: Path) -> tuple[mf.FileEntry, ...]:
         if p.is_symlink() or not (p.is_file() or p.is_dir()):
             raise ConfigError(f"{p} is a link or special file: adopt only directories of regular files")
         if p.is_file() and rel != mf.MANIFEST_NAME:
-            try:
-                d = hash_file(p)
-            except PermissionError as exc:
-                raise ConfigError(f"cannot read {p}: {exc.strerror}") from exc
-            out.append(mf.FileEntry(mf.safe_relative(rel), d.size, d.xxh3, d.crc32c))
+            out.append(_hashed(p, rel))
     if not out:
         raise ConfigError(f"{path} holds no files")
+    now = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {mf.MANIFEST_NAME}
+    if now != {e.path for e in out}:
+        raise ConfigError(
+            f"{path} changed while it was adopted (files came or went): adopt it when its writer is done"
+        )
     return tuple(out)
+
+
+def _hashed(p: Path, rel: str) -> mf.FileEntry:
+    """One file's entry; a file written to while it was hashed is refused (its digest would be of no state)."""
+    try:
+        before = p.stat()
+        d = hash_file(p)
+        after = p.stat()
+    except PermissionError as exc:
+        raise ConfigError(f"cannot read {p}: {exc.strerror}") from exc
+    same = (before.st_ino, before.st_size, before.st_mtime_ns) == (
+        after.st_ino,
+        after.st_size,
+        after.st_mtime_ns,
+    )
+    if not same or d.size != after.st_size:
+        raise ConfigError(f"{p} changed while it was hashed: adopt the directory when its writer is done")
+    return mf.FileEntry(_listable(p, rel), d.size, d.xxh3, d.crc32c)
+
+
+def _listable(p: Path, rel: str) -> str:
+    """``rel`` as a manifest lists it; a name no manifest can list is a ``ConfigError`` saying why."""
+    if PurePosixPath(rel).name == mf.MANIFEST_NAME:
+        raise ConfigError(f"{p} has the name of Rewind's manifest: adopt a copy of the directory without it")
+    try:
+        rel.encode()
+    except UnicodeEncodeError:
+        raise ConfigError(
+            f"{p!r} has a name that is not UTF-8, which a manifest cannot list: rename it"
+        ) from None
+    try:
+        return mf.safe_relative(rel)
+    except mf.ManifestError as exc:
+        raise ConfigError(f"cannot adopt {p}: {exc}") from exc
 
 
 def _world(fmt: str, files: tuple[mf.FileEntry, ...]) -> int:
@@ -146,8 +190,8 @@ def _existing(path: Path, run: str) -> tuple[mf.Manifest, str] | None:
     m = report.manifest
     if not report.ok or m is None or not m.writer.get("engine", "").startswith("adopted:") or m.run != run:
         raise ConfigError(
-            f"{path} already holds a Rewind manifest that is not this run's adoption: "
-            "use `rewind catalog rebuild --from` on its tier instead"
+            f"{path} already holds a {mf.MANIFEST_NAME} that is not this run's adoption (another tool's file, "
+            "another run's adoption, or a Rewind copy: for that, `rewind catalog rebuild --from` on its tier)"
         )
     return m, manifest_digest(raw)
 
@@ -179,7 +223,11 @@ def adopt(
         m, digest = again
     else:
         fmt = fmt or detect(path)
-        at = step if step is not None else step_of(path, fmt)
+        if fmt in COMPLETE and not (path / COMPLETE[fmt]).is_file():
+            raise ConfigError(
+                f"{path} has no {COMPLETE[fmt]}, which its writer writes last: adopt it when done"
+            )
+        at = checked_step(step, "--step") if step is not None else step_of(path, fmt)
         files = _entries(path)
         parent_step, parent_digest = _parent(cat, run_id, at)
         m = mf.Manifest(
