@@ -126,14 +126,23 @@ def _span(dtype: str, shape: list[int], start: int, end: int) -> dict:
 @pytest.mark.parametrize(
     ("raw", "error"),
     [
-        (b"\xff" * 8 + b"{}", "runs past"),
+        (b"\xff" * 8 + b"{}", "is over"),
+        ((64).to_bytes(8, "little") + b"{}", "runs past"),
         (_file([], b""), "not a JSON object"),
         (_file({"a": _span("F32", [4], 0, 16)}, b"\x00" * 8), "do not fit"),
         (_file({"a": _span("F32", [3], 0, 16)}, b"\x00" * 16), "do not fit"),
         (_file({"a": _span("U8", [4], 0, 4), "b": _span("U8", [4], 2, 6)}, b"\x00" * 6), "overlap"),
         (_file({"a": _span("PICKLE", [1], 0, 1)}, b"\x00"), "unsupported dtype"),
-        (_file({"a": _span("F32", [0, 2**62, 2**62], 0, 0)}, b""), "do not fit"),  # empty, yet unallocatable
+        (_file({"a": _span("F32", [0, 2**62, 2**62], 0, 0)}, b""), "malformed shape"),  # empty, unallocatable
         (_file({"a": {"dtype": "F32", "shape": [float("inf")], "data_offsets": [0, 0]}}, b""), "malformed"),
+        # what Hugging Face's reader refuses too: a dtype, shape or offsets of another JSON type
+        (_file({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}, b"\x00" * 4), "unsupported"),
+        (_file({"a": {"dtype": "F32", "shape": {"1": 1}, "data_offsets": [0, 4]}}, b"\x00" * 4), "malformed"),
+        (_file({"a": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, b"\x00" * 4), "malformed"),
+        (_file({"a": {"dtype": "F32", "shape": [1.9], "data_offsets": [0, 4]}}, b"\x00" * 4), "malformed"),
+        (_file({"a": {"dtype": "F32", "shape": [1], "data_offsets": "04"}}, b"\x00" * 4), "malformed"),
+        (_file({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}, b"\x00" * 8), "malformed"),
+        ((100_000_001).to_bytes(8, "little") + b"{}", "the most safetensors reads"),
     ],
 )
 @pytest.mark.parametrize("how", ["read", "over"])

@@ -52,6 +52,7 @@ _DTYPES: dict[torch.dtype, str] = {
 _BY_NAME = {v: k for k, v in _DTYPES.items()}
 _MAX_DIM = 1 << 40  # no real dimension is larger; an empty tensor could otherwise claim any shape
 PAGE = 4096  # the tensors of a large file start on such a boundary
+MAX_HEADER = 100_000_000  # safetensors' own limit: a longer header is a damaged or hostile file
 PAGE_FROM = 1 << 20  # from this many bytes of tensors; a smaller file is not made 4 KiB longer
 
 
@@ -179,18 +180,15 @@ def _spans(header: dict[str, Any], data_bytes: int) -> list[_Span]:
     for name, info in header.items():
         if not isinstance(info, dict):
             raise MalformedFile(f"tensor {name!r} has a malformed header entry")
-        dtype = _BY_NAME.get(info.get("dtype"))  # type: ignore[arg-type]
-        if dtype is None:
-            raise MalformedFile(f"tensor {name!r} has unsupported dtype {info.get('dtype')!r}")
-        try:
-            start, end = (int(x) for x in info["data_offsets"])
-            shape = [int(n) for n in info["shape"]]
-        except (KeyError, TypeError, ValueError, OverflowError) as exc:
-            raise MalformedFile(f"tensor {name!r} has malformed offsets or shape") from exc
+        dtype = dtype_named(name, info.get("dtype"))
+        shape = checked_shape(name, info.get("shape"))
+        offsets = info.get("data_offsets")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(x) is int for x in offsets):
+            raise MalformedFile(f"tensor {name!r} has malformed offsets {str(offsets)[:100]}")
+        start, end = offsets
         count = math.prod(shape)
         if (
-            any(n < 0 or n > _MAX_DIM for n in shape)
-            or not 0 <= start <= end <= data_bytes
+            not 0 <= start <= end <= data_bytes
             or end - start != count * torch.empty(0, dtype=dtype).element_size()
         ):
             raise MalformedFile(
@@ -261,6 +259,8 @@ def _header_length(head: bytes, size: int) -> int:
     if size < 8 or len(head) < 8:
         raise EOFError("file is shorter than a safetensors header")
     (n,) = struct.unpack("<Q", head)
+    if n > MAX_HEADER:
+        raise MalformedFile(f"header length {n} is over {MAX_HEADER} bytes, the most safetensors reads")
     if 8 + n > size:
         raise MalformedFile(f"header length {n} runs past the end of the file ({size} bytes)")
     return int(n)
