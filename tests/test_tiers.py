@@ -170,7 +170,7 @@ def test_s3_outage_mid_replication_is_retried_and_resumed(
 
 @pytest.mark.parametrize(
     "case",
-    ["wrong_credentials", "missing_bucket", "unreachable_endpoint"],
+    ["wrong_credentials", "missing_bucket", "unreachable_endpoint", "bad_bucket_name", "unknown_profile"],
 )
 def test_bad_targets_fail_clearly_and_record_nothing(
     case, s3_env, rewind_env, run_name, tmp_path, monkeypatch, capsys
@@ -185,6 +185,10 @@ def test_bad_targets_fail_clearly_and_record_nothing(
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
     elif case == "missing_bucket":
         uri = "s3://no-such-bucket/x"
+    elif case == "bad_bucket_name":
+        uri = "s3://b b/x"
+    elif case == "unknown_profile":
+        monkeypatch.setenv("AWS_PROFILE", f"no-such-profile-{run_name}")
     else:
         from rewind.infra.net import free_port
 
@@ -197,8 +201,12 @@ def test_bad_targets_fail_clearly_and_record_nothing(
         "wrong_credentials": "refused the credentials",
         "missing_bucket": "does not exist",
         "unreachable_endpoint": "unreachable",
+        "bad_bucket_name": "is not a bucket name",
+        "unknown_profile": "could not be found",
     }
     assert expected[case] in err
+    if case in ("bad_bucket_name", "unknown_profile"):  # bad input, never retried as an outage would be
+        assert code == 2, err
     assert "not-the-secret" not in err
     cat = Catalog()
     for ck in lineage.checkpoints(cat, run_name):
@@ -260,3 +268,32 @@ def test_retention_keeps_last_every_and_pinned_on_every_tier(s3_env, rewind_env,
     statuses = {c.step: c.status for c in lineage.checkpoints(Catalog(), run_name)}
     assert sorted(s for s, st in statuses.items() if st != "deleted") == expected
     assert {u["tier"] for u in done["usage"]} == {"local", "shared", "offsite"}
+
+
+@pytest.mark.parametrize("size_gib", [1, 625, 626, 5000])
+def test_a_multipart_upload_never_needs_more_parts_than_s3_allows(size_gib):
+    """A file over 10,000 parts of the configured size (625 GiB at 64 MiB) gets larger parts, whole MiB,
+    the same on every try (a resumed upload keeps the parts it sent)."""
+    from rewind.infra.tiers.s3 import MAX_PARTS, MiB, part_size
+
+    size = size_gib * 1024 * MiB + 1
+    step = part_size(size, 64 * MiB)
+    assert step >= 64 * MiB and step % MiB == 0 and -(-size // step) <= MAX_PARTS
+    assert step == part_size(size, 64 * MiB)
+    if size_gib <= 1:
+        assert step == 64 * MiB
+
+
+def test_a_call_the_server_does_not_implement_is_bad_input_not_an_outage():
+    """501 NotImplemented (a server without, say, object lock) is never retried as a transient error is."""
+    from botocore.exceptions import ClientError
+
+    from rewind.infra.tiers.base import TierConfigError
+    from rewind.infra.tiers.s3_errors import tier_error
+
+    response = {
+        "Error": {"Code": "NotImplemented", "Message": "no"},
+        "ResponseMetadata": {"HTTPStatusCode": 501},
+    }
+    got = tier_error(ClientError(response, "PutObject"), "b", "http://127.0.0.1:1", "k")  # type: ignore[arg-type]
+    assert isinstance(got, TierConfigError) and "does not implement" in str(got)

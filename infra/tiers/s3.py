@@ -25,7 +25,7 @@ import boto3
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from rewind.infra import progress
+from rewind.infra import progress, redact
 from rewind.infra.format import digest
 from rewind.infra.tiers import s3_errors
 from rewind.infra.tiers.base import NotCopied, ObjectInfo, ObjectNotFound, TierConfigError, TierUnavailable
@@ -33,6 +33,8 @@ from rewind.infra.tiers.s3_ranged import RangedBody
 
 MiB = 1 << 20
 MAX_COPY = 5 << 30  # the largest object one CopyObject request may copy
+MAX_PARTS = 10_000  # the most parts one multipart upload may have (S3 and every server that copies it)
+_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # loose: other servers allow '_' and capitals
 
 
 def parse_uri(uri: str) -> tuple[str, str]:
@@ -42,7 +44,18 @@ def parse_uri(uri: str) -> tuple[str, str]:
     bucket, _, prefix = uri[5:].partition("/")
     if not bucket:
         raise TierConfigError(f"S3 URI {uri!r} names no bucket")
+    if not _BUCKET.fullmatch(bucket):
+        raise TierConfigError(
+            f"S3 URI {uri!r}: {bucket!r} is not a bucket name (letters, digits, '.', '-', '_')"
+        )
     return bucket, prefix.strip("/")
+
+
+def part_size(size: int, least: int) -> int:
+    """The part size of a ``size``-byte upload: ``least``, or larger (whole MiB) so it has at most
+    ``MAX_PARTS`` parts; the same for every try of one file, so a resumed upload keeps its parts."""
+    fewest = -(-size // MAX_PARTS)
+    return max(least, -(-fewest // MiB) * MiB)
 
 
 def _same_part(held: dict[str, Any], data: bytes, crc: str) -> bool:
@@ -70,6 +83,8 @@ def _client(concurrency: int) -> Any:
         raise TierConfigError(
             "AWS_ENDPOINT_URL (or the profile's endpoint_url) is not a URL: give http(s)://host:port"
         ) from exc
+    except s3_errors.SETUP_ERRORS as exc:  # AWS_PROFILE naming no profile, a region botocore refuses
+        raise TierConfigError(f"S3 setup: {redact.text(str(exc))[:300]}") from exc
 
 
 class S3Tier:
@@ -261,9 +276,15 @@ class S3Tier:
     # -- resumable multipart ---------------------------------------------------------------
 
     def _pending_upload(self, k: str) -> str | None:
-        page = self._call("list_multipart_uploads", k, Prefix=k)
-        ups = [u for u in page.get("Uploads", []) if u["Key"] == k]
-        return max(ups, key=lambda u: u["Initiated"])["UploadId"] if ups else None
+        """The newest upload of ``k`` left unfinished (a push cut short), over every page of the listing."""
+        ups: list[dict[str, Any]] = []
+        marker: dict[str, str] = {}
+        while True:
+            page = self._call("list_multipart_uploads", k, Prefix=k, **marker)
+            ups += [u for u in page.get("Uploads", []) if u["Key"] == k]
+            if not page.get("IsTruncated"):
+                return max(ups, key=lambda u: u["Initiated"])["UploadId"] if ups else None
+            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def _parts_held(self, k: str, upload_id: str) -> dict[int, dict[str, Any]]:
         held: dict[int, dict[str, Any]] = {}
@@ -288,19 +309,20 @@ class S3Tier:
                 ChecksumType="FULL_OBJECT",
                 **self._lock(),
             )["UploadId"]
-        count = (size + self.part_size - 1) // self.part_size
+        step = part_size(size, self.part_size)
+        count = (size + step - 1) // step
         fd = os.open(src, os.O_RDONLY)
         meter = progress.current()  # the part threads report to this context's watcher
 
         def part(n: int) -> tuple[dict[str, Any], int]:
             done = send(n)
             if meter is not None:
-                meter.advance(min(self.part_size, size - (n - 1) * self.part_size))
+                meter.advance(min(step, size - (n - 1) * step))
             return done
 
         def send(n: int) -> tuple[dict[str, Any], int]:
-            offset = (n - 1) * self.part_size
-            data = os.pread(fd, min(self.part_size, size - offset), offset)
+            offset = (n - 1) * step
+            data = os.pread(fd, min(step, size - offset), offset)
             crc = digest.crc32c_b64(digest.crc32c(data))
             have = held.get(n)
             if have and int(have["Size"]) == len(data) and _same_part(have, data, crc):

@@ -8,7 +8,11 @@ from botocore.exceptions import (
     ClientError,
     EndpointConnectionError,
     EndpointResolutionError,
+    InvalidRegionError,
     NoCredentialsError,
+    NoRegionError,
+    ParamValidationError,
+    ProfileNotFound,
 )
 
 from rewind.infra import redact
@@ -37,6 +41,8 @@ TRANSIENT = {
     "XAmzContentSHA256Mismatch",
     "InvalidDigest",
 }
+# Errors of the setup (a profile, a region, a parameter botocore refuses before sending): no retry helps
+SETUP_ERRORS = (ParamValidationError, ProfileNotFound, NoRegionError, InvalidRegionError)
 
 
 def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exception:
@@ -59,6 +65,10 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
             return ObjectNotFound(f"{where} does not exist")
         if code in ("PreconditionFailed", "412", "ConditionalRequestConflict") or status == 412:
             return AlreadyExists(f"{where} already exists; replicas are never overwritten")
+        if code == "NotImplemented" or status == 501:  # this server lacks the call: it never will have it
+            return TierConfigError(
+                f"S3 server at {endpoint} does not implement a call Rewind made at {where}"
+            )
         if code in DENIED or status == 403:
             return TierAccessDenied(f"S3 refused the credentials for {where} ({code or status})")
         if code in TRANSIENT or status >= 500:
@@ -66,6 +76,8 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
         return TierConfigError(f"S3 error at {where}: {code or status}: {err.get('Message', '')}")
     if isinstance(exc, EndpointResolutionError):  # no request can ever go there: bad input, not an outage
         return TierConfigError(f"S3 endpoint {endpoint} is not a valid URL (AWS_ENDPOINT_URL)")
+    if isinstance(exc, SETUP_ERRORS):
+        return TierConfigError(f"S3 setup for {where}: {redact.text(str(exc))[:300]}")
     if isinstance(exc, BotoCoreError | OSError):
         return TierUnavailable(f"S3 endpoint {endpoint}: {redact.text(str(exc))}")
     return exc
