@@ -56,12 +56,30 @@ def at_least_one(text: str) -> int:
     return n
 
 
+MAX_AMOUNT = 1e12  # seconds (31,000 years), gigabytes (a zettabyte), dollars: larger is a typo, not a wish
+
+
 def amount(text: str) -> float:
-    """A finite, non-negative number (seconds, gigabytes, dollars, a share)."""
+    """A finite, non-negative number (seconds, gigabytes, dollars, a share), at most ``MAX_AMOUNT``."""
     try:
         x = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, not {text!r}") from None
-    if not math.isfinite(x) or x < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number of at least 0, not {text}")
+    if not math.isfinite(x) or not 0 <= x <= MAX_AMOUNT:
+        raise argparse.ArgumentTypeError(f"expected a finite number from 0 to {MAX_AMOUNT:g}, not {text}")
     return x
+
+
+def whole(low: int, high: int) -> Callable[[str], int]:
+    """An argument type: a whole number from ``low`` to ``high`` (e.g. S3's limits)."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+        if not low <= n <= high:
+            raise argparse.ArgumentTypeError(f"expected a whole number from {low} to {high}, not {text}")
+        return n
+
+    return parse

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from rewind.flows.cli_args import Add, Emit, OpenCatalog, Wrap, amount, at_least_one, count, step
+from rewind.flows.cli_args import Add, Emit, OpenCatalog, Wrap, amount, at_least_one, count, step, whole
 
 if TYPE_CHECKING:  # imported where used: `rewind --help` stays fast
     from rewind.infra.reclaim import Reclaim
@@ -16,10 +16,13 @@ MiB = 1 << 20
 
 
 def _tier_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--part-size-mib", type=count, default=64, help="S3 multipart part size")
-    p.add_argument("--concurrency", type=count, default=8, help="S3 parts in flight")
+    p.add_argument("--part-size-mib", type=whole(5, 5120), default=64, help="S3 multipart part size (5-5120)")
+    p.add_argument("--concurrency", type=whole(1, 256), default=8, help="S3 parts in flight")
     p.add_argument(
-        "--immutable-days", type=count, default=None, help="S3 Object Lock retention (bucket must allow it)"
+        "--immutable-days",
+        type=whole(1, 36500),
+        default=None,
+        help="S3 Object Lock retention in days, up to 100 years (bucket must allow it)",
     )
 
 

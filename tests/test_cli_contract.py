@@ -65,6 +65,27 @@ CASES = {
         "not a database URL",
         "hunter2",
     ),
+    "budget_overflows": (
+        ["gc", "{run}", "--budget-gb", "1e300", "--dry-run"],
+        {},
+        2,
+        "from 0 to 1e+12",
+        None,
+    ),
+    "lock_past_year_9999": (
+        ["replicate", "{run}", "--to", "s3://bucket/x", "--immutable-days", "3000000"],
+        {},
+        2,
+        "from 1 to 36500",
+        None,
+    ),
+    "no_parts_in_flight": (
+        ["replicate", "{run}", "--to", "s3://bucket/x", "--concurrency", "0"],
+        {},
+        2,
+        "from 1",
+        None,
+    ),
     "s3_endpoint_not_a_url": (
         ["replicate", "{run}", "--to", "s3://bucket/x"],
         {"AWS_ENDPOINT_URL": "notaurl", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "sk"},
