@@ -114,6 +114,10 @@ def replicate(
             continue
         if held:  # a tier without server checksums has its bytes read back before they count
             report = transfer.check_remote(tier, key, digest, deep=not tier.checksums, keyring=kr.from_env())
+            if report.verdict is Verdict.VERIFIED and not report.deep and not tier.checksums:
+                report = transfer.check_remote(
+                    tier, key, digest, deep=True, keyring=kr.from_env()
+                )  # none kept
             if report.verdict is Verdict.VERIFIED:
                 _register(cat, ck, tier, key)
                 return Replicated(ck.step, key, 0, True)

@@ -31,3 +31,62 @@ def big_checkpoint(run: str, root: Path, mb: int = 260):  # type: ignore[no-unty
     )
     ck.save(1)
     return ck.last_saved
+
+
+class ChecksumlessS3:
+    """A real HTTP proxy on loopback in front of the test's S3 server that answers as a server keeping no
+    CRC32C does (older Ceph RGW, GCS's XML API): every ``x-amz-checksum-*`` header and ``<Checksum...>``
+    element is dropped from its answers. Requests pass unchanged (the signature covers the proxy's Host)."""
+
+    def __init__(self, upstream: str) -> None:
+        import http.client
+        import re
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import urlsplit
+
+        target = urlsplit(upstream)
+        element = re.compile(rb"<Checksum(CRC32C|CRC32|CRC64NVME|SHA1|SHA256|Type)>[^<]*</Checksum\1>")
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def _forward(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+                try:
+                    sent = {
+                        k: v for k, v in self.headers.items() if k.lower() not in ("expect", "connection")
+                    }
+                    conn.request(self.command, self.path, body=body, headers=sent)
+                    answer = conn.getresponse()
+                    data = b"" if self.command == "HEAD" else element.sub(b"", answer.read())
+                    self.send_response(answer.status, answer.reason)
+                    for name, value in answer.getheaders():
+                        low = name.lower()
+                        if not low.startswith("x-amz-checksum") and low not in (
+                            "content-length",
+                            "connection",
+                        ):
+                            self.send_header(name, value)
+                    length = answer.getheader("Content-Length", "0") if self.command == "HEAD" else len(data)
+                    self.send_header("Content-Length", str(length))
+                    self.end_headers()
+                    self.wfile.write(data)
+                finally:
+                    conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)

@@ -297,3 +297,40 @@ def test_a_call_the_server_does_not_implement_is_bad_input_not_an_outage():
     }
     got = tier_error(ClientError(response, "PutObject"), "b", "http://127.0.0.1:1", "k")  # type: ignore[arg-type]
     assert isinstance(got, TierConfigError) and "does not implement" in str(got)
+
+
+def test_a_server_keeping_no_checksums_has_copies_read_back_not_taken_on_their_size(
+    s3_env, rewind_env, run_name, tmp_path, monkeypatch, capsys
+):
+    """Behind a server that keeps no CRC32C (a real proxy dropping them from every answer), a copy an earlier
+    push left whose object was damaged behind Rewind's back (same size) is read back and passed over, never
+    registered verified on its sizes; the copy made instead (multipart included) is read back as placed."""
+    from rewind.flows.cli import main as rewind
+    from rewind.infra.catalog import lineage
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.format import manifest as mf
+    from rewind.infra.tiers import transfer
+    from tests.s3_support import ChecksumlessS3
+
+    saved = big_checkpoint(run_name, tmp_path / "ckpt", mb=8)
+    raw = (Path(saved.path) / mf.MANIFEST_NAME).read_bytes()
+    prefix = f"no-crc-{run_name}"
+    uri, key = f"s3://{BUCKET}/{prefix}", transfer.copy_key(run_name, 1)
+    transfer.push(Path(saved.path), raw, S3Tier(uri), key)  # an earlier push left a whole copy here
+    victim = f"{prefix}/{key}/optimizer.safetensors"
+    client = s3_env.client()
+    body = bytearray(client.get_object(Bucket=BUCKET, Key=victim)["Body"].read())
+    body[len(body) // 2] ^= 0x01
+    client.delete_object(Bucket=BUCKET, Key=victim)
+    client.put_object(Bucket=BUCKET, Key=victim, Body=bytes(body))  # damaged, same size, no checksum
+    proxy = ChecksumlessS3(s3_env.endpoint)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        assert rewind(["replicate", run_name, "--to", uri, "--part-size-mib", "5"]) == 0
+        (rep,) = [r for r in lineage.replicas_of(Catalog(), saved.checkpoint_id) if r.tier == "offsite"]
+        assert rep.key != key and rep.status == "verified"
+        capsys.readouterr()
+        assert rewind(["ckpt", "verify", run_name, "--tier", "offsite", "--deep"]) == 0
+        assert S3Tier(uri).stat(f"{rep.key}/optimizer.safetensors").size > 5 << 20  # sent in parts
+    finally:
+        proxy.close()

@@ -13,6 +13,7 @@ the server already holds and sends only the missing ones.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -31,6 +32,7 @@ from rewind.infra.tiers import s3_errors
 from rewind.infra.tiers.base import NotCopied, ObjectInfo, ObjectNotFound, TierConfigError, TierUnavailable
 from rewind.infra.tiers.s3_ranged import RangedBody
 
+log = logging.getLogger("rewind.tiers")
 MiB = 1 << 20
 MAX_COPY = 5 << 30  # the largest object one CopyObject request may copy
 MAX_PARTS = 10_000  # the most parts one multipart upload may have (S3 and every server that copies it)
@@ -108,6 +110,10 @@ class S3Tier:
         self.concurrency = max(1, concurrency)
         self.immutable_days = immutable_days
         self._client = client or _client(self.concurrency)
+        # Whether the server keeps each object's CRC32C (and so vouches for what it received): assumed until
+        # a HEAD or an upload's answer lacks it (some servers keep none, or only a per-part composite); from
+        # then on what this tier places is read back, as on a filesystem.
+        self.checksums = True
         # For messages: an endpoint URL may carry user:password@, which is never printed.
         self.endpoint = re.sub(r"//[^/@]*@", "//", str(self._client.meta.endpoint_url))
 
@@ -143,7 +149,32 @@ class S3Tier:
         crc = head.get("ChecksumCRC32C")
         if crc and "-" in crc:
             crc = None  # a composite (per-part) checksum is not the object's CRC32C
+        if crc is None:
+            self._keeps_no_checksums()
         return ObjectInfo(key, int(head["ContentLength"]), crc)
+
+    def _keeps_no_checksums(self) -> None:
+        if self.checksums:
+            log.warning(
+                "%s: an object without a full-object CRC32C (the server keeps none, or only per part): "
+                "what Rewind places or finds there is read back to be verified",
+                self.uri,
+            )
+        self.checksums = False
+
+    def _vouched(self, key: str, answer: dict[str, Any], crc32c: str, size: int) -> None:
+        """An upload's object as the server acknowledged it: its CRC32C, or else the bytes read back and
+        held to ``crc32c``; a copy that differs is deleted (``TierUnavailable``: sending again may do)."""
+        if answer.get("ChecksumCRC32C") == crc32c:
+            return
+        self._keeps_no_checksums()
+        crc, got, k = 0, 0, self._key(key)
+        with self.open(key) as body:
+            while chunk := body.read(digest.CHUNK):
+                crc, got = digest.crc32c(chunk, crc), got + len(chunk)
+        if got != size or digest.crc32c_b64(crc) != crc32c:
+            self._call("delete_object", k, Key=k)
+            raise TierUnavailable(f"s3://{self.bucket}/{k} did not arrive as sent (read back); deleted")
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         full = self._key(prefix)
@@ -220,7 +251,7 @@ class S3Tier:
 
     def put_bytes(self, key: str, data: bytes, *, crc32c: str) -> None:
         k = self._key(key)
-        self._call(
+        answer = self._call(
             "put_object",
             k,
             Key=k,
@@ -230,6 +261,7 @@ class S3Tier:
             IfNoneMatch="*",
             **self._lock(),
         )
+        self._vouched(key, answer, crc32c, len(data))
 
     def copy(self, src_key: str, dst_key: str, *, crc32c: str) -> None:
         """CopyObject, CRC32C asked for and ``IfNoneMatch='*'`` as every upload has (nothing overwritten).
@@ -271,7 +303,7 @@ class S3Tier:
             self.put_bytes(key, src.read_bytes(), crc32c=crc32c)
             progress.advance(size)
             return size
-        return self._multipart(self._key(key), src, size, crc32c)
+        return self._multipart(key, src, size, crc32c)
 
     # -- resumable multipart ---------------------------------------------------------------
 
@@ -297,7 +329,8 @@ class S3Tier:
                 return held
             marker = {"PartNumberMarker": int(page["NextPartNumberMarker"])}
 
-    def _multipart(self, k: str, src: Path, size: int, crc_full: str) -> int:
+    def _multipart(self, key: str, src: Path, size: int, crc_full: str) -> int:
+        k = self._key(key)
         upload_id = self._pending_upload(k)
         held = self._parts_held(k, upload_id) if upload_id else {}
         if upload_id is None:
@@ -344,7 +377,7 @@ class S3Tier:
                 done = list(pool.map(part, range(1, count + 1)))
         finally:
             os.close(fd)
-        self._call(
+        answer = self._call(
             "complete_multipart_upload",
             k,
             Key=k,
@@ -354,6 +387,7 @@ class S3Tier:
             ChecksumType="FULL_OBJECT",
             IfNoneMatch="*",
         )
+        self._vouched(key, answer, crc_full, size)
         return sum(n for _, n in done)
 
 

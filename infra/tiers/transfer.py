@@ -115,9 +115,10 @@ def holds(tier: Tier, key: str, digest: str) -> bool | None:
 
 
 def _stat_matches(
-    tier: Tier, key: str, entry: mf.FileEntry, *, need_checksum: bool = False
+    tier: Tier, key: str, entry: mf.FileEntry, *, need_checksum: bool | None = False
 ) -> Finding | None:
-    """Size and server-side CRC32C against ``entry``; with ``need_checksum``, a size alone proves nothing."""
+    """Size and server-side CRC32C against ``entry``; with ``need_checksum``, a size alone proves nothing
+    (None: where the tier still says, after this stat, that it keeps checksums)."""
     try:
         info = tier.stat(key)
     except ObjectNotFound:
@@ -128,6 +129,8 @@ def _stat_matches(
         return Finding(
             Problem.SIZE, entry.path, f"{tier.name} holds {info.size} bytes, manifest says {entry.size}"
         )
+    if need_checksum is None:
+        need_checksum = tier.checksums
     if info.crc32c is None and need_checksum:
         return Finding(Problem.UNREADABLE, entry.path, f"the {tier.name} tier keeps no checksum to compare")
     if info.crc32c is not None and info.crc32c != entry.crc32c:
@@ -157,8 +160,9 @@ def reuse_index(tier: Tier, sources: Sequence[Reuse]) -> dict[FileId, list[str]]
 
 
 def _held(tier: Tier, target: str, entry: mf.FileEntry) -> Finding | None:
-    """Is ``target`` already this file? The server's CRC32C vouches on S3; a filesystem's is read back."""
-    finding = _stat_matches(tier, target, entry, need_checksum=tier.checksums)
+    """Is ``target`` already this file? The server's CRC32C vouches on S3; a filesystem's is read back, as is
+    an object on a server that keeps no CRC32C (which it may show at this very stat)."""
+    finding = _stat_matches(tier, target, entry, need_checksum=None)
     if finding is None and not tier.checksums:
         finding = _hash_remote(tier, target, entry)  # a read, not a write: cheaper than sending it again
     elif finding is None:
