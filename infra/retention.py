@@ -361,3 +361,6 @@ def _delete_copy(ref: CopyRef, run: str, step: int) -> None:
     for obj in list(t.list(f"{base}/")):
         t.delete(obj.key)
         _moment()
+    t.abandon(
+        f"{base}/"
+    )  # parts of an upload cut short: invisible to a listing, kept (and billed) until aborted

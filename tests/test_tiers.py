@@ -252,6 +252,17 @@ def test_retention_keeps_last_every_and_pinned_on_every_tier(s3_env, rewind_env,
     assert rewind(["replicate", run_name, "--to", shared]) == 0
     assert rewind(["replicate", run_name, "--to", offsite]) == 0
     assert rewind(["ckpt", "pin", run_name, "2"]) == 0
+    client = s3_env.client()
+
+    def cut_short(step: int) -> str:  # an upload a push started under the copy and never finished
+        prefix = f"retention/{run_name}/step-{step}/"
+        up = client.create_multipart_upload(Bucket=BUCKET, Key=f"{prefix}big.bin")["UploadId"]
+        client.upload_part(
+            Bucket=BUCKET, Key=f"{prefix}big.bin", UploadId=up, PartNumber=1, Body=b"x" * (5 << 20)
+        )
+        return prefix
+
+    doomed, kept = cut_short(1), cut_short(12)
     capsys.readouterr()
     assert rewind(["gc", run_name, "--keep-last", "3", "--keep-every", "5", "--dry-run", "--json"]) == 0
     dry = json.loads(capsys.readouterr().out)
@@ -268,6 +279,13 @@ def test_retention_keeps_last_every_and_pinned_on_every_tier(s3_env, rewind_env,
     statuses = {c.step: c.status for c in lineage.checkpoints(Catalog(), run_name)}
     assert sorted(s for s, st in statuses.items() if st != "deleted") == expected
     assert {u["tier"] for u in done["usage"]} == {"local", "shared", "offsite"}
+    pending = {
+        p: client.list_multipart_uploads(Bucket=BUCKET, Prefix=p).get("Uploads", []) for p in (doomed, kept)
+    }
+    assert not pending[doomed], (
+        "a deleted copy's unfinished upload is aborted (S3 bills its parts until then)"
+    )
+    assert len(pending[kept]) == 1  # a kept copy's is not Rewind's to let go here
 
 
 @pytest.mark.parametrize("size_gib", [1, 625, 626, 5000])

@@ -141,3 +141,8 @@ class Tier(Protocol):
     def delete(self, key: str) -> None:
         """Remove ``key``; a missing key is not an error."""
         ...
+
+    def abandon(self, prefix: str) -> int:
+        """Let go of uploads under ``prefix`` that never finished (S3 keeps their parts, and bills them, until
+        aborted); how many. Called when a copy is deleted."""
+        ...

@@ -222,6 +222,10 @@ class FileTier:
             if p.is_file() and rel.startswith(prefix) and ".tmp-" not in p.name:
                 yield ObjectInfo(rel, p.stat().st_size, None)
 
+    def abandon(self, prefix: str) -> int:
+        """Nothing to let go: an unfinished copy of a file is a ``.tmp-`` file ``delete`` of its directory removes."""
+        return 0
+
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:

@@ -249,6 +249,27 @@ class S3Tier:
         k = self._key(key)
         self._call("delete_object", k, Key=k)
 
+    def abandon(self, prefix: str) -> int:
+        """Abort every unfinished multipart upload under ``prefix`` (a push cut short, then its copy deleted)."""
+        full, n = self._key(prefix), 0
+        for upload in self._uploads(full):
+            self._call(
+                "abort_multipart_upload", upload["Key"], Key=upload["Key"], UploadId=upload["UploadId"]
+            )
+            n += 1
+        return n
+
+    def _uploads(self, full: str) -> tuple[dict[str, Any], ...]:
+        """Every unfinished multipart upload whose key starts with ``full``, over every page of the listing."""
+        found: list[dict[str, Any]] = []
+        marker: dict[str, str] = {}
+        while True:
+            page = self._call("list_multipart_uploads", full, Prefix=full, **marker)
+            found += page.get("Uploads", [])
+            if not page.get("IsTruncated"):
+                return tuple(found)
+            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
     def put_bytes(self, key: str, data: bytes, *, crc32c: str) -> None:
         k = self._key(key)
         answer = self._call(
@@ -309,14 +330,8 @@ class S3Tier:
 
     def _pending_upload(self, k: str) -> str | None:
         """The newest upload of ``k`` left unfinished (a push cut short), over every page of the listing."""
-        ups: list[dict[str, Any]] = []
-        marker: dict[str, str] = {}
-        while True:
-            page = self._call("list_multipart_uploads", k, Prefix=k, **marker)
-            ups += [u for u in page.get("Uploads", []) if u["Key"] == k]
-            if not page.get("IsTruncated"):
-                return max(ups, key=lambda u: u["Initiated"])["UploadId"] if ups else None
-            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+        ups = [u for u in self._uploads(k) if u["Key"] == k]
+        return max(ups, key=lambda u: u["Initiated"])["UploadId"] if ups else None
 
     def _parts_held(self, k: str, upload_id: str) -> dict[int, dict[str, Any]]:
         held: dict[int, dict[str, Any]] = {}
