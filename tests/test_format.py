@@ -72,6 +72,43 @@ def test_tree_keeps_bytesio_values_as_torchtitan_train_state_holds_them():
     assert torch.load(back, weights_only=True) == [2.5, 2.25]
 
 
+def test_tree_keeps_numpy_dtypes_shapes_and_key_order_through_json():
+    """An np.float32 EMA stays float32 (NumPy 2 would promote a Python float: no bit-exact resume), a 0-d
+    array stays 0-d, and a dict's keys come back in the order the job had them ("step_10" after "step_9")."""
+    state = {"ema": np.float32(0.1), "count": np.int64(7), "scale": np.array(3.0), "step_9": 1, "step_10": 2}
+    j, tensors = tree.split(state, "s")
+    back = tree.join(json.loads(json.dumps(j)), tensors)
+    assert list(back) == list(state)
+    for k in ("ema", "count", "scale"):
+        assert type(back[k]) is type(state[k]) and back[k].dtype == state[k].dtype
+        assert np.shape(back[k]) == np.shape(state[k]) and back[k] == state[k]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.array(["a", "bb", None], dtype=object),  # pandas .values of a string column
+        np.zeros(2, dtype=[("a", "i4"), ("b", "f8")]),
+        np.ma.masked_array([1, 2], mask=[0, 1]),
+    ],
+    ids=["object", "structured", "masked"],
+)
+def test_tree_refuses_numpy_values_whose_bytes_are_not_their_values(value):
+    """Saved, an object array's bytes are pointers: every checkpoint of it would be refused at load and the
+    job would start over. Refused at save, in one line naming where."""
+    with pytest.raises(ConfigError, match=r"at 's\.extra\.x'"):
+        tree.split({"extra": {"x": value}}, "s")
+
+
+@pytest.mark.parametrize(
+    "state", [{"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}, {1: torch.ones(1), "1": torch.zeros(1)}]
+)
+def test_tree_refuses_two_tensors_of_one_name(state):
+    """Both would be saved under one name and one of them would come back as the other."""
+    with pytest.raises(ConfigError, match="both named"):
+        tree.split(state, "s")
+
+
 def test_tree_refuses_unknown_objects():
     with pytest.raises(ConfigError, match=r"at 'x.bad'"):
         tree.split({"bad": object()}, "x")

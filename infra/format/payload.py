@@ -68,7 +68,7 @@ def file_writers(
         return lambda out: tensorfile.write(out, part_tensors)
 
     def state_writer(out: BinaryIO) -> None:
-        out.write(json.dumps(trees, sort_keys=True, allow_nan=True).encode())
+        out.write(json.dumps(trees, allow_nan=True).encode())  # keys in the state's order: it comes back so
 
     files: list[tuple[str, FileWriter | Link]]
     if fmt == CHUNKED:

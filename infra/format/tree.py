@@ -17,7 +17,7 @@ import torch
 
 from rewind.infra.errors import ConfigError
 
-_TAGS = ("__tensor__", "__tuple__", "__dict__", "__bytes__", "__bytesio__", "__ndarray__")
+_TAGS = ("__tensor__", "__tuple__", "__dict__", "__bytes__", "__bytesio__", "__ndarray__", "__npscalar__")
 
 
 def _refuse_dataless(t: torch.Tensor, path: str) -> None:
@@ -43,6 +43,24 @@ def _refuse_dataless(t: torch.Tensor, path: str) -> None:
         )
 
 
+def _numpy(obj: np.ndarray | np.generic, path: str) -> dict[str, Any]:
+    """A numpy array or scalar as its dtype and bytes: it comes back of the same dtype (an np.float32 EMA
+    stays float32). One whose bytes are not its values (objects, fields, a mask) is a ``ConfigError``."""
+    arr = np.asarray(obj, order="C")  # a 0-d array or a scalar stays 0-d (ascontiguousarray makes it 1-d)
+    subclass = isinstance(obj, np.ndarray) and type(obj) is not np.ndarray  # a MaskedArray, a matrix
+    if subclass or arr.dtype.hasobject or arr.dtype.fields is not None:
+        raise ConfigError(
+            f"cannot checkpoint the numpy {type(obj).__name__} of dtype {arr.dtype} at {path!r}: its bytes are "
+            "not its values (objects, named fields or a mask); keep it as a list or as plain arrays"
+        )
+    data = {
+        "dtype": arr.dtype.str,
+        "shape": list(arr.shape),
+        "data": base64.b64encode(arr.tobytes()).decode(),
+    }
+    return {"__ndarray__": data} if isinstance(obj, np.ndarray) else {"__npscalar__": data}
+
+
 def split(tree: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
     """Return (json_tree, tensors); tensors are named ``prefix/<path>``."""
     tensors: dict[str, torch.Tensor] = {}
@@ -50,6 +68,10 @@ def split(tree: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
     def walk(obj: Any, path: str) -> Any:
         if isinstance(obj, torch.Tensor):
             _refuse_dataless(obj, path)
+            if path in tensors:  # {"a.b": t1, "a": {"b": t2}}, {1: t1, "1": t2}: one would load as the other
+                raise ConfigError(
+                    f"two tensors in the state are both named {path!r}: rename one of their keys"
+                )
             tensors[path] = obj
             return {"__tensor__": path}
         if obj is None or isinstance(obj, bool | int | float | str):
@@ -66,17 +88,8 @@ def split(tree: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
             return {"__bytes__": base64.b64encode(bytes(obj)).decode()}
         if type(obj) is io.BytesIO:  # TorchTitan's TrainState keeps its loss history so
             return {"__bytesio__": [base64.b64encode(obj.getvalue()).decode(), obj.tell()]}
-        if isinstance(obj, np.ndarray):
-            arr = np.ascontiguousarray(obj)
-            return {
-                "__ndarray__": {
-                    "dtype": arr.dtype.str,
-                    "shape": list(arr.shape),
-                    "data": base64.b64encode(arr.tobytes()).decode(),
-                }
-            }
-        if isinstance(obj, np.generic):
-            return walk(obj.item(), path)
+        if isinstance(obj, np.ndarray | np.generic):
+            return _numpy(obj, path)
         raise ConfigError(
             f"cannot checkpoint {type(obj).__name__} at {path!r}: use tensors, numbers, strings, "
             "lists, tuples, dicts, bytes, io.BytesIO or numpy arrays"
@@ -107,7 +120,8 @@ def join(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             out = io.BytesIO(base64.b64decode(value[0]))
             out.seek(int(value[1]))
             return out
-        if tag == "__ndarray__":
+        if tag in ("__ndarray__", "__npscalar__"):
             raw = base64.b64decode(value["data"])
-            return np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(value["shape"]).copy()
+            arr = np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(value["shape"]).copy()
+            return arr if tag == "__ndarray__" else arr[()]
     return {k: join(v, tensors) for k, v in tree.items()}
