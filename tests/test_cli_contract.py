@@ -268,6 +268,22 @@ def test_protect_training_with_a_missing_working_directory_fails_in_one_line(
     assert "working directory /nonexistent/rewind-job does not exist" in str(state.message), state.message
 
 
+def test_protect_training_of_a_command_that_cannot_start_fails_in_one_line_and_ends_its_launch(
+    prefect_api, rewind_env, run_name
+):
+    """A mistyped program name is the flow run's one-line failure, and the launch is recorded ended (not
+    shown running for ever), the heartbeat left empty ("") treated as none, the working directory as unset."""
+    from rewind.flows.training import protect_training
+    from rewind.infra.catalog import jobs
+    from rewind.infra.catalog.db import Catalog
+
+    state = protect_training(run_name, ["pyhton-no-such-program", "train.py"], cwd="", return_state=True)
+    assert state.is_failed()
+    assert "command cannot be started: 'pyhton-no-such-program'" in str(state.message), state.message
+    launches = jobs.launches(Catalog(), run_name)
+    assert launches and all(launch.ended_at is not None for launch in launches)
+
+
 _NESTED = "a: " + "[" * 5000 + "]" * 5000 + "\ncommand: [python]\n"
 _ALIASES = "command: [python]\nenv:\n" + "".join(  # a billion laughs: 9**12 strings if expanded
     f"  K{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9 if i else ["x"] * 9) + "]\n" for i in range(12)
@@ -288,8 +304,23 @@ _ALIASES = "command: [python]\nenv:\n" + "".join(  # a billion laughs: 9**12 str
         (_NESTED, "nested too deeply"),
         (_ALIASES, "env must map names to strings"),
         ("command: [python]\n# " + "x" * (1 << 20), "larger than"),
+        ('command: [python, -c, "pass"]\nheartbeat_timeout_s: 0\n', "heartbeat_timeout_s must be above 0"),
+        ('command: [python, -c, "pass"]\nloss_spike_factor: 0.5\n', "loss_spike_factor must be above 1"),
+        ('command: [python, -c, "pass"]\nlr: .nan\n', "lr must be above 0"),
     ],
-    ids=["env_int", "nnodes_str", "nproc_bool", "endpoint_port", "command_str", "nested", "aliases", "huge"],
+    ids=[
+        "env_int",
+        "nnodes_str",
+        "nproc_bool",
+        "endpoint_port",
+        "command_str",
+        "nested",
+        "aliases",
+        "huge",
+        "heartbeat_zero",
+        "spike_below_one",
+        "lr_nan",
+    ],
 )
 def test_a_job_spec_of_the_wrong_shape_is_refused_in_one_line(text, says, tmp_path, monkeypatch, capsys):
     """The CLI's own entry point, in this process (one case goes through the installed `rewind` below)."""

@@ -11,6 +11,7 @@ through rewritten flags.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field, replace
@@ -64,7 +65,10 @@ class JobSpec:
         if not self.command or not all(isinstance(a, str) for a in self.command):
             raise ConfigError("a job spec needs a command: a list of strings, one per argument")
         object.__setattr__(self, "command", tuple(self.command))
+        if self.cwd == "":  # an empty form field: the worker's own directory, as when it is left out
+            object.__setattr__(self, "cwd", None)
         _check_types(self)
+        _check_limits(self)
         if self.rdzv_endpoint is not None:
             _check_endpoint(self.rdzv_endpoint)
         if self.launcher not in (LauncherKind.LOCAL, LauncherKind.SLURM):
@@ -164,6 +168,20 @@ def _check_types(spec: JobSpec) -> None:
         not isinstance(spec.model, dict) or not all(type(v) is int for v in spec.model.values())
     ):
         raise ConfigError("job spec field model must give heads, hidden and layers as whole numbers")
+
+
+def _check_limits(spec: JobSpec) -> None:
+    """Numbers that would make the watch act on a healthy job: a heartbeat timeout of 0 declares it hung at
+    the first look, a spike factor of at most 1 calls an ordinary step a spike (each an incident recovered)."""
+    limits = (
+        ("heartbeat_timeout_s", spec.heartbeat_timeout_s, 0.0, "above 0 seconds (leave it empty for none)"),
+        ("loss_spike_factor", spec.loss_spike_factor, 1.0, "above 1 (leave it empty for the default)"),
+        ("lr", spec.lr, 0.0, "above 0"),
+        ("global_batch", spec.global_batch, 0, "at least 1"),
+    )
+    for name, value, above, what in limits:
+        if value is not None and not (math.isfinite(value) and value > above):
+            raise ConfigError(f"job spec field {name} must be {what}, not {value!r:.40}")
 
 
 def _check_layout(layout: Any, world: int) -> None:

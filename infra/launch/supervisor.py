@@ -48,6 +48,9 @@ MIN_BUSY_S = 300.0
 
 
 PLACEMENT_FAILED = 125  # the exit code recorded on a launch whose nodes were never granted
+NOT_STARTED = (
+    127  # the exit code recorded on a launch whose command could not be started (a shell's 'not found')
+)
 
 
 class Supervisor:
@@ -120,7 +123,7 @@ class Supervisor:
         if self.launcher.kind is LauncherKind.LOCAL:  # before the job: it holds what the job commits
             # not the launch's environment: the agent is not one of the job's processes, found by its token
             self._memory = MemoryAgent.start(self.run, {**os.environ, **self.spec.env})
-        self.processes = [self._node(place, i, cmd, base) for i in range(len(place.hosts))]
+        self._start_nodes(place, cmd, base)
         if (
             self.spec.warm
         ):  # the next launch's standbys, made once this one trains (not competing with its start)
@@ -135,6 +138,26 @@ class Supervisor:
                 for p in self.processes
             ]
         return self.launch_id
+
+    def _start_nodes(self, place: Placement, cmd: list[str], base: dict[str, str]) -> None:
+        """One process per host; a command that cannot be started (a mistyped program, one not executable)
+        ends the launch, and anything of it started, before a one-line ``ConfigError``."""
+        for i in range(len(place.hosts)):
+            try:
+                self.processes.append(self._node(place, i, cmd, base))
+            except OSError as exc:
+                self._signal(signal.SIGKILL)
+                for p in self.processes:
+                    p.proc.wait()
+                self._release()
+                if self._gpu_watch is not None:
+                    self._gpu_watch.close()
+                if self._memory is not None:
+                    self._memory.close(release=True)
+                self._end_launch(NOT_STARTED)
+                raise ConfigError(
+                    f"the job's command cannot be started: {cmd[0]!r}: {exc.strerror or exc}"
+                ) from exc
 
     def _make_standbys(self) -> None:
         for args in self._standbys:
