@@ -72,3 +72,56 @@ def test_the_checkpoint_io_refuses_a_path_it_did_not_restore(rewind_env, run_nam
         rewind.checkpoint_io.load_checkpoint(str(planted))
     with pytest.raises(ConfigError, match="every_n_steps"):
         RewindCallback(run_name, every_n_steps=0)
+
+
+def _fit(run: str, *, accumulate: int, strategy: object = "auto") -> None:
+    """A tiny LightningModule fitted for 3 optimizer steps in this process, a checkpoint asked for at each."""
+    import lightning.pytorch as pl
+    import torch
+
+    from rewind.integrations.lightning import RewindCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.layer(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    rewind = RewindCallback(run, every_n_steps=1)
+    trainer = pl.Trainer(
+        max_steps=3, accumulate_grad_batches=accumulate, callbacks=[rewind], plugins=[rewind.checkpoint_io],
+        strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(
+        Tiny(), torch.utils.data.DataLoader(torch.randn(64, 4), batch_size=4), ckpt_path=rewind.resume_point()
+    )
+
+
+def test_with_gradient_accumulation_no_checkpoint_is_taken_mid_accumulation(rewind_env, run_name):
+    """Step 0 at a batch's end is before the first optimizer step (its gradients are in no checkpoint)."""
+    _fit(run_name, accumulate=4)
+    assert [c.step for c in lineage.checkpoints(Catalog(), run_name)] == [1, 2, 3]
+
+
+def test_a_strategy_that_saves_without_its_checkpoint_io_is_refused_not_left_unprotected(
+    rewind_env, run_name
+):
+    """DeepSpeed's engine writes its own files, ignoring CheckpointIO: the job stops at its first save,
+    saying so, rather than train for days with nothing kept."""
+    import torch
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    class SavesItsOwnWay(SingleDeviceStrategy):
+        def save_checkpoint(self, checkpoint: dict, filepath: object, storage_options: object = None) -> None:
+            """As DeepSpeedStrategy does: its engine's files, not the CheckpointIO's."""
+
+    with pytest.raises(ConfigError, match="SavesItsOwnWay saved step 1 without its CheckpointIO"):
+        _fit(run_name, accumulate=1, strategy=SavesItsOwnWay(device=torch.device("cpu")))
+    assert lineage.checkpoints(Catalog(), run_name) == []

@@ -18,7 +18,8 @@ unpickled). Under a supervisor (``protect-training``) each step is reported as p
 spiking loss is an anomaly, as with ``TrainingSession``.
 
 Limits: single-process jobs (one device; under a multi-process strategy each rank's save would need
-Rewind's sharded checkpointer); a value Lightning keeps in its checkpoint that is not a tensor, number,
+Rewind's sharded checkpointer); a strategy that saves without its ``CheckpointIO`` (DeepSpeed's engine,
+FSDP's sharded state) stops the job at its first save, since Rewind would keep nothing; a value Lightning keeps in its checkpoint that is not a tensor, number,
 string, list, tuple, dict, bytes or NumPy array (say, an object in ``save_hyperparameters``) is refused
 with its path; a data window the supervisor asks to skip is not skipped (a loader has no global position).
 """
@@ -204,12 +205,18 @@ class RewindCallback(pl.Callback):
         if self._writer is not None:
             self._writer.report(step, loss, None)
             self._writer.busy(None)
-        if step % self.every == 0 and step > self._last_saved:
+        # Step 0 at a batch's end is mid-accumulation (no optimizer step yet): gradients no checkpoint holds
+        if step > 0 and step % self.every == 0 and step > self._last_saved:
             if self._writer is not None:
                 self._writer.busy("saving")
             trainer.save_checkpoint(f"{SCHEME}{self.run}/step-{step}", weights_only=False)  # the full state
             if self._writer is not None:
                 self._writer.busy(None)
+            if self._last_saved != step:  # DeepSpeed's engine, FSDP's sharded state: their own files
+                raise ConfigError(
+                    f"{type(trainer.strategy).__name__} saved step {step} without its CheckpointIO: Rewind "
+                    "kept nothing; RewindCallback protects strategies that save through plugins=[checkpoint_io]"
+                )
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._ckpt is not None:
