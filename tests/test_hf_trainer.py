@@ -113,3 +113,22 @@ def test_a_take_over_killed_half_way_leaves_nothing_that_stays(tmp_path):
     assert [p.name for p in store.sweep_temp(run_dir)] == [f"step-20.tmp-{dead.pid}-0123456789ab"]
     assert sorted(p.name for p in run_dir.iterdir()) == ["step-20"]
     assert local_tier.read(run_dir.parent) is not None  # the tier's disk is marked, as a save marks it
+
+
+def test_a_second_trainer_job_of_the_same_run_is_refused_while_the_first_lives(rewind_env, run_name):
+    """A sweep with one hard-coded run name, or a relaunch while the old job lives: the second job's
+    resume_point() is refused naming the live writer, instead of both interleaving checkpoints in one
+    lineage (and a resume handing one job the other's weights). Free again once the first ends."""
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    from rewind.integrations.transformers import RewindCallback
+
+    first = RewindCallback(run_name)
+    assert first.resume_point() is None  # this process now writes the run
+    second = [sys.executable, "-c", f"from rewind.integrations.transformers import RewindCallback as R; R({run_name!r}).resume_point()"]  # fmt: skip
+    done = subprocess.run(second, env=os.environ, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "RunBusy" in done.stderr, done.stderr[-2000:]
+    args = TrainingArguments(output_dir=os.devnull, report_to=[])
+    first.on_train_end(args, TrainerState(), TrainerControl())
+    done = subprocess.run(second, env=os.environ, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
