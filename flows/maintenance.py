@@ -15,7 +15,7 @@ from rewind.infra.format.verify import DEFAULT_BUDGET_S
 from rewind.infra.phases import replicate
 from rewind.tasks.adopt import adopt_checkpoint, find_unadopted
 from rewind.tasks.common import artifact_key
-from rewind.tasks.detect import load_spec, record_failure, record_spec, supervise_training
+from rewind.tasks.detect import load_spec, record_failure, record_spec, relaunch_spec, supervise_training
 from rewind.tasks.replicate import apply_retention, pending_replication, replicate_checkpoint
 from rewind.tasks.restore import restore_checkpoint
 from rewind.tasks.sessions import expire_conversations
@@ -97,17 +97,22 @@ def restore_checkpoint_flow(
         run: Catalog name of the run.
         step: The step to go back to (default: the newest checkpoint that verifies).
         relaunch: Start the job again from the run's job spec and watch it.
-        relaunch_command: Start it with this command instead (it becomes the run's spec).
+        relaunch_command: Start it with this command instead (it replaces the command of the run's spec, the
+            rest kept, once the roll-back is done).
         cwd: Working directory for `relaunch_command`.
     """
     spec = None
-    if relaunch_command:
-        spec = record_spec(run, {"command": relaunch_command, "cwd": cwd})
+    if (
+        relaunch_command
+    ):  # checked now, recorded only once the roll-back is done: a failed one changes nothing
+        spec = relaunch_spec(run, relaunch_command, cwd)
     elif relaunch:
         spec = load_spec(run)  # before the roll-back: a run without a spec fails here, unchanged
     point = restore_checkpoint(
         run, step, roll_back=True, reason=f"rolled back to step {step} from the restore-checkpoint flow"
     )
+    if relaunch_command and spec is not None:
+        spec = record_spec(run, spec)
     chosen = point.as_dict()
     if spec is None:
         return chosen

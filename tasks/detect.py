@@ -9,6 +9,7 @@ from typing import Any
 from prefect import task
 
 from rewind.infra.catalog import jobs
+from rewind.infra.errors import NotFoundError
 from rewind.infra.launch.spec import JobSpec
 from rewind.infra.phases import detect, recovery
 from rewind.infra.phases.detect import Outcome
@@ -51,6 +52,17 @@ def record_spec(run: str, spec: dict[str, Any]) -> dict[str, Any]:
     checked = JobSpec.from_dict(spec).as_dict()
     jobs.set_spec(catalog(), run, checked)
     return checked
+
+
+@task(name="relaunch-spec", **RETRY)
+def relaunch_spec(run: str, command: list[str], cwd: str | None) -> dict[str, Any]:
+    """The run's job spec with ``command`` and ``cwd`` in its own's place (its size, environment and watch
+    settings kept), checked; not recorded: the caller records it once the roll-back is done."""
+    try:
+        base = jobs.get_spec(catalog(), run)
+    except NotFoundError:  # a run never launched by Rewind: the command is all there is
+        base = {}
+    return JobSpec.from_dict({**base, "command": command, "cwd": cwd}).as_dict()
 
 
 @task(name="load-spec", **RETRY)

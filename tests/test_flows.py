@@ -330,3 +330,27 @@ def test_transient_fault_is_retried_and_corruption_is_not(served, flow_env, run_
     (event,) = wait_until(corrupt_event, 30, "the rewind.checkpoint.corrupt event")
     assert event.payload["step"] == 20
     assert event.resource.id == f"rewind.run.{run_name}"
+
+
+def test_a_failed_roll_back_with_a_new_command_leaves_the_runs_spec_as_it_was(
+    prefect_api, rewind_env, run_name
+):
+    """restore-checkpoint with relaunch_command records the new command only once the roll-back is done, and
+    then keeps the rest of the spec (its size, its environment): a step with no checkpoint changes nothing."""
+    from rewind.flows.maintenance import restore_checkpoint_flow
+    from rewind.infra.catalog import jobs
+    from rewind.infra.catalog.db import Catalog
+
+    spec = {
+        "command": ["python", "train.py"],
+        "nnodes": 2,
+        "nproc_per_node": 4,
+        "env": {"NCCL_IB_HCA": "mlx5"},
+    }
+    jobs.set_spec(Catalog(), run_name, spec)
+    before = jobs.get_spec(Catalog(), run_name)
+    state = restore_checkpoint_flow(
+        run=run_name, step=5, relaunch_command=["python", "other.py"], return_state=True
+    )
+    assert state.is_failed() and "no restorable checkpoint" in str(state.message), state.message
+    assert jobs.get_spec(Catalog(), run_name) == before
