@@ -139,3 +139,27 @@ def test_a_training_loop_that_is_a_flow_snapshots_through_the_task_and_its_commi
 
     with get_client(sync_client=True) as client:
         assert wait_until(lambda: len(got := committed()) == 2 and got, 30, "two committed events") == ids
+
+
+def test_an_incident_of_a_launch_the_run_has_moved_past_is_not_recovered(rewind_env, run_name):
+    """A recovery that waited (Late) while the operator started the job again by hand must not roll back what
+    the newer launch saved nor start a second job; the newest launch's incident is recovered as ever."""
+    import time
+
+    from rewind.infra.catalog import incidents, jobs
+    from rewind.infra.errors import Refused
+    from rewind.infra.phases import recovery
+
+    cat = Catalog()
+    spec = {"command": ["python", "train.py"]}
+
+    def crashed(launch: int) -> int:
+        details = {"died_at": time.time(), "launch_id": launch}
+        return incidents.open_incident(cat, run_name, "crash", "killed", details=details)
+
+    old = crashed(jobs.begin_launch(cat, run_name, spec, {}))
+    new = crashed(jobs.begin_launch(cat, run_name, spec, {}))  # started again by hand, and crashed too
+    args = {"max_incidents": 100, "window_s": 3600.0}
+    with pytest.raises(Refused, match="was launched again since"):
+        recovery.begin(cat, incident_id=old, claimant="flow-a", **args)
+    assert recovery.begin(cat, incident_id=new, claimant="flow-b", **args).held_by is None

@@ -66,6 +66,7 @@ def begin(cat: Catalog, *, incident_id: int, claimant: str, max_incidents: int, 
     )  # fmt: skip
     if found.held_by is not None:
         return found
+    _refuse_overtaken(cat, run, incident_id, details.get("launch_id"))
     details_now = {"recovery_flow_started_at": started, "flow_start_s": started - found.died_at}
     incidents.update_incident(cat, incident_id, details=details_now)
     n = incidents.recent_count(cat, run, window_s)
@@ -75,6 +76,19 @@ def begin(cat: Catalog, *, incident_id: int, claimant: str, max_incidents: int, 
             "not recovering automatically"
         )
     return found
+
+
+def _refuse_overtaken(cat: Catalog, run: str, incident_id: int, launch_id: Any) -> None:
+    """An incident of a launch the run has moved past (started again by hand while the recovery waited,
+    or recovered already): recovering it would roll back what the newer launch saved and start a second job."""
+    if launch_id is None:
+        return
+    newer = [launch.id for launch in jobs.launches(cat, run) if launch.id > int(launch_id)]
+    if newer:
+        raise Refused(
+            f"incident {incident_id}: {run!r} was launched again since (launch {max(newer)}): not recovering "
+            "a run that has moved on; recover-training with the newer incident, if it has one"
+        )
 
 
 def restored(cat: Catalog, *, recovery: Recovery, point: RestorePoint, load_s: float) -> dict[str, Any]:
