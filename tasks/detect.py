@@ -8,8 +8,8 @@ from typing import Any
 
 from prefect import task
 
-from rewind.infra.catalog import jobs
-from rewind.infra.errors import NotFoundError
+from rewind.infra.catalog import jobs, leases
+from rewind.infra.errors import NotFoundError, RunBusy
 from rewind.infra.launch.spec import JobSpec
 from rewind.infra.phases import detect, recovery
 from rewind.infra.phases.detect import Outcome
@@ -48,8 +48,14 @@ def supervise_training(
 
 @task(name="record-spec", **RETRY)
 def record_spec(run: str, spec: dict[str, Any]) -> dict[str, Any]:
-    """Keep how the run is launched in the catalog; recovery relaunches from it. Returns it, checked."""
+    """Keep how the run is launched in the catalog; recovery relaunches from it. Returns it, checked. A run
+    another live process writes keeps its spec (``RunBusy``): its recoveries must relaunch that job."""
     checked = JobSpec.from_dict(spec).as_dict()
+    busy = leases.live_writer(catalog(), run)
+    if busy is not None:
+        raise RunBusy(
+            f"run {run!r} is being written by {busy}: stop it first (its job spec is left as it is)"
+        )
     jobs.set_spec(catalog(), run, checked)
     return checked
 

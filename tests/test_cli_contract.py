@@ -379,3 +379,27 @@ def test_status_of_an_empty_catalog_names_the_catalog_it_read(tmp_path):
     env = {**os.environ, "REWIND_HOME": str(tmp_path), "REWIND_CATALOG_URL": f"sqlite:///{tmp_path / 'c.db'}"}
     done = subprocess.run([REWIND, "status"], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and f"no runs in catalog sqlite:///{tmp_path / 'c.db'}" in done.stdout, done
+
+
+def test_protect_training_of_a_run_a_live_job_writes_leaves_its_spec_alone(prefect_api, rewind_env, run_name):
+    """A second protect-training of a run whose job is alive fails in one line before the spec is touched:
+    the live job's recoveries must relaunch the live job, not the second command."""
+    import torch
+
+    from rewind import Checkpointer
+    from rewind.flows.training import protect_training
+    from rewind.infra.catalog import jobs
+    from rewind.infra.catalog.db import Catalog
+
+    spec = {"command": ["python", "train.py"], "env": {"TOKEN_FILE": "/etc/job-token"}}
+    jobs.set_spec(Catalog(), run_name, spec)
+    before = jobs.get_spec(Catalog(), run_name)
+    live = Checkpointer(
+        run_name, states={"model": torch.nn.Linear(2, 2)}, root=rewind_env["REWIND_CHECKPOINT_ROOT"]
+    )
+    try:
+        state = protect_training(run_name, ["python", "-c", "pass"], return_state=True)
+        assert state.is_failed() and "is being written by" in str(state.message), state.message
+        assert jobs.get_spec(Catalog(), run_name) == before
+    finally:
+        live.close()

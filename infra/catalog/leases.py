@@ -150,6 +150,15 @@ def _gone(cat_session: Any, writer: str, seen_at: Any) -> bool:
     return seen_at is None or (utcnow() - aware(seen_at)).total_seconds() > WRITER_TTL_S
 
 
+def live_writer(cat: Catalog, run: str) -> str | None:
+    """The process writing ``run`` now (as ``take_writer`` would find it), or None."""
+    with cat.session() as s:
+        row = s.scalars(select(Run).where(Run.name == run)).first()
+        if row is None or row.writer is None or _gone(s, row.writer, row.writer_seen_at):
+            return None
+        return str(row.writer)
+
+
 def take_writer(cat: Catalog, run_id: int, who: str | None = None) -> None:
     """Become the run's one writer, or ``RunBusy`` naming the process that is."""
     me = who or writer_name()
