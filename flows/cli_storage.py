@@ -20,9 +20,9 @@ def _tier_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=whole(1, 256), default=8, help="S3 parts in flight")
     p.add_argument(
         "--immutable-days",
-        type=whole(1, 36500),
+        type=whole(0, 36500),
         default=None,
-        help="S3 Object Lock retention in days, up to 100 years (bucket must allow it)",
+        help="S3 Object Lock retention in days, up to 100 years, 0 for none (bucket must allow it)",
     )
 
 

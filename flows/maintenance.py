@@ -15,7 +15,14 @@ from rewind.infra.format.verify import DEFAULT_BUDGET_S
 from rewind.infra.phases import replicate
 from rewind.tasks.adopt import adopt_checkpoint, find_unadopted
 from rewind.tasks.common import artifact_key
-from rewind.tasks.detect import load_spec, record_failure, record_spec, relaunch_spec, supervise_training
+from rewind.tasks.detect import (
+    load_spec,
+    record_failure,
+    record_spec,
+    refuse_live_writer,
+    relaunch_spec,
+    supervise_training,
+)
 from rewind.tasks.replicate import apply_retention, pending_replication, replicate_checkpoint
 from rewind.tasks.restore import restore_checkpoint
 from rewind.tasks.sessions import expire_conversations
@@ -102,9 +109,9 @@ def restore_checkpoint_flow(
         cwd: Working directory for `relaunch_command`.
     """
     spec = None
-    if (
-        relaunch_command
-    ):  # checked now, recorded only once the roll-back is done: a failed one changes nothing
+    if relaunch or relaunch_command:  # no live job's checkpoints rolled back under it, no second job started
+        refuse_live_writer(run)
+    if relaunch_command:  # checked now, recorded once the roll-back is done: a failed one changes nothing
         spec = relaunch_spec(run, relaunch_command, cwd)
     elif relaunch:
         spec = load_spec(run)  # before the roll-back: a run without a spec fails here, unchanged

@@ -38,7 +38,7 @@ from rewind.infra.catalog import copies, disks, leases, lineage, serving
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint, CheckpointStatus, Replica, utcnow
 from rewind.infra.catalog.models import ReplicaStatus as R
-from rewind.infra.errors import ConfigError
+from rewind.infra.errors import ConfigError, RewindError
 from rewind.infra.faults import fault_point
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import store
@@ -361,6 +361,9 @@ def _delete_copy(ref: CopyRef, run: str, step: int) -> None:
     for obj in list(t.list(f"{base}/")):
         t.delete(obj.key)
         _moment()
-    t.abandon(
-        f"{base}/"
-    )  # parts of an upload cut short: invisible to a listing, kept (and billed) until aborted
+    try:  # parts of an upload cut short: invisible to a listing, kept (and billed) until aborted
+        t.abandon(f"{base}/")
+    except (
+        RewindError
+    ) as exc:  # a role without the right to list or abort them: the copy is gone all the same
+        log.warning("%s/%s: unfinished uploads not aborted (%s)", ref.uri, base, exc)

@@ -51,13 +51,19 @@ def record_spec(run: str, spec: dict[str, Any]) -> dict[str, Any]:
     """Keep how the run is launched in the catalog; recovery relaunches from it. Returns it, checked. A run
     another live process writes keeps its spec (``RunBusy``): its recoveries must relaunch that job."""
     checked = JobSpec.from_dict(spec).as_dict()
+    refuse_live_writer.fn(run)
+    jobs.set_spec(catalog(), run, checked)
+    return checked
+
+
+@task(name="refuse-live-writer", **RETRY)
+def refuse_live_writer(run: str) -> None:
+    """``RunBusy`` when a live process writes ``run``: nothing may relaunch it, roll it back or respec it."""
     busy = leases.live_writer(catalog(), run)
     if busy is not None:
         raise RunBusy(
-            f"run {run!r} is being written by {busy}: stop it first (its job spec is left as it is)"
+            f"run {run!r} is being written by {busy}: stop it first (nothing of the run was changed)"
         )
-    jobs.set_spec(catalog(), run, checked)
-    return checked
 
 
 @task(name="relaunch-spec", **RETRY)

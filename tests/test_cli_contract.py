@@ -76,7 +76,7 @@ CASES = {
         ["replicate", "{run}", "--to", "s3://bucket/x", "--immutable-days", "3000000"],
         {},
         2,
-        "from 1 to 36500",
+        "from 0 to 36500",
         None,
     ),
     "no_parts_in_flight": (
@@ -382,13 +382,15 @@ def test_status_of_an_empty_catalog_names_the_catalog_it_read(tmp_path):
 
 
 def test_protect_training_of_a_run_a_live_job_writes_leaves_its_spec_alone(prefect_api, rewind_env, run_name):
-    """A second protect-training of a run whose job is alive fails in one line before the spec is touched:
-    the live job's recoveries must relaunch the live job, not the second command."""
+    """A second protect-training of a run whose job is alive, or a restore-checkpoint that would relaunch it,
+    fails in one line before anything is touched: the spec (the live job's recoveries must relaunch the live
+    job), the lineage (no roll-back under the live job)."""
     import torch
 
     from rewind import Checkpointer
+    from rewind.flows.maintenance import restore_checkpoint_flow
     from rewind.flows.training import protect_training
-    from rewind.infra.catalog import jobs
+    from rewind.infra.catalog import jobs, lineage
     from rewind.infra.catalog.db import Catalog
 
     spec = {"command": ["python", "train.py"], "env": {"TOKEN_FILE": "/etc/job-token"}}
@@ -398,8 +400,17 @@ def test_protect_training_of_a_run_a_live_job_writes_leaves_its_spec_alone(prefe
         run_name, states={"model": torch.nn.Linear(2, 2)}, root=rewind_env["REWIND_CHECKPOINT_ROOT"]
     )
     try:
+        live.save(1)
+        live.save(2)
         state = protect_training(run_name, ["python", "-c", "pass"], return_state=True)
         assert state.is_failed() and "is being written by" in str(state.message), state.message
+        for how in ({"relaunch": True}, {"relaunch_command": ["python", "other.py"]}):
+            state = restore_checkpoint_flow(run=run_name, step=1, return_state=True, **how)
+            assert state.is_failed() and "is being written by" in str(state.message), state.message
         assert jobs.get_spec(Catalog(), run_name) == before
+        assert {c.step: c.status for c in lineage.checkpoints(Catalog(), run_name)} == {
+            1: "committed",
+            2: "committed",
+        }
     finally:
         live.close()

@@ -503,3 +503,13 @@ def test_torchtitan_train_state_with_bytesio_values_loads(tmp_path):
     assert torch.load(got["global_avg_losses"], weights_only=True) == losses
     assert torch.load(got["log_steps"], weights_only=True) == [1, 2, 3]
     _assert_same(_snapshot(target["model"]), _snapshot(state["model"]))
+
+
+def test_load_metadata_takes_a_field_a_newer_torch_added():
+    """Metadata written by a newer torch (a defaulted field this one lacks) still loads; a dunder does not."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    item = BytesStorageMetadata()
+    item.added_later = 7  # type: ignore[attr-defined]  # in its __dict__, as a newer torch's field would be
+    got = vdcp.load_metadata(pickle.dumps(Metadata(state_dict_metadata={"x": item})))
+    assert got.state_dict_metadata["x"].added_later == 7

@@ -297,6 +297,25 @@ def test_a_manifest_no_copy_could_match_is_refused_in_one_line(raw):
         mf.parse(raw)
 
 
+def test_a_manifest_with_a_non_finite_metric_is_read():
+    """A save with an AMP overflow step's grad norm (inf) or a NaN loss commits; its manifest must stay readable."""
+    m = mf.Manifest(run="r", step=3, files=(mf.FileEntry("a", 1, "00", "AAAAAA=="),))
+    raw = m.to_bytes().replace(b'"step": 3', b'"metrics": {"grad_norm": Infinity, "loss": NaN}, "step": 3')
+    assert b"Infinity" in raw and mf.parse(raw).step == 3
+
+
+def test_tree_keeps_a_memmaps_values():
+    """A memory-mapped array (a dataset's permutation) is saved as its values and comes back an array."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        mm = np.memmap(f"{d}/perm", dtype=np.int32, mode="w+", shape=(6,))
+        mm[:] = [5, 3, 1, 0, 2, 4]
+        j, tensors = tree.split({"perm": mm[:5]}, "s")
+        back = tree.join(json.loads(json.dumps(j)), tensors)["perm"]
+        assert back.dtype == np.int32 and back.tolist() == [5, 3, 1, 0, 2]
+
+
 def test_keyring_signs_rotates_and_tells_unknown_keys_from_tampering():
     m = mf.Manifest(run="r", step=3, files=(mf.FileEntry("a", 1, "00", "AAAAAA=="),))
     k1, k2 = kr.Keyring(("k1",)), kr.Keyring(("k2", "k1"))

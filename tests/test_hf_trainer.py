@@ -116,19 +116,27 @@ def test_a_take_over_killed_half_way_leaves_nothing_that_stays(tmp_path):
 
 
 def test_a_second_trainer_job_of_the_same_run_is_refused_while_the_first_lives(rewind_env, run_name):
-    """A sweep with one hard-coded run name, or a relaunch while the old job lives: the second job's
-    resume_point() is refused naming the live writer, instead of both interleaving checkpoints in one
-    lineage (and a resume handing one job the other's weights). Free again once the first ends."""
+    """A sweep with one hard-coded run name, or a relaunch while the old job lives: the second job is refused
+    as it begins training, naming the live writer, instead of both interleaving checkpoints in one lineage
+    (and a resume handing one job the other's weights). An evaluator's resume_point() is not refused; the
+    run is free again once the first job ends."""
     from transformers import TrainerControl, TrainerState, TrainingArguments
 
     from rewind.integrations.transformers import RewindCallback
 
-    first = RewindCallback(run_name)
-    assert first.resume_point() is None  # this process now writes the run
-    second = [sys.executable, "-c", f"from rewind.integrations.transformers import RewindCallback as R; R({run_name!r}).resume_point()"]  # fmt: skip
-    done = subprocess.run(second, env=os.environ, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "RunBusy" in done.stderr, done.stderr[-2000:]
     args = TrainingArguments(output_dir=os.devnull, report_to=[])
+    first = RewindCallback(run_name)
+    first.on_train_begin(args, TrainerState(), TrainerControl())  # this process now writes the run
+    begin = (
+        "from transformers import TrainerControl as C, TrainerState as S, TrainingArguments as A; "
+        "from rewind.integrations.transformers import RewindCallback as R; "
+        f"r = R({run_name!r}); r.resume_point(); print('resumed', flush=True); "
+        f"r.on_train_begin(A(output_dir={os.devnull!r}, report_to=[]), S(), C())"
+    )
+    second = [sys.executable, "-c", begin]
+    done = subprocess.run(second, env=os.environ, capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0 and "RunBusy" in done.stderr, done.stderr[-2000:]
+    assert "resumed" in done.stdout  # reading the run is not writing it
     first.on_train_end(args, TrainerState(), TrainerControl())
-    done = subprocess.run(second, env=os.environ, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(second, env=os.environ, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]

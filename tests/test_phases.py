@@ -148,6 +148,7 @@ def test_an_incident_of_a_launch_the_run_has_moved_past_is_not_recovered(rewind_
 
     from rewind.infra.catalog import incidents, jobs
     from rewind.infra.errors import Refused
+    from rewind.infra.launch.supervisor import NOT_STARTED
     from rewind.infra.phases import recovery
 
     cat = Catalog()
@@ -158,8 +159,12 @@ def test_an_incident_of_a_launch_the_run_has_moved_past_is_not_recovered(rewind_
         return incidents.open_incident(cat, run_name, "crash", "killed", details=details)
 
     old = crashed(jobs.begin_launch(cat, run_name, spec, {}))
-    new = crashed(jobs.begin_launch(cat, run_name, spec, {}))  # started again by hand, and crashed too
+    typo = jobs.begin_launch(cat, run_name, spec, {})  # a launch whose command never started: not a move
+    jobs.end_launch(cat, typo, NOT_STARTED)
     args = {"max_incidents": 100, "window_s": 3600.0}
+    assert recovery.begin(cat, incident_id=old, claimant="flow-0", **args).held_by is None
+    old = crashed(jobs.begin_launch(cat, run_name, spec, {}))
+    new = crashed(jobs.begin_launch(cat, run_name, spec, {}))  # started again by hand, and crashed too
     with pytest.raises(Refused, match="was launched again since"):
         recovery.begin(cat, incident_id=old, claimant="flow-a", **args)
     assert recovery.begin(cat, incident_id=new, claimant="flow-b", **args).held_by is None

@@ -106,8 +106,13 @@ def _buildable(inst: Any, state: Any) -> bool:
     if getattr(cls, "__setstate__", None) is not None and "__setstate__" in vars(cls):
         return True
     fields = {f.name for f in dataclasses.fields(inst)} if dataclasses.is_dataclass(inst) else set()
-    parts = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
-    return all(part is None or (isinstance(part, dict) and set(part) <= fields) for part in parts)
+    in_dict, in_slots = state if isinstance(state, tuple) and len(state) == 2 else (state, None)
+    # the instance's __dict__ may take fields a newer torch added (Metadata.version); never a dunder
+    extra_ok = isinstance(in_dict, dict) and all(
+        isinstance(k, str) and not k.startswith("__") for k in in_dict
+    )
+    slots_ok = in_slots is None or (isinstance(in_slots, dict) and set(in_slots) <= fields)  # set by setattr
+    return (in_dict is None or extra_ok) and slots_ok
 
 
 # Python's own unpickler, whose BUILD can be checked (the C one's cannot)

@@ -47,8 +47,8 @@ def _numpy(obj: np.ndarray | np.generic, path: str) -> dict[str, Any]:
     """A numpy array or scalar as its dtype and bytes: it comes back of the same dtype (an np.float32 EMA
     stays float32). One whose bytes are not its values (objects, fields, a mask) is a ``ConfigError``."""
     arr = np.asarray(obj, order="C")  # a 0-d array or a scalar stays 0-d (ascontiguousarray makes it 1-d)
-    subclass = isinstance(obj, np.ndarray) and type(obj) is not np.ndarray  # a MaskedArray, a matrix
-    if subclass or arr.dtype.hasobject or arr.dtype.fields is not None:
+    masked = isinstance(obj, np.ma.MaskedArray)  # its mask is not in its bytes (a memmap's values are)
+    if masked or arr.dtype.hasobject or arr.dtype.fields is not None:
         raise ConfigError(
             f"cannot checkpoint the numpy {type(obj).__name__} of dtype {arr.dtype} at {path!r}: its bytes are "
             "not its values (objects, named fields or a mask); keep it as a list or as plain arrays"

@@ -102,7 +102,6 @@ class RewindCallback(TrainerCallback):
         The recovery's chosen restore point first (an older one when its every copy fails), else the
         newest that proves itself; ``None`` on a run with no checkpoint. A failure is told to the supervisor
         (a failed restore, not a job that cannot start) before it is raised."""
-        self._write_lease()
         writer = self._start_writer("restoring")
         store.sweep_temp(self.root / self.run)  # what a take-over killed half-way left
         try:

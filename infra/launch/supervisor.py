@@ -13,6 +13,7 @@ how a node, or the whole launch, is stopped, workers included.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -145,16 +146,20 @@ class Supervisor:
         for i in range(len(place.hosts)):
             try:
                 self.processes.append(self._node(place, i, cmd, base))
-            except OSError as exc:
+            except (
+                OSError
+            ) as exc:  # the launch ends here whatever the error; only the command's own is bad input
                 self._signal(signal.SIGKILL)
                 for p in self.processes:
                     p.proc.wait()
                 self._release()
                 if self._gpu_watch is not None:
                     self._gpu_watch.close()
-                if self._memory is not None:
-                    self._memory.close(release=True)
+                if self._memory is not None:  # the run's memory copies stay for the next launch
+                    self._memory.close(release=False)
                 self._end_launch(NOT_STARTED)
+                if exc.errno not in (errno.ENOENT, errno.EACCES, errno.ENOEXEC):
+                    raise  # out of processes or memory: not the command's fault
                 raise ConfigError(
                     f"the job's command cannot be started: {cmd[0]!r}: {exc.strerror or exc}"
                 ) from exc

@@ -18,6 +18,7 @@ from rewind.infra.catalog import incidents, jobs, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import IncidentKind
 from rewind.infra.errors import Refused
+from rewind.infra.launch.supervisor import NOT_STARTED, PLACEMENT_FAILED
 from rewind.infra.phases import detect
 from rewind.infra.phases.detect import Outcome
 from rewind.infra.phases.notify import Notifier, artifact_key
@@ -25,6 +26,7 @@ from rewind.infra.phases.restore import RestorePoint
 from rewind.infra.training import comeback, progress
 
 ANOMALIES = (IncidentKind.NAN, IncidentKind.LOSS_SPIKE)
+_NEVER_RAN = (PLACEMENT_FAILED, NOT_STARTED)  # launches that never got a host, or whose command never started
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +60,8 @@ def begin(cat: Catalog, *, incident_id: int, claimant: str, max_incidents: int, 
             f"incident {incident_id}: {run!r} failed to start, so it is not recovered (a relaunch would fail "
             f"the same way); fix the job and run protect-training again. {inc.reason}"
         )
+    if inc.recovered_by is None:  # a duplicate recovery of a claimed incident stays a no-op below
+        _refuse_overtaken(cat, run, incident_id, details.get("launch_id"))
     holder = incidents.claim_recovery(cat, incident_id, claimant)
     found = Recovery(
         incident_id, run, IncidentKind(inc.kind), inc.reason or "", float(details["died_at"]), details.get("last_step"),
@@ -66,7 +70,6 @@ def begin(cat: Catalog, *, incident_id: int, claimant: str, max_incidents: int, 
     )  # fmt: skip
     if found.held_by is not None:
         return found
-    _refuse_overtaken(cat, run, incident_id, details.get("launch_id"))
     details_now = {"recovery_flow_started_at": started, "flow_start_s": started - found.died_at}
     incidents.update_incident(cat, incident_id, details=details_now)
     n = incidents.recent_count(cat, run, window_s)
@@ -83,7 +86,11 @@ def _refuse_overtaken(cat: Catalog, run: str, incident_id: int, launch_id: Any) 
     or recovered already): recovering it would roll back what the newer launch saved and start a second job."""
     if launch_id is None:
         return
-    newer = [launch.id for launch in jobs.launches(cat, run) if launch.id > int(launch_id)]
+    newer = [
+        launch.id
+        for launch in jobs.launches(cat, run)
+        if launch.id > int(launch_id) and launch.exit_code not in _NEVER_RAN
+    ]
     if newer:
         raise Refused(
             f"incident {incident_id}: {run!r} was launched again since (launch {max(newer)}): not recovering "
