@@ -25,17 +25,13 @@ def _refuse_dataless(t: torch.Tensor, path: str) -> None:
     here, not torch's error from deep in a save. Subclasses (DTensor, ShardedTensor) are DCP's to judge."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return
-    why = (
-        "on the meta device (no data yet)"
-        if t.device.type == "meta"
-        else f"of layout {t.layout}"
-        if t.layout is not torch.strided
-        else "quantized"
-        if t.is_quantized
-        else "nested"
-        if t.is_nested
-        else ""
-    )
+    why = ""
+    if t.device.type == "meta":
+        why = "on the meta device (no data yet)"
+    elif t.layout is not torch.strided:
+        why = f"of layout {t.layout}"
+    elif t.is_quantized or t.is_nested:
+        why = "quantized" if t.is_quantized else "nested"
     if why:
         raise ConfigError(
             f"the tensor at {path!r} is {why}: Rewind saves and loads dense tensors that hold data "

@@ -49,9 +49,8 @@ MIN_BUSY_S = 300.0
 
 
 PLACEMENT_FAILED = 125  # the exit code recorded on a launch whose nodes were never granted
-NOT_STARTED = (
-    127  # the exit code recorded on a launch whose command could not be started (a shell's 'not found')
-)
+# the exit code recorded on a launch whose command could not be started (a shell's 'not found')
+NOT_STARTED = 127
 
 
 class Supervisor:
@@ -146,9 +145,7 @@ class Supervisor:
         for i in range(len(place.hosts)):
             try:
                 self.processes.append(self._node(place, i, cmd, base))
-            except (
-                OSError
-            ) as exc:  # the launch ends here whatever the error; only the command's own is bad input
+            except OSError as exc:  # the launch ends whatever the error; only the command's is bad input
                 self._signal(signal.SIGKILL)
                 for p in self.processes:
                     p.proc.wait()

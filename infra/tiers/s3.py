@@ -168,11 +168,12 @@ class S3Tier:
         if answer.get("ChecksumCRC32C") == crc32c:
             return
         self._keeps_no_checksums()
-        crc, got, k = 0, 0, self._key(key)
+        hasher, k = digest.Hasher(), self._key(key)
         with self.open(key) as body:
             while chunk := body.read(digest.CHUNK):
-                crc, got = digest.crc32c(chunk, crc), got + len(chunk)
-        if got != size or digest.crc32c_b64(crc) != crc32c:
+                hasher.update(chunk)
+        got = hasher.result()
+        if got.size != size or got.crc32c != crc32c:
             self._call("delete_object", k, Key=k)
             raise TierUnavailable(f"s3://{self.bucket}/{k} did not arrive as sent (read back); deleted")
 
