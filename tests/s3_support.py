@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from rewind.infra.drills.servers import ACCESS_KEY, SECRET_KEY, SeaweedS3, weed_binary
 
@@ -36,9 +37,18 @@ def big_checkpoint(run: str, root: Path, mb: int = 260):  # type: ignore[no-unty
 class ChecksumlessS3:
     """A real HTTP proxy on loopback in front of the test's S3 server that answers as a server keeping no
     CRC32C does (older Ceph RGW, GCS's XML API): every ``x-amz-checksum-*`` header and ``<Checksum...>``
-    element is dropped from its answers. Requests pass unchanged (the signature covers the proxy's Host)."""
+    element is dropped from its answers. Requests pass unchanged (the signature covers the proxy's Host).
 
-    def __init__(self, upstream: str) -> None:
+    ``strict``: as a server that knows neither checksums nor conditional writes and says so, a write
+    carrying an ``x-amz-checksum-*`` header, a ``<ChecksumCRC32C>`` element or ``If-None-Match`` is
+    answered 501 NotImplemented (counted in ``refused``) and not passed on."""
+
+    NOT_IMPLEMENTED = (
+        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
+        b"<Message>A header you provided implies functionality that is not implemented</Message></Error>"
+    )
+
+    def __init__(self, upstream: str, *, strict: bool = False) -> None:
         import http.client
         import re
         import threading
@@ -46,6 +56,17 @@ class ChecksumlessS3:
         from urllib.parse import urlsplit
 
         target = urlsplit(upstream)
+        proxy = self
+        self.refused = 0
+
+        def _newer(headers: Any, body: bytes) -> bool:
+            names = [k.lower() for k in headers]
+            return (
+                any(k.startswith("x-amz-checksum") for k in names)
+                or "if-none-match" in names
+                or b"<ChecksumCRC32C>" in body
+            )
+
         element = re.compile(rb"<Checksum(CRC32C|CRC32|CRC64NVME|SHA1|SHA256|Type)>[^<]*</Checksum\1>")
 
         class Handler(BaseHTTPRequestHandler):
@@ -53,6 +74,14 @@ class ChecksumlessS3:
 
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                if strict and self.command in ("PUT", "POST") and _newer(self.headers, body):
+                    proxy.refused += 1
+                    self.send_response(501, "Not Implemented")
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(proxy.NOT_IMPLEMENTED)))
+                    self.end_headers()
+                    self.wfile.write(proxy.NOT_IMPLEMENTED)
+                    return
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                 try:
                     sent = {

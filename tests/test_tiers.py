@@ -292,7 +292,7 @@ def test_retention_keeps_last_every_and_pinned_on_every_tier(s3_env, rewind_env,
 def test_a_multipart_upload_never_needs_more_parts_than_s3_allows(size_gib):
     """A file over 10,000 parts of the configured size (625 GiB at 64 MiB) gets larger parts, whole MiB,
     the same on every try (a resumed upload keeps the parts it sent)."""
-    from rewind.infra.tiers.s3 import MAX_PARTS, MiB, part_size
+    from rewind.infra.tiers.s3_multipart import MAX_PARTS, MiB, part_size
 
     size = size_gib * 1024 * MiB + 1
     step = part_size(size, 64 * MiB)
@@ -350,5 +350,47 @@ def test_a_server_keeping_no_checksums_has_copies_read_back_not_taken_on_their_s
         capsys.readouterr()
         assert rewind(["ckpt", "verify", run_name, "--tier", "offsite", "--deep"]) == 0
         assert S3Tier(uri).stat(f"{rep.key}/optimizer.safetensors").size > 5 << 20  # sent in parts
+    finally:
+        proxy.close()
+
+
+def test_a_server_refusing_checksums_and_conditions_as_unsupported_still_gets_verified_copies(
+    s3_env, rewind_env, run_name, tmp_path, monkeypatch
+):
+    """Behind a server that answers 501 NotImplemented to any write carrying a checksum or ``If-None-Match``
+    (a real proxy saying so in front of the test's S3 server), replication still lands a copy, multipart
+    included, verified by reading it back; what the server refused is not sent to it again (the next
+    checkpoint's push meets no refusal), and an object is still never overwritten (it is looked for first)."""
+    from rewind.flows.cli import main as rewind
+    from rewind.infra.catalog import lineage
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.format import digest
+    from rewind.infra.format import manifest as mf
+    from tests.s3_support import ChecksumlessS3
+
+    saved = big_checkpoint(run_name, tmp_path / "ckpt", mb=8)
+    uri = f"s3://{BUCKET}/strict-{run_name}"
+    proxy = ChecksumlessS3(s3_env.endpoint, strict=True)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        assert rewind(["replicate", run_name, "--to", uri, "--part-size-mib", "5"]) == 0
+        (rep,) = [r for r in lineage.replicas_of(Catalog(), saved.checkpoint_id) if r.tier == "offsite"]
+        assert rep.status == "verified"
+        first = proxy.refused  # the first files in flight at once were each refused before the tier knew
+        assert first > 0
+        other = f"{run_name}-b"
+        big_checkpoint(other, tmp_path / "ckpt-b", mb=8)
+        assert rewind(["replicate", other, "--to", uri, "--part-size-mib", "5"]) == 0
+        assert proxy.refused == first  # what the server refused is not sent again
+        files = mf.read(Path(saved.path)).files
+        tier = S3Tier(uri)
+        for e in files:  # every object holds its file's bytes (read back through the proxy)
+            with tier.open(f"{rep.key}/{e.path}") as body:
+                assert digest.hash_bytes(body.read()).xxh3 == e.xxh3, e.path
+        assert any(e.size > 5 << 20 for e in files)  # one went up in parts
+        manifest = f"{rep.key}/{mf.MANIFEST_NAME}"
+        with pytest.raises(AlreadyExists):
+            tier.put_bytes(manifest, b"{}", crc32c=digest.hash_bytes(b"{}").crc32c)
+        assert tier.refused == {"checksum", "full-object", "if-none-match"}
     finally:
         proxy.close()

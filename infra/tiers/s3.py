@@ -3,21 +3,18 @@
 Credentials and endpoint come from the standard AWS environment and config
 (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``,
 ``AWS_ENDPOINT_URL``). Every upload carries a CRC32C the server checks
-(``BadDigest`` otherwise) and ``IfNoneMatch='*'`` so nothing is overwritten.
+(``BadDigest`` otherwise) and ``IfNoneMatch='*'`` so nothing is overwritten; a
+server that refuses either as unsupported is asked again without it (``call_newer``),
+and what it then holds is read back to be verified, or looked for first.
 
-Large files go up as multipart uploads driven here rather than by boto3's
-transfer manager, because a crash must be resumable: a re-run lists the parts
-the server already holds and sends only the missing ones.
+Large files go up as resumable multipart uploads (``s3_multipart``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import re
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -28,14 +25,23 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from rewind.infra import progress, redact
 from rewind.infra.format import digest
-from rewind.infra.tiers import s3_errors
-from rewind.infra.tiers.base import NotCopied, ObjectInfo, ObjectNotFound, TierConfigError, TierUnavailable
+from rewind.infra.tiers import s3_errors, s3_multipart
+from rewind.infra.tiers.base import (
+    AlreadyExists,
+    NotCopied,
+    ObjectInfo,
+    ObjectNotFound,
+    TierConfigError,
+    TierUnavailable,
+)
 from rewind.infra.tiers.s3_ranged import RangedBody
 
 log = logging.getLogger("rewind.tiers")
 MiB = 1 << 20
 MAX_COPY = 5 << 30  # the largest object one CopyObject request may copy
-MAX_PARTS = 10_000  # the most parts one multipart upload may have (S3 and every server that copies it)
+CHECKSUM = "checksum"  # an upload's x-amz-checksum-crc32c (``S3Tier.refused``)
+IF_NONE_MATCH = "if-none-match"  # an upload's If-None-Match: * (``S3Tier.refused``)
+_REFUSED: dict[str, set[str]] = {}  # endpoint -> the features it refused (``S3Tier.refused``)
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # loose: other servers allow '_' and capitals
 
 
@@ -51,20 +57,6 @@ def parse_uri(uri: str) -> tuple[str, str]:
             f"S3 URI {uri!r}: {bucket!r} is not a bucket name (letters, digits, '.', '-', '_')"
         )
     return bucket, prefix.strip("/")
-
-
-def part_size(size: int, least: int) -> int:
-    """The part size of a ``size``-byte upload: ``least``, or larger (whole MiB) so it has at most
-    ``MAX_PARTS`` parts; the same for every try of one file, so a resumed upload keeps its parts."""
-    fewest = -(-size // MAX_PARTS)
-    return max(least, -(-fewest // MiB) * MiB)
-
-
-def _same_part(held: dict[str, Any], data: bytes, crc: str) -> bool:
-    """Is a part the server already holds the one we would send? Its CRC32C if listed, else its ETag (MD5)."""
-    if held.get("ChecksumCRC32C"):
-        return held["ChecksumCRC32C"] == crc
-    return str(held.get("ETag", "")).strip('"') == hashlib.md5(data, usedforsecurity=False).hexdigest()
 
 
 def _client(concurrency: int) -> Any:
@@ -116,6 +108,9 @@ class S3Tier:
         self.checksums = True
         # For messages: an endpoint URL may carry user:password@, which is never printed.
         self.endpoint = re.sub(r"//[^/@]*@", "//", str(self._client.meta.endpoint_url))
+        # The newer arguments (checksums, conditions) this server refused as unsupported: not sent again by
+        # any tier of this process on the same endpoint.
+        self.refused: set[str] = _REFUSED.setdefault(self.endpoint, set())
 
     # -- errors -------------------------------------------------------------------
 
@@ -253,36 +248,17 @@ class S3Tier:
     def abandon(self, prefix: str) -> int:
         """Abort every unfinished multipart upload under ``prefix`` (a push cut short, then its copy deleted)."""
         full, n = self._key(prefix), 0
-        for upload in self._uploads(full):
+        for upload in s3_multipart.uploads(self, full):
             self._call(
                 "abort_multipart_upload", upload["Key"], Key=upload["Key"], UploadId=upload["UploadId"]
             )
             n += 1
         return n
 
-    def _uploads(self, full: str) -> tuple[dict[str, Any], ...]:
-        """Every unfinished multipart upload whose key starts with ``full``, over every page of the listing."""
-        found: list[dict[str, Any]] = []
-        marker: dict[str, str] = {}
-        while True:
-            page = self._call("list_multipart_uploads", full, Prefix=full, **marker)
-            found += page.get("Uploads", [])
-            if not page.get("IsTruncated"):
-                return tuple(found)
-            marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
-
     def put_bytes(self, key: str, data: bytes, *, crc32c: str) -> None:
         k = self._key(key)
-        answer = self._call(
-            "put_object",
-            k,
-            Key=k,
-            Body=data,
-            ContentLength=len(data),
-            ChecksumCRC32C=crc32c,
-            IfNoneMatch="*",
-            **self._lock(),
-        )
+        base = {"Key": k, "Body": data, "ContentLength": len(data), **self._lock()}
+        answer = self.call_newer("put_object", k, base, {CHECKSUM: {"ChecksumCRC32C": crc32c}}, creates=True)
         self._vouched(key, answer, crc32c, len(data))
 
     def copy(self, src_key: str, dst_key: str, *, crc32c: str) -> None:
@@ -311,8 +287,8 @@ class S3Tier:
             )
         except ClientError as exc:
             code = str(exc.response.get("Error", {}).get("Code", ""))
-            if code == "NotImplemented":  # a server without CopyObject: the bytes go up instead
-                raise NotCopied(f"{self.endpoint} does not copy objects ({code})") from exc
+            if s3_errors.unsupported(exc):  # no CopyObject, or none with a checksum: the bytes go up instead
+                raise NotCopied(f"{self.endpoint} does not copy objects so ({code})") from exc
             if code in ("NoSuchKey", "404", "NotFound"):  # the source went away after the stat (retention)
                 raise ObjectNotFound(f"s3://{self.bucket}/{src} does not exist (copy source)") from exc
             raise self._error(exc, k) from exc
@@ -325,86 +301,74 @@ class S3Tier:
             self.put_bytes(key, src.read_bytes(), crc32c=crc32c)
             progress.advance(size)
             return size
-        return self._multipart(key, src, size, crc32c)
+        return s3_multipart.upload(self, key, src, size, crc32c)
 
-    # -- resumable multipart ---------------------------------------------------------------
+    # -- arguments newer than the rest of S3's API ------------------------------------------
 
-    def _pending_upload(self, k: str) -> str | None:
-        """The newest upload of ``k`` left unfinished (a push cut short), over every page of the listing."""
-        ups = [u for u in self._uploads(k) if u["Key"] == k]
-        return max(ups, key=lambda u: u["Initiated"])["UploadId"] if ups else None
-
-    def _parts_held(self, k: str, upload_id: str) -> dict[int, dict[str, Any]]:
-        held: dict[int, dict[str, Any]] = {}
-        marker: dict[str, int] = {}
+    def call_newer(
+        self,
+        op: str,
+        k: str,
+        base: dict[str, Any],
+        newer: dict[str, dict[str, Any]],
+        *,
+        creates: bool = False,
+    ) -> Any:
+        """``op`` with ``base`` and each ``newer`` feature's arguments (a checksum, a condition) that this
+        server has not refused. ``creates``: the call makes ``k``, which must not be there yet
+        (``If-None-Match: *``, or where that was refused, a HEAD first). Refused as unsupported (501, an
+        argument error), the call is made again without them, one feature less at a time (the condition
+        first); those it was then made without are not sent again by this tier."""
+        wanted = {**({IF_NONE_MATCH: {"IfNoneMatch": "*"}} if creates else {}), **newer}
+        sending = [f for f in wanted if f not in self.refused]
         while True:
-            page = self._call("list_parts", k, Key=k, UploadId=upload_id, **marker)
-            for p in page.get("Parts", []):
-                held[int(p["PartNumber"])] = p
-            if not page.get("IsTruncated"):
-                return held
-            marker = {"PartNumberMarker": int(page["NextPartNumberMarker"])}
+            if creates and IF_NONE_MATCH not in sending:
+                self._absent(k)
+            args = dict(base)
+            for feature in sending:
+                args.update(wanted[feature])
+            try:
+                answer = getattr(self._client, op)(Bucket=self.bucket, **args)
+            except ClientError as exc:
+                if not sending or not s3_errors.unsupported(exc):
+                    raise self._error(exc, k) from exc
+                log.debug(
+                    "%s refused %s with %s: asked again without %s", self.endpoint, op, sending, sending[0]
+                )
+                sending = sending[1:]
+                continue
+            except BotoCoreError as exc:
+                raise self._error(exc, k) from exc
+            self._drop(tuple(f for f in wanted if f not in sending and f not in self.refused), op)
+            return answer
 
-    def _multipart(self, key: str, src: Path, size: int, crc_full: str) -> int:
-        k = self._key(key)
-        upload_id = self._pending_upload(k)
-        held = self._parts_held(k, upload_id) if upload_id else {}
-        if upload_id is None:
-            upload_id = self._call(
-                "create_multipart_upload",
-                k,
-                Key=k,
-                ChecksumAlgorithm="CRC32C",
-                ChecksumType="FULL_OBJECT",
-                **self._lock(),
-            )["UploadId"]
-        step = part_size(size, self.part_size)
-        count = (size + step - 1) // step
-        fd = os.open(src, os.O_RDONLY)
-        meter = progress.current()  # the part threads report to this context's watcher
-
-        def part(n: int) -> tuple[dict[str, Any], int]:
-            done = send(n)
-            if meter is not None:
-                meter.advance(min(step, size - (n - 1) * step))
-            return done
-
-        def send(n: int) -> tuple[dict[str, Any], int]:
-            offset = (n - 1) * step
-            data = os.pread(fd, min(step, size - offset), offset)
-            crc = digest.crc32c_b64(digest.crc32c(data))
-            have = held.get(n)
-            if have and int(have["Size"]) == len(data) and _same_part(have, data, crc):
-                return {"PartNumber": n, "ETag": have["ETag"], "ChecksumCRC32C": crc}, 0
-            r = self._call(
-                "upload_part",
-                k,
-                Key=k,
-                UploadId=upload_id,
-                PartNumber=n,
-                Body=data,
-                ContentLength=len(data),
-                ChecksumCRC32C=crc,
-            )
-            return {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": crc}, len(data)
-
-        try:
-            with ThreadPoolExecutor(self.concurrency, thread_name_prefix="s3-part") as pool:
-                done = list(pool.map(part, range(1, count + 1)))
-        finally:
-            os.close(fd)
-        answer = self._call(
-            "complete_multipart_upload",
-            k,
-            Key=k,
-            UploadId=upload_id,
-            MultipartUpload={"Parts": [p for p, _ in done]},
-            ChecksumCRC32C=crc_full,
-            ChecksumType="FULL_OBJECT",
-            IfNoneMatch="*",
+    def _drop(self, features: tuple[str, ...], op: str) -> None:
+        if not features:
+            return
+        self.refused.update(features)
+        log.warning(
+            "%s refuses %s in %s as unsupported: sent without from now on (%s)",
+            self.uri,
+            ", ".join(features),
+            op,
+            "uploads are read back to be verified"
+            if CHECKSUM in features or s3_multipart.FULL_OBJECT in features
+            else "an object is looked for before it is written",
         )
-        self._vouched(key, answer, crc_full, size)
-        return sum(n for _, n in done)
+        if CHECKSUM in features or s3_multipart.FULL_OBJECT in features:
+            self._keeps_no_checksums()
+
+    def _absent(self, k: str) -> None:
+        """``AlreadyExists`` if ``k`` is there: the check of a server that refused ``If-None-Match``."""
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=k)
+        except ClientError as exc:
+            if isinstance(self._error(exc, k), ObjectNotFound):
+                return
+            raise self._error(exc, k) from exc
+        except BotoCoreError as exc:
+            raise self._error(exc, k) from exc
+        raise AlreadyExists(f"s3://{self.bucket}/{k} already exists; replicas are never overwritten")
 
 
 def _total_size(response: dict[str, Any]) -> int | None:

@@ -41,6 +41,8 @@ TRANSIENT = {
     "XAmzContentSHA256Mismatch",
     "InvalidDigest",
 }
+# What servers answer to an argument they do not support (a checksum, a condition newer than their API)
+UNSUPPORTED = {"NotImplemented", "InvalidArgument", "InvalidRequest", "NotSupported", "UnsupportedArgument"}
 # Errors of the setup (a profile, a region, a parameter botocore refuses before sending): no retry helps
 SETUP_ERRORS = (ParamValidationError, ProfileNotFound, NoRegionError, InvalidRegionError)
 
@@ -81,3 +83,9 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
     if isinstance(exc, BotoCoreError | OSError):
         return TierUnavailable(f"S3 endpoint {endpoint}: {redact.text(str(exc))}")
     return exc
+
+
+def unsupported(exc: ClientError) -> bool:
+    """Whether the server refused the request as one it does not support (501, or an argument error)."""
+    code = str(exc.response.get("Error", {}).get("Code", ""))
+    return code in UNSUPPORTED or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 501

@@ -1,0 +1,123 @@
+"""A large file up to S3 as a resumable multipart upload, driven here rather than by boto3's transfer manager:
+a re-run lists the parts the server already holds and sends only the missing ones.
+
+Each part carries its CRC32C and the whole a full-object CRC32C, unless the server refused those as
+unsupported (``S3Tier.refused``): then the parts go up bare and the object is read back to be verified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rewind.infra import progress
+from rewind.infra.format import digest
+
+if TYPE_CHECKING:
+    from rewind.infra.tiers.s3 import S3Tier
+
+MiB = 1 << 20
+MAX_PARTS = 10_000  # the most parts one multipart upload may have (S3 and every server that copies it)
+FULL_OBJECT = "full-object"  # the name ``S3Tier.refused`` knows the parts' and the whole's CRC32C by
+
+
+def part_size(size: int, least: int) -> int:
+    """The part size of a ``size``-byte upload: ``least``, or larger (whole MiB) so it has at most
+    ``MAX_PARTS`` parts; the same for every try of one file, so a resumed upload keeps its parts."""
+    fewest = -(-size // MAX_PARTS)
+    return max(least, -(-fewest // MiB) * MiB)
+
+
+def _same_part(held: dict[str, Any], data: bytes, crc: str) -> bool:
+    """Is a part the server already holds the one we would send? Its CRC32C if listed, else its ETag (MD5)."""
+    if held.get("ChecksumCRC32C"):
+        return bool(held["ChecksumCRC32C"] == crc)
+    return str(held.get("ETag", "")).strip('"') == hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+def uploads(tier: S3Tier, full: str) -> tuple[dict[str, Any], ...]:
+    """Every unfinished multipart upload whose key starts with ``full``, over every page of the listing."""
+    found: list[dict[str, Any]] = []
+    marker: dict[str, str] = {}
+    while True:
+        page = tier._call("list_multipart_uploads", full, Prefix=full, **marker)
+        found += page.get("Uploads", [])
+        if not page.get("IsTruncated"):
+            return tuple(found)
+        marker = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+
+
+def _pending(tier: S3Tier, k: str) -> str | None:
+    """The newest upload of ``k`` left unfinished (a push cut short), over every page of the listing."""
+    ups = [u for u in uploads(tier, k) if u["Key"] == k]
+    return max(ups, key=lambda u: u["Initiated"])["UploadId"] if ups else None
+
+
+def _parts_held(tier: S3Tier, k: str, upload_id: str) -> dict[int, dict[str, Any]]:
+    held: dict[int, dict[str, Any]] = {}
+    marker: dict[str, int] = {}
+    while True:
+        page = tier._call("list_parts", k, Key=k, UploadId=upload_id, **marker)
+        for p in page.get("Parts", []):
+            held[int(p["PartNumber"])] = p
+        if not page.get("IsTruncated"):
+            return held
+        marker = {"PartNumberMarker": int(page["NextPartNumberMarker"])}
+
+
+def _start(tier: S3Tier, k: str) -> str:
+    checksum = {"ChecksumAlgorithm": "CRC32C", "ChecksumType": "FULL_OBJECT"}
+    answer = tier.call_newer(
+        "create_multipart_upload", k, {"Key": k, **tier._lock()}, {FULL_OBJECT: checksum}
+    )
+    return str(answer["UploadId"])
+
+
+def upload(tier: S3Tier, key: str, src: Path, size: int, crc_full: str) -> int:
+    """``src`` to ``key`` in parts, those the server holds of an unfinished upload kept; bytes sent."""
+    k = tier._key(key)
+    upload_id = _pending(tier, k)
+    held = _parts_held(tier, k, upload_id) if upload_id else {}
+    if upload_id is None:
+        upload_id = _start(tier, k)
+    step = part_size(size, tier.part_size)
+    count = (size + step - 1) // step
+    fd = os.open(src, os.O_RDONLY)
+    meter = progress.current()  # the part threads report to this context's watcher
+
+    def part(n: int) -> tuple[dict[str, Any], int]:
+        done = send(n)
+        if meter is not None:
+            meter.advance(min(step, size - (n - 1) * step))
+        return done
+
+    def send(n: int) -> tuple[dict[str, Any], int]:
+        offset = (n - 1) * step
+        data = os.pread(fd, min(step, size - offset), offset)
+        crc = digest.crc32c_b64(digest.crc32c(data))
+        have = held.get(n)
+        if have and int(have["Size"]) == len(data) and _same_part(have, data, crc):
+            return {"PartNumber": n, "ETag": have["ETag"], "ChecksumCRC32C": crc}, 0
+        base = {"Key": k, "UploadId": upload_id, "PartNumber": n, "Body": data, "ContentLength": len(data)}
+        r = tier.call_newer("upload_part", k, base, {FULL_OBJECT: {"ChecksumCRC32C": crc}})
+        return {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": crc}, len(data)
+
+    try:
+        with ThreadPoolExecutor(tier.concurrency, thread_name_prefix="s3-part") as pool:
+            done = list(pool.map(part, range(1, count + 1)))
+    finally:
+        os.close(fd)
+    answer = _complete(tier, k, upload_id, [p for p, _ in done], crc_full)
+    tier._vouched(key, answer, crc_full, size)
+    return sum(n for _, n in done)
+
+
+def _complete(tier: S3Tier, k: str, upload_id: str, parts: list[dict[str, Any]], crc_full: str) -> Any:
+    """Complete the upload; where the server refuses checksums, with the parts listed bare."""
+    bare = [{"PartNumber": p["PartNumber"], "ETag": p["ETag"]} for p in parts]
+    base = {"Key": k, "UploadId": upload_id, "MultipartUpload": {"Parts": bare}}
+    full = {"MultipartUpload": {"Parts": parts}, "ChecksumCRC32C": crc_full, "ChecksumType": "FULL_OBJECT"}
+    return tier.call_newer("complete_multipart_upload", k, base, {FULL_OBJECT: full}, creates=True)
