@@ -100,6 +100,34 @@ def test_a_second_live_writer_is_refused_by_name(rewind_env, run_name, tmp_path)
     assert third.proc.returncode == 0, third.output.text
 
 
+def test_a_writer_saving_less_often_than_its_lease_lives_is_not_presumed_gone(
+    rewind_env, run_name, tmp_path, monkeypatch
+):
+    """A job whose saves are hours apart keeps its run: between saves its lease is renewed, so a second
+    job of the run is still refused (and a roll-back still waits) after the lease's time to live."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from rewind.infra.catalog import leases, writer_lease
+    from rewind.infra.catalog.models import Run, utcnow
+    from rewind.infra.errors import RunBusy
+    from tests.prefect_support import wait_until
+
+    monkeypatch.setattr(writer_lease, "beat_s", lambda: 0.05)
+    cat = Catalog()
+    *_, ck = _job(run_name, cat, tmp_path / "ckpt")
+    with cat.session() as s:  # an hour and more without a save, as between two saves of a large model
+        s.execute(update(Run).where(Run.id == ck.run_id).values(writer_seen_at=utcnow() - timedelta(hours=2)))
+    me = wait_until(lambda: leases.live_writer(cat, run_name), 10, "the writer lease renewed")
+    assert me == leases.writer_name()
+    with pytest.raises(RunBusy, match="is being written by"):
+        leases.take_writer(cat, ck.run_id, who="elsewhere:1")
+    ck.close()
+    assert leases.live_writer(cat, run_name) is None  # let go at close, and no longer renewed
+    leases.take_writer(cat, ck.run_id, who="elsewhere:1")
+
+
 def test_secrets_on_the_command_line_never_reach_a_manifest(rewind_env, run_name, tmp_path, monkeypatch):
     import json
     import sys

@@ -34,6 +34,7 @@ from rewind.infra import config, progress, throttle
 from rewind.infra.catalog import leases, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
+from rewind.infra.catalog.writer_lease import WriterLease
 from rewind.infra.checkpoint import own_tensors
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
@@ -114,7 +115,8 @@ class Checkpointer:
         self.root = Path(self.root).expanduser().resolve()
         self.run_dir = self.root / self.run
         self.run_id = lineage.ensure_run(self._cat, self.run)
-        leases.take_writer(self._cat, self.run_id)  # a second live writer is refused here, by name
+        self._lease = WriterLease(self._cat, self.run_id)
+        self._lease.take()  # a second live writer is refused here, by name
         self._parent_id: int | None = None
         self._parent_step: int | None = None
         self._parent_digest: str | None = None
@@ -179,7 +181,7 @@ class Checkpointer:
     def close(self) -> None:
         """Wait for an in-flight save, then let another process write this run."""
         self._runner.close()
-        leases.release_writer(self._cat, self.run_id)
+        self._lease.release()
 
     def _persist(
         self, step: int, trees: dict[str, Any], staged: Staged, metrics: dict[str, float], stall: float
@@ -218,7 +220,7 @@ class Checkpointer:
                 self._cat, ck_id, manifest, digest=done.digest, stall_s=stall, uri=str(final),
                 writer=leases.writer_name(),
             )  # fmt: skip
-            leases.touch_writer(self._cat, self.run_id)
+            self._lease.touch()
         self._parent_id, self._parent_step, self._parent_digest = ck_id, step, done.digest
         result = SaveResult(
             step,

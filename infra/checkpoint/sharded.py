@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from rewind.infra.catalog import leases, lineage, moved_copies
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.writer_lease import WriterLease
 from rewind.infra.checkpoint import assemble, remotes, ring_held, spread
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
@@ -127,6 +128,7 @@ class ShardedCheckpointer:
         self._lead = (
             (self.catalog, lineage.ensure_run(self.catalog, run)) if self.catalog is not None else None
         )
+        self._lease = WriterLease(*self._lead) if self._lead is not None else None
         self._take_writer()
         self._parent_id: int | None = None
         self._parent: tuple[int, str | None] | None = None  # rank 0: (step, manifest digest) of the parent
@@ -154,9 +156,9 @@ class ShardedCheckpointer:
     def _take_writer(self) -> None:
         """Rank 0 takes the run's writer lease; every rank learns whether it was refused (none goes on alone)."""
         refused = ""
-        if self._lead is not None:
+        if self._lease is not None:
             try:
-                leases.take_writer(*self._lead)
+                self._lease.take()
             except RunBusy as exc:
                 refused = str(exc)
         box: list[Any] = [refused]
@@ -262,7 +264,8 @@ class ShardedCheckpointer:
                     cat, row[0], mf.read(final), digest=digest, stall_s=stall, uri=str(final),
                     writer=leases.writer_name(), also_on=also_on,
                 )  # fmt: skip
-                leases.touch_writer(cat, run_id)
+                if self._lease is not None:
+                    self._lease.touch()
 
             _, digest = save(
                 self.run_dir,
@@ -289,8 +292,8 @@ class ShardedCheckpointer:
             self._runner.close()
             self.send_on.close()
         finally:
-            if self._lead is not None:
-                leases.release_writer(*self._lead)
+            if self._lease is not None:
+                self._lease.release()
 
     def restore_latest(
         self, state: StateTree, *, target: restore_plan.RestoreTarget | None = None

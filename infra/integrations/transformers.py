@@ -41,8 +41,9 @@ except ImportError as exc:  # pragma: no cover - the extra is missing
     ) from exc
 
 from rewind.infra import config
-from rewind.infra.catalog import leases, lineage, models
+from rewind.infra.catalog import lineage, models
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.writer_lease import WriterLease
 from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, NotFoundError
 from rewind.infra.faults import fault_point
 from rewind.infra.format import store
@@ -83,16 +84,16 @@ class RewindCallback(TrainerCallback):
         self._writer: ProgressWriter | None = None
         self._held = contextlib.ExitStack()  # the restore point's lease, until Trainer has read it
         self._stepped = False
-        self._run_id: int | None = None  # the run this callback writes, once it holds its writer lease
+        self._lease: WriterLease | None = None  # the run's writer lease, once this callback holds it
 
-    def _write_lease(self) -> int:
+    def _write_lease(self) -> WriterLease:
         """Become the run's one writer (``RunBusy`` naming the live one): two jobs of one run name (a sweep,
         a relaunch while the old job lives) must never interleave their checkpoints in one lineage."""
-        if self._run_id is None:
-            run_id = lineage.ensure_run(self.catalog, self.run)
-            leases.take_writer(self.catalog, run_id)
-            self._run_id = run_id
-        return self._run_id
+        if self._lease is None:
+            lease = WriterLease(self.catalog, lineage.ensure_run(self.catalog, self.run))
+            lease.take()
+            self._lease = lease
+        return self._lease
 
     # -- before train() ----------------------------------------------------------------------------
 
@@ -202,7 +203,7 @@ class RewindCallback(TrainerCallback):
             fault_point("hf.taken_over", state.global_step)
             kept = take_over(written, self.root / self.run, state.global_step)
             got = adopt(self.catalog, kept, run=self.run, step=state.global_step, fmt=FORMAT, owned=True)
-            leases.touch_writer(self.catalog, self._write_lease())
+            self._write_lease().touch()
             fault_point("hf.committed", state.global_step)
             log.info("%s step %d: checkpoint %d committed (%s)", self.run, got.step, got.checkpoint_id, kept)
         finally:
@@ -213,9 +214,9 @@ class RewindCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         self._held.close()
-        if self._run_id is not None:
-            leases.release_writer(self.catalog, self._run_id)
-            self._run_id = None
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
         if self._writer is not None:
             self._writer.finish(models.RankState.FINISHED)
             self._writer = None
