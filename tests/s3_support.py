@@ -39,16 +39,17 @@ class ChecksumlessS3:
     CRC32C does (older Ceph RGW, GCS's XML API): every ``x-amz-checksum-*`` header and ``<Checksum...>``
     element is dropped from its answers. Requests pass unchanged (the signature covers the proxy's Host).
 
-    ``strict``: as a server that knows neither checksums nor conditional writes and says so, a write
-    carrying an ``x-amz-checksum-*`` header, a ``<ChecksumCRC32C>`` element or ``If-None-Match`` is
-    answered 501 NotImplemented (counted in ``refused``) and not passed on."""
+    ``refuses``: as a server that knows no checksums (``"checksum"``) or no conditional writes
+    (``"if-none-match"``) and says so, a write carrying an ``x-amz-checksum-*`` header or a
+    ``<ChecksumCRC32C>`` element, or ``If-None-Match``, is answered 501 NotImplemented (counted in
+    ``refused``) and not passed on."""
 
     NOT_IMPLEMENTED = (
         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
         b"<Message>A header you provided implies functionality that is not implemented</Message></Error>"
     )
 
-    def __init__(self, upstream: str, *, strict: bool = False) -> None:
+    def __init__(self, upstream: str, *, refuses: frozenset[str] = frozenset()) -> None:
         import http.client
         import re
         import threading
@@ -61,10 +62,9 @@ class ChecksumlessS3:
 
         def _newer(headers: Any, body: bytes) -> bool:
             names = [k.lower() for k in headers]
-            return (
-                any(k.startswith("x-amz-checksum") for k in names)
-                or "if-none-match" in names
-                or b"<ChecksumCRC32C>" in body
+            checksum = any(k.startswith("x-amz-checksum") for k in names) or b"<ChecksumCRC32C>" in body
+            return ("checksum" in refuses and checksum) or (
+                "if-none-match" in refuses and "if-none-match" in names
             )
 
         element = re.compile(rb"<Checksum(CRC32C|CRC32|CRC64NVME|SHA1|SHA256|Type)>[^<]*</Checksum\1>")
@@ -74,7 +74,7 @@ class ChecksumlessS3:
 
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                if strict and self.command in ("PUT", "POST") and _newer(self.headers, body):
+                if self.command in ("PUT", "POST") and _newer(self.headers, body):
                     proxy.refused += 1
                     self.send_response(501, "Not Implemented")
                     self.send_header("Content-Type", "application/xml")

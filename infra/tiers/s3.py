@@ -4,7 +4,7 @@ Credentials and endpoint come from the standard AWS environment and config
 (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``,
 ``AWS_ENDPOINT_URL``). Every upload carries a CRC32C the server checks
 (``BadDigest`` otherwise) and ``IfNoneMatch='*'`` so nothing is overwritten; a
-server that refuses either as unsupported is asked again without it (``call_newer``),
+server that refuses either as unsupported is asked again without it (``s3_newer``),
 and what it then holds is read back to be verified, or looked for first.
 
 Large files go up as resumable multipart uploads (``s3_multipart``).
@@ -25,7 +25,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from rewind.infra import progress, redact
 from rewind.infra.format import digest
-from rewind.infra.tiers import s3_errors, s3_multipart
+from rewind.infra.tiers import s3_errors, s3_multipart, s3_newer
 from rewind.infra.tiers.base import (
     AlreadyExists,
     NotCopied,
@@ -39,8 +39,6 @@ from rewind.infra.tiers.s3_ranged import RangedBody
 log = logging.getLogger("rewind.tiers")
 MiB = 1 << 20
 MAX_COPY = 5 << 30  # the largest object one CopyObject request may copy
-CHECKSUM = "checksum"  # an upload's x-amz-checksum-crc32c (``S3Tier.refused``)
-IF_NONE_MATCH = "if-none-match"  # an upload's If-None-Match: * (``S3Tier.refused``)
 _REFUSED: dict[str, set[str]] = {}  # endpoint -> the features it refused (``S3Tier.refused``)
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # loose: other servers allow '_' and capitals
 
@@ -169,6 +167,8 @@ class S3Tier:
                 hasher.update(chunk)
         got = hasher.result()
         if got.size != size or got.crc32c != crc32c:
+            if not s3_newer.ours(self, k, answer):  # another writer's, past a HEAD: never deleted
+                raise AlreadyExists(f"s3://{self.bucket}/{k} was written by another writer meanwhile")
             self._call("delete_object", k, Key=k)
             raise TierUnavailable(f"s3://{self.bucket}/{k} did not arrive as sent (read back); deleted")
 
@@ -258,7 +258,9 @@ class S3Tier:
     def put_bytes(self, key: str, data: bytes, *, crc32c: str) -> None:
         k = self._key(key)
         base = {"Key": k, "Body": data, "ContentLength": len(data), **self._lock()}
-        answer = self.call_newer("put_object", k, base, {CHECKSUM: {"ChecksumCRC32C": crc32c}}, creates=True)
+        newer = {s3_newer.CHECKSUM: {"ChecksumCRC32C": crc32c}}
+        instead = {s3_newer.CHECKSUM: s3_newer.md5_of(data)}
+        answer = s3_newer.call(self, "put_object", k, base, newer, creates=True, instead=instead)
         self._vouched(key, answer, crc32c, len(data))
 
     def copy(self, src_key: str, dst_key: str, *, crc32c: str) -> None:
@@ -270,6 +272,8 @@ class S3Tier:
         is already another (or none) is not copied at all. Over 5 GiB a copy would take a multipart
         copy; such an object is sent again instead. Both: ``NotCopied``.
         """
+        if self.refused:  # a server refusing checksums or conditions: the bytes go up instead
+            raise NotCopied(f"{self.endpoint} refuses {', '.join(sorted(self.refused))}: sent, not copied")
         info = self.stat(src_key)
         if info.crc32c != crc32c:
             raise NotCopied(f"s3://{self.bucket}/{self._key(src_key)} has crc32c {info.crc32c}, not {crc32c}")
@@ -302,73 +306,6 @@ class S3Tier:
             progress.advance(size)
             return size
         return s3_multipart.upload(self, key, src, size, crc32c)
-
-    # -- arguments newer than the rest of S3's API ------------------------------------------
-
-    def call_newer(
-        self,
-        op: str,
-        k: str,
-        base: dict[str, Any],
-        newer: dict[str, dict[str, Any]],
-        *,
-        creates: bool = False,
-    ) -> Any:
-        """``op`` with ``base`` and each ``newer`` feature's arguments (a checksum, a condition) that this
-        server has not refused. ``creates``: the call makes ``k``, which must not be there yet
-        (``If-None-Match: *``, or where that was refused, a HEAD first). Refused as unsupported (501, an
-        argument error), the call is made again without them, one feature less at a time (the condition
-        first); those it was then made without are not sent again by this tier."""
-        wanted = {**({IF_NONE_MATCH: {"IfNoneMatch": "*"}} if creates else {}), **newer}
-        sending = [f for f in wanted if f not in self.refused]
-        while True:
-            if creates and IF_NONE_MATCH not in sending:
-                self._absent(k)
-            args = dict(base)
-            for feature in sending:
-                args.update(wanted[feature])
-            try:
-                answer = getattr(self._client, op)(Bucket=self.bucket, **args)
-            except ClientError as exc:
-                if not sending or not s3_errors.unsupported(exc):
-                    raise self._error(exc, k) from exc
-                log.debug(
-                    "%s refused %s with %s: asked again without %s", self.endpoint, op, sending, sending[0]
-                )
-                sending = sending[1:]
-                continue
-            except BotoCoreError as exc:
-                raise self._error(exc, k) from exc
-            self._drop(tuple(f for f in wanted if f not in sending and f not in self.refused), op)
-            return answer
-
-    def _drop(self, features: tuple[str, ...], op: str) -> None:
-        if not features:
-            return
-        self.refused.update(features)
-        log.warning(
-            "%s refuses %s in %s as unsupported: sent without from now on (%s)",
-            self.uri,
-            ", ".join(features),
-            op,
-            "uploads are read back to be verified"
-            if CHECKSUM in features or s3_multipart.FULL_OBJECT in features
-            else "an object is looked for before it is written",
-        )
-        if CHECKSUM in features or s3_multipart.FULL_OBJECT in features:
-            self._keeps_no_checksums()
-
-    def _absent(self, k: str) -> None:
-        """``AlreadyExists`` if ``k`` is there: the check of a server that refused ``If-None-Match``."""
-        try:
-            self._client.head_object(Bucket=self.bucket, Key=k)
-        except ClientError as exc:
-            if isinstance(self._error(exc, k), ObjectNotFound):
-                return
-            raise self._error(exc, k) from exc
-        except BotoCoreError as exc:
-            raise self._error(exc, k) from exc
-        raise AlreadyExists(f"s3://{self.bucket}/{k} already exists; replicas are never overwritten")
 
 
 def _total_size(response: dict[str, Any]) -> int | None:

@@ -42,7 +42,7 @@ TRANSIENT = {
     "InvalidDigest",
 }
 # What servers answer to an argument they do not support (a checksum, a condition newer than their API)
-UNSUPPORTED = {"NotImplemented", "InvalidArgument", "InvalidRequest", "NotSupported", "UnsupportedArgument"}
+UNSUPPORTED = {"InvalidArgument", "InvalidRequest", "NotSupported", "UnsupportedArgument"}
 # Errors of the setup (a profile, a region, a parameter botocore refuses before sending): no retry helps
 SETUP_ERRORS = (ParamValidationError, ProfileNotFound, NoRegionError, InvalidRegionError)
 
@@ -86,6 +86,13 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
 
 
 def unsupported(exc: ClientError) -> bool:
-    """Whether the server refused the request as one it does not support (501, or an argument error)."""
-    code = str(exc.response.get("Error", {}).get("Code", ""))
-    return code in UNSUPPORTED or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 501
+    """Whether the server refused the request as one it does not support: 501 ``NotImplemented``, or an
+    argument error that says so (not one about the request's values: a checksum type that does not match
+    the upload's, a bucket without Object Lock)."""
+    err = exc.response.get("Error", {})
+    code, message = str(err.get("Code", "")), str(err.get("Message", "")).lower()
+    if code == "NotImplemented" or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 501:
+        return True
+    return code in UNSUPPORTED and any(
+        w in message for w in ("not implemented", "not supported", "unsupported")
+    )

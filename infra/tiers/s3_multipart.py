@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any
 
 from rewind.infra import progress
 from rewind.infra.format import digest
+from rewind.infra.tiers import s3_newer
+from rewind.infra.tiers.s3_newer import FULL_OBJECT
 
 if TYPE_CHECKING:
     from rewind.infra.tiers.s3 import S3Tier
 
 MiB = 1 << 20
 MAX_PARTS = 10_000  # the most parts one multipart upload may have (S3 and every server that copies it)
-FULL_OBJECT = "full-object"  # the name ``S3Tier.refused`` knows the parts' and the whole's CRC32C by
 
 
 def part_size(size: int, least: int) -> int:
@@ -51,8 +52,10 @@ def uploads(tier: S3Tier, full: str) -> tuple[dict[str, Any], ...]:
 
 
 def _pending(tier: S3Tier, k: str) -> str | None:
-    """The newest upload of ``k`` left unfinished (a push cut short), over every page of the listing."""
-    ups = [u for u in uploads(tier, k) if u["Key"] == k]
+    """The newest upload of ``k`` left unfinished (a push cut short), over every page of the listing; where
+    the server refused checksums, only one listed without (its parts take none)."""
+    bare = FULL_OBJECT in tier.refused
+    ups = [u for u in uploads(tier, k) if u["Key"] == k and not (bare and u.get("ChecksumAlgorithm"))]
     return max(ups, key=lambda u: u["Initiated"])["UploadId"] if ups else None
 
 
@@ -70,9 +73,8 @@ def _parts_held(tier: S3Tier, k: str, upload_id: str) -> dict[int, dict[str, Any
 
 def _start(tier: S3Tier, k: str) -> str:
     checksum = {"ChecksumAlgorithm": "CRC32C", "ChecksumType": "FULL_OBJECT"}
-    answer = tier.call_newer(
-        "create_multipart_upload", k, {"Key": k, **tier._lock()}, {FULL_OBJECT: checksum}
-    )
+    base = {"Key": k, **tier._lock()}
+    answer = s3_newer.call(tier, "create_multipart_upload", k, base, {FULL_OBJECT: checksum})
     return str(answer["UploadId"])
 
 
@@ -102,7 +104,8 @@ def upload(tier: S3Tier, key: str, src: Path, size: int, crc_full: str) -> int:
         if have and int(have["Size"]) == len(data) and _same_part(have, data, crc):
             return {"PartNumber": n, "ETag": have["ETag"], "ChecksumCRC32C": crc}, 0
         base = {"Key": k, "UploadId": upload_id, "PartNumber": n, "Body": data, "ContentLength": len(data)}
-        r = tier.call_newer("upload_part", k, base, {FULL_OBJECT: {"ChecksumCRC32C": crc}})
+        newer, instead = {FULL_OBJECT: {"ChecksumCRC32C": crc}}, {FULL_OBJECT: s3_newer.md5_of(data)}
+        r = s3_newer.call(tier, "upload_part", k, base, newer, instead=instead)
         return {"PartNumber": n, "ETag": r["ETag"], "ChecksumCRC32C": crc}, len(data)
 
     try:
@@ -120,4 +123,4 @@ def _complete(tier: S3Tier, k: str, upload_id: str, parts: list[dict[str, Any]],
     bare = [{"PartNumber": p["PartNumber"], "ETag": p["ETag"]} for p in parts]
     base = {"Key": k, "UploadId": upload_id, "MultipartUpload": {"Parts": bare}}
     full = {"MultipartUpload": {"Parts": parts}, "ChecksumCRC32C": crc_full, "ChecksumType": "FULL_OBJECT"}
-    return tier.call_newer("complete_multipart_upload", k, base, {FULL_OBJECT: full}, creates=True)
+    return s3_newer.call(tier, "complete_multipart_upload", k, base, {FULL_OBJECT: full}, creates=True)
