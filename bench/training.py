@@ -44,31 +44,48 @@ def _tiny_job(threads: int) -> tuple[torch.nn.Module, torch.optim.Optimizer, Cal
     return model, opt, step
 
 
+def _plain(step: Callable[[], None], every: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(every):
+        step()
+    return time.perf_counter() - t0
+
+
+def _saved(ck: Checkpointer, step: Callable[[], None], every: int, at: int) -> tuple[float, float]:
+    """An interval with a save of step ``at`` at its first step (its whole persist inside it); and how long
+    after ``save()`` the commit was seen."""
+    t0 = time.perf_counter()
+    committed_s = None
+    for i in range(every):
+        step()
+        if i == 0:
+            ck.save(at)
+            saved_at = time.perf_counter()
+        elif committed_s is None and ck.last_saved is not None and ck.last_saved.step == at:
+            committed_s = time.perf_counter() - saved_at  # seen at a step's end: within a step
+    ck.wait()  # the interval includes the whole persist: no save is left running
+    took = time.perf_counter() - t0
+    return took, committed_s if committed_s is not None else time.perf_counter() - saved_at
+
+
 def _intervals(
     ck: Checkpointer, step: Callable[[], None], *, every: int, runs: int
 ) -> tuple[list[float], list[float], list[float]]:
-    """``runs`` pairs of intervals of ``every`` steps, alternating: without a save, then with one at its first
-    step (the whole persist inside the interval); and how long after ``save()`` each commit was seen."""
+    """``runs`` pairs of intervals of ``every`` steps, one without a save and one with, in turn first (a
+    machine drifting in speed slows both of a pair alike); and how long after ``save()`` each commit was
+    seen."""
     with_ck: list[float] = []
     without: list[float] = []
     commit_after: list[float] = []  # from save() to the commit, while the job trains
     for r in range(runs):
-        t0 = time.perf_counter()
-        for _ in range(every):
-            step()
-        without.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        committed_s = None
-        for i in range(every):
-            step()
-            if i == 0:
-                ck.save(r * every + 2)
-                saved_at = time.perf_counter()
-            elif committed_s is None and ck.last_saved is not None and ck.last_saved.step == r * every + 2:
-                committed_s = time.perf_counter() - saved_at  # seen at a step's end: within a step
-        ck.wait()  # the interval includes the whole persist: no save is left running
-        with_ck.append(time.perf_counter() - t0)
-        commit_after.append(committed_s if committed_s is not None else time.perf_counter() - saved_at)
+        if r % 2:
+            took, seen = _saved(ck, step, every, r * every + 2)
+            without.append(_plain(step, every))
+        else:
+            without.append(_plain(step, every))
+            took, seen = _saved(ck, step, every, r * every + 2)
+        with_ck.append(took)
+        commit_after.append(seen)
     return without, with_ck, commit_after
 
 
@@ -123,6 +140,7 @@ def bench_training(
         "every": every,
         "interval_without_s": median(without),
         "interval_with_s": median(with_ck),
+        "paired_overhead_pct": 100 * (median([w / o for w, o in zip(with_ck, without, strict=True)]) - 1),
         "commit_after_s": median(commit_after),
         "persist_priority": persist_priority.configured().value,
         "direct_writes": direct.wanted(),
@@ -146,12 +164,13 @@ def report_training(results: dict, runs: list[dict]) -> None:
         )
         print(
             f"  interval without checkpoint {t['interval_without_s']:.2f} s, with {t['interval_with_s']:.2f} s: "
-            f"overhead {overhead:.1f}%"
+            f"overhead {overhead:.1f}% (median of the pairs' own ratios: {t['paired_overhead_pct']:.1f}%)"
         )
     results["training"] = runs
     results["training_overhead_pct"] = runs[0]["overhead_pct"]
     if runs[0]["threads"] >= (os.cpu_count() or 1):  # asked for every core (--train-threads): that figure
         results["training_overhead_all_cores_pct"] = runs[0]["overhead_pct"]
+        results["training_overhead_all_cores_paired_pct"] = runs[0]["paired_overhead_pct"]
         results["commit_after_s_all_cores"] = runs[0]["commit_after_s"]
     for t in runs[1:]:
         if t.get("page_cache_alternative"):  # the persist's files written through the page cache
@@ -162,6 +181,7 @@ def report_training(results: dict, runs: list[dict]) -> None:
             results[f"commit_after_s_all_cores_{t['persist_priority']}_priority"] = t["commit_after_s"]
         else:
             results["training_overhead_all_cores_pct"] = t["overhead_pct"]
+            results["training_overhead_all_cores_paired_pct"] = t["paired_overhead_pct"]
             results["commit_after_s_all_cores"] = t["commit_after_s"]
 
 

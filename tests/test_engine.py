@@ -117,15 +117,50 @@ def test_a_writer_saving_less_often_than_its_lease_lives_is_not_presumed_gone(
     monkeypatch.setattr(writer_lease, "beat_s", lambda: 0.05)
     cat = Catalog()
     *_, ck = _job(run_name, cat, tmp_path / "ckpt")
-    with cat.session() as s:  # an hour and more without a save, as between two saves of a large model
-        s.execute(update(Run).where(Run.id == ck.run_id).values(writer_seen_at=utcnow() - timedelta(hours=2)))
-    me = wait_until(lambda: leases.live_writer(cat, run_name), 10, "the writer lease renewed")
-    assert me == leases.writer_name()
-    with pytest.raises(RunBusy, match="is being written by"):
-        leases.take_writer(cat, ck.run_id, who="elsewhere:1")
-    ck.close()
+    try:
+        with cat.session() as s:  # an hour and more without a save, as between two saves of a large model
+            aged = utcnow() - timedelta(hours=2)
+            s.execute(update(Run).where(Run.id == ck.run_id).values(writer_seen_at=aged))
+        me = wait_until(lambda: leases.live_writer(cat, run_name), 10, "the writer lease renewed")
+        assert me == leases.writer_name()
+        with pytest.raises(RunBusy, match="is being written by"):
+            leases.take_writer(cat, ck.run_id, who="elsewhere:1")
+    finally:
+        ck.close()
     assert leases.live_writer(cat, run_name) is None  # let go at close, and no longer renewed
     leases.take_writer(cat, ck.run_id, who="elsewhere:1")
+
+
+def test_a_writer_lease_is_not_held_past_a_failed_start_nor_renewed_for_ever(
+    rewind_env, run_name, tmp_path, monkeypatch
+):
+    """A checkpointer that fails to start holds no lease; one left open (a notebook whose training raised)
+    stops renewing its lease a while after its last save, so the run is not held for the process's life."""
+    from datetime import timedelta
+
+    from sqlalchemy import update
+
+    from rewind.infra.catalog import leases, writer_lease
+    from rewind.infra.catalog.models import Run, utcnow
+
+    cat = Catalog()
+    with pytest.raises(ValueError, match="bogus"):
+        Checkpointer(run_name, states={"x": {"a": 1}}, root=tmp_path / "ckpt", catalog=cat, mode="bogus")
+    assert leases.live_writer(cat, run_name) is None
+    monkeypatch.setattr(writer_lease, "beat_s", lambda: 0.05)
+    monkeypatch.setattr(writer_lease, "SILENT_MAX_S", 0.0)
+    *_, ck = _job(run_name, cat, tmp_path / "ckpt")
+    try:
+        beat = ck._lease._thread
+        assert beat is not None
+        beat.join(timeout=10)
+        assert not beat.is_alive()  # no save since the take: the renewal gave up
+        with cat.session() as s:
+            aged = utcnow() - timedelta(hours=2)
+            s.execute(update(Run).where(Run.id == ck.run_id).values(writer_seen_at=aged))
+        assert leases.live_writer(cat, run_name) is None
+    finally:
+        ck.close()
 
 
 def test_secrets_on_the_command_line_never_reach_a_manifest(rewind_env, run_name, tmp_path, monkeypatch):

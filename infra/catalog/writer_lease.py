@@ -5,18 +5,22 @@ A holder silent for ``leases.WRITER_TTL_S`` is presumed gone wherever its host a
 (another host, a job no supervisor started). Renewed at saves alone, a job saving less often than that
 (hours apart, as large models do) would be presumed gone while it trains: a second job of the run let
 in, a roll-back made under it. The renewal thread must never fail the job: a catalog that cannot be
-reached is a warning, and the next try comes at the next beat.
+reached is a warning, and the next try comes at the next beat. It renews for at most ``SILENT_MAX_S``
+after the last save (or the take): a process that failed without letting go (a notebook whose training
+raised) does not hold the run for as long as it lives.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from rewind.infra.catalog import leases
 from rewind.infra.catalog.db import Catalog
 
 log = logging.getLogger("rewind.catalog")
+SILENT_MAX_S = 24 * 3600.0  # renewed between saves for at most this long after the last one
 
 
 def beat_s() -> float:
@@ -32,10 +36,12 @@ class WriterLease:
         self.who = leases.writer_name()
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
+        self._saved_at = time.monotonic()
 
     def take(self) -> None:
         leases.take_writer(self.cat, self.run_id, self.who)
-        if self._thread is None:
+        self._saved_at = time.monotonic()
+        if self._thread is None and not _in_memory(self.cat):  # another thread's in-memory catalog is empty
             self._stop = threading.Event()
             self._thread = threading.Thread(
                 target=self._beat, args=(self._stop, beat_s()), name="rewind-writer-lease", daemon=True
@@ -44,6 +50,7 @@ class WriterLease:
 
     def touch(self) -> None:
         """Still here (a committed save says so)."""
+        self._saved_at = time.monotonic()
         leases.touch_writer(self.cat, self.run_id, self.who)
 
     def release(self) -> None:
@@ -56,7 +63,15 @@ class WriterLease:
 
     def _beat(self, stop: threading.Event, every_s: float) -> None:
         while not stop.wait(every_s):
+            if time.monotonic() - self._saved_at > SILENT_MAX_S:
+                log.warning("run %d: no save for %.0f h: its writer lease is no longer renewed",
+                            self.run_id, SILENT_MAX_S / 3600)  # fmt: skip
+                return
             try:
-                self.touch()
+                leases.touch_writer(self.cat, self.run_id, self.who)
             except Exception as exc:  # the job goes on; the next beat tries again
                 log.warning("the writer lease of run %d was not renewed: %s", self.run_id, exc)
+
+
+def _in_memory(cat: Catalog) -> bool:
+    return cat.url.get_backend_name() == "sqlite" and cat.url.database in (None, "", ":memory:")

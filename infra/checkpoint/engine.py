@@ -115,17 +115,21 @@ class Checkpointer:
         self.root = Path(self.root).expanduser().resolve()
         self.run_dir = self.root / self.run
         self.run_id = lineage.ensure_run(self._cat, self.run)
+        self.mode = SaveMode(self.mode)
         self._lease = WriterLease(self._cat, self.run_id)
         self._lease.take()  # a second live writer is refused here, by name
-        self._parent_id: int | None = None
-        self._parent_step: int | None = None
-        self._parent_digest: str | None = None
-        self.mode = SaveMode(self.mode)
-        self._staging = StagingBuffer()
-        self._runner = BackgroundRunner(f"rewind-{self.run}", self.exit_timeout_s, priority=priority)
-        self.last_saved: SaveResult | None = None  # the newest committed save of this process
-        self.skipped: tuple[Skip, ...] = ()  # what the last restore passed over, and why
-        self._recover_leftovers()
+        try:
+            self._parent_id: int | None = None
+            self._parent_step: int | None = None
+            self._parent_digest: str | None = None
+            self._staging = StagingBuffer()
+            self._runner = BackgroundRunner(f"rewind-{self.run}", self.exit_timeout_s, priority=priority)
+            self.last_saved: SaveResult | None = None  # the newest committed save of this process
+            self.skipped: tuple[Skip, ...] = ()  # what the last restore passed over, and why
+            self._recover_leftovers()
+        except BaseException:
+            self._lease.release()  # never held past a construction that failed
+            raise
 
     # -- save -----------------------------------------------------------------
 

@@ -130,6 +130,17 @@ class ShardedCheckpointer:
         )
         self._lease = WriterLease(*self._lead) if self._lead is not None else None
         self._take_writer()
+        try:
+            self._start(run, exit_timeout_s, priority, catalog)
+        except BaseException:
+            if self._lease is not None:  # never held past a construction that failed
+                self._lease.release()
+            raise
+
+    def _start(
+        self, run: str, exit_timeout_s: float, priority: persist_priority.PersistPriority, catalog: Any
+    ) -> None:
+        """The rest of the construction, once the run's writer lease is held."""
         self._parent_id: int | None = None
         self._parent: tuple[int, str | None] | None = None  # rank 0: (step, manifest digest) of the parent
         self.skipped: tuple[Skip, ...] = ()  # rank 0: what the last restore passed over, and why

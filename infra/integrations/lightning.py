@@ -220,7 +220,8 @@ class RewindCallback(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._ckpt is not None:
-            self._ckpt.close()
+            ckpt, self._ckpt = self._ckpt, None
+            ckpt.close()
         if self._writer is not None:
             self._writer.finish(models.RankState.FINISHED)
             self._writer = None
@@ -228,6 +229,12 @@ class RewindCallback(pl.Callback):
     def on_exception(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
     ) -> None:
+        if self._ckpt is not None:  # a save in flight is finished; the run is let go for the next job
+            ckpt, self._ckpt = self._ckpt, None
+            try:
+                ckpt.close()
+            except Exception as exc:  # the training's own exception is the one raised
+                log.warning("checkpointer closed after the training failed: %s", exc)
         if self._writer is not None:
             self._writer.finish(models.RankState.FAILED)
             self._writer = None
