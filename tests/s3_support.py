@@ -42,14 +42,22 @@ class ChecksumlessS3:
     ``refuses``: as a server that knows no checksums (``"checksum"``) or no conditional writes
     (``"if-none-match"``) and says so, a write carrying an ``x-amz-checksum-*`` header or a
     ``<ChecksumCRC32C>`` element, or ``If-None-Match``, is answered 501 NotImplemented (counted in
-    ``refused``) and not passed on."""
+    ``refused``) and not passed on; knowing no checksums, it requires ``Content-MD5`` on every PUT with
+    a body instead (as an Object Lock bucket does). ``keeps_checksums``: its answers keep them."""
 
     NOT_IMPLEMENTED = (
         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
         b"<Message>A header you provided implies functionality that is not implemented</Message></Error>"
     )
 
-    def __init__(self, upstream: str, *, refuses: frozenset[str] = frozenset()) -> None:
+    MD5_REQUIRED = (
+        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidRequest</Code>'
+        b"<Message>Content-MD5 OR x-amz-checksum- HTTP header is required for Put Object requests</Message></Error>"
+    )
+
+    def __init__(
+        self, upstream: str, *, refuses: frozenset[str] = frozenset(), keeps_checksums: bool = False
+    ) -> None:
         import http.client
         import re
         import threading
@@ -76,11 +84,15 @@ class ChecksumlessS3:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 if self.command in ("PUT", "POST") and _newer(self.headers, body):
                     proxy.refused += 1
-                    self.send_response(501, "Not Implemented")
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(proxy.NOT_IMPLEMENTED)))
-                    self.end_headers()
-                    self.wfile.write(proxy.NOT_IMPLEMENTED)
+                    self._answer(501, "Not Implemented", proxy.NOT_IMPLEMENTED)
+                    return
+                if (
+                    "checksum" in refuses
+                    and self.command == "PUT"
+                    and body
+                    and "Content-MD5" not in self.headers
+                ):
+                    self._answer(400, "Bad Request", proxy.MD5_REQUIRED)
                     return
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
                 try:
@@ -89,11 +101,12 @@ class ChecksumlessS3:
                     }
                     conn.request(self.command, self.path, body=body, headers=sent)
                     answer = conn.getresponse()
-                    data = b"" if self.command == "HEAD" else element.sub(b"", answer.read())
+                    data = answer.read() if self.command != "HEAD" else b""
+                    data = data if keeps_checksums else element.sub(b"", data)
                     self.send_response(answer.status, answer.reason)
                     for name, value in answer.getheaders():
                         low = name.lower()
-                        if not low.startswith("x-amz-checksum") and low not in (
+                        if (keeps_checksums or not low.startswith("x-amz-checksum")) and low not in (
                             "content-length",
                             "connection",
                         ):
@@ -104,6 +117,13 @@ class ChecksumlessS3:
                     self.wfile.write(data)
                 finally:
                     conn.close()
+
+            def _answer(self, status: int, reason: str, body: bytes) -> None:
+                self.send_response(status, reason)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _forward
 

@@ -163,6 +163,25 @@ def test_a_writer_lease_is_not_held_past_a_failed_start_nor_renewed_for_ever(
         ck.close()
 
 
+def test_a_checkpointer_dropped_unclosed_leaves_no_renewal_holding_its_catalog(
+    rewind_env, run_name, tmp_path, monkeypatch
+):
+    """A checkpointer the program drops without closing it is collected with its catalog's connections, as
+    before leases were renewed: the renewal thread holds neither (many such would exhaust Postgres)."""
+    import gc
+
+    from rewind.infra.catalog import writer_lease
+
+    monkeypatch.setattr(writer_lease, "beat_s", lambda: 0.05)
+    *_, ck = _job(run_name, Catalog(), tmp_path / "ckpt")
+    beat = ck._lease._thread
+    assert beat is not None and beat.is_alive()
+    del ck, _
+    gc.collect()
+    beat.join(timeout=10)
+    assert not beat.is_alive()
+
+
 def test_secrets_on_the_command_line_never_reach_a_manifest(rewind_env, run_name, tmp_path, monkeypatch):
     import json
     import sys

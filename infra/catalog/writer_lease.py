@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 
 from rewind.infra.catalog import leases
 from rewind.infra.catalog.db import Catalog
@@ -43,8 +44,11 @@ class WriterLease:
         self._saved_at = time.monotonic()
         if self._thread is None and not _in_memory(self.cat):  # another thread's in-memory catalog is empty
             self._stop = threading.Event()
-            self._thread = threading.Thread(
-                target=self._beat, args=(self._stop, beat_s()), name="rewind-writer-lease", daemon=True
+            self._thread = threading.Thread(  # holding the lease weakly: one nobody holds stops renewing
+                target=_beat,
+                args=(weakref.ref(self), self._stop, beat_s()),
+                name="rewind-writer-lease",
+                daemon=True,
             )
             self._thread.start()
 
@@ -61,16 +65,27 @@ class WriterLease:
             self._stop = self._thread = None
         leases.release_writer(self.cat, self.run_id, self.who)
 
-    def _beat(self, stop: threading.Event, every_s: float) -> None:
-        while not stop.wait(every_s):
-            if time.monotonic() - self._saved_at > SILENT_MAX_S:
-                log.warning("run %d: no save for %.0f h: its writer lease is no longer renewed",
-                            self.run_id, SILENT_MAX_S / 3600)  # fmt: skip
-                return
-            try:
-                leases.touch_writer(self.cat, self.run_id, self.who)
-            except Exception as exc:  # the job goes on; the next beat tries again
-                log.warning("the writer lease of run %d was not renewed: %s", self.run_id, exc)
+    def renew(self) -> bool:
+        """Renew between saves; False once a day has passed since the last save (the renewal stops)."""
+        if time.monotonic() - self._saved_at > SILENT_MAX_S:
+            log.warning("run %d: no save for %.0f h: its writer lease is no longer renewed",
+                        self.run_id, SILENT_MAX_S / 3600)  # fmt: skip
+            return False
+        try:
+            leases.touch_writer(self.cat, self.run_id, self.who)
+        except Exception as exc:  # the job goes on; the next beat tries again
+            log.warning("the writer lease of run %d was not renewed: %s", self.run_id, exc)
+        return True
+
+
+def _beat(lease: weakref.ref[WriterLease], stop: threading.Event, every_s: float) -> None:
+    """Renew ``lease`` every ``every_s`` until stopped, given up, or no longer held by anyone: the thread
+    keeps no lease (nor its catalog's connections) alive."""
+    while not stop.wait(every_s):
+        held = lease()
+        if held is None or not held.renew():
+            return
+        del held
 
 
 def _in_memory(cat: Catalog) -> bool:

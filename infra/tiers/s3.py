@@ -109,6 +109,8 @@ class S3Tier:
         # The newer arguments (checksums, conditions) this server refused as unsupported: not sent again by
         # any tier of this process on the same endpoint.
         self.refused: set[str] = _REFUSED.setdefault(self.endpoint, set())
+        if self.refused & set(s3_newer.CHECKSUMS):  # what it was sent without it cannot vouch for
+            self.checksums = False
 
     # -- errors -------------------------------------------------------------------
 

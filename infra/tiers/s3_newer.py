@@ -5,7 +5,8 @@ the endpoint again by this process (``S3Tier.refused``).
 What stands in for each, where it was refused: for a checksum, ``Content-MD5`` on the request (checked by
 every S3 server, and required by Object Lock buckets) and the object read back before it counts; for the
 condition, a HEAD first (``AlreadyExists`` if the object is there), which a writer racing on the same key
-can still pass: the read-back then deletes nothing that is not its own.
+can still pass: a read-back that finds other bytes then deletes the object only while its ETag is the one
+the upload got (a writer replacing it between that HEAD and the delete can still lose it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from botocore.exceptions import BotoCoreError, ClientError
 
 from rewind.infra.tiers import s3_errors
-from rewind.infra.tiers.base import AlreadyExists, ObjectNotFound
+from rewind.infra.tiers.base import AlreadyExists, ObjectNotFound, TierUnavailable
 
 if TYPE_CHECKING:
     from rewind.infra.tiers.s3 import S3Tier
@@ -118,12 +119,23 @@ def _absent(tier: S3Tier, k: str) -> None:
 
 
 def ours(tier: S3Tier, k: str, answer: dict[str, Any]) -> bool:
-    """Is the object at ``k`` still the one this upload's ``answer`` acknowledged (its ETag)? Always where
-    the server honours ``If-None-Match`` (nothing else could have been written there)."""
+    """Is the object at ``k`` still the one this upload's ``answer`` acknowledged (its ETag, quotes aside)?
+    Always where the server honours ``If-None-Match`` (nothing else could have been written there), and
+    where the object is gone; ``TierUnavailable`` where it cannot be told (no ETag, a HEAD that failed)."""
     if IF_NONE_MATCH not in tier.refused:
         return True
+    sent = str(answer.get("ETag") or "").strip('"')
+    if not sent:
+        raise TierUnavailable(
+            f"s3://{tier.bucket}/{k}: the server named no ETag; whose the object is is unknown"
+        )
     try:
         head = tier._client.head_object(Bucket=tier.bucket, Key=k)
-    except (ClientError, BotoCoreError):
-        return False
-    return bool(answer.get("ETag")) and head.get("ETag") == answer.get("ETag")
+    except ClientError as exc:
+        error = tier._error(exc, k)
+        if isinstance(error, ObjectNotFound):
+            return True
+        raise error from exc
+    except BotoCoreError as exc:
+        raise tier._error(exc, k) from exc
+    return str(head.get("ETag") or "").strip('"') == sent
