@@ -107,11 +107,16 @@ def _sqlite_begin(conn: Any) -> None:
 class Catalog:
     """One database holding the lineage of every run."""
 
+    @property
+    def in_memory(self) -> bool:
+        """An SQLite database in this connection's memory: another thread's connection sees another one."""
+        return self.url.get_backend_name() == "sqlite" and self.url.database in (None, "", ":memory:")
+
     def __init__(self, url: str | None = None, *, auto_upgrade: bool = True) -> None:
         self.url = parse_url(url or config.catalog_url())
         self.safe_url = shown_url(self.url)
         if self.url.get_backend_name() == "sqlite":
-            if self.url.database and self.url.database != ":memory:":
+            if self.url.database and not self.in_memory:
                 Path(self.url.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
             self.engine: Engine = create_engine(self.url)
             event.listen(self.engine, "connect", _sqlite_pragmas)

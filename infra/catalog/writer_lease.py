@@ -42,7 +42,7 @@ class WriterLease:
     def take(self) -> None:
         leases.take_writer(self.cat, self.run_id, self.who)
         self._saved_at = time.monotonic()
-        if self._thread is None and not _in_memory(self.cat):  # another thread's in-memory catalog is empty
+        if self._thread is None and not self.cat.in_memory:  # another thread's in-memory catalog is empty
             self._stop = threading.Event()
             self._thread = threading.Thread(  # holding the lease weakly: one nobody holds stops renewing
                 target=_beat,
@@ -86,7 +86,3 @@ def _beat(lease: weakref.ref[WriterLease], stop: threading.Event, every_s: float
         if held is None or not held.renew():
             return
         del held
-
-
-def _in_memory(cat: Catalog) -> bool:
-    return cat.url.get_backend_name() == "sqlite" and cat.url.database in (None, "", ":memory:")

@@ -105,17 +105,18 @@ def _refused(tier: S3Tier, features: tuple[str, ...], op: str) -> None:
         tier._keeps_no_checksums()
 
 
+def _head(tier: S3Tier, k: str) -> dict[str, Any] | None:
+    """The object's HEAD, or None where there is none."""
+    try:
+        return dict(tier._call("head_object", k, Key=k))
+    except ObjectNotFound:
+        return None
+
+
 def _absent(tier: S3Tier, k: str) -> None:
     """``AlreadyExists`` if ``k`` is there: the check of a server that refused ``If-None-Match``."""
-    try:
-        tier._client.head_object(Bucket=tier.bucket, Key=k)
-    except ClientError as exc:
-        if isinstance(tier._error(exc, k), ObjectNotFound):
-            return
-        raise tier._error(exc, k) from exc
-    except BotoCoreError as exc:
-        raise tier._error(exc, k) from exc
-    raise AlreadyExists(f"s3://{tier.bucket}/{k} already exists; replicas are never overwritten")
+    if _head(tier, k) is not None:
+        raise AlreadyExists(f"s3://{tier.bucket}/{k} already exists; replicas are never overwritten")
 
 
 def ours(tier: S3Tier, k: str, answer: dict[str, Any]) -> bool:
@@ -129,13 +130,5 @@ def ours(tier: S3Tier, k: str, answer: dict[str, Any]) -> bool:
         raise TierUnavailable(
             f"s3://{tier.bucket}/{k}: the server named no ETag; whose the object is is unknown"
         )
-    try:
-        head = tier._client.head_object(Bucket=tier.bucket, Key=k)
-    except ClientError as exc:
-        error = tier._error(exc, k)
-        if isinstance(error, ObjectNotFound):
-            return True
-        raise error from exc
-    except BotoCoreError as exc:
-        raise tier._error(exc, k) from exc
-    return str(head.get("ETag") or "").strip('"') == sent
+    head = _head(tier, k)
+    return head is None or str(head.get("ETag") or "").strip('"') == sent
