@@ -163,6 +163,22 @@ def test_a_writer_lease_is_not_held_past_a_failed_start_nor_renewed_for_ever(
         ck.close()
 
 
+def test_a_training_session_whose_start_fails_lets_go_of_the_run(rewind_env, run_name, tmp_path):
+    """A session whose restore fails (the model no longer fits the run's checkpoint) has no ``with`` body to
+    close it: it must let go of the run itself, or another job of the run is refused while this process
+    lives (a notebook's kernel: for as long as the lease is renewed)."""
+    from rewind.infra.catalog import leases
+    from rewind.infra.training.session import TrainingSession
+
+    cat, root = Catalog(), tmp_path / "ckpt"
+    with TrainingSession(run_name, model=torch.nn.Linear(4, 4), root=root, catalog=cat) as session:
+        session.save(1)
+    with pytest.raises(Exception, match=r"size mismatch|shape"):
+        TrainingSession(run_name, model=torch.nn.Linear(4, 5), root=root, catalog=cat).__enter__()
+    assert leases.live_writer(cat, run_name) is None
+    leases.take_writer(cat, lineage.get_run(cat, run_name).id, who="elsewhere:1")
+
+
 def test_a_checkpointer_dropped_unclosed_leaves_no_renewal_holding_its_catalog(
     rewind_env, run_name, tmp_path, monkeypatch
 ):

@@ -157,6 +157,21 @@ class TrainingSession:
     # -- entering and leaving ----------------------------------------------------------
 
     def __enter__(self) -> TrainingSession:
+        try:
+            return self._enter()
+        except BaseException as exc:  # no `with` body, so no __exit__: the run let go of here
+            self._abandon(exc)
+            raise
+
+    def _abandon(self, exc: BaseException) -> None:
+        """A start that failed lets go of what it took: the checkpointer (the run's one-writer lease, held for
+        as long as this process lives otherwise: another job of the run refused) and the progress writer."""
+        try:
+            self.__exit__(type(exc), exc, exc.__traceback__)
+        except Exception as err:  # the start's own error is the one raised
+            log.warning("after a failed start: %s", err)
+
+    def _enter(self) -> TrainingSession:
         self.handoff = Handoff.load(self.catalog)
         self.watch = LossWatch(spike_factor=self.spike_factor or self.handoff.spike_factor or float("inf"))
         if self.handoff.launch_id is not None and self.catalog is not None:
