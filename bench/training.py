@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -89,6 +90,14 @@ def _intervals(
     return without, with_ck, commit_after
 
 
+def _paired(with_ck: list[float], without: list[float]) -> dict[str, float]:
+    """Each pair's own overhead (%): its median, and its quartiles, which show how far runs of the same job on
+    this machine differ (a figure inside them is not told apart from it)."""
+    pct = [100 * (w / o - 1) for w, o in zip(with_ck, without, strict=True)]
+    q1, _, q3 = statistics.quantiles(pct, n=4) if len(pct) > 1 else (pct[0], pct[0], pct[0])
+    return {"paired_overhead_pct": median(pct), "paired_q1_pct": q1, "paired_q3_pct": q3}
+
+
 def bench_training(
     work: Path,
     steps: int,
@@ -140,11 +149,19 @@ def bench_training(
         "every": every,
         "interval_without_s": median(without),
         "interval_with_s": median(with_ck),
-        "paired_overhead_pct": 100 * (median([w / o for w, o in zip(with_ck, without, strict=True)]) - 1),
+        **_paired(with_ck, without),
         "commit_after_s": median(commit_after),
         "persist_priority": persist_priority.configured().value,
         "direct_writes": direct.wanted(),
     }
+
+
+def _all_cores(results: dict, t: dict) -> None:
+    results["training_overhead_all_cores_pct"] = t["overhead_pct"]
+    results["training_overhead_all_cores_paired_pct"] = t["paired_overhead_pct"]
+    results["training_overhead_all_cores_paired_q1_pct"] = t["paired_q1_pct"]
+    results["training_overhead_all_cores_paired_q3_pct"] = t["paired_q3_pct"]
+    results["commit_after_s_all_cores"] = t["commit_after_s"]
 
 
 def report_training(results: dict, runs: list[dict]) -> None:
@@ -164,14 +181,14 @@ def report_training(results: dict, runs: list[dict]) -> None:
         )
         print(
             f"  interval without checkpoint {t['interval_without_s']:.2f} s, with {t['interval_with_s']:.2f} s: "
-            f"overhead {overhead:.1f}% (median of the pairs' own ratios: {t['paired_overhead_pct']:.1f}%)"
+            f"overhead {overhead:.1f}% (median of the pairs' own ratios: {t['paired_overhead_pct']:.1f}%, "
+            f"their quartiles {t['paired_q1_pct']:.1f}% and {t['paired_q3_pct']:.1f}%)"
         )
     results["training"] = runs
     results["training_overhead_pct"] = runs[0]["overhead_pct"]
     if runs[0]["threads"] >= (os.cpu_count() or 1):  # asked for every core (--train-threads): that figure
         results["training_overhead_all_cores_pct"] = runs[0]["overhead_pct"]
-        results["training_overhead_all_cores_paired_pct"] = runs[0]["paired_overhead_pct"]
-        results["commit_after_s_all_cores"] = runs[0]["commit_after_s"]
+        _all_cores(results, runs[0])
     for t in runs[1:]:
         if t.get("page_cache_alternative"):  # the persist's files written through the page cache
             results["training_overhead_all_cores_page_cache_pct"] = t["overhead_pct"]
@@ -180,9 +197,7 @@ def report_training(results: dict, runs: list[dict]) -> None:
             results[f"training_overhead_all_cores_{t['persist_priority']}_priority_pct"] = t["overhead_pct"]
             results[f"commit_after_s_all_cores_{t['persist_priority']}_priority"] = t["commit_after_s"]
         else:
-            results["training_overhead_all_cores_pct"] = t["overhead_pct"]
-            results["training_overhead_all_cores_paired_pct"] = t["paired_overhead_pct"]
-            results["commit_after_s_all_cores"] = t["commit_after_s"]
+            _all_cores(results, t)
 
 
 def measure_and_report(results: dict, work: Path, args: argparse.Namespace) -> None:
