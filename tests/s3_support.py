@@ -43,7 +43,9 @@ class ChecksumlessS3:
     (``"if-none-match"``) and says so, a write carrying an ``x-amz-checksum-*`` header or a
     ``<ChecksumCRC32C>`` element, or ``If-None-Match``, is answered 501 NotImplemented (counted in
     ``refused``) and not passed on; knowing no checksums, it requires ``Content-MD5`` on every PUT with
-    a body instead (as an Object Lock bucket does). ``keeps_checksums``: its answers keep them."""
+    a body instead (as an Object Lock bucket does). ``keeps_checksums``: its answers keep them.
+    ``hides_missing``: a HEAD of an object that is not there is answered 403 with no body, as AWS answers
+    credentials that may not list the bucket."""
 
     NOT_IMPLEMENTED = (
         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
@@ -56,7 +58,12 @@ class ChecksumlessS3:
     )
 
     def __init__(
-        self, upstream: str, *, refuses: frozenset[str] = frozenset(), keeps_checksums: bool = False
+        self,
+        upstream: str,
+        *,
+        refuses: frozenset[str] = frozenset(),
+        keeps_checksums: bool = False,
+        hides_missing: bool = False,
     ) -> None:
         import http.client
         import re
@@ -102,6 +109,9 @@ class ChecksumlessS3:
                     conn.request(self.command, self.path, body=body, headers=sent)
                     answer = conn.getresponse()
                     data = answer.read() if self.command != "HEAD" else b""
+                    if hides_missing and self.command == "HEAD" and answer.status == 404:
+                        self._answer(403, "Forbidden", b"")
+                        return
                     data = data if keeps_checksums else element.sub(b"", data)
                     self.send_response(answer.status, answer.reason)
                     for name, value in answer.getheaders():

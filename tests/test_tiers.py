@@ -403,3 +403,24 @@ def test_a_server_refusing_checksums_or_conditions_as_unsupported_still_gets_ver
     finally:
         s3._REFUSED.pop(proxy.endpoint, None)  # a later proxy on the same port is another server
         proxy.close()
+
+
+def test_credentials_that_may_not_list_the_bucket_are_told_what_they_lack(
+    s3_env, rewind_env, run_name, tmp_path, monkeypatch, capsys
+):
+    """AWS answers a HEAD of an object that is not there 403 (no body, no code) to credentials without
+    s3:ListBucket; Rewind looks before it writes, so such credentials fail every push. The one line says
+    what they lack, not only that S3 refused them (a real proxy answering so in front of the test's S3)."""
+    from rewind.flows.cli import main as rewind
+    from tests.s3_support import ChecksumlessS3
+
+    big_checkpoint(run_name, tmp_path / "ckpt", mb=1)
+    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, hides_missing=True)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        assert rewind(["replicate", run_name, "--to", f"s3://{BUCKET}/unlisted-{run_name}"]) != 0
+    finally:
+        proxy.close()
+    said = capsys.readouterr()
+    lines = [x for x in (said.out + said.err).splitlines() if "s3:ListBucket" in x]
+    assert lines and "refused the credentials" in lines[0], said.out + said.err

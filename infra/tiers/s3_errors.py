@@ -72,7 +72,7 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
                 f"S3 server at {endpoint} does not implement a call Rewind made at {where}"
             )
         if code in DENIED or status == 403:
-            return TierAccessDenied(f"S3 refused the credentials for {where} ({code or status})")
+            return TierAccessDenied(f"S3 refused the credentials for {where} ({code or status}{_bare(code)})")
         if code in TRANSIENT or status >= 500:
             return TierUnavailable(f"S3 error at {where}: {code or status}")
         return TierConfigError(f"S3 error at {where}: {code or status}: {err.get('Message', '')}")
@@ -83,6 +83,16 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
     if isinstance(exc, BotoCoreError | OSError):
         return TierUnavailable(f"S3 endpoint {endpoint}: {redact.text(str(exc))}")
     return exc
+
+
+def _bare(code: str) -> str:
+    """What a 403 without a body (the answer to a HEAD) may mean beyond wrong credentials."""
+    if code != "403":
+        return ""
+    return (
+        ": S3 answers a HEAD of an object that is not there 403, not 404, to credentials that may not list"
+        " the bucket: the credentials Rewind is given need s3:ListBucket"
+    )
 
 
 def unsupported(exc: ClientError) -> bool:
