@@ -94,7 +94,9 @@ def _paired(with_ck: list[float], without: list[float]) -> dict[str, float]:
     """Each pair's own overhead (%): its median, and its quartiles, which show how far runs of the same job on
     this machine differ (a figure inside them is not told apart from it)."""
     pct = [100 * (w / o - 1) for w, o in zip(with_ck, without, strict=True)]
-    q1, _, q3 = statistics.quantiles(pct, n=4) if len(pct) > 1 else (pct[0], pct[0], pct[0])
+    q1, _, q3 = (
+        statistics.quantiles(pct, n=4, method="inclusive") if len(pct) > 1 else (pct[0], pct[0], pct[0])
+    )
     return {"paired_overhead_pct": median(pct), "paired_q1_pct": q1, "paired_q3_pct": q3}
 
 
@@ -187,7 +189,6 @@ def report_training(results: dict, runs: list[dict]) -> None:
     results["training"] = runs
     results["training_overhead_pct"] = runs[0]["overhead_pct"]
     if runs[0]["threads"] >= (os.cpu_count() or 1):  # asked for every core (--train-threads): that figure
-        results["training_overhead_all_cores_pct"] = runs[0]["overhead_pct"]
         _all_cores(results, runs[0])
     for t in runs[1:]:
         if t.get("page_cache_alternative"):  # the persist's files written through the page cache

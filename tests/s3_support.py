@@ -44,12 +44,17 @@ class ChecksumlessS3:
     ``<ChecksumCRC32C>`` element, or ``If-None-Match``, is answered 501 NotImplemented (counted in
     ``refused``) and not passed on; knowing no checksums, it requires ``Content-MD5`` on every PUT with
     a body instead (as an Object Lock bucket does). ``keeps_checksums``: its answers keep them.
-    ``hides_missing``: a HEAD of an object that is not there is answered 403 with no body, as AWS answers
-    credentials that may not list the bucket."""
+    ``unlisted``: it answers as AWS answers credentials without s3:ListBucket: the bucket's HEAD and
+    listing, and a HEAD or GET of an object that is not there, are refused (403; a HEAD's with no body)."""
 
     NOT_IMPLEMENTED = (
         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
         b"<Message>A header you provided implies functionality that is not implemented</Message></Error>"
+    )
+
+    ACCESS_DENIED = (
+        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
+        b"<Message>Access Denied</Message></Error>"
     )
 
     MD5_REQUIRED = (
@@ -63,7 +68,7 @@ class ChecksumlessS3:
         *,
         refuses: frozenset[str] = frozenset(),
         keeps_checksums: bool = False,
-        hides_missing: bool = False,
+        unlisted: bool = False,
     ) -> None:
         import http.client
         import re
@@ -89,6 +94,10 @@ class ChecksumlessS3:
 
             def _forward(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                on_bucket = "/" not in self.path.split("?")[0].strip("/")
+                if unlisted and on_bucket and self.command in ("HEAD", "GET"):
+                    self._denied()
+                    return
                 if self.command in ("PUT", "POST") and _newer(self.headers, body):
                     proxy.refused += 1
                     self._answer(501, "Not Implemented", proxy.NOT_IMPLEMENTED)
@@ -109,8 +118,8 @@ class ChecksumlessS3:
                     conn.request(self.command, self.path, body=body, headers=sent)
                     answer = conn.getresponse()
                     data = answer.read() if self.command != "HEAD" else b""
-                    if hides_missing and self.command == "HEAD" and answer.status == 404:
-                        self._answer(403, "Forbidden", b"")
+                    if unlisted and answer.status == 404:
+                        self._denied()
                         return
                     data = data if keeps_checksums else element.sub(b"", data)
                     self.send_response(answer.status, answer.reason)
@@ -127,6 +136,9 @@ class ChecksumlessS3:
                     self.wfile.write(data)
                 finally:
                     conn.close()
+
+            def _denied(self) -> None:
+                self._answer(403, "Forbidden", b"" if self.command == "HEAD" else proxy.ACCESS_DENIED)
 
             def _answer(self, status: int, reason: str, body: bytes) -> None:
                 self.send_response(status, reason)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rewind.infra.format.digest import hash_file
-from rewind.infra.tiers.base import AlreadyExists, ObjectNotFound
+from rewind.infra.tiers.base import AlreadyExists, ObjectNotFound, TierAccessDenied
 from rewind.infra.tiers.filesystem import FileTier
 from rewind.infra.tiers.s3 import S3Tier
 from tests.s3_support import BUCKET, big_checkpoint
@@ -408,17 +408,23 @@ def test_a_server_refusing_checksums_or_conditions_as_unsupported_still_gets_ver
 def test_credentials_that_may_not_list_the_bucket_are_told_what_they_lack(
     s3_env, rewind_env, run_name, tmp_path, monkeypatch, capsys
 ):
-    """AWS answers a HEAD of an object that is not there 403 (no body, no code) to credentials without
-    s3:ListBucket; Rewind looks before it writes, so such credentials fail every push. The one line says
-    what they lack, not only that S3 refused them (a real proxy answering so in front of the test's S3)."""
+    """AWS refuses the bucket's HEAD, and answers 403 for an object that is not there, to credentials without
+    s3:ListBucket, which Rewind needs (it checks the bucket, and looks before it writes): a push with such
+    credentials fails in one line that says what they may lack, not only that S3 refused them; so does a
+    look at an object that is not there (a real proxy answering as AWS does, in front of the test's S3)."""
     from rewind.flows.cli import main as rewind
     from tests.s3_support import ChecksumlessS3
 
     big_checkpoint(run_name, tmp_path / "ckpt", mb=1)
-    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, hides_missing=True)
+    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, unlisted=True)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         assert rewind(["replicate", run_name, "--to", f"s3://{BUCKET}/unlisted-{run_name}"]) != 0
+        tier = S3Tier(f"s3://{BUCKET}/unlisted-{run_name}")
+        with pytest.raises(TierAccessDenied, match="s3:ListBucket"):
+            tier.stat("absent")  # a HEAD
+        with pytest.raises(TierAccessDenied, match="s3:ListBucket"):
+            tier.open("absent").read()  # a GET
     finally:
         proxy.close()
     said = capsys.readouterr()

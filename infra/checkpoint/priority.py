@@ -7,9 +7,10 @@ thread under Linux's ``SCHED_IDLE``: only on cycles nothing else wants, so the j
 and the persist fills the gaps (data loading, collectives, waits on a GPU). The price is commit
 latency on a machine kept fully busy, i.e. a larger RPO: measured with a 51M-parameter job on both
 of 2 cores, ``idle`` once cut the training overhead from +4.9% to +3.5% but committed 18.75 s after
-``save()`` instead of 1.56 s (at the latest the next save waits for it); in every run since, on two
-machines, it cost more than ``normal`` (+5.4% to +12.9% against +1.5% to +7.7%): the persist it held back
-is then waited for whole, while at ``normal`` its writes and syncs overlap the job. Hence not the default.
+``save()`` instead of 1.56 s (at the latest the next save waits for it); in every later run, on two
+machines, it cost more than ``normal`` in the same run (``idle`` +4.4% to +12.9%): the persist it held
+back is then waited for whole, while at ``normal`` its writes and syncs overlap the job. Hence not the
+default.
 Threads the persist starts inherit it. Where the platform has neither, the priority is left as is.
 """
 

@@ -86,12 +86,14 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
 
 
 def _bare(code: str) -> str:
-    """What a 403 without a body (the answer to a HEAD) may mean beyond wrong credentials."""
-    if code != "403":
+    """What a refusal that names no bad key or signature (``AccessDenied``, or a bare 403: the answer to a
+    HEAD) may mean: an action the credentials lack, s3:ListBucket above all, without which S3 answers 403
+    for an object that is not there, and for the bucket's own HEAD."""
+    if code not in ("403", "AccessDenied"):
         return ""
     return (
-        ": S3 answers a HEAD of an object that is not there 403, not 404, to credentials that may not list"
-        " the bucket: the credentials Rewind is given need s3:ListBucket"
+        ": the credentials may lack an action Rewind needs; without s3:ListBucket, S3 refuses the"
+        " bucket's HEAD and answers 403 for an object that is not there"
     )
 
 

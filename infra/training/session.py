@@ -159,7 +159,7 @@ class TrainingSession:
     def __enter__(self) -> TrainingSession:
         try:
             return self._enter()
-        except BaseException as exc:  # no `with` body, so no __exit__: the run let go of here
+        except BaseException as exc:  # Python calls no __exit__ when __enter__ raises: let go of the run here
             self._abandon(exc)
             raise
 
