@@ -45,7 +45,9 @@ class ChecksumlessS3:
     ``refused``) and not passed on; knowing no checksums, it requires ``Content-MD5`` on every PUT with
     a body instead (as an Object Lock bucket does). ``keeps_checksums``: its answers keep them.
     ``unlisted``: it answers as AWS answers credentials without s3:ListBucket: the bucket's HEAD and
-    listing, and a HEAD or GET of an object that is not there, are refused (403; a HEAD's with no body)."""
+    listing, and a HEAD or GET of an object that is not there, are refused (403; a HEAD's with no body).
+    ``strict``: as AWS, it completes an upload in parts only as it was begun: one begun without a checksum
+    is refused a completion that carries one (400 InvalidRequest)."""
 
     NOT_IMPLEMENTED = (
         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
@@ -55,6 +57,12 @@ class ChecksumlessS3:
     ACCESS_DENIED = (
         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
         b"<Message>Access Denied</Message></Error>"
+    )
+
+    NULL_CHECKSUM = (
+        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidRequest</Code>'
+        b"<Message>The upload was created using a null checksum. The complete request must use the same"
+        b" checksum as the create request.</Message></Error>"
     )
 
     MD5_REQUIRED = (
@@ -69,6 +77,7 @@ class ChecksumlessS3:
         refuses: frozenset[str] = frozenset(),
         keeps_checksums: bool = False,
         unlisted: bool = False,
+        strict: bool = False,
     ) -> None:
         import http.client
         import re
@@ -79,6 +88,8 @@ class ChecksumlessS3:
         target = urlsplit(upstream)
         proxy = self
         self.refused = 0
+        begun_bare: set[str] = set()  # uploads begun without a checksum (``strict``)
+        upload_id = re.compile(rb"<UploadId>([^<]+)</UploadId>")
 
         def _newer(headers: Any, body: bytes) -> bool:
             names = [k.lower() for k in headers]
@@ -86,6 +97,9 @@ class ChecksumlessS3:
             return ("checksum" in refuses and checksum) or (
                 "if-none-match" in refuses and "if-none-match" in names
             )
+
+        def _newer_parts(headers: Any, body: bytes) -> bool:
+            return any(k.lower().startswith("x-amz-checksum") for k in headers) or b"<ChecksumCRC32C>" in body
 
         element = re.compile(rb"<Checksum(CRC32C|CRC32|CRC64NVME|SHA1|SHA256|Type)>[^<]*</Checksum\1>")
 
@@ -97,6 +111,10 @@ class ChecksumlessS3:
                 on_bucket = "/" not in self.path.split("?")[0].strip("/")
                 if unlisted and on_bucket and self.command in ("HEAD", "GET"):
                     self._denied()
+                    return
+                query = self.path.partition("?")[2]
+                if strict and self._completes_bare_with_checksum(query, body):
+                    self._answer(400, "Bad Request", proxy.NULL_CHECKSUM)
                     return
                 if self.command in ("PUT", "POST") and _newer(self.headers, body):
                     proxy.refused += 1
@@ -121,6 +139,8 @@ class ChecksumlessS3:
                     if unlisted and answer.status == 404:
                         self._denied()
                         return
+                    if strict and answer.status == 200:
+                        self._note_begun(query, data)
                     data = data if keeps_checksums else element.sub(b"", data)
                     self.send_response(answer.status, answer.reason)
                     for name, value in answer.getheaders():
@@ -136,6 +156,17 @@ class ChecksumlessS3:
                     self.wfile.write(data)
                 finally:
                     conn.close()
+
+            def _completes_bare_with_checksum(self, query: str, body: bytes) -> bool:
+                if self.command != "POST" or "uploadId=" not in query or not _newer_parts(self.headers, body):
+                    return False
+                return query.split("uploadId=")[1].split("&")[0] in begun_bare
+
+            def _note_begun(self, query: str, answer: bytes) -> None:
+                """An upload begun without a checksum algorithm, remembered as such."""
+                asked = any(k.lower() == "x-amz-checksum-algorithm" for k in self.headers)
+                if self.command == "POST" and query.startswith("uploads") and not asked:
+                    begun_bare.update(m.decode() for m in upload_id.findall(answer))
 
             def _denied(self) -> None:
                 self._answer(403, "Forbidden", b"" if self.command == "HEAD" else proxy.ACCESS_DENIED)

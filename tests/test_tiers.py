@@ -430,3 +430,36 @@ def test_credentials_that_may_not_list_the_bucket_are_told_what_they_lack(
     said = capsys.readouterr()
     lines = [x for x in (said.out + said.err).splitlines() if "s3:ListBucket" in x]
     assert lines and "refused the credentials" in lines[0], said.out + said.err
+
+
+def test_an_unfinished_upload_begun_without_checksums_is_sent_afresh_not_left_failing(
+    s3_env, run_name, tmp_path, monkeypatch
+):
+    """A push cut short in a process that sent no checksums (its server once refused them) leaves an upload
+    in parts begun without; a later process sending checksums cannot complete it (AWS refuses, as the real
+    proxy here does in front of the test's S3): it is aborted and the file sent afresh, landing whole,
+    instead of failing every push until the copy is deleted."""
+    import random
+
+    from rewind.infra.format import digest
+    from rewind.infra.tiers import s3_multipart
+    from tests.s3_support import ChecksumlessS3
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    data = random.Random(seed).randbytes(11 << 20)
+    src = tmp_path / "big.bin"
+    src.write_bytes(data)
+    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, strict=True)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        tier = S3Tier(f"s3://{BUCKET}/afresh-{run_name}", part_size=5 << 20)
+        k = tier._key("big.bin")
+        begun = tier._client.create_multipart_upload(Bucket=BUCKET, Key=k)["UploadId"]
+        tier._client.upload_part(Bucket=BUCKET, Key=k, UploadId=begun, PartNumber=1, Body=data[: 5 << 20])
+        tier.put("big.bin", src, crc32c=digest.hash_bytes(data).crc32c)
+        with tier.open("big.bin") as body:
+            assert digest.hash_bytes(body.read()).xxh3 == digest.hash_bytes(data).xxh3
+        assert s3_multipart.uploads(tier, k) == ()  # the one begun bare aborted, none left behind
+    finally:
+        proxy.close()

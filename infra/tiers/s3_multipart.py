@@ -3,11 +3,14 @@ a re-run lists the parts the server already holds and sends only the missing one
 
 Each part carries its CRC32C and the whole a full-object CRC32C, unless the server refused those as
 unsupported (``S3Tier.refused``): then the parts go up bare and the object is read back to be verified.
+An unfinished upload the server will not complete as asked (begun bare, resumed with checksums) is
+aborted and the file sent afresh.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 from rewind.infra import progress
 from rewind.infra.format import digest
 from rewind.infra.tiers import s3_newer
+from rewind.infra.tiers.base import ObjectNotFound, TierConfigError, TierUnavailable
 from rewind.infra.tiers.s3_newer import FULL_OBJECT
 
 if TYPE_CHECKING:
     from rewind.infra.tiers.s3 import S3Tier
 
+log = logging.getLogger("rewind.tiers")
 MiB = 1 << 20
 MAX_PARTS = 10_000  # the most parts one multipart upload may have (S3 and every server that copies it)
 
@@ -79,12 +84,38 @@ def _start(tier: S3Tier, k: str) -> str:
 
 
 def upload(tier: S3Tier, key: str, src: Path, size: int, crc_full: str) -> int:
-    """``src`` to ``key`` in parts, those the server holds of an unfinished upload kept; bytes sent."""
+    """``src`` to ``key`` in parts, those the server holds of an unfinished upload kept; bytes sent. An
+    unfinished upload the server will not complete as this one asks (begun by a process that sent no
+    checksums, where this one does) is aborted and the file sent afresh, never left to fail every push."""
     k = tier._key(key)
     upload_id = _pending(tier, k)
-    held = _parts_held(tier, k, upload_id) if upload_id else {}
-    if upload_id is None:
-        upload_id = _start(tier, k)
+    if upload_id is not None:
+        try:
+            return _send(tier, key, src, size, crc_full, upload_id, _parts_held(tier, k, upload_id))
+        except TierConfigError as exc:
+            log.warning(
+                "s3://%s/%s: an unfinished upload not completed (%s): sent afresh", tier.bucket, k, exc
+            )
+            try:
+                tier._call("abort_multipart_upload", k, Key=k, UploadId=upload_id)
+            except ObjectNotFound:
+                pass  # gone meanwhile (completed or aborted by another sender): a new one all the same
+            except (TierConfigError, TierUnavailable):
+                raise exc from None
+    return _send(tier, key, src, size, crc_full, _start(tier, k), {})
+
+
+def _send(
+    tier: S3Tier,
+    key: str,
+    src: Path,
+    size: int,
+    crc_full: str,
+    upload_id: str,
+    held: dict[int, dict[str, Any]],
+) -> int:
+    """The parts ``held`` lacks sent to ``upload_id``, then the whole completed and vouched for; bytes sent."""
+    k = tier._key(key)
     step = part_size(size, tier.part_size)
     count = (size + step - 1) // step
     fd = os.open(src, os.O_RDONLY)
