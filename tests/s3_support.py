@@ -46,8 +46,8 @@ class ChecksumlessS3:
     a body instead (as an Object Lock bucket does). ``keeps_checksums``: its answers keep them.
     ``unlisted``: it answers as AWS answers credentials without s3:ListBucket: the bucket's HEAD and
     listing, and a HEAD or GET of an object that is not there, are refused (403; a HEAD's with no body).
-    ``strict``: as AWS, it completes an upload in parts only as it was begun: one begun without a checksum
-    is refused a completion that carries one (400 InvalidRequest)."""
+    ``strict``: as AWS, it goes on with an upload in parts only as it was begun: one begun without a checksum
+    is refused a part, or a completion, that carries one (400 InvalidRequest)."""
 
     NOT_IMPLEMENTED = (
         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
@@ -63,6 +63,12 @@ class ChecksumlessS3:
         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidRequest</Code>'
         b"<Message>The upload was created using a null checksum. The complete request must use the same"
         b" checksum as the create request.</Message></Error>"
+    )
+
+    TYPE_MISMATCH = (
+        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidRequest</Code>'
+        b"<Message>Checksum Type mismatch occurred, expected checksum Type: null, actual checksum Type: crc32c"
+        b"</Message></Error>"
     )
 
     MD5_REQUIRED = (
@@ -113,8 +119,11 @@ class ChecksumlessS3:
                     self._denied()
                     return
                 query = self.path.partition("?")[2]
-                if strict and self._completes_bare_with_checksum(query, body):
-                    self._answer(400, "Bad Request", proxy.NULL_CHECKSUM)
+                if strict and self._goes_on_bare_with_checksum(query, body):
+                    completes = self.command == "POST"
+                    self._answer(
+                        400, "Bad Request", proxy.NULL_CHECKSUM if completes else proxy.TYPE_MISMATCH
+                    )
                     return
                 if self.command in ("PUT", "POST") and _newer(self.headers, body):
                     proxy.refused += 1
@@ -157,8 +166,11 @@ class ChecksumlessS3:
                 finally:
                     conn.close()
 
-            def _completes_bare_with_checksum(self, query: str, body: bytes) -> bool:
-                if self.command != "POST" or "uploadId=" not in query or not _newer_parts(self.headers, body):
+            def _goes_on_bare_with_checksum(self, query: str, body: bytes) -> bool:
+                """A part or completion with a checksum, of an upload begun without one."""
+                if self.command not in ("PUT", "POST") or "uploadId=" not in query:
+                    return False
+                if not _newer_parts(self.headers, body):
                     return False
                 return query.split("uploadId=")[1].split("&")[0] in begun_bare
 

@@ -432,13 +432,15 @@ def test_credentials_that_may_not_list_the_bucket_are_told_what_they_lack(
     assert lines and "refused the credentials" in lines[0], said.out + said.err
 
 
+@pytest.mark.parametrize("held", [1, 3], ids=["refused-at-a-part", "refused-at-completion"])
 def test_an_unfinished_upload_begun_without_checksums_is_sent_afresh_not_left_failing(
-    s3_env, run_name, tmp_path, monkeypatch
+    s3_env, run_name, tmp_path, monkeypatch, held
 ):
     """A push cut short in a process that sent no checksums (its server once refused them) leaves an upload
-    in parts begun without; a later process sending checksums cannot complete it (AWS refuses, as the real
-    proxy here does in front of the test's S3): it is aborted and the file sent afresh, landing whole,
-    instead of failing every push until the copy is deleted."""
+    in parts begun without; a later process sending checksums cannot go on with it (AWS refuses a checksum
+    at the next part, or, every part held, at the completion, as the real proxy here does in front of the
+    test's S3): it is aborted and the file sent afresh, with its checksums, landing whole, instead of
+    failing every push until the copy is deleted."""
     import random
 
     from rewind.infra.format import digest
@@ -456,8 +458,11 @@ def test_an_unfinished_upload_begun_without_checksums_is_sent_afresh_not_left_fa
         tier = S3Tier(f"s3://{BUCKET}/afresh-{run_name}", part_size=5 << 20)
         k = tier._key("big.bin")
         begun = tier._client.create_multipart_upload(Bucket=BUCKET, Key=k)["UploadId"]
-        tier._client.upload_part(Bucket=BUCKET, Key=k, UploadId=begun, PartNumber=1, Body=data[: 5 << 20])
-        tier.put("big.bin", src, crc32c=digest.hash_bytes(data).crc32c)
+        for n in range(1, held + 1):
+            piece = data[(n - 1) * (5 << 20) : n * (5 << 20)]
+            tier._client.upload_part(Bucket=BUCKET, Key=k, UploadId=begun, PartNumber=n, Body=piece)
+        assert tier.put("big.bin", src, crc32c=digest.hash_bytes(data).crc32c) == len(data)  # all afresh
+        assert tier.refused == set() and tier.checksums  # sent with its checksums, not bare
         with tier.open("big.bin") as body:
             assert digest.hash_bytes(body.read()).xxh3 == digest.hash_bytes(data).xxh3
         assert s3_multipart.uploads(tier, k) == ()  # the one begun bare aborted, none left behind

@@ -36,6 +36,10 @@ class TierConfigError(ConfigError):
     """A target that cannot work: malformed URI, missing bucket."""
 
 
+class ChecksumModeMismatch(TierConfigError):
+    """The server refused a checksum on an upload in parts begun without one (or the other way round)."""
+
+
 # Errors that say nothing about a copy's bytes: a copy that raised one is unverifiable for now, never
 # corrupt. The one list the restore executor and the scrub both judge by.
 UNREADABLE_ERRORS: tuple[type[Exception], ...] = (OSError, TransientError, TierAccessDenied, TierConfigError)

@@ -18,6 +18,7 @@ from botocore.exceptions import (
 from rewind.infra import redact
 from rewind.infra.tiers.base import (
     AlreadyExists,
+    ChecksumModeMismatch,
     ObjectNotFound,
     TierAccessDenied,
     TierConfigError,
@@ -75,7 +76,12 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
             return TierAccessDenied(f"S3 refused the credentials for {where} ({code or status}{_bare(code)})")
         if code in TRANSIENT or status >= 500:
             return TierUnavailable(f"S3 error at {where}: {code or status}")
-        return TierConfigError(f"S3 error at {where}: {code or status}: {err.get('Message', '')}")
+        said = f"S3 error at {where}: {code or status}: {err.get('Message', '')}"
+        return (
+            ChecksumModeMismatch(said)
+            if _mode_mismatch(code, str(err.get("Message", "")))
+            else TierConfigError(said)
+        )
     if isinstance(exc, EndpointResolutionError):  # no request can ever go there: bad input, not an outage
         return TierConfigError(f"S3 endpoint {endpoint} is not a valid URL (AWS_ENDPOINT_URL)")
     if isinstance(exc, SETUP_ERRORS):
@@ -83,6 +89,14 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
     if isinstance(exc, BotoCoreError | OSError):
         return TierUnavailable(f"S3 endpoint {endpoint}: {redact.text(str(exc))}")
     return exc
+
+
+def _mode_mismatch(code: str, message: str) -> bool:
+    """AWS's refusal of a checksum on an upload begun without one: at a part ('Checksum Type mismatch
+    occurred, expected checksum Type: null, ...') or at its completion ('The upload was created using a
+    null checksum...')."""
+    said = message.lower()
+    return code == "InvalidRequest" and "checksum" in said and ("mismatch" in said or "created using" in said)
 
 
 def _bare(code: str) -> str:

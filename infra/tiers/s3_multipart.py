@@ -3,8 +3,8 @@ a re-run lists the parts the server already holds and sends only the missing one
 
 Each part carries its CRC32C and the whole a full-object CRC32C, unless the server refused those as
 unsupported (``S3Tier.refused``): then the parts go up bare and the object is read back to be verified.
-An unfinished upload the server will not complete as asked (begun bare, resumed with checksums) is
-aborted and the file sent afresh.
+An unfinished upload begun bare that the server will not go on with checksums (AWS refuses them at the
+next part, or at the completion) is aborted and the file sent afresh.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rewind.infra import progress
+from rewind.infra.errors import RewindError
 from rewind.infra.format import digest
 from rewind.infra.tiers import s3_newer
-from rewind.infra.tiers.base import ObjectNotFound, TierConfigError, TierUnavailable
+from rewind.infra.tiers.base import ChecksumModeMismatch, ObjectNotFound
 from rewind.infra.tiers.s3_newer import FULL_OBJECT
 
 if TYPE_CHECKING:
@@ -85,24 +86,29 @@ def _start(tier: S3Tier, k: str) -> str:
 
 def upload(tier: S3Tier, key: str, src: Path, size: int, crc_full: str) -> int:
     """``src`` to ``key`` in parts, those the server holds of an unfinished upload kept; bytes sent. An
-    unfinished upload the server will not complete as this one asks (begun by a process that sent no
+    unfinished upload the server will not go on with as this one asks (begun by a process that sent no
     checksums, where this one does) is aborted and the file sent afresh, never left to fail every push."""
     k = tier._key(key)
     upload_id = _pending(tier, k)
     if upload_id is not None:
         try:
             return _send(tier, key, src, size, crc_full, upload_id, _parts_held(tier, k, upload_id))
-        except TierConfigError as exc:
-            log.warning(
-                "s3://%s/%s: an unfinished upload not completed (%s): sent afresh", tier.bucket, k, exc
-            )
-            try:
-                tier._call("abort_multipart_upload", k, Key=k, UploadId=upload_id)
-            except ObjectNotFound:
-                pass  # gone meanwhile (completed or aborted by another sender): a new one all the same
-            except (TierConfigError, TierUnavailable):
-                raise exc from None
+        except ChecksumModeMismatch as exc:
+            _abort(tier, k, upload_id, exc)
     return _send(tier, key, src, size, crc_full, _start(tier, k), {})
+
+
+def _abort(tier: S3Tier, k: str, upload_id: str, why: ChecksumModeMismatch) -> None:
+    """The unfinished upload that cannot go on in this mode let go, so the file can be sent afresh; where it
+    cannot be, ``why`` is raised (the abort's own error logged)."""
+    try:
+        tier._call("abort_multipart_upload", k, Key=k, UploadId=upload_id)
+    except ObjectNotFound:
+        pass  # gone meanwhile (completed or aborted by another sender): a new one all the same
+    except RewindError as err:
+        log.warning("s3://%s/%s: the unfinished upload was not aborted: %s", tier.bucket, k, err)
+        raise why from err
+    log.warning("%s; that unfinished upload was aborted and the file is sent afresh", why)
 
 
 def _send(
