@@ -47,7 +47,9 @@ class ChecksumlessS3:
     ``unlisted``: it answers as AWS answers credentials without s3:ListBucket: the bucket's HEAD and
     listing, and a HEAD or GET of an object that is not there, are refused (403; a HEAD's with no body).
     ``strict``: as AWS, it goes on with an upload in parts only as it was begun: one begun without a checksum
-    is refused a part, or a completion, that carries one (400 InvalidRequest)."""
+    is refused a part, or a completion, that carries one (400 InvalidRequest). ``loses_uploads``: the first
+    so many looks at an upload's parts are answered 404 NoSuchUpload, as a server answers once another
+    sender completed or aborted the upload."""
 
     NOT_IMPLEMENTED = (
         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
@@ -71,6 +73,11 @@ class ChecksumlessS3:
         b"</Message></Error>"
     )
 
+    NO_SUCH_UPLOAD = (
+        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchUpload</Code>'
+        b"<Message>The specified upload does not exist.</Message></Error>"
+    )
+
     MD5_REQUIRED = (
         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidRequest</Code>'
         b"<Message>Content-MD5 OR x-amz-checksum- HTTP header is required for Put Object requests</Message></Error>"
@@ -84,6 +91,7 @@ class ChecksumlessS3:
         keeps_checksums: bool = False,
         unlisted: bool = False,
         strict: bool = False,
+        loses_uploads: int = 0,
     ) -> None:
         import http.client
         import re
@@ -94,6 +102,7 @@ class ChecksumlessS3:
         target = urlsplit(upstream)
         proxy = self
         self.refused = 0
+        self.to_lose = loses_uploads
         begun_bare: set[str] = set()  # uploads begun without a checksum (``strict``)
         upload_id = re.compile(rb"<UploadId>([^<]+)</UploadId>")
 
@@ -119,6 +128,10 @@ class ChecksumlessS3:
                     self._denied()
                     return
                 query = self.path.partition("?")[2]
+                if self.command == "GET" and "uploadId=" in query and proxy.to_lose > 0:
+                    proxy.to_lose -= 1
+                    self._answer(404, "Not Found", proxy.NO_SUCH_UPLOAD)
+                    return
                 if strict and self._goes_on_bare_with_checksum(query, body):
                     completes = self.command == "POST"
                     self._answer(

@@ -468,3 +468,44 @@ def test_an_unfinished_upload_begun_without_checksums_is_sent_afresh_not_left_fa
         assert s3_multipart.uploads(tier, k) == ()  # the one begun bare aborted, none left behind
     finally:
         proxy.close()
+
+
+@pytest.mark.parametrize("completed", [False, True], ids=["aborted-meanwhile", "completed-meanwhile"])
+def test_an_unfinished_upload_that_went_meanwhile_is_no_error(
+    s3_env, run_name, tmp_path, monkeypatch, completed
+):
+    """Two senders of one copy (a scheduled push beside the job's own) may resume the same unfinished upload;
+    when the other completed or aborted it before this one looked at its parts (the server's 404
+    NoSuchUpload, answered at that moment by a real proxy in front of the test's S3), this one sends the
+    file afresh, or, the object being there, says so (its caller holds it to its file): never that
+    something 'does not exist'."""
+    import random
+
+    from rewind.infra.format import digest
+    from tests.s3_support import ChecksumlessS3
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    data = random.Random(seed).randbytes(11 << 20)
+    src = tmp_path / "big.bin"
+    src.write_bytes(data)
+    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, loses_uploads=1)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        tier = S3Tier(f"s3://{BUCKET}/went-{run_name}", part_size=5 << 20)
+        k = tier._key("big.bin")
+        tier._client.create_multipart_upload(
+            Bucket=BUCKET, Key=k, ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"
+        )
+        crc = digest.hash_bytes(data).crc32c
+        if completed:  # the other sender's object
+            tier._client.put_object(Bucket=BUCKET, Key=k, Body=data)
+            with pytest.raises(AlreadyExists):
+                tier.put("big.bin", src, crc32c=crc)
+        else:
+            assert tier.put("big.bin", src, crc32c=crc) == len(data)
+        assert proxy.to_lose == 0  # the upload was looked at, and had gone
+        with tier.open("big.bin") as body:
+            assert digest.hash_bytes(body.read()).xxh3 == digest.hash_bytes(data).xxh3
+    finally:
+        proxy.close()

@@ -20,7 +20,7 @@ from rewind.infra import progress
 from rewind.infra.errors import RewindError
 from rewind.infra.format import digest
 from rewind.infra.tiers import s3_newer
-from rewind.infra.tiers.base import ChecksumModeMismatch, ObjectNotFound
+from rewind.infra.tiers.base import AlreadyExists, ChecksumModeMismatch, ObjectNotFound
 from rewind.infra.tiers.s3_newer import FULL_OBJECT
 
 if TYPE_CHECKING:
@@ -87,7 +87,8 @@ def _start(tier: S3Tier, k: str) -> str:
 def upload(tier: S3Tier, key: str, src: Path, size: int, crc_full: str) -> int:
     """``src`` to ``key`` in parts, those the server holds of an unfinished upload kept; bytes sent. An
     unfinished upload the server will not go on with as this one asks (begun by a process that sent no
-    checksums, where this one does) is aborted and the file sent afresh, never left to fail every push."""
+    checksums, where this one does) is aborted and the file sent afresh, never left to fail every push; one
+    that went meanwhile (another sender of the copy completed or aborted it) is not an error either."""
     k = tier._key(key)
     upload_id = _pending(tier, k)
     if upload_id is not None:
@@ -95,7 +96,22 @@ def upload(tier: S3Tier, key: str, src: Path, size: int, crc_full: str) -> int:
             return _send(tier, key, src, size, crc_full, upload_id, _parts_held(tier, k, upload_id))
         except ChecksumModeMismatch as exc:
             _abort(tier, k, upload_id, exc)
+        except ObjectNotFound:  # NoSuchUpload: another sender of this copy completed or aborted it meanwhile
+            _not_there_yet(tier, key)
     return _send(tier, key, src, size, crc_full, _start(tier, k), {})
+
+
+def _not_there_yet(tier: S3Tier, key: str) -> None:
+    """``AlreadyExists`` where the object is there (a sender completed the upload this one was resuming: the
+    caller holds it to its file as any object found there); otherwise the file is sent afresh."""
+    try:
+        tier.stat(key)
+    except ObjectNotFound:
+        log.info(
+            "s3://%s/%s: the unfinished upload went meanwhile; the file is sent afresh", tier.bucket, key
+        )
+        return
+    raise AlreadyExists(f"s3://{tier.bucket}/{tier._key(key)} was completed meanwhile by another sender")
 
 
 def _abort(tier: S3Tier, k: str, upload_id: str, why: ChecksumModeMismatch) -> None:
