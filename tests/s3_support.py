@@ -47,9 +47,11 @@ class ChecksumlessS3:
     ``unlisted``: it answers as AWS answers credentials without s3:ListBucket: the bucket's HEAD and
     listing, and a HEAD or GET of an object that is not there, are refused (403; a HEAD's with no body).
     ``strict``: as AWS, it goes on with an upload in parts only as it was begun: one begun without a checksum
-    is refused a part, or a completion, that carries one (400 InvalidRequest). ``loses_uploads``: the first
-    so many looks at an upload's parts are answered 404 NoSuchUpload, as a server answers once another
-    sender completed or aborted the upload."""
+    is refused a part that carries one (400 InvalidRequest, a checksum type mismatch) or a completion that
+    does (400 BadDigest). ``loses``: the upload in parts is found gone (404 NoSuchUpload) once, at the first
+    look at its parts (``"parts"``: another sender completed or aborted it meanwhile), or at its first
+    completion (``"completion"``: passed on, its answer replaced, as when the reply to a completion that
+    succeeded is lost and its retry finds the upload gone)."""
 
     NOT_IMPLEMENTED = (
         b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
@@ -61,10 +63,9 @@ class ChecksumlessS3:
         b"<Message>Access Denied</Message></Error>"
     )
 
-    NULL_CHECKSUM = (
-        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidRequest</Code>'
-        b"<Message>The upload was created using a null checksum. The complete request must use the same"
-        b" checksum as the create request.</Message></Error>"
+    BAD_DIGEST = (
+        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>BadDigest</Code>'
+        b"<Message>The CRC32C you specified did not match the calculated checksum.</Message></Error>"
     )
 
     TYPE_MISMATCH = (
@@ -91,7 +92,7 @@ class ChecksumlessS3:
         keeps_checksums: bool = False,
         unlisted: bool = False,
         strict: bool = False,
-        loses_uploads: int = 0,
+        loses: str = "",
     ) -> None:
         import http.client
         import re
@@ -102,7 +103,7 @@ class ChecksumlessS3:
         target = urlsplit(upstream)
         proxy = self
         self.refused = 0
-        self.to_lose = loses_uploads
+        self.to_lose = 1 if loses else 0
         begun_bare: set[str] = set()  # uploads begun without a checksum (``strict``)
         upload_id = re.compile(rb"<UploadId>([^<]+)</UploadId>")
 
@@ -128,15 +129,15 @@ class ChecksumlessS3:
                     self._denied()
                     return
                 query = self.path.partition("?")[2]
-                if self.command == "GET" and "uploadId=" in query and proxy.to_lose > 0:
+                names_upload = "uploadId=" in query and proxy.to_lose > 0
+                if names_upload and loses == "parts" and self.command == "GET":
                     proxy.to_lose -= 1
                     self._answer(404, "Not Found", proxy.NO_SUCH_UPLOAD)
                     return
+                lost_reply = names_upload and loses == "completion" and self.command == "POST"
                 if strict and self._goes_on_bare_with_checksum(query, body):
                     completes = self.command == "POST"
-                    self._answer(
-                        400, "Bad Request", proxy.NULL_CHECKSUM if completes else proxy.TYPE_MISMATCH
-                    )
+                    self._answer(400, "Bad Request", proxy.BAD_DIGEST if completes else proxy.TYPE_MISMATCH)
                     return
                 if self.command in ("PUT", "POST") and _newer(self.headers, body):
                     proxy.refused += 1
@@ -158,6 +159,10 @@ class ChecksumlessS3:
                     conn.request(self.command, self.path, body=body, headers=sent)
                     answer = conn.getresponse()
                     data = answer.read() if self.command != "HEAD" else b""
+                    if lost_reply and answer.status == 200:
+                        proxy.to_lose -= 1
+                        self._answer(404, "Not Found", proxy.NO_SUCH_UPLOAD)
+                        return
                     if unlisted and answer.status == 404:
                         self._denied()
                         return

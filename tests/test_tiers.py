@@ -489,7 +489,7 @@ def test_an_unfinished_upload_that_went_meanwhile_is_no_error(
     data = random.Random(seed).randbytes(11 << 20)
     src = tmp_path / "big.bin"
     src.write_bytes(data)
-    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, loses_uploads=1)
+    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, loses="parts")
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         tier = S3Tier(f"s3://{BUCKET}/went-{run_name}", part_size=5 << 20)
@@ -499,7 +499,7 @@ def test_an_unfinished_upload_that_went_meanwhile_is_no_error(
         )
         crc = digest.hash_bytes(data).crc32c
         if completed:  # the other sender's object
-            tier._client.put_object(Bucket=BUCKET, Key=k, Body=data)
+            tier._client.put_object(Bucket=BUCKET, Key=k, Body=data, ChecksumCRC32C=crc)
             with pytest.raises(AlreadyExists):
                 tier.put("big.bin", src, crc32c=crc)
         else:
@@ -509,3 +509,28 @@ def test_an_unfinished_upload_that_went_meanwhile_is_no_error(
             assert digest.hash_bytes(body.read()).xxh3 == digest.hash_bytes(data).xxh3
     finally:
         proxy.close()
+
+
+def test_a_completion_whose_answer_was_lost_is_no_error(s3_env, rewind_env, run_name, tmp_path, monkeypatch):
+    """A completion that succeeded but whose answer was lost is retried and finds its upload gone (404
+    NoSuchUpload, answered by a real proxy in front of the test's S3 after passing the completion on): the
+    push finds the object in place, holds it to its file, and the copy is verified; before, the push failed
+    saying the object 'does not exist'."""
+    from rewind.flows.cli import main as rewind
+    from rewind.infra.catalog import lineage
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.format import manifest as mf
+    from tests.s3_support import ChecksumlessS3
+
+    saved = big_checkpoint(run_name, tmp_path / "ckpt", mb=8)
+    assert any(e.size > 5 << 20 for e in mf.read(Path(saved.path)).files)  # one goes up in parts
+    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, loses="completion")
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        uri = f"s3://{BUCKET}/lost-{run_name}"
+        assert rewind(["replicate", run_name, "--to", uri, "--part-size-mib", "5"]) == 0
+        assert proxy.to_lose == 0
+    finally:
+        proxy.close()
+    (rep,) = [r for r in lineage.replicas_of(Catalog(), saved.checkpoint_id) if r.tier == "offsite"]
+    assert rep.status == "verified"

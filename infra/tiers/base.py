@@ -20,6 +20,10 @@ class ObjectNotFound(NotFoundError):
     """``stat``/``open`` of a key that does not exist (``delete`` of one is not an error)."""
 
 
+class UploadGone(ObjectNotFound):
+    """An upload in parts no longer there (``NoSuchUpload``): completed or aborted by another sender."""
+
+
 class AlreadyExists(RewindError):
     """``put`` of a key that exists: tiers never overwrite."""
 
@@ -38,6 +42,11 @@ class TierConfigError(ConfigError):
 
 class ChecksumModeMismatch(TierConfigError):
     """The server refused a checksum on an upload in parts begun without one (or the other way round)."""
+
+
+class DigestRefused(TierUnavailable):
+    """The server found the bytes it got are not those the request's checksum names (``BadDigest``): sent
+    again, they may be."""
 
 
 # Errors that say nothing about a copy's bytes: a copy that raised one is unverifiable for now, never

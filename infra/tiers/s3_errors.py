@@ -19,10 +19,12 @@ from rewind.infra import redact
 from rewind.infra.tiers.base import (
     AlreadyExists,
     ChecksumModeMismatch,
+    DigestRefused,
     ObjectNotFound,
     TierAccessDenied,
     TierConfigError,
     TierUnavailable,
+    UploadGone,
 )
 
 DENIED = {
@@ -64,7 +66,9 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
         status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         if code == "NoSuchBucket":
             return TierConfigError(f"S3 bucket {bucket!r} does not exist at {endpoint}")
-        if code in ("NoSuchKey", "404", "NotFound", "NoSuchUpload"):
+        if code == "NoSuchUpload":
+            return UploadGone(f"{where}: the upload in parts is no longer there")
+        if code in ("NoSuchKey", "404", "NotFound"):
             return ObjectNotFound(f"{where} does not exist")
         if code in ("PreconditionFailed", "412", "ConditionalRequestConflict") or status == 412:
             return AlreadyExists(f"{where} already exists; replicas are never overwritten")
@@ -74,6 +78,8 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
             )
         if code in DENIED or status == 403:
             return TierAccessDenied(f"S3 refused the credentials for {where} ({code or status}{_bare(code)})")
+        if code == "BadDigest":
+            return DigestRefused(f"S3 error at {where}: BadDigest: {err.get('Message', '')}")
         if code in TRANSIENT or status >= 500:
             return TierUnavailable(f"S3 error at {where}: {code or status}")
         said = f"S3 error at {where}: {code or status}: {err.get('Message', '')}"
@@ -92,11 +98,10 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
 
 
 def _mode_mismatch(code: str, message: str) -> bool:
-    """AWS's refusal of a checksum on an upload begun without one: at a part ('Checksum Type mismatch
-    occurred, expected checksum Type: null, ...') or at its completion ('The upload was created using a
-    null checksum...')."""
+    """AWS's refusal of a checksum at a part of an upload begun without one ('Checksum Type mismatch occurred,
+    expected checksum Type: null, ...'; at the completion it answers ``BadDigest``: ``DigestRefused``)."""
     said = message.lower()
-    return code == "InvalidRequest" and "checksum" in said and ("mismatch" in said or "created using" in said)
+    return code == "InvalidRequest" and "checksum" in said and "mismatch" in said
 
 
 def _bare(code: str) -> str:

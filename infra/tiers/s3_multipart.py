@@ -17,10 +17,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rewind.infra import progress
-from rewind.infra.errors import RewindError
+from rewind.infra.errors import RewindError, is_transient
 from rewind.infra.format import digest
 from rewind.infra.tiers import s3_newer
-from rewind.infra.tiers.base import AlreadyExists, ChecksumModeMismatch, ObjectNotFound
+from rewind.infra.tiers.base import (
+    AlreadyExists,
+    ChecksumModeMismatch,
+    DigestRefused,
+    ObjectNotFound,
+    TierUnavailable,
+    UploadGone,
+)
 from rewind.infra.tiers.s3_newer import FULL_OBJECT
 
 if TYPE_CHECKING:
@@ -58,11 +65,18 @@ def uploads(tier: S3Tier, full: str) -> tuple[dict[str, Any], ...]:
 
 
 def _pending(tier: S3Tier, k: str) -> str | None:
-    """The newest upload of ``k`` left unfinished (a push cut short), over every page of the listing; where
-    the server refused checksums, only one listed without (its parts take none)."""
+    """The newest upload of ``k`` left unfinished (a push cut short) that can be resumed in this tier's mode
+    (``_same_mode``), over every page of the listing."""
     bare = FULL_OBJECT in tier.refused
-    ups = [u for u in uploads(tier, k) if u["Key"] == k and not (bare and u.get("ChecksumAlgorithm"))]
+    ups = [u for u in uploads(tier, k) if u["Key"] == k and _same_mode(u.get("ChecksumAlgorithm"), bare=bare)]
     return max(ups, key=lambda u: u["Initiated"])["UploadId"] if ups else None
+
+
+def _same_mode(listed: str | None, *, bare: bool) -> bool:
+    """Whether an upload listed with checksum algorithm ``listed`` may be resumed: bare, one listed without;
+    with checksums, one listed with CRC32C, or without (a server that does not say; one begun bare is then
+    refused at its next part or completion, and aborted)."""
+    return not listed if bare else listed in (None, "", "CRC32C")
 
 
 def _parts_held(tier: S3Tier, k: str, upload_id: str) -> dict[int, dict[str, Any]]:
@@ -86,42 +100,52 @@ def _start(tier: S3Tier, k: str) -> str:
 
 def upload(tier: S3Tier, key: str, src: Path, size: int, crc_full: str) -> int:
     """``src`` to ``key`` in parts, those the server holds of an unfinished upload kept; bytes sent. An
-    unfinished upload the server will not go on with as this one asks (begun by a process that sent no
-    checksums, where this one does) is aborted and the file sent afresh, never left to fail every push; one
-    that went meanwhile (another sender of the copy completed or aborted it) is not an error either."""
+    unfinished upload whose parts will not make this file as asked (begun by a process that sent no
+    checksums, where this one does; or refused as not adding up to it) is aborted and the file sent afresh,
+    never left to fail every push; an upload that went meanwhile (another sender of the copy completed or
+    aborted it) is not an error either."""
     k = tier._key(key)
     upload_id = _pending(tier, k)
     if upload_id is not None:
         try:
             return _send(tier, key, src, size, crc_full, upload_id, _parts_held(tier, k, upload_id))
-        except ChecksumModeMismatch as exc:
+        except (ChecksumModeMismatch, DigestRefused) as exc:
             _abort(tier, k, upload_id, exc)
-        except ObjectNotFound:  # NoSuchUpload: another sender of this copy completed or aborted it meanwhile
+        except UploadGone:
             _not_there_yet(tier, key)
-    return _send(tier, key, src, size, crc_full, _start(tier, k), {})
+    try:
+        return _send(tier, key, src, size, crc_full, _start(tier, k), {})
+    except UploadGone:  # resumed by another sender, who completed or aborted it; or a completion retried
+        _not_there_yet(tier, key)
+        raise TierUnavailable(f"s3://{tier.bucket}/{k}: the upload went before it was completed") from None
 
 
 def _not_there_yet(tier: S3Tier, key: str) -> None:
-    """``AlreadyExists`` where the object is there (a sender completed the upload this one was resuming: the
-    caller holds it to its file as any object found there); otherwise the file is sent afresh."""
+    """``AlreadyExists`` where the object is there (a sender completed the upload: the caller holds it to its
+    file as any object found in place); otherwise returns, to send the file afresh."""
     try:
         tier.stat(key)
     except ObjectNotFound:
         log.info(
-            "s3://%s/%s: the unfinished upload went meanwhile; the file is sent afresh", tier.bucket, key
+            "s3://%s/%s: the unfinished upload went meanwhile; the file is sent afresh",
+            tier.bucket,
+            tier._key(key),
         )
         return
     raise AlreadyExists(f"s3://{tier.bucket}/{tier._key(key)} was completed meanwhile by another sender")
 
 
-def _abort(tier: S3Tier, k: str, upload_id: str, why: ChecksumModeMismatch) -> None:
-    """The unfinished upload that cannot go on in this mode let go, so the file can be sent afresh; where it
-    cannot be, ``why`` is raised (the abort's own error logged)."""
+def _abort(tier: S3Tier, k: str, upload_id: str, why: ChecksumModeMismatch | DigestRefused) -> None:
+    """The unfinished upload whose parts will not make the file let go, so the file can be sent afresh; where
+    it cannot be, the abort's error if retrying may help, otherwise ``why`` (the abort's error logged)."""
     try:
         tier._call("abort_multipart_upload", k, Key=k, UploadId=upload_id)
-    except ObjectNotFound:
-        pass  # gone meanwhile (completed or aborted by another sender): a new one all the same
+    except UploadGone:
+        log.warning("%s; that unfinished upload had gone meanwhile: the file is sent afresh", why)
+        return
     except RewindError as err:
+        if is_transient(err):
+            raise
         log.warning("s3://%s/%s: the unfinished upload was not aborted: %s", tier.bucket, k, err)
         raise why from err
     log.warning("%s; that unfinished upload was aborted and the file is sent afresh", why)

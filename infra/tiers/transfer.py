@@ -210,6 +210,8 @@ def _place(tier: Tier, source: Path, key: str, e: mf.FileEntry, index: dict[File
         again = _held(tier, target, e)
         if again is None:
             return Pushed()
+        if again.problem is Problem.MISSING:  # gone again (the other sender's read-back refused it)
+            raise TierUnavailable(f"{tier.uri}/{target} came and went while it was placed") from None
         raise CorruptCheckpoint(f"{tier.uri}/{key}", [again]) from None
 
 
