@@ -21,7 +21,8 @@ class ObjectNotFound(NotFoundError):
 
 
 class UploadGone(ObjectNotFound):
-    """An upload in parts no longer there (``NoSuchUpload``): completed or aborted by another sender."""
+    """An upload in parts no longer there (``NoSuchUpload``): completed or aborted by another sender, or
+    completed by a completion whose answer was lost (its retry finds the upload gone)."""
 
 
 class AlreadyExists(RewindError):
@@ -47,6 +48,10 @@ class ChecksumModeMismatch(TierConfigError):
 class DigestRefused(TierUnavailable):
     """The server found the bytes it got are not those the request's checksum names (``BadDigest``): sent
     again, they may be."""
+
+
+class CompletionRefused(DigestRefused):
+    """An upload in parts whose parts the server will not complete as the whole file's checksum names."""
 
 
 # Errors that say nothing about a copy's bytes: a copy that raised one is unverifiable for now, never

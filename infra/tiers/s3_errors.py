@@ -40,7 +40,6 @@ TRANSIENT = {
     "SlowDown",
     "ServiceUnavailable",
     "RequestTimeout",
-    "BadDigest",
     "XAmzContentSHA256Mismatch",
     "InvalidDigest",
 }
@@ -98,10 +97,11 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
 
 
 def _mode_mismatch(code: str, message: str) -> bool:
-    """AWS's refusal of a checksum at a part of an upload begun without one ('Checksum Type mismatch occurred,
-    expected checksum Type: null, ...'; at the completion it answers ``BadDigest``: ``DigestRefused``)."""
+    """A refusal of a checksum on an upload begun without one: at a part ('Checksum Type mismatch occurred,
+    expected checksum Type: null, ...'), or at the completion ('The upload was created using a null
+    checksum...', as some servers say; AWS's documented answer there is ``BadDigest``)."""
     said = message.lower()
-    return code == "InvalidRequest" and "checksum" in said and "mismatch" in said
+    return code == "InvalidRequest" and "checksum" in said and ("mismatch" in said or "created using" in said)
 
 
 def _bare(code: str) -> str:

@@ -23,6 +23,7 @@ from rewind.infra.tiers import s3_newer
 from rewind.infra.tiers.base import (
     AlreadyExists,
     ChecksumModeMismatch,
+    CompletionRefused,
     DigestRefused,
     ObjectNotFound,
     TierUnavailable,
@@ -76,7 +77,7 @@ def _same_mode(listed: str | None, *, bare: bool) -> bool:
     """Whether an upload listed with checksum algorithm ``listed`` may be resumed: bare, one listed without;
     with checksums, one listed with CRC32C, or without (a server that does not say; one begun bare is then
     refused at its next part or completion, and aborted)."""
-    return not listed if bare else listed in (None, "", "CRC32C")
+    return not listed if bare else (listed or "CRC32C").upper() == "CRC32C"
 
 
 def _parts_held(tier: S3Tier, k: str, upload_id: str) -> dict[int, dict[str, Any]]:
@@ -101,7 +102,7 @@ def _start(tier: S3Tier, k: str) -> str:
 def upload(tier: S3Tier, key: str, src: Path, size: int, crc_full: str) -> int:
     """``src`` to ``key`` in parts, those the server holds of an unfinished upload kept; bytes sent. An
     unfinished upload whose parts will not make this file as asked (begun by a process that sent no
-    checksums, where this one does; or refused as not adding up to it) is aborted and the file sent afresh,
+    checksums, where this one does; or its completion refused as not adding up to it) is aborted and the file sent afresh,
     never left to fail every push; an upload that went meanwhile (another sender of the copy completed or
     aborted it) is not an error either."""
     k = tier._key(key)
@@ -109,8 +110,8 @@ def upload(tier: S3Tier, key: str, src: Path, size: int, crc_full: str) -> int:
     if upload_id is not None:
         try:
             return _send(tier, key, src, size, crc_full, upload_id, _parts_held(tier, k, upload_id))
-        except (ChecksumModeMismatch, DigestRefused) as exc:
-            _abort(tier, k, upload_id, exc)
+        except (ChecksumModeMismatch, CompletionRefused) as exc:
+            _abort(tier, key, upload_id, exc)
         except UploadGone:
             _not_there_yet(tier, key)
     try:
@@ -135,13 +136,14 @@ def _not_there_yet(tier: S3Tier, key: str) -> None:
     raise AlreadyExists(f"s3://{tier.bucket}/{tier._key(key)} was completed meanwhile by another sender")
 
 
-def _abort(tier: S3Tier, k: str, upload_id: str, why: ChecksumModeMismatch | DigestRefused) -> None:
+def _abort(tier: S3Tier, key: str, upload_id: str, why: ChecksumModeMismatch | CompletionRefused) -> None:
     """The unfinished upload whose parts will not make the file let go, so the file can be sent afresh; where
     it cannot be, the abort's error if retrying may help, otherwise ``why`` (the abort's error logged)."""
+    k = tier._key(key)
     try:
         tier._call("abort_multipart_upload", k, Key=k, UploadId=upload_id)
     except UploadGone:
-        log.warning("%s; that unfinished upload had gone meanwhile: the file is sent afresh", why)
+        _not_there_yet(tier, key)  # gone meanwhile: completed by another sender, or sent afresh
         return
     except RewindError as err:
         if is_transient(err):
@@ -190,7 +192,10 @@ def _send(
             done = list(pool.map(part, range(1, count + 1)))
     finally:
         os.close(fd)
-    answer = _complete(tier, k, upload_id, [p for p, _ in done], crc_full)
+    try:
+        answer = _complete(tier, k, upload_id, [p for p, _ in done], crc_full)
+    except DigestRefused as exc:  # the parts held do not add up to this file
+        raise CompletionRefused(str(exc)) from exc
     tier._vouched(key, answer, crc_full, size)
     return sum(n for _, n in done)
 
