@@ -34,6 +34,12 @@ def big_checkpoint(run: str, root: Path, mb: int = 260):  # type: ignore[no-unty
     return ck.last_saved
 
 
+def _error(code: str, message: str) -> bytes:
+    """An S3 error answer's body."""
+    head = '<?xml version="1.0" encoding="UTF-8"?>'
+    return f"{head}<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+
+
 class ChecksumlessS3:
     """A real HTTP proxy on loopback in front of the test's S3 server that answers as a server keeping no
     CRC32C does (older Ceph RGW, GCS's XML API): every ``x-amz-checksum-*`` header and ``<Checksum...>``
@@ -53,35 +59,18 @@ class ChecksumlessS3:
     completion (``"completion"``: passed on, its answer replaced, as when the reply to a completion that
     succeeded is lost and its retry finds the upload gone)."""
 
-    NOT_IMPLEMENTED = (
-        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NotImplemented</Code>'
-        b"<Message>A header you provided implies functionality that is not implemented</Message></Error>"
+    NOT_IMPLEMENTED = _error(
+        "NotImplemented", "A header you provided implies functionality that is not implemented"
     )
-
-    ACCESS_DENIED = (
-        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code>'
-        b"<Message>Access Denied</Message></Error>"
+    ACCESS_DENIED = _error("AccessDenied", "Access Denied")
+    BAD_DIGEST = _error("BadDigest", "The CRC32C you specified did not match the calculated checksum.")
+    TYPE_MISMATCH = _error(
+        "InvalidRequest",
+        "Checksum Type mismatch occurred, expected checksum Type: null, actual checksum Type: crc32c",
     )
-
-    BAD_DIGEST = (
-        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>BadDigest</Code>'
-        b"<Message>The CRC32C you specified did not match the calculated checksum.</Message></Error>"
-    )
-
-    TYPE_MISMATCH = (
-        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidRequest</Code>'
-        b"<Message>Checksum Type mismatch occurred, expected checksum Type: null, actual checksum Type: crc32c"
-        b"</Message></Error>"
-    )
-
-    NO_SUCH_UPLOAD = (
-        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>NoSuchUpload</Code>'
-        b"<Message>The specified upload does not exist.</Message></Error>"
-    )
-
-    MD5_REQUIRED = (
-        b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidRequest</Code>'
-        b"<Message>Content-MD5 OR x-amz-checksum- HTTP header is required for Put Object requests</Message></Error>"
+    NO_SUCH_UPLOAD = _error("NoSuchUpload", "The specified upload does not exist.")
+    MD5_REQUIRED = _error(
+        "InvalidRequest", "Content-MD5 OR x-amz-checksum- HTTP header is required for Put Object requests"
     )
 
     def __init__(
