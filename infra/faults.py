@@ -12,7 +12,8 @@ process whose ``RANK`` is that (one rank of a job lost). Points are named where 
 are called: ``save.file_written``, ``save.before_manifest``, ``save.before_rename``,
 ``save.before_catalog`` (in a sharded save: rank 0's catalog row, before any rank writes), ``save.shard_written`` (a rank's share of a sharded save),
 ``ring.pass`` (a peer-ring pass, before any of its collectives; ``hold`` or ``kill`` only: a rank that
-skipped a pass would leave the others waiting in it),
+skipped a pass would leave the others waiting in it), ``host_agent.pass`` (a host memory agent's pass, the
+same; ``@<step>`` the step passed),
 ``verify.read``, ``group.smoke`` (a launch's process-group smoke test), and ``gc.delete``, whose ``@<N>`` counts deletion steps of this process
 (a guarded catalog statement, a file or object removed, a copy's row let go) instead of
 steps. With ``REWIND_FAULT_ONCE=<path>`` the fault fires at most once across processes (the

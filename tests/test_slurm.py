@@ -25,6 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rewind.infra import joblog
 from rewind.infra.catalog import incidents, jobs, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.training.data import epoch_order
@@ -241,16 +242,21 @@ def _only_the_relaunch_committed(cat: Catalog, run: str, resumed: int, restored_
 
 @pytest.mark.timeout(600)
 def test_a_crash_without_a_lost_host_comes_back_on_the_same_hosts_reading_only_their_disks(
-    prefect_api: str, lab: slurm_lab.Lab, slurm_env: Path, run_name: str
+    prefect_api: str, lab: slurm_lab.Lab, slurm_env: Path, run_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The ring at its default setting: each host's memory agent (the task ``srun`` starts, the torchrun
+    agent under it) passes the ring, not the ranks."""
     from rewind.flows.training import recover_training, summary
 
+    monkeypatch.delenv("REWIND_MEMORY_RING")
     cfg = config(slurm_env, run_name, step_time_s=0.1)
     t, result = protect(run_name, cfg, nnodes=NODES, nproc_per_node=PER_NODE, launcher="slurm",
                         global_batch=WORLD * BATCH, lr=0.01, heartbeat_timeout_s=60)  # fmt: skip
     launch = _launch_at(run_name, 12, 1)
     hosts = launch.handoff["hosts"]
     cat = Catalog()
+    wait_until(lambda: _agents_passed(run_name) == {0, 1} and _ring_held(cat, run_name) == set(hosts), 120,
+               "the hosts' agents passing a checkpoint, recorded")  # fmt: skip
     victim = next(r for r in jobs.progress(cat, launch.id) if r.rank == WORLD - 1)  # a rank on host 2
     os.kill(
         victim.pid, signal.SIGKILL
@@ -271,6 +277,22 @@ def test_a_crash_without_a_lost_host_comes_back_on_the_same_hosts_reading_only_t
         # own memory (the peer ring) or, if the crash came before the ring passed this checkpoint, from it
         assert h["local"] > 0 and h["local"] + h["memory"] + h["peer"] == total and h["remote"] == 0, read
     assert not read["bytes"].get("shared"), read  # not one byte from the shared tier
+
+
+def _agents_passed(run: str) -> set[int]:
+    """The nodes of the run's first launch whose memory agent said it passed a checkpoint (not the ranks)."""
+    (first, *_) = joblog.kept(run) or [None]
+    if first is None:
+        return set()
+    return {node for node, path in first.nodes()
+            if any(f"memory agent (node {node}): " in line and line.endswith(" received")
+                   for line in joblog.lines(path))}  # fmt: skip
+
+
+def _ring_held(cat: Catalog, run: str) -> set[str]:
+    """The hosts whose memory holds a ring copy (verified) of one of the run's checkpoints."""
+    return {r.host or "" for c in lineage.checkpoints(cat, run) for r in lineage.replicas_of(cat, c.id)
+            if r.tier == "memory" and (r.key or "").startswith("ring:") and r.status == "verified"}  # fmt: skip
 
 
 @pytest.mark.timeout(900)

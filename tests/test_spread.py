@@ -344,12 +344,18 @@ def test_a_lost_hosts_share_comes_from_the_next_hosts_memory_and_no_other_tier(r
         *((step, "host-b", "ring:host-a", status) for step, status in ((1, "deleted"), (2, "verified"))),
     }, ring_rows
 
-    shutil.rmtree(work / "disks" / "b")  # host b gone: its disk and its memory
+    restored_without_host_b(work, ma)
+
+
+def restored_without_host_b(work: Path, ma: mf.Manifest) -> None:
+    """Host b gone with its disk and its memory, ranks 2-3 come back on a spare, c: disk a's share is read in
+    place, b's taken from a's memory, c gets everything from its peers; bit-exact."""
+    b_bytes = sum(_share_of(ma, work, "b").values())
+    shutil.rmtree(work / "disks" / "b")
     shutil.rmtree(work / "memory" / "b")
     _job("load", work, "a,a,c,c", ring=True)
     assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
     a_got, c_got = json.loads((work / "sources.json").read_text())["disks"]
-    b_bytes = sum(share_b.values())
     assert a_got == {**a_got, "local": ma.total_bytes - b_bytes, "memory": b_bytes, "peer": 0, "remote": 0}
     assert c_got == {**c_got, "local": 0, "memory": 0, "peer": ma.total_bytes, "remote": 0}, c_got
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
+import time
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -23,6 +26,7 @@ from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.spread import Disks
 from rewind.infra.faults import fault_point
 from rewind.infra.format import store
+from rewind.infra.memory import agent_notice, agent_rounds
 
 log = logging.getLogger("rewind.sharded")
 LAUNCHER_ENV = "REWIND_LAUNCHER"  # the launcher a supervisor started the job with (``local``, ``slurm``)
@@ -64,23 +68,64 @@ class SendOn:
         )  # a valid setting: ``enabled`` read it
         self.behind = behind if self.ring and not background and not inside else None
         self.own = not inside  # a host's own files kept in its memory too: only off the job's path
-        # the ring's bytes go over a gloo group of its own (CPU tensors, whatever the job's backend)
+        # the ring's bytes go over a gloo group of its own (CPU tensors, whatever the job's backend); made
+        # under the hosts' agents too: the ranks pass again should the agents go
         self.ring_group = dist.new_group(backend="gloo") if self.ring else None
+        # every host's memory agent passes instead (``host_agent``), unless the save must wait for the pass
+        self.teller = os.environ.get("LOCAL_RANK") == "0"  # each node's first rank tells its host's agent
+        self._told: dict[int, int] = {}  # step -> how many times told (a step saved again is passed again)
+        self._last_told: str | None = None  # the last commit told, as the agents name it
+        self.agent = self.ring and not inside and _agents_ready(self.teller, None)
         # while this leader lives, another run's pass never lets this run's ring copies here go (held
         # whenever they may be read: a restore reads them even when this launch passes none)
         self.ring_hold = ring.hold(run) if disks.spread and leads else None
 
     def after_commit(
-        self, step: int, group: dist.ProcessGroup | None, lead: Catalog | None, checkpoint_id: int | None
+        self,
+        step: int,
+        group: dist.ProcessGroup | None,
+        lead: Catalog | None,
+        checkpoint_id: int | None,
+        *,
+        digest: str | None = None,
     ) -> None:
-        """Collective after the commit of ``step`` (``lead``, ``checkpoint_id``: rank 0's catalog and row)."""
+        """Collective after the commit of ``step`` (``lead``, ``checkpoint_id``, ``digest``: rank 0's catalog,
+        row and manifest digest)."""
         self._pushed(step, group)
         if not self.ring:
             return
+        if self.agent:  # the hosts' memory agents pass it: each node's first rank only tells its own
+            self.agent = _agents_ready(self.teller, group, wait_s=0.0)
+            if self.agent:
+                self._tell(step, lead, checkpoint_id, digest)
+                return
+            self._last_told = None  # nothing more to wait for at close: the ranks pass from now on
+            if self.rank == 0:
+                log.warning("%s: a host's memory agent is gone: the ranks pass the peer ring from step %d on",
+                            self.run, step)  # fmt: skip
         if self.behind is None:
             self._passed(step, lead, checkpoint_id)
         else:  # the save waited for the previous pass: the same passes in the same order on every rank
             self.behind.submit(f"ring pass of step {step}", lambda: self._passed(step, lead, checkpoint_id))
+
+    def _tell(self, step: int, lead: Catalog | None, checkpoint_id: int | None, digest: str | None) -> None:
+        """A node's first rank tells its host's agent of the commit; rank 0 also where the ring copies are
+        recorded."""
+        if not self.teller:
+            return
+        disk = self.disks.of_rank[self.rank]
+        directory = store.step_dir(self.run_dir, step)
+        url = (
+            lead.url.render_as_string(hide_password=False)
+            if lead is not None and not lead.in_memory
+            else None
+        )
+        notice = agent_notice.Committed(run=self.run, step=step, directory=str(directory), disk=disk.id,
+                                        host=disk.host, checkpoint_id=checkpoint_id, digest=digest, catalog=url)  # fmt: skip
+        agent_notice.tell(notice)
+        times = self._told.get(step, 0) + 1
+        self._told[step] = times
+        self._last_told = agent_rounds.Seen(self.run, step, times).value()
 
     def _passed(self, step: int, lead: Catalog | None, checkpoint_id: int | None) -> None:
         """Collective over the ring's group: the checkpoint of ``step`` passed round the ring. Never raises:
@@ -116,11 +161,51 @@ class SendOn:
             directory = store.step_dir(self.run_dir, step)
             self.pusher.submit(share_push.Share(self.run, step, directory, disk, with_common=self.rank == 0))
 
+    def settle(self) -> None:
+        """Wait (bounded) for the host's memory agent to finish passing the last commit told: before a load
+        (no ring copy is replaced under it) and at close (the job's end does not cut the pass short)."""
+        if self._last_told is not None and not _agent_passed(self._last_told, self.exit_timeout_s):
+            log.warning(
+                "%s: the memory agent has not passed the last checkpoint round the peer ring", self.run
+            )
+        self._last_told = None
+
     def close(self) -> None:
-        """Wait (bounded) for a share still on its way to the shared tier; this run's ring copies on this host
-        are another run's to let go from now on, when it needs their room."""
+        """Wait (bounded) for the host's memory agent's last pass, and a share still on its way to the shared
+        tier; this run's ring copies on this host are another run's to let go from now on, when it needs
+        their room."""
+        self.settle()
         if self.ring_hold is not None:
             self.ring_hold.close()
         if self.pusher is not None and not self.pusher.wait(self.exit_timeout_s):
             log.warning("%s: a share still on its way to the shared tier after %.0f s", self.run,
                         self.exit_timeout_s)  # fmt: skip
+
+
+AGENT_READY_S = 15.0  # how long a node's first rank waits, at the job's start, for its host's agent
+
+
+def _agents_ready(teller: bool, group: dist.ProcessGroup | None, wait_s: float = AGENT_READY_S) -> bool:
+    """Collective: whether every host's memory agent is listening (each node's first rank looks, waiting at
+    most ``wait_s`` for one still meeting the others; the same answer on every rank: where some host has no
+    first rank whose agent listens, the ranks pass)."""
+    ready = False
+    if teller:
+        deadline = time.monotonic() + wait_s
+        while (state := agent_notice.agent()) is agent_notice.Agent.STARTING and time.monotonic() < deadline:
+            time.sleep(0.1)
+        ready = state is agent_notice.Agent.LISTENING
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, (socket.gethostname(), teller and ready), group=group)
+    return all(any(ok for h, ok in every if h == host) for host in {h for h, _ in every})
+
+
+def _agent_passed(value: str, timeout_s: float) -> bool:
+    """Whether this host's agent finished passing the commit ``value`` (or gave up: it ended), waiting at
+    most ``timeout_s`` while it lives."""
+    deadline = time.monotonic() + timeout_s
+    while agent_notice.passed() != value:
+        if agent_notice.agent() is agent_notice.Agent.GONE or time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True

@@ -288,7 +288,7 @@ class ShardedCheckpointer:
                 **kw,
             )
             self._parent_id, self._parent = row[0], (step, digest)
-        self.send_on.after_commit(step, self._group, cat, self._parent_id)
+        self.send_on.after_commit(step, self._group, cat, self._parent_id, digest=digest)
 
     def wait(self) -> None:
         """Block until this rank's in-flight background work ended (an async save's persist, a sync save's
@@ -318,6 +318,7 @@ class ShardedCheckpointer:
         was loaded).
         """
         self._runner.wait()  # a load never races a save of this run still in flight
+        self.send_on.settle()  # nor a pass of the hosts' memory agents
         if self.rank == 0:
             return self._lead_restore(state, target)
         return self._follow_restore(state)

@@ -1,5 +1,5 @@
 """The Slurm launcher: an allocation per launch (``salloc --no-shell``), one ``srun`` step per node, each
-running that node's torchrun agent; node state from ``sinfo``; the allocation released with ``scancel``.
+running that node's torchrun agent (under the host's memory agent, ``infra/memory/host_agent.py``); node state from ``sinfo``; the allocation released with ``scancel``.
 
 The supervisor runs where Slurm clients work (a login node, or inside an allocation's first
 host) and keeps one ``srun`` per node as its child: a node's exit is its step's exit, a node's
@@ -17,6 +17,7 @@ import time
 
 from rewind.infra.errors import ConfigError, TransientError
 from rewind.infra.launch.launchers import LauncherKind, Placement, Request
+from rewind.infra.memory import host_agent
 
 RDZV_PORT = 29400  # + launch id mod PORT_SPAN: a relaunch never waits for its predecessor's port
 PORT_SPAN = 500
@@ -107,10 +108,20 @@ class SlurmLauncher:
         return Placement(hosts=ordered, endpoint=f"{ordered[0]}:{port}", allocation=job)
 
     def node_command(self, placement: Placement, node: int, command: list[str]) -> list[str]:
+        """The node's torchrun agent under its host's memory agent (which passes the peer ring in place of
+        the ranks), whose store is node 0's, a port span above the rendezvous's; a launch of one node as is."""
+        host, _, port = placement.endpoint.rpartition(":")
+        store = f"{host}:{int(port) + PORT_SPAN}"
+        nodes = len(placement.hosts)  # one node: no peer to pass to, and the job may not be torchrun at all
+        task = (
+            command
+            if nodes < 2
+            else host_agent.command(node, nodes, store, placement.allocation or "", command)
+        )
         return [
             "srun", f"--jobid={placement.allocation}", "--nodes=1", "--ntasks=1",
             f"--nodelist={placement.hosts[node]}", "--kill-on-bad-exit=0", "--export=ALL", "--quiet",
-            *command,
+            *task,
         ]  # fmt: skip
 
     def lost(self, placement: Placement) -> frozenset[str]:

@@ -1,0 +1,291 @@
+"""A host's memory agent on a multi-host launch: the process that passes the host's share of each committed
+checkpoint round the peer ring (``infra/checkpoint/ring.py``), in place of the job's ranks.
+
+    python -m rewind.infra.memory.host_agent --node I --nodes N --store HOST:PORT --scope ID -- COMMAND [ARG ...]
+
+The scheduler's launcher runs this as each node's task (``srun``). It makes a FIFO, starts the agent (a
+grandchild, so that it is nobody's zombie), and executes ``COMMAND`` (torchrun's agent) in its own place:
+the task's pid, signals and exit status are the job's, untouched; when anything of that fails the job is
+started all the same, without an agent. The agents of the launch's nodes meet at the TCP store node 0's
+agent serves at ``--store`` (keys under ``--scope``, the launch's own) and make a gloo group of their own;
+only then does an agent read its FIFO (``agent_notice.agent``). The job's ranks pass the ring themselves
+unless every host's agent is listening when they start (each node's first rank waits for it at most
+``send_on.AGENT_READY_S``) and at each save; otherwise each node's first rank tells its agent of each
+commit, the agents agree on each pass (``agent_rounds``) and pass the shares over their group, the agent on
+rank 0's host recording the ring copies in the catalog, and each agent names the commit it last finished
+beside its FIFO (a rank closing its checkpointer waits for its last one, bounded). A pass then takes none of
+the job's time or memory; the ranks' part is one small gather per save.
+
+An agent lives as long as its job: it ends when the job's process does (the recovery never waits for it,
+and the task's output is never held open by it), when told to (SIGTERM), or when it cannot work (no memory
+tier, no store, a peer gone mid-pass): then the ranks pass from their next save on. A pass cut short leaves
+an ``.incoming-<pid>`` directory the next pass sweeps; the previous ring copy stays. It runs at a lower
+CPU priority than the job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import select
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from rewind.infra.faults import fault_point
+from rewind.infra.memory import agent_notice
+from rewind.infra.memory.agent_notice import FIFO_ENV, Committed, Inbox
+from rewind.infra.memory.agent_rounds import Rounds, Seen
+
+log = logging.getLogger("rewind.ring")
+JOIN_S = 120.0  # the agents' store and group joined within this, or this agent ends
+PASS_TIMEOUT_S = 300.0  # one collective of a pass (a piece of 16 MiB, an agreement)
+TICK_S = 0.2  # how often an agent looks for a decision while nothing is told
+NICENESS = 10
+
+
+def command(node: int, nodes: int, store: str, scope: str, job: list[str]) -> list[str]:
+    """The node's task: ``job`` run under its host's memory agent, by the job's own interpreter."""
+    python = job[0] if Path(job[0]).name.startswith("python") else sys.executable
+    return [python, "-m", "rewind.infra.memory.host_agent", f"--node={node}", f"--nodes={nodes}",
+            f"--store={store}", f"--scope={scope}", "--", *job]  # fmt: skip
+
+
+def _args(argv: list[str]) -> argparse.Namespace:
+    cut = argv.index("--") if "--" in argv else len(argv)
+    parser = argparse.ArgumentParser(prog="rewind-host-agent")
+    parser.add_argument("--node", type=int, required=True)
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument(
+        "--store", required=True, help="HOST:PORT of the agents' store (node 0's agent serves it)"
+    )
+    parser.add_argument("--scope", default="", help="the launch's own: the store's keys are under it")
+    args = parser.parse_args(argv[:cut])
+    args.job = argv[cut + 1 :]
+    if not args.job or not 0 <= args.node < args.nodes or not args.store.rpartition(":")[2].isdigit():
+        parser.error("a node in 0..nodes-1, a store HOST:PORT and a command after -- are needed")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _args(sys.argv[1:] if argv is None else argv)
+    env = dict(os.environ)
+    try:
+        env[FIFO_ENV] = str(_start(args))
+    except OSError as exc:  # the job starts all the same; its ranks pass the ring themselves
+        print(f"memory agent (node {args.node}) not started: {exc}", file=sys.stderr)
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores these; the job gets the defaults
+        signal.signal(sig, signal.SIG_DFL)
+    os.execvpe(args.job[0], args.job, env)
+
+
+def _start(args: argparse.Namespace) -> Path:
+    """The agent started (a grandchild: when it ends, init reaps it); its FIFO."""
+    home = Path(tempfile.mkdtemp(prefix="rewind-agent-"))  # 0700: the FIFO is this user's alone
+    fifo = home / "commits"
+    try:
+        os.mkfifo(fifo, 0o600)
+        job = (_pidfd(), os.getpid())  # the job once this executes it: its pidfd opened before any fork
+        middle = os.fork()
+        if middle == 0:
+            try:
+                if os.fork() == 0:
+                    _run(args, home, fifo, job)
+            finally:
+                os._exit(0)
+        os.waitpid(middle, 0)
+    except OSError:
+        shutil.rmtree(home, ignore_errors=True)
+        raise
+    if job[0] >= 0:
+        os.close(job[0])  # the agent's copy is its own
+    return fifo
+
+
+def _pidfd() -> int:
+    """A pidfd of this process (close-on-exec), or -1 where there is none (Linux before 5.3)."""
+    try:
+        return os.pidfd_open(os.getpid())
+    except (OSError, AttributeError):
+        return -1
+
+
+def _run(args: argparse.Namespace, home: Path, fifo: Path, job: tuple[int, int]) -> None:
+    """The agent's whole life; it never returns."""
+
+    def gone(*_: object) -> None:
+        shutil.rmtree(home, ignore_errors=True)
+        os._exit(0)
+
+    try:
+        signal.signal(signal.SIGTERM, gone)
+        quiet = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(quiet, 0)  # the task's input is the job's
+        os.close(quiet)
+        threading.Thread(target=_watch, args=(*job, gone), daemon=True, name="rewind-job-watch").start()
+        _agent(args, fifo)
+    finally:
+        gone()
+
+
+def _watch(pidfd: int, pid: int, gone: Any) -> None:
+    """Ends the agent when the job's process ends: its pidfd readable (the job is not the agent's parent), or,
+    with no pidfd, its pid seen gone a few times a second."""
+    if pidfd >= 0:
+        select.select([pidfd], [], [])
+    else:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            while True:
+                os.kill(pid, 0)
+                time.sleep(0.2)
+    gone()
+
+
+def _agent(args: argparse.Namespace, fifo: Path) -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"memory agent (node {args.node}): %(message)s")
+    logging.getLogger("rewind").setLevel(logging.INFO)  # its own word; the libraries' warnings alone
+    with contextlib.suppress(OSError):
+        os.nice(NICENESS)
+    from rewind.infra.checkpoint import ring
+    from rewind.infra.memory import place
+
+    try:
+        if ring.setting() == "off" or place.config() is None:
+            return
+    except Exception as exc:  # ConfigError, an unreadable memory filesystem: the job goes on without
+        log.warning("no memory tier on this host: %s", exc)
+        return
+    try:
+        agent = HostAgent(args.node, args.nodes, args.store, args.scope, fifo)
+    except Exception as exc:
+        log.warning("the hosts' memory agents cannot meet at %s: %s; the ranks pass the ring", args.store,
+                    _first(exc))  # fmt: skip
+        return
+    inbox = Inbox(fifo)  # listening from now on: the ranks tell it
+    try:
+        agent.serve(inbox)
+    except Exception as exc:  # a peer gone mid-pass: no collective of the group can be trusted after it
+        log.warning("stopped: %s; the ranks pass the ring from their next save", _first(exc))
+    finally:
+        inbox.close()
+
+
+class HostAgent:
+    """One host's agent: what its node's first rank told it, and the passes every agent agreed on."""
+
+    def __init__(self, node: int, nodes: int, store: str, scope: str, fifo: Path) -> None:
+        import torch.distributed as dist
+
+        host, _, port = store.rpartition(":")
+        tcp = dist.TCPStore(host, int(port), world_size=None, is_master=node == 0,
+                            timeout=timedelta(seconds=JOIN_S), wait_for_workers=False)  # fmt: skip
+        self.rounds = Rounds(dist.PrefixStore(f"rewind/{scope}/rounds", tcp), node, nodes)
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"rewind/{scope}/ring", tcp), rank=node,
+                                world_size=nodes, timeout=timedelta(seconds=PASS_TIMEOUT_S))  # fmt: skip
+        self.tcp, self.node, self.nodes = tcp, node, nodes  # the store lives as long as the agent
+        self.fifo = fifo
+        self.told: dict[tuple[str, int], tuple[Committed, int]] = {}  # (run, step) -> newest word, how many
+        self.held: dict[str, Any] = {}  # run -> this host's hold on its ring copies (``ring.hold``)
+        self.catalogs: dict[str, Any] = {}  # where rank 0 records, by its address
+
+    def serve(self, inbox: Inbox) -> None:
+        """Every round, as it is decided, until the agent ends."""
+        n = 0
+        while True:
+            for notice in inbox.take(TICK_S):
+                key = (notice.run, notice.step)
+                told = self.told.get(key, (notice, 0))[1] + 1
+                self.told[key] = (notice, told)
+                self.rounds.publish(Seen(notice.run, notice.step, told))
+            decided = self.rounds.decision(n)
+            if decided is not None:
+                self._pass(decided)
+                agent_notice.record_passed(self.fifo, decided.value())  # whatever came of it: finished
+                n += 1
+
+    def _pass(self, seen: Seen) -> None:
+        """Collective over the agents: the commit ``seen`` passed round the ring (never raises for a local
+        reason: every agent gathers whatever happened here)."""
+        import torch.distributed as dist
+
+        from rewind.infra.checkpoint import ring
+
+        fault_point("host_agent.pass", seen.step)
+        mine = self.told.get((seen.run, seen.step), (None, 0))[0]
+        every: list[Any] = [None] * self.nodes
+        dist.all_gather_object(every, mine.shareable() if mine is not None else None)
+        passed = None
+        disks = _disks(every)
+        if disks is not None and mine is not None:
+            self._hold(mine.run)
+            try:
+                passed = ring.pass_on(Path(mine.directory), mine.run, disks, own=True)
+            except Exception as exc:  # a peer gone mid-way: the gathering below fails too, and ends the agent
+                log.warning("%s step %d not passed round the peer ring: %s", mine.run, seen.step, _first(exc))
+        got = ring.gathered(passed)  # every agent, whatever happened above
+        if mine is not None and passed is not None and passed.directory is not None:
+            log.info("%s step %d passed: %d bytes sent, %d received", mine.run, seen.step, passed.sent,
+                     passed.received)  # fmt: skip
+        if mine is not None and mine.checkpoint_id is not None and got:
+            made = {p.directory.name.rpartition("-")[2] for p in got if p.directory is not None}
+            if (
+                mine.digest is not None and made and made != {mine.digest[:16]}
+            ):  # saved again since it was told
+                log.warning("%s step %d: the ring copies made are not of the checkpoint told: not recorded",
+                            mine.run, seen.step)  # fmt: skip
+            else:
+                self._register(mine, got)
+
+    def _hold(self, run: str) -> None:
+        from rewind.infra.checkpoint import ring
+
+        live = self.held.get(run)
+        if live is None:
+            self.held[run] = live = ring.hold(run)
+        if live is not None:
+            ring.renew(live)
+
+    def _register(self, notice: Committed, passed: list[Any]) -> None:
+        """The agent rank 0 told: the ring copies made recorded in the catalog (told, never raised)."""
+        from rewind.infra.catalog.db import Catalog
+        from rewind.infra.checkpoint import ring
+
+        assert notice.checkpoint_id is not None
+        if notice.catalog is None:  # an in-memory catalog (or an address too long to tell)
+            return
+        try:
+            cat = self.catalogs.get(notice.catalog)
+            if cat is None:  # rank 0 made it current: nothing to upgrade
+                cat = self.catalogs[notice.catalog] = Catalog(notice.catalog, auto_upgrade=False)
+            ring.register(cat, notice.checkpoint_id, notice.run, passed)
+        except Exception as exc:
+            log.warning("%s step %d: the peer ring's copies not recorded: %s", notice.run, notice.step,
+                        _first(exc))  # fmt: skip
+
+
+def _disks(every: list[Committed | None]) -> Any:
+    """The disks of every host's first rank, when every host was told of the same run's step; else None."""
+    from rewind.infra.checkpoint.spread import Disks
+    from rewind.infra.format.local_tier import LocalTier
+
+    told = [n for n in every if n is not None]
+    if len(told) != len(every) or len({(n.run, n.step) for n in told}) != 1:
+        return None
+    return Disks(tuple(LocalTier(n.disk, n.host) for n in told))
+
+
+def _first(exc: BaseException) -> str:
+    """An error's first line (torch's store errors carry their C++ stack after it)."""
+    return (str(exc).splitlines() or [type(exc).__name__])[0]
+
+
+if __name__ == "__main__":
+    main()

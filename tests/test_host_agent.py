@@ -1,0 +1,196 @@
+"""The hosts' memory agents of a multi-host launch (``infra/memory/host_agent.py``): two "hosts" on this
+machine, each a torchrun of 2 ranks (its own disk and memory tier) started under its agent, as the Slurm
+launcher starts each node. The agents pass the peer ring in place of the ranks (a rank reaching the ranks'
+own pass would be killed): each host's memory gets its peer's share, recorded in the catalog, and with host
+b gone the job restores on a spare from a's memory alone; agents that cannot meet leave the ranks to pass
+themselves. The agents' rounds are checked against a real TCP store, their FIFO against hostile lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.format import local_tier
+from rewind.infra.format import manifest as mf
+from rewind.infra.memory import agent_notice, host_agent
+from rewind.infra.memory.agent_rounds import Rounds, Seen
+from rewind.infra.net import free_port
+from tests.prefect_support import wait_until
+from tests.spread_worker import RUN
+from tests.test_spread import restored_without_host_b
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _marked(work: Path) -> None:
+    """Disks and memory tiers a and b, each marked as its host's (host-a, host-b)."""
+    for place in ("disks", "memory"):
+        for d in "ab":
+            root = work / place / d
+            root.mkdir(parents=True)
+            mark = {"id": f"{place}-{d}-{work.name}", "host": f"host-{d}"}
+            (root / local_tier.MARK).write_text(json.dumps(mark), encoding="utf-8")
+
+
+def _agents_of(store: str) -> list[int]:
+    """The pids of the agents meeting at ``store`` (the jobs took their tasks' pids: only agents match)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"rewind.infra.memory.host_agent" in argv and f"--store={store}".encode() in argv:
+            found.append(int(proc.name))
+    return found
+
+
+def _hosts_under_agents(
+    work: Path, stores: tuple[str, str], extra: dict[str, str] | None = None
+) -> list[subprocess.Popen[str]]:
+    """Host a (node 0: ranks 0-1) and host b (node 1: ranks 2-3), each its torchrun under its agent (node
+    0's store, as each agent is told it: ``stores``); sync saves, the ring's setting at its default."""
+    master = free_port()
+    nodes = []
+    for node, disk in enumerate("ab"):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "REWIND_TEST_RING": "1",
+               "REWIND_MEMORY_ROOT": str(work / "memory" / disk), **(extra or {})}  # fmt: skip
+        for name in ("REWIND_SHARED_URI", "REWIND_MEMORY_RING", "REWIND_TEST_ASYNC"):
+            env.pop(name, None)
+        job = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+               "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={master}",
+               "-m", "tests.spread_worker", "save", str(work), "a,a,b,b"]  # fmt: skip
+        task = host_agent.command(node, 2, stores[node], "launch-1", job)
+        nodes.append(subprocess.Popen(task, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))  # fmt: skip
+    return nodes
+
+
+def _saved_under_agents(
+    work: Path, stores: tuple[str, str], extra: dict[str, str] | None = None
+) -> list[str]:
+    """The job run to its end under the agents; every node's output. The agents end with it."""
+    _marked(work)
+    nodes = _hosts_under_agents(work, stores, extra)
+    outs = [p.communicate(timeout=240)[0] for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
+    for store in set(stores):
+        wait_until(lambda s=store: not _agents_of(s), 30, "the agents ended with the job", interval=0.1)
+    return outs
+
+
+def _ring_rows(work: Path) -> set[tuple[str | None, str | None, str]]:
+    cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
+    (step2,) = lineage.checkpoints(cat, RUN, step=2)
+    return {(r.host, r.key, r.status) for r in lineage.replicas_of(cat, step2.id) if r.tier == "memory"}
+
+
+@pytest.mark.timeout(300)
+def test_the_hosts_agents_pass_the_ring_and_the_ranks_never_do(tmp_path: Path) -> None:
+    """A rank that reached the ranks' own pass would be killed there: none does. The job ends right after its
+    last save (its ranks' close waits for their agents to finish passing it; the agents end with the job), and
+    each host's memory holds its peer's share of step 2 (and its own files), recorded in the catalog; with
+    host b gone, a spare restores from a's memory alone."""
+    work = tmp_path
+    store = f"127.0.0.1:{free_port()}"
+    _saved_under_agents(work, (store, store), {"REWIND_FAULT": "kill:ring.pass"})
+    assert _ring_rows(work) == {("host-a", "ring:host-b", "verified"), ("host-b", "ring:host-a", "verified")}
+    ma = mf.read(work / "disks" / "a" / RUN / "step-2")
+    whole = {e.path: e.size for e in ma.files}
+    for disk in "ab":  # each memory: its peer's share and its own files, the manifest last
+        (copy,) = (work / "memory" / disk / ".ring" / RUN).glob("step-2-*")
+        assert (copy / mf.MANIFEST_NAME).read_bytes() == ma.to_bytes()
+        assert {p.name: p.stat().st_size for p in copy.iterdir() if p.name != mf.MANIFEST_NAME} == whole
+
+    restored_without_host_b(work, ma)
+
+
+@pytest.mark.timeout(300)
+def test_a_job_ending_right_after_its_last_save_waits_for_the_agents_to_pass_it(tmp_path: Path) -> None:
+    """The agents held at step 2's pass until the job has written its results: the ranks' close waits for
+    their agents (the agents end with the job), so step 2's ring copies are made and recorded all the same."""
+    work = tmp_path
+    _marked(work)
+    release = work / "release"
+    store = f"127.0.0.1:{free_port()}"
+    nodes = _hosts_under_agents(work, (store, store), {"REWIND_FAULT": "hold:host_agent.pass@2",
+                                                        "REWIND_FAULT_RELEASE": str(release)})  # fmt: skip
+    try:
+        wait_until(lambda: Path(f"{release}.held").exists() and (work / "expected.safetensors").exists(), 120,
+                   "the agents held at step 2's pass and the job's results written", interval=0.05)  # fmt: skip
+        with pytest.raises(TimeoutError):  # the job waits for its agents in close: it does not end meanwhile
+            wait_until(lambda: any(p.poll() is not None for p in nodes), 3, "a node ending", interval=0.05)
+    finally:
+        release.touch()
+    outs = [p.communicate(timeout=240)[0] for p in nodes]
+    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
+    assert _ring_rows(work) == {("host-a", "ring:host-b", "verified"), ("host-b", "ring:host-a", "verified")}
+
+
+@pytest.mark.timeout(300)
+def test_with_a_hosts_agent_unable_to_meet_the_others_the_ranks_pass_the_ring_themselves(
+    tmp_path: Path,
+) -> None:
+    """Host b's agent is given a store where nothing listens: no agent ever listens, the ranks find out at
+    their start (bounded) and pass the ring themselves; the job ends as it would have without agents."""
+    work = tmp_path
+    outs = _saved_under_agents(work, (f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"))
+    assert _ring_rows(work) == {("host-a", "ring:host-b", "verified"), ("host-b", "ring:host-a", "verified")}
+    assert not any("memory agent (node 0)" in line and "passed" in line for line in outs[0].splitlines())
+
+
+def _rounds(nodes: int) -> tuple[dist.TCPStore, list[Rounds]]:
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
+    return master, [Rounds(dist.PrefixStore("rounds", master), i, nodes) for i in range(nodes)]
+
+
+def test_a_round_passes_the_newest_commit_every_host_was_told_of_once() -> None:
+    _store, (zero, one) = _rounds(2)
+    zero.publish(Seen("r", 20, 1))
+    assert zero.decision(0) is None and one.decision(0) is None  # node 1 told of nothing yet: nothing passed
+    one.publish(Seen("r", 10, 1))
+    assert zero.decision(0) is None  # the hosts were told of different commits: each waits for the other's
+    one.publish(Seen("r", 20, 1))
+    assert zero.decision(0) == Seen("r", 20, 1) and one.decision(0) == Seen("r", 20, 1)
+    assert zero.decision(1) is None and one.decision(1) is None  # nothing newer: not passed again
+    zero.publish(Seen("r", 20, 2))  # step 20 saved again (a timeline replayed): passed again, once both know
+    one.publish(Seen("r", 20, 2))
+    assert zero.decision(1) == Seen("r", 20, 2) and one.decision(1) == Seen("r", 20, 2)
+
+
+def test_a_leader_with_no_agent_listening_goes_on_and_a_line_not_a_commit_is_not_acted_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fifo = tmp_path / "commits"
+    os.mkfifo(fifo, 0o600)
+    monkeypatch.setenv(agent_notice.FIFO_ENV, str(fifo))
+    told = agent_notice.Committed(
+        run="r", step=3, directory="/d/r/step-3", disk="d1", host="h1", catalog="pg://u:pw@h/c"
+    )
+    assert agent_notice.agent() is agent_notice.Agent.STARTING
+    agent_notice.tell(told)  # nobody reading: nothing told, nothing raised, nothing blocked
+    inbox = agent_notice.Inbox(fifo)
+    try:
+        assert agent_notice.agent() is agent_notice.Agent.LISTENING
+        with open(fifo, "wb") as hostile:
+            hostile.write(b'{"run": "r", "step": "x"}\nnot json\n{"run": ["r"], "step": 1, "directory": "/d",'
+                          b' "disk": "d", "host": "h"}\n{"run": "r", "step": true, "directory": "/d", "disk": "d",'
+                          b' "host": "h"}\n')  # fmt: skip
+        agent_notice.tell(told)
+        assert inbox.take(5.0) == [told]
+    finally:
+        inbox.close()
+    assert "pw" not in repr(told) and told.shareable().catalog is None  # never shown, never sent on
+    fifo.unlink()  # the agent ended and took its FIFO along: gone, not starting (nobody waits for it)
+    assert agent_notice.agent() is agent_notice.Agent.GONE
