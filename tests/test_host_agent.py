@@ -1,4 +1,4 @@
-"""The hosts' memory agents of a multi-host launch (``infra/memory/host_agent.py``): two "hosts" on this
+"""The hosts' memory agents of a multi-host launch (``infra/launch/host_agent.py``): two "hosts" on this
 machine, each a torchrun of 2 ranks (its own disk and memory tier) started under its agent, as the Slurm
 launcher starts each node. The agents pass the peer ring in place of the ranks (a rank reaching the ranks'
 own pass would be killed): each host's memory gets its peer's share, recorded in the catalog, and with host
@@ -7,8 +7,10 @@ themselves. The agents' rounds are checked against a real TCP store, their FIFO 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from datetime import timedelta
@@ -21,7 +23,8 @@ from rewind.infra.catalog import lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.format import local_tier
 from rewind.infra.format import manifest as mf
-from rewind.infra.memory import agent_notice, host_agent
+from rewind.infra.launch import host_agent
+from rewind.infra.memory import agent_notice, agent_rounds
 from rewind.infra.memory.agent_rounds import Rounds, Seen
 from rewind.infra.net import free_port
 from tests.prefect_support import wait_until
@@ -41,6 +44,13 @@ def _marked(work: Path) -> None:
             (root / local_tier.MARK).write_text(json.dumps(mark), encoding="utf-8")
 
 
+def _argv(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
 def _agents_of(store: str) -> list[int]:
     """The pids of the agents meeting at ``store`` (the jobs took their tasks' pids: only agents match)."""
     found = []
@@ -49,7 +59,7 @@ def _agents_of(store: str) -> list[int]:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"rewind.infra.memory.host_agent" in argv and f"--store={store}".encode() in argv:
+        if b"rewind.infra.launch.host_agent" in argv and f"--store={store}".encode() in argv:
             found.append(int(proc.name))
     return found
 
@@ -71,8 +81,20 @@ def _hosts_under_agents(
                "-m", "tests.spread_worker", "save", str(work), "a,a,b,b"]  # fmt: skip
         task = host_agent.command(node, 2, stores[node], "launch-1", job)
         nodes.append(subprocess.Popen(task, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT))  # fmt: skip
+                                      stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
     return nodes
+
+
+def _ended(nodes: list[subprocess.Popen[str]], timeout_s: float) -> list[str]:
+    """Every node's output once it ended, within ``timeout_s`` each; past that every node is killed, its
+    ranks and agent too (each node a session of its own), and the wait's error raised."""
+    try:
+        return [p.communicate(timeout=timeout_s)[0] for p in nodes]
+    except subprocess.TimeoutExpired:
+        for p in nodes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        raise
 
 
 def _saved_under_agents(
@@ -81,7 +103,7 @@ def _saved_under_agents(
     """The job run to its end under the agents; every node's output. The agents end with it."""
     _marked(work)
     nodes = _hosts_under_agents(work, stores, extra)
-    outs = [p.communicate(timeout=240)[0] for p in nodes]
+    outs = _ended(nodes, 240)
     assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
     for store in set(stores):
         wait_until(lambda s=store: not _agents_of(s), 30, "the agents ended with the job", interval=0.1)
@@ -114,26 +136,55 @@ def test_the_hosts_agents_pass_the_ring_and_the_ranks_never_do(tmp_path: Path) -
     restored_without_host_b(work, ma)
 
 
+def _held_at(point: str, work: Path, store: str, release: Path) -> list[subprocess.Popen[str]]:
+    """The job under agents held at ``point`` (until ``release`` exists), once they are held there and the
+    job has written its results (its saves done and told)."""
+    _marked(work)
+    nodes = _hosts_under_agents(work, (store, store), {"REWIND_FAULT": f"hold:{point}",
+                                                        "REWIND_FAULT_RELEASE": str(release)})  # fmt: skip
+    try:
+        wait_until(lambda: Path(f"{release}.held").exists() and (work / "expected.safetensors").exists(), 120,
+                   "the agents held and the job's results written", interval=0.05)  # fmt: skip
+    except BaseException:
+        release.touch()
+        _ended(nodes, 60)
+        raise
+    return nodes
+
+
 @pytest.mark.timeout(300)
 def test_a_job_ending_right_after_its_last_save_waits_for_the_agents_to_pass_it(tmp_path: Path) -> None:
     """The agents held at step 2's pass until the job has written its results: the ranks' close waits for
     their agents (the agents end with the job), so step 2's ring copies are made and recorded all the same."""
     work = tmp_path
-    _marked(work)
-    release = work / "release"
-    store = f"127.0.0.1:{free_port()}"
-    nodes = _hosts_under_agents(work, (store, store), {"REWIND_FAULT": "hold:host_agent.pass@2",
-                                                        "REWIND_FAULT_RELEASE": str(release)})  # fmt: skip
+    store, release = f"127.0.0.1:{free_port()}", work / "release"
+    nodes = _held_at("host_agent.pass@2", work, store, release)
     try:
-        wait_until(lambda: Path(f"{release}.held").exists() and (work / "expected.safetensors").exists(), 120,
-                   "the agents held at step 2's pass and the job's results written", interval=0.05)  # fmt: skip
         with pytest.raises(TimeoutError):  # the job waits for its agents in close: it does not end meanwhile
             wait_until(lambda: any(p.poll() is not None for p in nodes), 3, "a node ending", interval=0.05)
     finally:
         release.touch()
-    outs = [p.communicate(timeout=240)[0] for p in nodes]
+    outs = _ended(nodes, 240)
     assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
     assert _ring_rows(work) == {("host-a", "ring:host-b", "verified"), ("host-b", "ring:host-a", "verified")}
+
+
+@pytest.mark.timeout(300)
+def test_an_agent_killed_mid_launch_is_not_waited_for(tmp_path: Path) -> None:
+    """Host b's agent SIGKILLed while both agents are held at their first pass (both steps told by then): host
+    a's agent fails the pass and ends, and neither host's first rank waits for its agent at close (a killed
+    agent leaves its FIFO without a reader): the job ends at once, not after the checkpointer's 300 s."""
+    work = tmp_path
+    store, release = f"127.0.0.1:{free_port()}", work / "release"
+    nodes = _held_at("host_agent.pass", work, store, release)
+    try:
+        (agent_b,) = [pid for pid in _agents_of(store) if "--node=1" in _argv(pid)]
+        os.kill(agent_b, signal.SIGKILL)
+    finally:
+        release.touch()
+    outs = _ended(nodes, 60)
+    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
+    wait_until(lambda: not _agents_of(store), 30, "host a's agent ended", interval=0.1)
 
 
 @pytest.mark.timeout(300)
@@ -153,6 +204,26 @@ def _rounds(nodes: int) -> tuple[dist.TCPStore, list[Rounds]]:
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
     )
     return master, [Rounds(dist.PrefixStore("rounds", master), i, nodes) for i in range(nodes)]
+
+
+def test_one_runs_commits_never_wait_for_anothers() -> None:
+    _store, (zero, one) = _rounds(2)
+    zero.publish(Seen("x", 5, 1))
+    zero.publish(Seen("y", 7, 1))
+    one.publish(Seen("y", 7, 1))  # node 1 not told of x's commit yet: y's is passed meanwhile
+    assert zero.decision(0) == Seen("y", 7, 1) and one.decision(0) == Seen("y", 7, 1)
+    one.publish(Seen("x", 5, 1))
+    assert zero.decision(1) == Seen("x", 5, 1)
+
+
+def test_an_agent_gives_up_on_a_peer_that_stopped_beating(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_rounds, "STALE_S", 0.3)
+    _store, (zero, one) = _rounds(2)
+    one.beat()
+    assert zero.silent() == []  # first look: node 1's beat seen now
+    wait_until(lambda: zero.silent() == [1], 10, "node 1 called silent", interval=0.05)
+    one.beat()
+    assert zero.silent() == []  # it beat again: not silent
 
 
 def test_a_round_passes_the_newest_commit_every_host_was_told_of_once() -> None:
@@ -192,5 +263,7 @@ def test_a_leader_with_no_agent_listening_goes_on_and_a_line_not_a_commit_is_not
     finally:
         inbox.close()
     assert "pw" not in repr(told) and told.shareable().catalog is None  # never shown, never sent on
+    agent_notice.record_passed(fifo, {"r": "id-1", "other": "id-9"})
+    assert agent_notice.passed("r") == "id-1" and agent_notice.passed("nothing") is None
     fifo.unlink()  # the agent ended and took its FIFO along: gone, not starting (nobody waits for it)
     assert agent_notice.agent() is agent_notice.Agent.GONE

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.spread import Disks
 from rewind.infra.faults import fault_point
 from rewind.infra.format import store
-from rewind.infra.memory import agent_notice, agent_rounds
+from rewind.infra.memory import agent_notice
 
 log = logging.getLogger("rewind.sharded")
 LAUNCHER_ENV = "REWIND_LAUNCHER"  # the launcher a supervisor started the job with (``local``, ``slurm``)
@@ -73,8 +73,7 @@ class SendOn:
         self.ring_group = dist.new_group(backend="gloo") if self.ring else None
         # every host's memory agent passes instead (``host_agent``), unless the save must wait for the pass
         self.teller = os.environ.get("LOCAL_RANK") == "0"  # each node's first rank tells its host's agent
-        self._told: dict[int, int] = {}  # step -> how many times told (a step saved again is passed again)
-        self._last_told: str | None = None  # the last commit told, as the agents name it
+        self._last_told: str | None = None  # the id of the last commit told
         self.agent = self.ring and not inside and _agents_ready(self.teller, None)
         # while this leader lives, another run's pass never lets this run's ring copies here go (held
         # whenever they may be read: a restore reads them even when this launch passes none)
@@ -121,11 +120,10 @@ class SendOn:
             else None
         )
         notice = agent_notice.Committed(run=self.run, step=step, directory=str(directory), disk=disk.id,
-                                        host=disk.host, checkpoint_id=checkpoint_id, digest=digest, catalog=url)  # fmt: skip
-        agent_notice.tell(notice)
-        times = self._told.get(step, 0) + 1
-        self._told[step] = times
-        self._last_told = agent_rounds.Seen(self.run, step, times).value()
+                                        host=disk.host, id=uuid.uuid4().hex, checkpoint_id=checkpoint_id,
+                                        digest=digest, catalog=url)  # fmt: skip
+        if agent_notice.tell(notice):
+            self._last_told = notice.id
 
     def _passed(self, step: int, lead: Catalog | None, checkpoint_id: int | None) -> None:
         """Collective over the ring's group: the checkpoint of ``step`` passed round the ring. Never raises:
@@ -164,7 +162,7 @@ class SendOn:
     def settle(self) -> None:
         """Wait (bounded) for the host's memory agent to finish passing the last commit told: before a load
         (no ring copy is replaced under it) and at close (the job's end does not cut the pass short)."""
-        if self._last_told is not None and not _agent_passed(self._last_told, self.exit_timeout_s):
+        if self._last_told is not None and not _agent_passed(self.run, self._last_told, self.exit_timeout_s):
             log.warning(
                 "%s: the memory agent has not passed the last checkpoint round the peer ring", self.run
             )
@@ -186,9 +184,9 @@ AGENT_READY_S = 15.0  # how long a node's first rank waits, at the job's start, 
 
 
 def _agents_ready(teller: bool, group: dist.ProcessGroup | None, wait_s: float = AGENT_READY_S) -> bool:
-    """Collective: whether every host's memory agent is listening (each node's first rank looks, waiting at
-    most ``wait_s`` for one still meeting the others; the same answer on every rank: where some host has no
-    first rank whose agent listens, the ranks pass)."""
+    """Collective: whether every node's memory agent is listening (each node's first rank looks, waiting at
+    most ``wait_s`` for one still meeting the others; the same answer on every rank: where one is not, the
+    ranks pass)."""
     ready = False
     if teller:
         deadline = time.monotonic() + wait_s
@@ -196,16 +194,16 @@ def _agents_ready(teller: bool, group: dist.ProcessGroup | None, wait_s: float =
             time.sleep(0.1)
         ready = state is agent_notice.Agent.LISTENING
     every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (socket.gethostname(), teller and ready), group=group)
-    return all(any(ok for h, ok in every if h == host) for host in {h for h, _ in every})
+    dist.all_gather_object(every, (teller, ready), group=group)
+    return any(t for t, _ in every) and all(ok for t, ok in every if t)
 
 
-def _agent_passed(value: str, timeout_s: float) -> bool:
-    """Whether this host's agent finished passing the commit ``value`` (or gave up: it ended), waiting at
-    most ``timeout_s`` while it lives."""
+def _agent_passed(run: str, told: str, timeout_s: float) -> bool:
+    """Whether this host's agent finished passing ``run``'s commit it was told of as ``told``, waiting at most
+    ``timeout_s`` while it listens (an agent that ended, however, is not waited for)."""
     deadline = time.monotonic() + timeout_s
-    while agent_notice.passed() != value:
-        if agent_notice.agent() is agent_notice.Agent.GONE or time.monotonic() > deadline:
+    while agent_notice.passed(run) != told:
+        if agent_notice.agent() is not agent_notice.Agent.LISTENING or time.monotonic() > deadline:
             return False
         time.sleep(0.1)
     return True

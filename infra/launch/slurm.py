@@ -1,5 +1,6 @@
 """The Slurm launcher: an allocation per launch (``salloc --no-shell``), one ``srun`` step per node, each
-running that node's torchrun agent (under the host's memory agent, ``infra/memory/host_agent.py``); node state from ``sinfo``; the allocation released with ``scancel``.
+running that node's torchrun agent (under the host's memory agent, ``host_agent``); node state from
+``sinfo``; the allocation released with ``scancel``.
 
 The supervisor runs where Slurm clients work (a login node, or inside an allocation's first
 host) and keeps one ``srun`` per node as its child: a node's exit is its step's exit, a node's
@@ -16,8 +17,8 @@ import subprocess
 import time
 
 from rewind.infra.errors import ConfigError, TransientError
+from rewind.infra.launch import host_agent
 from rewind.infra.launch.launchers import LauncherKind, Placement, Request
-from rewind.infra.memory import host_agent
 
 RDZV_PORT = 29400  # + launch id mod PORT_SPAN: a relaunch never waits for its predecessor's port
 PORT_SPAN = 500

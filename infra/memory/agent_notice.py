@@ -2,10 +2,11 @@
 agent's FIFO, named by ``REWIND_HOST_AGENT`` in the job's environment.
 
 The agent opens the FIFO for reading only once it has met the other hosts' agents, so a FIFO with a reader
-is an agent ready to pass (``agent``); beside the FIFO it names the commit it last finished passing
-(``passed``), which a rank closing its checkpointer waits for. A rank never waits for the agent and is never failed by it: the
-FIFO is opened without blocking, a line is at most ``PIPE_BUF`` bytes (written whole or not at all), and a
-full FIFO (an agent that stopped reading) drops the line with a warning. The agent holds nothing it is told
+is an agent ready to pass (``agent``); beside the FIFO it names, per run, the commit it last finished passing
+(``passed``), which a rank closing its checkpointer (or loading) waits for while the agent listens. Telling
+never waits for the agent and is never failed by it: the FIFO is opened without blocking, a line is at most
+``PIPE_BUF`` bytes (written whole or not at all), and a full FIFO (an agent that stopped reading) drops the
+line with a warning. The agent holds nothing it is told
 to be true: the pass proves every file against the committed manifest it reads from its own disk.
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger("rewind.ring")
 FIFO_ENV = "REWIND_HOST_AGENT"
-PASSED = "passed"  # beside the FIFO: the commit the agent last finished passing
+PASSED = "passed"  # beside the FIFO: per run, the id of the commit the agent last finished passing
 MAX_LINE = 4096  # PIPE_BUF on Linux: a write of at most this many bytes is never interleaved with another
 
 
@@ -37,10 +38,10 @@ class Committed:
     directory: str
     disk: str
     host: str
+    id: str = ""  # the teller's own name for this word: the agent says which it last finished (``passed``)
     checkpoint_id: int | None = None
-    digest: str | None = (
-        None  # the committed manifest's (rank 0's word): a ring copy of another is not recorded
-    )
+    # the committed manifest's (rank 0's word): a ring copy of another checkpoint is not recorded as this one
+    digest: str | None = None
     catalog: str | None = field(default=None, repr=False)
 
     def line(self) -> bytes:
@@ -77,24 +78,27 @@ def agent() -> Agent:
     return Agent.LISTENING
 
 
-def passed() -> str | None:
-    """The commit this host's agent last finished passing (``agent_rounds.Seen.value``), if any."""
+def passed(run: str) -> str | None:
+    """The id of ``run``'s commit this host's agent last finished passing, if any."""
     where = os.environ.get(FIFO_ENV, "").strip()
     try:
-        return (Path(where).parent / PASSED).read_text(encoding="utf-8") if where else None
-    except OSError:
+        done = json.loads((Path(where).parent / PASSED).read_text(encoding="utf-8")) if where else {}
+    except (OSError, ValueError):
         return None
+    got = done.get(run) if isinstance(done, dict) else None
+    return got if isinstance(got, str) else None
 
 
-def record_passed(fifo: Path, value: str) -> None:
-    """The agent: ``value`` finished passing (whole or not at all: written beside, then renamed)."""
+def record_passed(fifo: Path, done: dict[str, str]) -> None:
+    """The agent: the id of each run's commit it last finished passing (whole or not at all: written beside,
+    then renamed)."""
     tmp = fifo.parent / f".{PASSED}"
-    tmp.write_text(value, encoding="utf-8")
+    tmp.write_text(json.dumps(done), encoding="utf-8")
     os.replace(tmp, fifo.parent / PASSED)
 
 
-def tell(notice: Committed) -> None:
-    """Tell this host's memory agent of a commit; never blocks, never raises."""
+def tell(notice: Committed) -> bool:
+    """Tell this host's memory agent of a commit; whether the line was written. Never blocks, never raises."""
     raw = notice.line()
     if len(raw) > MAX_LINE and notice.catalog is not None:
         log.warning("%s step %d: the catalog's address is too long to tell the memory agent: the ring copies "
@@ -103,16 +107,18 @@ def tell(notice: Committed) -> None:
     if len(raw) > MAX_LINE:
         log.warning("%s step %d: the memory agent not told: the directory's name is too long", notice.run,
                     notice.step)  # fmt: skip
-        return
+        return False
     try:
         fd = os.open(os.environ.get(FIFO_ENV, "").strip(), os.O_WRONLY | os.O_NONBLOCK)
     except OSError as exc:  # the agent ended since it was last seen listening
         log.warning("%s step %d: the memory agent not told: %s", notice.run, notice.step, exc)
-        return
+        return False
     try:
         os.write(fd, raw)
+        return True
     except OSError as exc:  # EAGAIN: the agent stopped reading
         log.warning("%s step %d: the memory agent not told: %s", notice.run, notice.step, exc)
+        return False
     finally:
         os.close(fd)
 
@@ -143,7 +149,7 @@ class Inbox:
             os.close(fd)
 
 
-_TYPES: dict[str, type | tuple[type, ...]] = {"run": str, "step": int, "directory": str, "disk": str, "host": str,
+_TYPES: dict[str, type | tuple[type, ...]] = {"run": str, "step": int, "directory": str, "disk": str, "host": str, "id": str,
           "checkpoint_id": (int, type(None)), "digest": (str, type(None)), "catalog": (str, type(None))}  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """A host's memory agent on a multi-host launch: the process that passes the host's share of each committed
 checkpoint round the peer ring (``infra/checkpoint/ring.py``), in place of the job's ranks.
 
-    python -m rewind.infra.memory.host_agent --node I --nodes N --store HOST:PORT --scope ID -- COMMAND [ARG ...]
+    python -m rewind.infra.launch.host_agent --node I --nodes N --store HOST:PORT --scope ID -- COMMAND [ARG ...]
 
 The scheduler's launcher runs this as each node's task (``srun``). It makes a FIFO, starts the agent (a
 grandchild, so that it is nobody's zombie), and executes ``COMMAND`` (torchrun's agent) in its own place:
@@ -13,12 +13,14 @@ unless every host's agent is listening when they start (each node's first rank w
 ``send_on.AGENT_READY_S``) and at each save; otherwise each node's first rank tells its agent of each
 commit, the agents agree on each pass (``agent_rounds``) and pass the shares over their group, the agent on
 rank 0's host recording the ring copies in the catalog, and each agent names the commit it last finished
-beside its FIFO (a rank closing its checkpointer waits for its last one, bounded). A pass then takes none of
-the job's time or memory; the ranks' part is one small gather per save.
+beside its FIFO (a rank closing its checkpointer, or loading, waits for its last one while the agent
+listens, bounded). A pass then takes none of the ranks' time or memory; their part is one small gather per
+save.
 
 An agent lives as long as its job: it ends when the job's process does (the recovery never waits for it,
-and the task's output is never held open by it), when told to (SIGTERM), or when it cannot work (no memory
-tier, no store, a peer gone mid-pass): then the ranks pass from their next save on. A pass cut short leaves
+and it holds the task's output no longer than the job), when told to (SIGTERM), or when it cannot work (no
+memory tier, no store, a peer gone mid-pass or silent for ``agent_rounds.STALE_S``): then the ranks pass
+from their next save on. A pass cut short leaves
 an ``.incoming-<pid>`` directory the next pass sweeps; the previous ring copy stays. It runs at a lower
 CPU priority than the job.
 """
@@ -43,7 +45,7 @@ from typing import Any
 from rewind.infra.faults import fault_point
 from rewind.infra.memory import agent_notice
 from rewind.infra.memory.agent_notice import FIFO_ENV, Committed, Inbox
-from rewind.infra.memory.agent_rounds import Rounds, Seen
+from rewind.infra.memory.agent_rounds import BEAT_S, STALE_S, Rounds, Seen
 
 log = logging.getLogger("rewind.ring")
 JOIN_S = 120.0  # the agents' store and group joined within this, or this agent ends
@@ -55,7 +57,7 @@ NICENESS = 10
 def command(node: int, nodes: int, store: str, scope: str, job: list[str]) -> list[str]:
     """The node's task: ``job`` run under its host's memory agent, by the job's own interpreter."""
     python = job[0] if Path(job[0]).name.startswith("python") else sys.executable
-    return [python, "-m", "rewind.infra.memory.host_agent", f"--node={node}", f"--nodes={nodes}",
+    return [python, "-m", "rewind.infra.launch.host_agent", f"--node={node}", f"--nodes={nodes}",
             f"--store={store}", f"--scope={scope}", "--", *job]  # fmt: skip
 
 
@@ -96,12 +98,15 @@ def _start(args: argparse.Namespace) -> Path:
         job = (_pidfd(), os.getpid())  # the job once this executes it: its pidfd opened before any fork
         middle = os.fork()
         if middle == 0:
+            code = 1  # the agent not started: the job starts without it
             try:
                 if os.fork() == 0:
                     _run(args, home, fifo, job)
+                code = 0
             finally:
-                os._exit(0)
-        os.waitpid(middle, 0)
+                os._exit(code)
+        if os.waitstatus_to_exitcode(os.waitpid(middle, 0)[1]) != 0:
+            raise OSError("the agent's process could not be started")
     except OSError:
         shutil.rmtree(home, ignore_errors=True)
         raise
@@ -192,13 +197,27 @@ class HostAgent:
                                 world_size=nodes, timeout=timedelta(seconds=PASS_TIMEOUT_S))  # fmt: skip
         self.tcp, self.node, self.nodes = tcp, node, nodes  # the store lives as long as the agent
         self.fifo = fifo
+        self.done: dict[str, str] = {}  # run -> the id of its commit this agent last finished passing
+        # the beat: on a connection of its own, from a thread of its own (a pass may take minutes)
+        beat = Rounds(
+            dist.PrefixStore(
+                f"rewind/{scope}/rounds",
+                dist.TCPStore(
+                    host, int(port), world_size=None, is_master=False, timeout=timedelta(seconds=JOIN_S)
+                ),
+            ),
+            node,
+            nodes,
+        )
+        threading.Thread(target=_beat, args=(beat,), daemon=True, name="rewind-agent-beat").start()
         self.told: dict[tuple[str, int], tuple[Committed, int]] = {}  # (run, step) -> newest word, how many
         self.held: dict[str, Any] = {}  # run -> this host's hold on its ring copies (``ring.hold``)
         self.catalogs: dict[str, Any] = {}  # where rank 0 records, by its address
 
     def serve(self, inbox: Inbox) -> None:
-        """Every round, as it is decided, until the agent ends."""
+        """Every round, as it is decided, until the agent ends (or a peer is silent: it raises)."""
         n = 0
+        looked = time.monotonic()
         while True:
             for notice in inbox.take(TICK_S):
                 key = (notice.run, notice.step)
@@ -207,13 +226,20 @@ class HostAgent:
                 self.rounds.publish(Seen(notice.run, notice.step, told))
             decided = self.rounds.decision(n)
             if decided is not None:
-                self._pass(decided)
-                agent_notice.record_passed(self.fifo, decided.value())  # whatever came of it: finished
+                mine = self._pass(decided)
+                if mine is not None:  # whatever came of it: finished (the rank that told it waits for this)
+                    self.done[mine.run] = mine.id
+                    agent_notice.record_passed(self.fifo, self.done)
                 n += 1
+            if time.monotonic() - looked > BEAT_S:
+                looked = time.monotonic()
+                silent = self.rounds.silent()
+                if silent:  # no round can be decided without it: the ranks pass from their next save
+                    raise RuntimeError(f"the agent of node(s) {silent} silent for {STALE_S:.0f} s")
 
-    def _pass(self, seen: Seen) -> None:
+    def _pass(self, seen: Seen) -> Committed | None:
         """Collective over the agents: the commit ``seen`` passed round the ring (never raises for a local
-        reason: every agent gathers whatever happened here)."""
+        reason: every agent gathers whatever happened here); what this host was told of it."""
         import torch.distributed as dist
 
         from rewind.infra.checkpoint import ring
@@ -243,6 +269,7 @@ class HostAgent:
                             mine.run, seen.step)  # fmt: skip
             else:
                 self._register(mine, got)
+        return mine
 
     def _hold(self, run: str) -> None:
         from rewind.infra.checkpoint import ring
@@ -269,6 +296,14 @@ class HostAgent:
         except Exception as exc:
             log.warning("%s step %d: the peer ring's copies not recorded: %s", notice.run, notice.step,
                         _first(exc))  # fmt: skip
+
+
+def _beat(rounds: Rounds) -> None:
+    """This agent's beat, every ``BEAT_S``, while it lives (a store gone ends it: so does the agent)."""
+    with contextlib.suppress(Exception):
+        while True:
+            rounds.beat()
+            time.sleep(BEAT_S)
 
 
 def _disks(every: list[Committed | None]) -> Any:
