@@ -199,6 +199,21 @@ def test_with_a_hosts_agent_unable_to_meet_the_others_the_ranks_pass_the_ring_th
     assert not any("memory agent (node 0)" in line and "passed" in line for line in outs[0].splitlines())
 
 
+@pytest.mark.parametrize("node", ["1", "", "7"])
+def test_a_pods_index_is_its_node_and_without_one_the_job_starts_without_an_agent(node: str) -> None:
+    """A JobSet's pod names its node in ``REWIND_NODE``; with none there (or one out of range) the job starts
+    all the same, without an agent (its ranks pass the ring themselves)."""
+    job = [sys.executable, "-c", "import os; print(os.environ.get('REWIND_HOST_AGENT', 'no agent'))"]
+    env = {**os.environ, "REWIND_NODE": node, "REWIND_MEMORY_RING": "off"}  # an agent started ends at once
+    done = subprocess.run(host_agent.command(None, 2, f"127.0.0.1:{free_port()}", "s", job), env=env,
+                          capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    if node == "1":
+        assert done.stdout.strip().endswith("/commits") and not done.stderr
+    else:
+        assert done.stdout.strip() == "no agent" and "memory agent not started: no node index" in done.stderr
+
+
 def _rounds(nodes: int) -> tuple[dist.TCPStore, list[Rounds]]:
     master = dist.TCPStore(
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)

@@ -225,12 +225,16 @@ def test_two_nodes_of_eight_gpus() -> None:
     (c,) = pod["containers"]
     assert c["image"] == IMAGE and c["workingDir"] == "/workspace"
     assert c["resources"] == {"requests": {"nvidia.com/gpu": "8"}, "limits": {"nvidia.com/gpu": "8"}}
-    # Each pod runs its node's torchrun agent, as the local and Slurm launchers do, with the image's python;
-    # the rendezvous is pod 0's name behind the headless service (in /etc/hosts on pod 0 itself).
+    # Each pod runs its node's torchrun agent, as the local and Slurm launchers do, with the image's python,
+    # under the pod's memory agent (as on Slurm; the pod's index is its node); the rendezvous is pod 0's name
+    # behind the headless service (in /etc/hosts on pod 0 itself), the agents' store the next port there.
     host = f"{name}-node-0-0.{name}.train.svc.cluster.local"
     expected = agent_command(spec, endpoint=f"{host}:29400", rdzv_id="llama-70b-7")
     expected[0] = expected[expected.index("--") + 1] = "python"
-    assert c["command"] == expected
+    assert c["command"] == [
+        "python", "-m", "rewind.infra.launch.host_agent", "--nodes=2", f"--store={host}:29401",
+        "--scope=llama-70b-7", "--", *expected,
+    ]  # fmt: skip
     assert c["ports"] == [{"name": "rdzv", "containerPort": 29400, "protocol": "TCP"}]
     env = env_of(m)
     assert env["REWIND_NODE"]["valueFrom"] == {
@@ -404,6 +408,7 @@ def test_the_spec_rdzv_endpoint_is_not_used() -> None:
         ({"gpus_per_node": True}, "GPUs per node"),
         ({"launch_id": "3"}, "launch id"),
         ({"rdzv_port": 0}, "rendezvous port"),
+        ({"rdzv_port": 65535}, "rendezvous port"),  # the next port is the memory agents' store
         ({"checkpoint_mount": "relative"}, "checkpoint mount"),
         ({"run": ""}, "run name"),
         ({"run": "a/b"}, "run name"),

@@ -1,9 +1,10 @@
 """A host's memory agent on a multi-host launch: the process that passes the host's share of each committed
 checkpoint round the peer ring (``infra/checkpoint/ring.py``), in place of the job's ranks.
 
-    python -m rewind.infra.launch.host_agent --node I --nodes N --store HOST:PORT --scope ID -- COMMAND [ARG ...]
+    python -m rewind.infra.launch.host_agent [--node I] --nodes N --store HOST:PORT --scope ID -- COMMAND [ARG ...]
 
-The scheduler's launcher runs this as each node's task (``srun``). It makes a FIFO, starts the agent (a
+The scheduler's launcher runs this as each node's task (``srun``; a JobSet's pod, whose index is
+``REWIND_NODE``). It makes a FIFO, starts the agent (a
 grandchild, so that it is nobody's zombie), and executes ``COMMAND`` (torchrun's agent) in its own place:
 the task's pid, signals and exit status are the job's, untouched; when anything of that fails the job is
 started all the same, without an agent. The agents of the launch's nodes meet at the TCP store node 0's
@@ -48,23 +49,26 @@ from rewind.infra.memory.agent_notice import FIFO_ENV, Committed, Inbox
 from rewind.infra.memory.agent_rounds import BEAT_S, STALE_S, Rounds, Seen
 
 log = logging.getLogger("rewind.ring")
+NODE_ENV = "REWIND_NODE"  # ``training.progress.NODE_ENV``, not imported: nothing heavy before the job starts
 JOIN_S = 120.0  # the agents' store and group joined within this, or this agent ends
 PASS_TIMEOUT_S = 300.0  # one collective of a pass (a piece of 16 MiB, an agreement)
 TICK_S = 0.2  # how often an agent looks for a decision while nothing is told
 NICENESS = 10
 
 
-def command(node: int, nodes: int, store: str, scope: str, job: list[str]) -> list[str]:
-    """The node's task: ``job`` run under its host's memory agent, by the job's own interpreter."""
+def command(node: int | None, nodes: int, store: str, scope: str, job: list[str]) -> list[str]:
+    """The node's task: ``job`` run under its host's memory agent, by the job's own interpreter; ``node``
+    None: the node's index is ``REWIND_NODE`` where the task runs (a pod's completion index)."""
     python = job[0] if Path(job[0]).name.startswith("python") else sys.executable
-    return [python, "-m", "rewind.infra.launch.host_agent", f"--node={node}", f"--nodes={nodes}",
-            f"--store={store}", f"--scope={scope}", "--", *job]  # fmt: skip
+    where = [f"--node={node}"] if node is not None else []
+    return [python, "-m", "rewind.infra.launch.host_agent", *where, f"--nodes={nodes}", f"--store={store}",
+            f"--scope={scope}", "--", *job]  # fmt: skip
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
     cut = argv.index("--") if "--" in argv else len(argv)
     parser = argparse.ArgumentParser(prog="rewind-host-agent")
-    parser.add_argument("--node", type=int, required=True)
+    parser.add_argument("--node", type=int, help=f"this node's index (default: ${NODE_ENV})")
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument(
         "--store", required=True, help="HOST:PORT of the agents' store (node 0's agent serves it)"
@@ -72,18 +76,27 @@ def _args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--scope", default="", help="the launch's own: the store's keys are under it")
     args = parser.parse_args(argv[:cut])
     args.job = argv[cut + 1 :]
-    if not args.job or not 0 <= args.node < args.nodes or not args.store.rpartition(":")[2].isdigit():
-        parser.error("a node in 0..nodes-1, a store HOST:PORT and a command after -- are needed")
+    if not args.job or not args.store.rpartition(":")[2].isdigit():
+        parser.error("a store HOST:PORT and a command after -- are needed")
     return args
+
+
+def _node(args: argparse.Namespace) -> int:
+    """This node's index in 0..nodes-1 (``--node``, else ``REWIND_NODE``); OSError when there is none."""
+    raw = str(args.node) if args.node is not None else os.environ.get(NODE_ENV, "")
+    if not raw.isdigit() or not 0 <= int(raw) < args.nodes:
+        raise OSError(f"no node index in 0..{args.nodes - 1} (--node or {NODE_ENV}: {raw!r:.20})")
+    return int(raw)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _args(sys.argv[1:] if argv is None else argv)
     env = dict(os.environ)
     try:
+        args.node = _node(args)
         env[FIFO_ENV] = str(_start(args))
     except OSError as exc:  # the job starts all the same; its ranks pass the ring themselves
-        print(f"memory agent (node {args.node}) not started: {exc}", file=sys.stderr)
+        print(f"memory agent not started: {exc}", file=sys.stderr)
     for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores these; the job gets the defaults
         signal.signal(sig, signal.SIG_DFL)
     os.execvpe(args.job[0], args.job, env)

@@ -4,7 +4,8 @@
 it returns is what ``kubectl apply -f`` (or the official client's ``create_namespaced_custom_object``)
 would be given: one replicated Job of ``spec.nnodes`` pods (an Indexed Job, completions = parallelism =
 nnodes), each pod running its node's torchrun agent exactly as the local and Slurm launchers do
-(``spec.agent_command``), the rendezvous on pod 0's stable name behind the JobSet's headless service.
+(``spec.agent_command``; with several nodes under the pod's memory agent, ``host_agent``, as on Slurm),
+the rendezvous on pod 0's stable name behind the JobSet's headless service.
 
 Rewind does the recovery, not Kubernetes: ``backoffLimit: 0``, ``restartPolicy: Never`` and JobSet's
 ``failurePolicy.maxRestarts: 0``, so a lost pod fails the JobSet once and stays failed.
@@ -30,6 +31,7 @@ from typing import Any
 from rewind.infra import redact
 from rewind.infra.catalog.lineage import check_run_name
 from rewind.infra.errors import ConfigError
+from rewind.infra.launch import host_agent
 from rewind.infra.launch.spec import JobSpec, agent_command, process_command
 from rewind.infra.training import progress
 
@@ -145,14 +147,19 @@ def _command(
     spec: JobSpec, *, run: str, name: str, namespace: str, launch_id: int | None, rdzv_port: int,
     cluster_domain: str,
 ) -> list[str]:  # fmt: skip
-    """The container's command: every pod's torchrun agent meets on pod 0's stable name, or the one process."""
+    """The container's command: every pod's torchrun agent meets on pod 0's stable name (under the pod's
+    memory agent, ``host_agent``: the next port is its store), or the one process."""
     if not spec.distributed:
         return _in_image(process_command(spec), spec)
     host = (
         f"{name}-{NODE_JOB}-0-0.{name}.{namespace}.svc.{cluster_domain}"  # resolves on pod 0 from /etc/hosts
     )
     rdzv_id = run if launch_id is None else f"{run}-{launch_id}"
-    return _in_image(agent_command(spec, endpoint=f"{host}:{rdzv_port}", rdzv_id=rdzv_id), spec)
+    torchrun = _in_image(agent_command(spec, endpoint=f"{host}:{rdzv_port}", rdzv_id=rdzv_id), spec)
+    if spec.nnodes < 2:
+        return torchrun
+    # under the pod's memory agent (its node: the pod's index), whose store is pod 0's, beside the rendezvous
+    return host_agent.command(None, spec.nnodes, f"{host}:{rdzv_port + 1}", rdzv_id, torchrun)
 
 
 def _jobset(metadata: dict[str, Any], pod: dict[str, Any], *, nodes: int) -> dict[str, Any]:
@@ -281,7 +288,7 @@ def _check_options(
             raise ConfigError(f"a {what} name is a DNS-1123 subdomain (a-z, 0-9, -, .), not {value!r:.60}")
     for what, number, low, high in (("launch id", launch_id, 0, 2**63 - 1),
                                     ("GPUs per node", gpus_per_node, 0, 2**31 - 1),
-                                    ("rendezvous port", rdzv_port, 1, 65535)):  # fmt: skip
+                                    ("rendezvous port", rdzv_port, 1, 65534)):  # fmt: skip
         if number is not None and (type(number) is not int or not low <= number <= high):
             raise ConfigError(f"{what} must be a whole number from {low} to {high}, not {number!r:.40}")
     if (
