@@ -233,9 +233,10 @@ def test_two_nodes_of_eight_gpus() -> None:
     expected[0] = expected[expected.index("--") + 1] = "python"
     assert c["command"] == [
         "python", "-m", "rewind.infra.launch.host_agent", "--nodes=2", f"--store={host}:29401",
-        "--scope=llama-70b-7", "--", *expected,
+        "--scope=llama-70b-7", "--join-s=600", "--", *expected,
     ]  # fmt: skip
-    assert c["ports"] == [{"name": "rdzv", "containerPort": 29400, "protocol": "TCP"}]
+    assert c["ports"] == [{"name": "rdzv", "containerPort": 29400, "protocol": "TCP"},
+                          {"name": "agents", "containerPort": 29401, "protocol": "TCP"}]  # fmt: skip
     env = env_of(m)
     assert env["REWIND_NODE"]["valueFrom"] == {
         "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}

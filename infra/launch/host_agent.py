@@ -5,7 +5,8 @@ checkpoint round the peer ring (``infra/checkpoint/ring.py``), in place of the j
 
 The scheduler's launcher runs this as each node's task (``srun``; a JobSet's pod, whose index is
 ``REWIND_NODE``). It makes a FIFO, starts the agent (a
-grandchild, so that it is nobody's zombie), and executes ``COMMAND`` (torchrun's agent) in its own place:
+grandchild, reaped by init once it ends; in a pod, whose first process the job becomes, it waits to be reaped
+with the pod), and executes ``COMMAND`` (torchrun's agent) in its own place:
 the task's pid, signals and exit status are the job's, untouched; when anything of that fails the job is
 started all the same, without an agent. The agents of the launch's nodes meet at the TCP store node 0's
 agent serves at ``--store`` (keys under ``--scope``, the launch's own) and make a gloo group of their own;
@@ -50,19 +51,23 @@ from rewind.infra.memory.agent_rounds import BEAT_S, STALE_S, Rounds, Seen
 
 log = logging.getLogger("rewind.ring")
 NODE_ENV = "REWIND_NODE"  # ``training.progress.NODE_ENV``, not imported: nothing heavy before the job starts
-JOIN_S = 120.0  # the agents' store and group joined within this, or this agent ends
+JOIN_S = 120.0  # the agents' store and group joined within this (``--join-s``), or this agent ends
 PASS_TIMEOUT_S = 300.0  # one collective of a pass (a piece of 16 MiB, an agreement)
 TICK_S = 0.2  # how often an agent looks for a decision while nothing is told
 NICENESS = 10
 
 
-def command(node: int | None, nodes: int, store: str, scope: str, job: list[str]) -> list[str]:
+def command(
+    node: int | None, nodes: int, store: str, scope: str, job: list[str], *, join_s: float = JOIN_S
+) -> list[str]:
     """The node's task: ``job`` run under its host's memory agent, by the job's own interpreter; ``node``
-    None: the node's index is ``REWIND_NODE`` where the task runs (a pod's completion index)."""
+    None: the node's index is ``REWIND_NODE`` where the task runs (a pod's completion index); ``join_s``: how
+    long the agents wait to meet (nodes that start apart, such as pods, need as long as the rendezvous)."""
     python = job[0] if Path(job[0]).name.startswith("python") else sys.executable
     where = [f"--node={node}"] if node is not None else []
+    join = [f"--join-s={join_s:g}"] if join_s != JOIN_S else []
     return [python, "-m", "rewind.infra.launch.host_agent", *where, f"--nodes={nodes}", f"--store={store}",
-            f"--scope={scope}", "--", *job]  # fmt: skip
+            f"--scope={scope}", *join, "--", *job]  # fmt: skip
 
 
 def _args(argv: list[str]) -> argparse.Namespace:
@@ -74,9 +79,14 @@ def _args(argv: list[str]) -> argparse.Namespace:
         "--store", required=True, help="HOST:PORT of the agents' store (node 0's agent serves it)"
     )
     parser.add_argument("--scope", default="", help="the launch's own: the store's keys are under it")
+    parser.add_argument("--join-s", type=float, default=JOIN_S, help="how long the agents wait to meet")
     args = parser.parse_args(argv[:cut])
     args.job = argv[cut + 1 :]
-    if not args.job or not args.store.rpartition(":")[2].isdigit():
+    if (
+        not args.job
+        or not args.store.rpartition(":")[2].isascii()
+        or not args.store.rpartition(":")[2].isdigit()
+    ):
         parser.error("a store HOST:PORT and a command after -- are needed")
     return args
 
@@ -84,7 +94,7 @@ def _args(argv: list[str]) -> argparse.Namespace:
 def _node(args: argparse.Namespace) -> int:
     """This node's index in 0..nodes-1 (``--node``, else ``REWIND_NODE``); OSError when there is none."""
     raw = str(args.node) if args.node is not None else os.environ.get(NODE_ENV, "")
-    if not raw.isdigit() or not 0 <= int(raw) < args.nodes:
+    if not (raw.isascii() and raw.isdigit()) or not 0 <= int(raw) < args.nodes:
         raise OSError(f"no node index in 0..{args.nodes - 1} (--node or {NODE_ENV}: {raw!r:.20})")
     return int(raw)
 
@@ -182,7 +192,7 @@ def _agent(args: argparse.Namespace, fifo: Path) -> None:
         log.warning("no memory tier on this host: %s", exc)
         return
     try:
-        agent = HostAgent(args.node, args.nodes, args.store, args.scope, fifo)
+        agent = HostAgent(args.node, args.nodes, args.store, args.scope, fifo, join_s=args.join_s)
     except Exception as exc:
         log.warning("the hosts' memory agents cannot meet at %s: %s; the ranks pass the ring", args.store,
                     _first(exc))  # fmt: skip
@@ -199,15 +209,17 @@ def _agent(args: argparse.Namespace, fifo: Path) -> None:
 class HostAgent:
     """One host's agent: what its node's first rank told it, and the passes every agent agreed on."""
 
-    def __init__(self, node: int, nodes: int, store: str, scope: str, fifo: Path) -> None:
+    def __init__(
+        self, node: int, nodes: int, store: str, scope: str, fifo: Path, *, join_s: float = JOIN_S
+    ) -> None:
         import torch.distributed as dist
 
         host, _, port = store.rpartition(":")
         tcp = dist.TCPStore(host, int(port), world_size=None, is_master=node == 0,
-                            timeout=timedelta(seconds=JOIN_S), wait_for_workers=False)  # fmt: skip
+                            timeout=timedelta(seconds=join_s), wait_for_workers=False)  # fmt: skip
         self.rounds = Rounds(dist.PrefixStore(f"rewind/{scope}/rounds", tcp), node, nodes)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"rewind/{scope}/ring", tcp), rank=node,
-                                world_size=nodes, timeout=timedelta(seconds=PASS_TIMEOUT_S))  # fmt: skip
+                                world_size=nodes, timeout=timedelta(seconds=max(join_s, PASS_TIMEOUT_S)))  # fmt: skip
         self.tcp, self.node, self.nodes = tcp, node, nodes  # the store lives as long as the agent
         self.fifo = fifo
         self.done: dict[str, str] = {}  # run -> the id of its commit this agent last finished passing
@@ -216,7 +228,7 @@ class HostAgent:
             dist.PrefixStore(
                 f"rewind/{scope}/rounds",
                 dist.TCPStore(
-                    host, int(port), world_size=None, is_master=False, timeout=timedelta(seconds=JOIN_S)
+                    host, int(port), world_size=None, is_master=False, timeout=timedelta(seconds=join_s)
                 ),
             ),
             node,

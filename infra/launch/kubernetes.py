@@ -39,6 +39,9 @@ API_VERSION = "jobset.x-k8s.io/v1alpha2"
 KIND = "JobSet"
 NODE_JOB = "node"  # the replicated Job's name, and the container's
 RDZV_PORT = 29400
+JOIN_S = (
+    600.0  # how long pods' memory agents wait to meet: torchrun's rendezvous waits as long (pods start apart)
+)
 GPU_RESOURCE = "nvidia.com/gpu"
 COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"  # the pod annotation an Indexed Job sets
 CHECKPOINT_MOUNT = "/rewind/checkpoints"
@@ -132,6 +135,8 @@ def jobset_manifest(
         container["workingDir"] = workdir
     if spec.distributed:
         container["ports"] = [{"name": "rdzv", "containerPort": rdzv_port, "protocol": "TCP"}]
+    if spec.distributed and nodes > 1:  # the memory agents' store (for whoever writes a NetworkPolicy)
+        container["ports"].append({"name": "agents", "containerPort": rdzv_port + 1, "protocol": "TCP"})
     pod = _pod(container, gpus_per_node=gpus_per_node, service_account=service_account,
                checkpoint_pvc=checkpoint_pvc, checkpoint_mount=checkpoint_mount)  # fmt: skip
     metadata = {
@@ -159,7 +164,7 @@ def _command(
     if spec.nnodes < 2:
         return torchrun
     # under the pod's memory agent (its node: the pod's index), whose store is pod 0's, beside the rendezvous
-    return host_agent.command(None, spec.nnodes, f"{host}:{rdzv_port + 1}", rdzv_id, torchrun)
+    return host_agent.command(None, spec.nnodes, f"{host}:{rdzv_port + 1}", rdzv_id, torchrun, join_s=JOIN_S)
 
 
 def _jobset(metadata: dict[str, Any], pod: dict[str, Any], *, nodes: int) -> dict[str, Any]:
