@@ -62,7 +62,10 @@ def command(
 ) -> list[str]:
     """The node's task: ``job`` run under its host's memory agent, by the job's own interpreter; ``node``
     None: the node's index is ``REWIND_NODE`` where the task runs (a pod's completion index); ``join_s``: how
-    long the agents wait to meet (nodes that start apart, such as pods, need as long as the rendezvous)."""
+    long the agents wait to meet (nodes that start apart, such as pods, need as long as the rendezvous). One
+    node: ``job`` as it is (no peer to pass to, and it may not be torchrun at all)."""
+    if nodes < 2:
+        return job
     python = job[0] if Path(job[0]).name.startswith("python") else sys.executable
     where = [f"--node={node}"] if node is not None else []
     join = [f"--join-s={join_s:g}"] if join_s != JOIN_S else []

@@ -161,8 +161,6 @@ def _command(
     )
     rdzv_id = run if launch_id is None else f"{run}-{launch_id}"
     torchrun = _in_image(agent_command(spec, endpoint=f"{host}:{rdzv_port}", rdzv_id=rdzv_id), spec)
-    if spec.nnodes < 2:
-        return torchrun
     # under the pod's memory agent (its node: the pod's index), whose store is pod 0's, beside the rendezvous
     return host_agent.command(None, spec.nnodes, f"{host}:{rdzv_port + 1}", rdzv_id, torchrun, join_s=JOIN_S)
 

@@ -113,12 +113,7 @@ class SlurmLauncher:
         the ranks), whose store is node 0's, a port span above the rendezvous's; a launch of one node as is."""
         host, _, port = placement.endpoint.rpartition(":")
         store = f"{host}:{int(port) + PORT_SPAN}"
-        nodes = len(placement.hosts)  # one node: no peer to pass to, and the job may not be torchrun at all
-        task = (
-            command
-            if nodes < 2
-            else host_agent.command(node, nodes, store, placement.allocation or "", command)
-        )
+        task = host_agent.command(node, len(placement.hosts), store, placement.allocation or "", command)
         return [
             "srun", f"--jobid={placement.allocation}", "--nodes=1", "--ntasks=1",
             f"--nodelist={placement.hosts[node]}", "--kill-on-bad-exit=0", "--export=ALL", "--quiet",
