@@ -282,3 +282,28 @@ def test_a_leader_with_no_agent_listening_goes_on_and_a_line_not_a_commit_is_not
     assert agent_notice.passed("r") == "id-1" and agent_notice.passed("nothing") is None
     fifo.unlink()  # the agent ended and took its FIFO along: gone, not starting (nobody waits for it)
     assert agent_notice.agent() is agent_notice.Agent.GONE
+
+
+def test_an_agent_killed_outright_leaves_nothing_behind_once_a_later_one_starts(tmp_path: Path) -> None:
+    """An agent killed with SIGKILL cannot remove its directory (its FIFO, its ``passed`` file); the next
+    agent started on the host removes those of ended jobs, and only those: a running job's, another pid
+    namespace's and a name not an agent's stay."""
+    space = os.stat("/proc/self/ns/pid").st_ino
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                           text=True, check=True).stdout.strip()  # fmt: skip
+    stale = tmp_path / f"rewind-agent-{space}-{ended}-x1"
+    running = tmp_path / f"rewind-agent-{space}-{os.getpid()}-x2"
+    elsewhere = tmp_path / f"rewind-agent-{space + 1}-{ended}-x3"
+    other = tmp_path / f"rewind-agent-{space}-{ended}"  # no random part: not an agent's name
+    for d in (stale, running, elsewhere, other):
+        d.mkdir()
+        os.mkfifo(d / "commits", 0o600)
+    job = [sys.executable, "-c", "import os; print(os.environ['REWIND_HOST_AGENT'])"]
+    env = {**os.environ, "TMPDIR": str(tmp_path), "REWIND_MEMORY_RING": "off"}  # the agent ends at once
+    done = subprocess.run(host_agent.command(1, 2, f"127.0.0.1:{free_port()}", "s", job), env=env,
+                          capture_output=True, text=True, timeout=60, cwd=REPO)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    own = Path(done.stdout.strip()).parent
+    assert own.name.startswith(f"rewind-agent-{space}-")
+    assert not stale.exists() and running.exists() and elsewhere.exists() and other.exists()
+    wait_until(lambda: not own.exists(), 30, "the agent removed its own directory as it ended", interval=0.05)
