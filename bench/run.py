@@ -282,6 +282,8 @@ SUMMARY = (
     "training_overhead_all_cores_paired_pct",
     "training_overhead_all_cores_paired_q1_pct",
     "training_overhead_all_cores_paired_q3_pct",
+    "training_overhead_all_cores_paired_ci95_low_pct",
+    "training_overhead_all_cores_paired_ci95_high_pct",
     "training_overhead_all_cores_idle_priority_pct",
     "training_overhead_all_cores_page_cache_pct",
     "commit_after_s_all_cores",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -90,14 +91,23 @@ def _intervals(
     return without, with_ck, commit_after
 
 
+BOOTSTRAP_SEED = 26  # reported with the interval: the same pairs give the same interval
+BOOTSTRAP_DRAWS = 2000
+
+
 def _paired(with_ck: list[float], without: list[float]) -> dict[str, float]:
-    """Each pair's own overhead (%): its median, and its quartiles, which show how far runs of the same job on
-    this machine differ (a figure inside them is not told apart from it)."""
+    """Each pair's own overhead (%): its median, its quartiles (how far runs of the same job on this machine
+    differ), and a 95% bootstrap interval of that median (pairs drawn with replacement, seed
+    ``BOOTSTRAP_SEED``): a target inside the interval is neither met nor missed by this run."""
     pct = [100 * (w / o - 1) for w, o in zip(with_ck, without, strict=True)]
     q1, _, q3 = (
         statistics.quantiles(pct, n=4, method="inclusive") if len(pct) > 1 else (pct[0], pct[0], pct[0])
     )
-    return {"paired_overhead_pct": median(pct), "paired_q1_pct": q1, "paired_q3_pct": q3}
+    draw = random.Random(BOOTSTRAP_SEED)
+    medians = sorted(median(draw.choices(pct, k=len(pct))) for _ in range(BOOTSTRAP_DRAWS))
+    low, high = medians[int(0.025 * BOOTSTRAP_DRAWS)], medians[int(0.975 * BOOTSTRAP_DRAWS) - 1]
+    return {"paired_overhead_pct": median(pct), "paired_q1_pct": q1, "paired_q3_pct": q3,
+            "paired_ci95_low_pct": low, "paired_ci95_high_pct": high}  # fmt: skip
 
 
 def bench_training(
@@ -163,6 +173,8 @@ def _all_cores(results: dict, t: dict) -> None:
     results["training_overhead_all_cores_paired_pct"] = t["paired_overhead_pct"]
     results["training_overhead_all_cores_paired_q1_pct"] = t["paired_q1_pct"]
     results["training_overhead_all_cores_paired_q3_pct"] = t["paired_q3_pct"]
+    results["training_overhead_all_cores_paired_ci95_low_pct"] = t["paired_ci95_low_pct"]
+    results["training_overhead_all_cores_paired_ci95_high_pct"] = t["paired_ci95_high_pct"]
     results["commit_after_s_all_cores"] = t["commit_after_s"]
 
 
@@ -184,7 +196,9 @@ def report_training(results: dict, runs: list[dict]) -> None:
         print(
             f"  interval without checkpoint {t['interval_without_s']:.2f} s, with {t['interval_with_s']:.2f} s: "
             f"overhead {overhead:.1f}% (median of the pairs' own ratios: {t['paired_overhead_pct']:.1f}%, "
-            f"their quartiles {t['paired_q1_pct']:.1f}% and {t['paired_q3_pct']:.1f}%)"
+            f"their quartiles {t['paired_q1_pct']:.1f}% and {t['paired_q3_pct']:.1f}%; 95% interval of that "
+            f"median {t['paired_ci95_low_pct']:.1f}% to {t['paired_ci95_high_pct']:.1f}%, bootstrap seed "
+            f"{BOOTSTRAP_SEED})"
         )
     results["training"] = runs
     results["training_overhead_pct"] = runs[0]["overhead_pct"]
