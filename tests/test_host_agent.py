@@ -11,8 +11,11 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -307,3 +310,72 @@ def test_an_agent_killed_outright_leaves_nothing_behind_once_a_later_one_starts(
     assert own.name.startswith(f"rewind-agent-{space}-")
     assert not stale.exists() and running.exists() and elsewhere.exists() and other.exists()
     wait_until(lambda: not own.exists(), 30, "the agent removed its own directory as it ended", interval=0.05)
+
+
+def _forwarded(port: int, to: int, stop: threading.Event) -> None:
+    """Connections to 127.0.0.1:``port`` carried to ``to`` both ways, on threads, until ``stop``."""
+    listener = socket.create_server(("127.0.0.1", port))
+    listener.settimeout(0.2)
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def serve() -> None:
+        with listener:
+            while not stop.is_set():
+                try:
+                    near = listener.accept()[0]
+                except TimeoutError:
+                    continue
+                far = socket.create_connection(("127.0.0.1", to))
+                for a, b in ((near, far), (far, near)):
+                    threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True, name="store-forward").start()
+
+
+def _listening(pid: int, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether the agent of the node whose task (now its torchrun) is ``pid`` listens on its FIFO."""
+    space = os.stat("/proc/self/ns/pid").st_ino
+    fifos = list(Path(tempfile.gettempdir()).glob(f"rewind-agent-{space}-{pid}-*/commits"))
+    if len(fifos) != 1:
+        return False
+    monkeypatch.setenv(agent_notice.FIFO_ENV, str(fifos[0]))
+    return agent_notice.agent() is agent_notice.Agent.LISTENING
+
+
+@pytest.mark.timeout(300)
+def test_agents_that_meet_after_the_ranks_started_take_the_passes_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host b's agent cannot reach node 0's store at first: the ranks start passing the ring themselves (step
+    1, its pass held). Once b's agent reaches the store and both agents listen, the ranks hand the passes to
+    them at the next save: the agents pass step 2 and record its ring copies."""
+    work, release = tmp_path, tmp_path / "release"
+    store, late = free_port(), free_port()
+    _marked(work)
+    nodes = _hosts_under_agents(work, (f"127.0.0.1:{store}", f"127.0.0.1:{late}"),
+                                {"REWIND_FAULT": "hold:ring.pass@1", "REWIND_FAULT_RELEASE": str(release)})  # fmt: skip
+    stop = threading.Event()
+    try:
+        wait_until(lambda: Path(f"{release}.held").exists(), 120, "the ranks passing step 1", interval=0.05)
+        assert not any(_listening(p.pid, monkeypatch) for p in nodes)
+        _forwarded(late, store, stop)
+        wait_until(lambda: all(_listening(p.pid, monkeypatch) for p in nodes), 60, "both agents listening",
+                   interval=0.05)  # fmt: skip
+    finally:
+        release.touch()
+    try:
+        outs = _ended(nodes, 240)
+    finally:
+        stop.set()
+    assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
+    assert "the hosts' memory agents pass the peer ring from step 2 on" in outs[0]
+    for node, out in enumerate(outs):
+        assert f"memory agent (node {node}): {RUN} step 2 passed" in out, out[-3000:]
+    assert _ring_rows(work) == {("host-a", "ring:host-b", "verified"), ("host-b", "ring:host-a", "verified")}

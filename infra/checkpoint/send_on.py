@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +75,9 @@ class SendOn:
         # every host's memory agent passes instead (``host_agent``), unless the save must wait for the pass
         self.teller = os.environ.get("LOCAL_RANK") == "0"  # each node's first rank tells its host's agent
         self._last_told: str | None = None  # the id of the last commit told
-        self.agent = self.ring and not inside and _agents_ready(self.teller, None)
+        seen = _agents_seen(self.teller, None) if self.ring and not inside else AgentsSeen(False, False)
+        self.agent = seen.ready
+        self._ask = seen.ready or seen.hopeful  # asked again at each save: agents meeting late take over
         # while this leader lives, another run's pass never lets this run's ring copies here go (held
         # whenever they may be read: a restore reads them even when this launch passes none)
         self.ring_hold = ring.hold(run) if disks.spread and leads else None
@@ -93,19 +96,27 @@ class SendOn:
         self._pushed(step, group)
         if not self.ring:
             return
-        if self.agent:  # the hosts' memory agents pass it: each node's first rank only tells its own
-            self.agent = _agents_ready(self.teller, group, wait_s=0.0)
-            if self.agent:
-                self._tell(step, lead, checkpoint_id, digest)
-                return
-            self._last_told = None  # nothing more to wait for at close: the ranks pass from now on
-            if self.rank == 0:
-                log.warning("%s: a host's memory agent is gone: the ranks pass the peer ring from step %d on",
-                            self.run, step)  # fmt: skip
+        if self._ask and self._agents_pass(step, group):  # each node's first rank only tells its own
+            self._tell(step, lead, checkpoint_id, digest)
+            return
         if self.behind is None:
             self._passed(step, lead, checkpoint_id)
         else:  # the save waited for the previous pass: the same passes in the same order on every rank
             self.behind.submit(f"ring pass of step {step}", lambda: self._passed(step, lead, checkpoint_id))
+
+    def _agents_pass(self, step: int, group: dist.ProcessGroup | None) -> bool:
+        """Collective: whether the hosts' memory agents pass ``step`` (every one listening now). The ranks'
+        own pass of the step before has ended by now (a save waits for it), so either hand-over is clean."""
+        was = self.agent
+        seen = _agents_seen(self.teller, group, wait_s=0.0)
+        self.agent, self._ask = seen.ready, seen.ready or seen.hopeful
+        if not self.agent:
+            self._last_told = None  # nothing more to wait for at close: the ranks pass meanwhile
+        if self.agent != was and self.rank == 0:
+            log.warning("%s: %s pass the peer ring from step %d on", self.run,
+                        "the hosts' memory agents" if self.agent else "a host's memory agent is not listening: the ranks",
+                        step)  # fmt: skip
+        return self.agent
 
     def _tell(self, step: int, lead: Catalog | None, checkpoint_id: int | None, digest: str | None) -> None:
         """A node's first rank tells its host's agent of the commit; rank 0 also where the ring copies are
@@ -183,19 +194,30 @@ class SendOn:
 AGENT_READY_S = 15.0  # how long a node's first rank waits, at the job's start, for its host's agent
 
 
-def _agents_ready(teller: bool, group: dist.ProcessGroup | None, wait_s: float = AGENT_READY_S) -> bool:
+@dataclass(frozen=True, slots=True)
+class AgentsSeen:
+    """What every node's first rank found of its host's memory agent."""
+
+    ready: bool  # every one listening: the agents pass
+    hopeful: bool  # none ended (some may still be meeting the others): worth asking again at the next save
+
+
+def _agents_seen(teller: bool, group: dist.ProcessGroup | None, wait_s: float = AGENT_READY_S) -> AgentsSeen:
     """Collective: whether every node's memory agent is listening (each node's first rank looks, waiting at
     most ``wait_s`` for one still meeting the others; the same answer on every rank: where one is not, the
     ranks pass)."""
-    ready = False
+    state = agent_notice.Agent.GONE
     if teller:
         deadline = time.monotonic() + wait_s
         while (state := agent_notice.agent()) is agent_notice.Agent.STARTING and time.monotonic() < deadline:
             time.sleep(0.1)
-        ready = state is agent_notice.Agent.LISTENING
     every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (teller, ready), group=group)
-    return any(t for t, _ in every) and all(ok for t, ok in every if t)
+    dist.all_gather_object(every, (teller, state.value), group=group)
+    told = [agent_notice.Agent(s) for t, s in every if t]
+    return AgentsSeen(
+        ready=bool(told) and all(s is agent_notice.Agent.LISTENING for s in told),
+        hopeful=bool(told) and agent_notice.Agent.GONE not in told,
+    )
 
 
 def _agent_passed(run: str, told: str, timeout_s: float) -> bool:

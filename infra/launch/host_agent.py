@@ -12,7 +12,8 @@ started all the same, without an agent. The agents of the launch's nodes meet at
 agent serves at ``--store`` (keys under ``--scope``, the launch's own) and make a gloo group of their own;
 only then does an agent read its FIFO (``agent_notice.agent``). The job's ranks pass the ring themselves
 unless every host's agent is listening when they start (each node's first rank waits for it at most
-``send_on.AGENT_READY_S``) and at each save; otherwise each node's first rank tells its agent of each
+``send_on.AGENT_READY_S``) and at each save (agents that meet late take over then); otherwise each node's
+first rank tells its agent of each
 commit, the agents agree on each pass (``agent_rounds``) and pass the shares over their group, the agent on
 rank 0's host recording the ring copies in the catalog, and each agent names the commit it last finished
 beside its FIFO (a rank closing its checkpointer, or loading, waits for its last one while the agent
