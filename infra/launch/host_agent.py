@@ -38,7 +38,6 @@ import select
 import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from rewind.infra.faults import fault_point
+from rewind.infra.launch import agent_home
 from rewind.infra.memory import agent_notice
 from rewind.infra.memory.agent_notice import FIFO_ENV, Committed, Inbox
 from rewind.infra.memory.agent_rounds import BEAT_S, STALE_S, Rounds, Seen
@@ -56,7 +56,6 @@ JOIN_S = 120.0  # the agents' store and group joined within this (``--join-s``),
 PASS_TIMEOUT_S = 300.0  # one collective of a pass (a piece of 16 MiB, an agreement)
 TICK_S = 0.2  # how often an agent looks for a decision while nothing is told
 NICENESS = 10
-HOME_PREFIX = "rewind-agent-"  # an agent's directory: ``_home_prefix``
 
 
 def command(
@@ -119,8 +118,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _start(args: argparse.Namespace) -> Path:
     """The agent started (a grandchild: when it ends, init reaps it); its FIFO."""
-    sweep_stale(Path(tempfile.gettempdir()))  # housekeeping, said nowhere: the output is the job's
-    home = Path(tempfile.mkdtemp(prefix=_home_prefix()))  # 0700: the FIFO is this user's alone
+    home = agent_home.made()
     fifo = home / "commits"
     try:
         os.mkfifo(fifo, 0o600)
@@ -142,61 +140,6 @@ def _start(args: argparse.Namespace) -> Path:
     if job[0] >= 0:
         os.close(job[0])  # the agent's copy is its own
     return fifo
-
-
-def sweep_stale(tmp: Path) -> int:
-    """Remove this user's agent directories under ``tmp`` whose job has ended (an agent killed with SIGKILL
-    leaves its own behind); how many. Only names of this pid namespace's jobs are looked at (a container's
-    pids mean nothing here). A job still running, another user's directory, or a name that is not an
-    agent's is left alone; a pid since taken by another process keeps its directory until that ends."""
-    space = _pid_space()
-    if space is None:
-        return 0
-    swept = 0
-    with contextlib.suppress(OSError):
-        for entry in os.scandir(tmp):
-            pid = _job_pid(entry.name, space)
-            if pid is None or _alive(pid):
-                continue
-            with contextlib.suppress(OSError):
-                st = entry.stat(follow_symlinks=False)
-                if entry.is_dir(follow_symlinks=False) and st.st_uid == os.getuid():
-                    shutil.rmtree(entry.path)
-                    swept += 1
-    return swept
-
-
-def _home_prefix() -> str:
-    """``rewind-agent-<pid namespace>-<job pid>-``, or ``rewind-agent-`` alone where the namespace is unknown
-    (such a directory is never swept)."""
-    space = _pid_space()
-    return f"{HOME_PREFIX}{space}-{os.getpid()}-" if space is not None else HOME_PREFIX
-
-
-def _pid_space() -> str | None:
-    """This process's pid namespace (its inode), None where it cannot be told."""
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return None
-
-
-def _job_pid(name: str, space: str) -> int | None:
-    """The job's pid in the name of an agent directory of pid namespace ``space``; None for any other name."""
-    pid, dash, _ = name.removeprefix(f"{HOME_PREFIX}{space}-").partition("-")
-    if name.startswith(f"{HOME_PREFIX}{space}-") and dash and pid.isascii() and pid.isdigit():
-        return int(pid) if 0 < int(pid) < 1 << 22 else None
-    return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _pidfd() -> int:
