@@ -307,6 +307,11 @@ _ALIASES = "command: [python]\nenv:\n" + "".join(  # a billion laughs: 9**12 str
         ('command: [python, -c, "pass"]\nheartbeat_timeout_s: 0\n', "heartbeat_timeout_s must be above 0"),
         ('command: [python, -c, "pass"]\nloss_spike_factor: 0.5\n', "loss_spike_factor must be above 1"),
         ('command: [python, -c, "pass"]\nlr: .nan\n', "lr must be above 0"),
+        (
+            'command: [python, -c, "pass"]\nnproc_per_node: 100000\n',
+            "nproc_per_node (100000) must be at most",
+        ),
+        ('command: [python, -c, "pass"]\nnnodes: 1000000\n', "nnodes (1000000) at most 65536"),
     ],
     ids=[
         "env_int",
@@ -320,6 +325,8 @@ _ALIASES = "command: [python]\nenv:\n" + "".join(  # a billion laughs: 9**12 str
         "heartbeat_zero",
         "spike_below_one",
         "lr_nan",
+        "nproc_huge",
+        "nnodes_huge",
     ],
 )
 def test_a_job_spec_of_the_wrong_shape_is_refused_in_one_line(text, says, tmp_path, monkeypatch, capsys):

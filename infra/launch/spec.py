@@ -22,6 +22,9 @@ from rewind.infra.errors import ConfigError
 from rewind.infra.health.layout import Layout
 from rewind.infra.launch.launchers import LauncherKind
 
+MAX_NPROC_PER_NODE = 1024  # processes on one node: more than any node's devices or cores
+MAX_NNODES = 65536  # hosts in one launch: more than the largest scheduler allocation
+
 
 @dataclass(frozen=True, kw_only=True)
 class JobSpec:
@@ -76,6 +79,11 @@ class JobSpec:
         if self.nnodes < 1 or self.nproc_per_node < 1:
             raise ConfigError(
                 f"nnodes ({self.nnodes}) and nproc_per_node ({self.nproc_per_node}) must be >= 1"
+            )
+        if self.nproc_per_node > MAX_NPROC_PER_NODE or self.nnodes > MAX_NNODES:
+            raise ConfigError(  # a typo must not start a million processes on a node, or ask for as many hosts
+                f"nproc_per_node ({self.nproc_per_node}) must be at most {MAX_NPROC_PER_NODE} and nnodes "
+                f"({self.nnodes}) at most {MAX_NNODES}"
             )
         if not 1 <= self.min_world_size <= self.world_size:
             raise ConfigError(f"min_world_size {self.min_world_size} must be between 1 and {self.world_size}")
