@@ -26,7 +26,7 @@ from rewind.infra.catalog import lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.format import local_tier
 from rewind.infra.format import manifest as mf
-from rewind.infra.launch import host_agent
+from rewind.infra.launch import agent_home, host_agent
 from rewind.infra.memory import agent_notice, agent_rounds
 from rewind.infra.memory.agent_rounds import Rounds, Seen
 from rewind.infra.net import free_port
@@ -68,7 +68,11 @@ def _agents_of(store: str) -> list[int]:
 
 
 def _hosts_under_agents(
-    work: Path, stores: tuple[str, str], extra: dict[str, str] | None = None
+    work: Path,
+    stores: tuple[str, str],
+    extra: dict[str, str] | None = None,
+    *,
+    join_s: float = host_agent.JOIN_S,
 ) -> list[subprocess.Popen[str]]:
     """Host a (node 0: ranks 0-1) and host b (node 1: ranks 2-3), each its torchrun under its agent (node
     0's store, as each agent is told it: ``stores``); sync saves, the ring's setting at its default."""
@@ -82,7 +86,7 @@ def _hosts_under_agents(
         job = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
                "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={master}",
                "-m", "tests.spread_worker", "save", str(work), "a,a,b,b"]  # fmt: skip
-        task = host_agent.command(node, 2, stores[node], "launch-1", job)
+        task = host_agent.command(node, 2, stores[node], "launch-1", job, join_s=join_s)
         nodes.append(subprocess.Popen(task, cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, start_new_session=True))  # fmt: skip
     return nodes
@@ -289,16 +293,19 @@ def test_a_leader_with_no_agent_listening_goes_on_and_a_line_not_a_commit_is_not
 
 def test_an_agent_killed_outright_leaves_nothing_behind_once_a_later_one_starts(tmp_path: Path) -> None:
     """An agent killed with SIGKILL cannot remove its directory (its FIFO, its ``passed`` file); the next
-    agent started on the host removes those of ended jobs, and only those: a running job's, another pid
-    namespace's and a name not an agent's stay."""
-    space = os.stat("/proc/self/ns/pid").st_ino
+    agent started on the host removes those of ended jobs, and only those: a running job's, another host's
+    (a temporary directory shared between hosts), another pid namespace's and a name not an agent's stay."""
+    space = agent_home._pid_space()
+    assert space is not None
+    boot, _, ns = space.partition(".")
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                            text=True, check=True).stdout.strip()  # fmt: skip
     stale = tmp_path / f"rewind-agent-{space}-{ended}-x1"
     running = tmp_path / f"rewind-agent-{space}-{os.getpid()}-x2"
-    elsewhere = tmp_path / f"rewind-agent-{space + 1}-{ended}-x3"
-    other = tmp_path / f"rewind-agent-{space}-{ended}"  # no random part: not an agent's name
-    for d in (stale, running, elsewhere, other):
+    other_host = tmp_path / f"rewind-agent-{'0' * len(boot)}.{ns}-{ended}-x3"
+    other_space = tmp_path / f"rewind-agent-{boot}.{int(ns) + 1}-{ended}-x4"
+    not_agents = tmp_path / f"rewind-agent-{space}-{ended}"  # no random part: not an agent's name
+    for d in (stale, running, other_host, other_space, not_agents):
         d.mkdir()
         os.mkfifo(d / "commits", 0o600)
     job = [sys.executable, "-c", "import os; print(os.environ['REWIND_HOST_AGENT'])"]
@@ -308,48 +315,53 @@ def test_an_agent_killed_outright_leaves_nothing_behind_once_a_later_one_starts(
     assert done.returncode == 0, done.stderr
     own = Path(done.stdout.strip()).parent
     assert own.name.startswith(f"rewind-agent-{space}-")
-    assert not stale.exists() and running.exists() and elsewhere.exists() and other.exists()
+    assert not stale.exists()
+    assert all(d.exists() for d in (running, other_host, other_space, not_agents))
     wait_until(lambda: not own.exists(), 30, "the agent removed its own directory as it ended", interval=0.05)
 
 
 def _forwarded(port: int, to: int, stop: threading.Event) -> None:
-    """Connections to 127.0.0.1:``port`` carried to ``to`` both ways, on threads, until ``stop``."""
+    """Connections to 127.0.0.1:``port`` carried to ``to`` both ways, on threads, until ``stop`` (then every
+    socket is closed)."""
     listener = socket.create_server(("127.0.0.1", port))
     listener.settimeout(0.2)
+    opened: list[socket.socket] = []
 
     def pump(src: socket.socket, dst: socket.socket) -> None:
         with contextlib.suppress(OSError):
             while data := src.recv(1 << 16):
                 dst.sendall(data)
-        for s in (src, dst):
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
 
     def serve() -> None:
-        with listener:
+        try:
             while not stop.is_set():
-                try:
+                with contextlib.suppress(TimeoutError):
                     near = listener.accept()[0]
-                except TimeoutError:
-                    continue
-                far = socket.create_connection(("127.0.0.1", to))
-                for a, b in ((near, far), (far, near)):
-                    threading.Thread(target=pump, args=(a, b), daemon=True).start()
+                    opened.append(near)
+                    with contextlib.suppress(OSError):
+                        opened.append(far := socket.create_connection(("127.0.0.1", to), timeout=10))
+                        far.settimeout(None)
+                        for a, b in ((near, far), (far, near)):
+                            threading.Thread(target=pump, args=(a, b), daemon=True).start()
+        finally:
+            for s in (listener, *opened):
+                s.close()
 
     threading.Thread(target=serve, daemon=True, name="store-forward").start()
 
 
 def _listening(pid: int, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Whether the agent of the node whose task (now its torchrun) is ``pid`` listens on its FIFO."""
-    space = os.stat("/proc/self/ns/pid").st_ino
-    fifos = list(Path(tempfile.gettempdir()).glob(f"rewind-agent-{space}-{pid}-*/commits"))
+    fifos = list(Path(tempfile.gettempdir()).glob(f"rewind-agent-{agent_home._pid_space()}-{pid}-*/commits"))
     if len(fifos) != 1:
         return False
     monkeypatch.setenv(agent_notice.FIFO_ENV, str(fifos[0]))
     return agent_notice.agent() is agent_notice.Agent.LISTENING
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_agents_that_meet_after_the_ranks_started_take_the_passes_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -359,21 +371,28 @@ def test_agents_that_meet_after_the_ranks_started_take_the_passes_over(
     work, release = tmp_path, tmp_path / "release"
     store, late = free_port(), free_port()
     _marked(work)
-    nodes = _hosts_under_agents(work, (f"127.0.0.1:{store}", f"127.0.0.1:{late}"),
-                                {"REWIND_FAULT": "hold:ring.pass@1", "REWIND_FAULT_RELEASE": str(release)})  # fmt: skip
+    held = {"REWIND_FAULT": "hold:ring.pass@1", "REWIND_FAULT_RELEASE": str(release)}
     stop = threading.Event()
+    nodes = _hosts_under_agents(work, (f"127.0.0.1:{store}", f"127.0.0.1:{late}"), held, join_s=600)
     try:
-        wait_until(lambda: Path(f"{release}.held").exists(), 120, "the ranks passing step 1", interval=0.05)
-        assert not any(_listening(p.pid, monkeypatch) for p in nodes)
-        _forwarded(late, store, stop)
-        wait_until(lambda: all(_listening(p.pid, monkeypatch) for p in nodes), 60, "both agents listening",
-                   interval=0.05)  # fmt: skip
-    finally:
-        release.touch()
-    try:
-        outs = _ended(nodes, 240)
+        try:
+            wait_until(
+                lambda: Path(f"{release}.held").exists(), 120, "the ranks passing step 1", interval=0.05
+            )
+            assert not any(_listening(p.pid, monkeypatch) for p in nodes)
+            _forwarded(late, store, stop)
+            wait_until(lambda: all(_listening(p.pid, monkeypatch) for p in nodes), 60, "both agents listening",
+                       interval=0.05)  # fmt: skip
+        finally:
+            release.touch()
+        outs = _ended(nodes, 150)  # kills every node's processes if they have not ended by then
     finally:
         stop.set()
+        for p in nodes:  # a wait that failed leaves none of the launch behind
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.communicate(timeout=30)
     assert all(p.returncode == 0 for p in nodes), "\n".join(o[-3000:] for o in outs)
     assert "the hosts' memory agents pass the peer ring from step 2 on" in outs[0]
     for node, out in enumerate(outs):

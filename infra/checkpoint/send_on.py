@@ -106,12 +106,13 @@ class SendOn:
 
     def _agents_pass(self, step: int, group: dist.ProcessGroup | None) -> bool:
         """Collective: whether the hosts' memory agents pass ``step`` (every one listening now). The ranks'
-        own pass of the step before has ended by now (a save waits for it), so either hand-over is clean."""
+        own pass of the step before has ended by now (a save waits for it), and the agents' is waited for
+        before the ranks take over, so either hand-over is clean."""
         was = self.agent
         seen = _agents_seen(self.teller, group, wait_s=0.0)
         self.agent, self._ask = seen.ready, seen.ready or seen.hopeful
-        if not self.agent:
-            self._last_told = None  # nothing more to wait for at close: the ranks pass meanwhile
+        if not self.agent:  # the ranks pass from now on, once this host's agent finished what it was told
+            self.settle()  # (bounded; not at all once it stopped listening): no older pass lands after theirs
         if self.agent != was and self.rank == 0:
             log.warning("%s: %s pass the peer ring from step %d on", self.run,
                         "the hosts' memory agents" if self.agent else "a host's memory agent is not listening: the ranks",

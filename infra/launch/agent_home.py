@@ -17,14 +17,15 @@ def made() -> Path:
     """A new directory for this job's agent (0700: the FIFO is this user's alone), once this user's ended
     jobs' directories are swept (said nowhere: the task's output is the job's)."""
     tmp = Path(tempfile.gettempdir())
-    sweep_stale(tmp)
+    with contextlib.suppress(Exception):  # housekeeping never keeps the job from starting (a deep tree...)
+        sweep_stale(tmp)
     return Path(tempfile.mkdtemp(prefix=_home_prefix(), dir=tmp))
 
 
 def sweep_stale(tmp: Path) -> int:
     """Remove this user's agent directories under ``tmp`` whose job has ended (an agent killed with SIGKILL
-    leaves its own behind); how many. Only names of this pid namespace's jobs are looked at (a container's
-    pids mean nothing here). A job still running, another user's directory, or a name that is not an
+    leaves its own behind); how many. Only names of this host's boot and pid namespace are looked at (another
+    host's, or a container's, pids mean nothing here). A job still running, another user's directory, or a name that is not an
     agent's is left alone; a pid since taken by another process keeps its directory until that ends."""
     space = _pid_space()
     if space is None:
@@ -44,18 +45,22 @@ def sweep_stale(tmp: Path) -> int:
 
 
 def _home_prefix() -> str:
-    """``rewind-agent-<pid namespace>-<job pid>-``, or ``rewind-agent-`` alone where the namespace is unknown
-    (such a directory is never swept)."""
+    """``rewind-agent-<host>-<job pid>-``, or ``rewind-agent-`` alone where the host cannot be told (such a
+    directory is never swept)."""
     space = _pid_space()
     return f"{HOME_PREFIX}{space}-{os.getpid()}-" if space is not None else HOME_PREFIX
 
 
 def _pid_space() -> str | None:
-    """This process's pid namespace (its inode), None where it cannot be told."""
+    """Where this process's pids mean something: this boot of this host (``boot_id``: a temporary directory
+    shared between hosts must not have one host sweep another's) and its pid namespace (its inode: a
+    container's pids are not the host's); None where either cannot be told."""
     try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip().replace("-", "")
+        space = os.stat("/proc/self/ns/pid").st_ino
+    except (OSError, UnicodeDecodeError):
         return None
+    return f"{boot}.{space}" if boot.isascii() and boot.isalnum() else None
 
 
 def _job_pid(name: str, space: str) -> int | None:
