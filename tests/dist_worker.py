@@ -58,7 +58,7 @@ def init_optimizer_state(model: torch.nn.Module, opt: torch.optim.Optimizer) -> 
 
 
 def main(mode: str, kind: str, workdir: str) -> None:
-    from rewind.infra.checkpoint import sharded
+    from rewind.infra.checkpoint import sharded, sharded_load
     from rewind.infra.format import manifest as mf
 
     dist.init_process_group("gloo")
@@ -87,7 +87,7 @@ def main(mode: str, kind: str, workdir: str) -> None:
         init_optimizer_state(model, opt)
         msd, osd = get_state_dict(model, opt)
         directory = root / "ckpt" / "step-3"
-        restored, mine = sharded.load(directory, mf.read(directory), {"model": msd, "optim": osd})
+        restored, mine = sharded_load.load(directory, mf.read(directory), {"model": msd, "optim": osd})
         set_state_dict(model, opt, model_state_dict=restored["model"], optim_state_dict=restored["optim"])
         full = _full(model, opt)
         if rank == 0:

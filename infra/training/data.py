@@ -1,4 +1,4 @@
-"""A data loader whose position is part of the checkpoint.
+"""A data loader whose position is part of the checkpoint, and the loaders a training session takes.
 
 The order of samples is a pure function of (seed, epoch): a permutation of the
 dataset. The position is the number of samples of that global order already
@@ -9,7 +9,7 @@ and the position means the same thing whatever the data-parallel size.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -119,3 +119,22 @@ class ResumableLoader:
                 self.total += self.global_batch
                 yield batch
             self.epoch, self.consumed = self.epoch + 1, 0
+
+
+class SkippableLoader(Protocol):
+    """A loader whose position (samples of the global order consumed) can be moved forward."""
+
+    @property
+    def position(self) -> int: ...
+
+    def skip_to(self, position: int) -> None: ...
+
+
+class StatefulLoader(Protocol):
+    """Any loader that can say where it is and go back there (torchdata's ``StatefulDataLoader``): its
+    state is checkpointed and restored exactly; under torchrun it is each rank's own, restored on as many
+    ranks only. It has no global position, so it can neither skip a data window nor be resharded."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,7 @@ from rewind.infra.health.layout import Layout, ModelShape
 from rewind.infra.health.signals import LossWatch
 from rewind.infra.training import after_restore, comeback, group
 from rewind.infra.training.after_restore import position_of
+from rewind.infra.training.data import SkippableLoader, StatefulLoader
 from rewind.infra.training.handoff import Handoff
 from rewind.infra.training.parts import ModelPart, OptimizerPart, RankRNG, job_layout, shape_of
 from rewind.infra.training.progress import LAUNCH_ENV, ProgressWriter
@@ -51,25 +52,6 @@ log = logging.getLogger("rewind.session")
 
 class TrainingAnomaly(RewindError):
     """The loss went NaN/Inf or spiked: recorded for the supervisor, which rolls the run back."""
-
-
-class SkippableLoader(Protocol):
-    """A loader whose position (samples of the global order consumed) can be moved forward."""
-
-    @property
-    def position(self) -> int: ...
-
-    def skip_to(self, position: int) -> None: ...
-
-
-class StatefulLoader(Protocol):
-    """Any loader that can say where it is and go back there (torchdata's ``StatefulDataLoader``): its
-    state is checkpointed and restored exactly; under torchrun it is each rank's own, restored on as many
-    ranks only. It has no global position, so it can neither skip a data window nor be resharded."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class TrainingSession:
@@ -345,23 +327,22 @@ class TrainingSession:
         if not self._prepared and self.checkpoint_every and step % self.checkpoint_every:
             self._prepare()  # not at a save's step: that save would only wait for it
         if value is not None:
-            found = self.watch.observe(step, value)
-            seen = (found.kind, found.reason) if found is not None else None
-            kind, reason = seen or (comeback.KIND, self._compare(step, value))
-            if reason is not None:
-                if (
-                    self._writer is not None
-                ):  # a diverging comeback says no position: no data is skipped for it
-                    at = {
-                        "kind": kind,
-                        "step": step,
-                        "reason": reason,
-                        "position": position if found else None,
-                    }
-                    self._writer.note(anomaly=at)
-                raise TrainingAnomaly(reason)
+            self._watch_loss(step, value, position)
         if self.checkpoint_every and step % self.checkpoint_every == 0:
             self.save(step, metrics={} if value is None else {"loss": value})
+
+    def _watch_loss(self, step: int, loss: float, position: int | None) -> None:
+        """``TrainingAnomaly`` on NaN/Inf, a spike, or a comeback that diverged, told to the supervisor first
+        (a diverging comeback says no position: no data is skipped for it)."""
+        found = self.watch.observe(step, loss)
+        seen = (found.kind, found.reason) if found is not None else None
+        kind, reason = seen or (comeback.KIND, self._compare(step, loss))
+        if reason is None:
+            return
+        if self._writer is not None:
+            at = {"kind": kind, "step": step, "reason": reason, "position": position if seen else None}
+            self._writer.note(anomaly=at)
+        raise TrainingAnomaly(reason)
 
     def _compare(self, step: int, loss: float) -> str | None:
         """Rank 0 after a restore: why the comeback diverged at this step, if it did (``comeback``)."""
