@@ -11,6 +11,7 @@ import argparse
 import math
 import os
 import random
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -80,6 +81,7 @@ def _intervals(
     without: list[float] = []
     commit_after: list[float] = []  # from save() to the commit, while the job trains
     for r in range(runs):
+        _drop_older(ck)  # between pairs, outside every timed interval
         if r % 2:
             took, seen = _saved(ck, step, every, r * every + 2)
             without.append(_plain(step, every))
@@ -93,6 +95,16 @@ def _intervals(
 
 BOOTSTRAP_SEED = 26  # reported with the interval: the same pairs give the same interval
 BOOTSTRAP_DRAWS = 2000
+
+
+def _drop_older(ck: Checkpointer) -> None:
+    """Every checkpoint directory of the run but the newest save's removed (the catalog still lists them:
+    nothing here restores): a run of 21 pairs would otherwise keep 21 copies of the state per measurement,
+    tens of GB for the three measurements of the section."""
+    newest = Path(ck.last_saved.path) if ck.last_saved is not None else None
+    for d in ck.run_dir.glob("step-*"):
+        if d != newest:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _paired(with_ck: list[float], without: list[float]) -> dict[str, float]:
