@@ -10,6 +10,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from rewind.infra.format.store import pid_alive  # the one check; no torch behind it
+
 HOME_PREFIX = "rewind-agent-"
 
 
@@ -25,8 +27,9 @@ def made() -> Path:
 def sweep_stale(tmp: Path) -> int:
     """Remove this user's agent directories under ``tmp`` whose job has ended (an agent killed with SIGKILL
     leaves its own behind); how many. Only names of this host's boot and pid namespace are looked at (another
-    host's, or a container's, pids mean nothing here). A job still running, another user's directory, or a name that is not an
-    agent's is left alone; a pid since taken by another process keeps its directory until that ends."""
+    host's, or a container's, pids mean nothing here). A job still running, another user's directory, or a
+    name that is not an agent's is left alone; a pid since taken by another process keeps its directory
+    until that ends."""
     space = _pid_space()
     if space is None:
         return 0
@@ -34,7 +37,7 @@ def sweep_stale(tmp: Path) -> int:
     with contextlib.suppress(OSError):
         for entry in os.scandir(tmp):
             pid = _job_pid(entry.name, space)
-            if pid is None or _alive(pid):
+            if pid is None or pid_alive(pid):
                 continue
             with contextlib.suppress(OSError):
                 st = entry.stat(follow_symlinks=False)
@@ -69,13 +72,3 @@ def _job_pid(name: str, space: str) -> int | None:
     if name.startswith(f"{HOME_PREFIX}{space}-") and dash and pid.isascii() and pid.isdigit():
         return int(pid) if 0 < int(pid) < 1 << 22 else None
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
