@@ -1,33 +1,37 @@
 """SQLAlchemy 2 typed models of the catalog.
 
 Relationships are ``lazy="raise"``: every query says what it loads, so no
-request quietly turns into one query per row.
+request quietly turns into one query per row. The serving tables live in ``serving_models`` and are
+re-exported here.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-from enum import StrEnum
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
     JSON,
     BigInteger,
     Boolean,
-    DateTime,
-    Enum,
     Float,
     ForeignKey,
     Index,
     Integer,
-    MetaData,
     String,
     Text,
-    UniqueConstraint,
     text,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import Mapped, mapped_column, relationship
 
+from rewind.infra.catalog.base import NAMING_CONVENTION, Base, aware, checked_enum, utcnow  # noqa: F401 (re-exported)
+from rewind.infra.catalog.serving_models import (  # noqa: F401 (re-exported)
+    ChatSession,
+    ChatTurn,
+    Rollout,
+    RolloutStep,
+    ServingVersion,
+)
 from rewind.infra.catalog.states import (  # noqa: F401 (re-exported)
     LIVE_RANK_STATES,
     LIVE_STATUSES,
@@ -41,44 +45,7 @@ from rewind.infra.catalog.states import (  # noqa: F401 (re-exported)
     VersionState,
 )
 
-NAMING_CONVENTION = {
-    "ix": "ix_%(column_0_label)s",
-    "uq": "uq_%(table_name)s_%(column_0_name)s",
-    "ck": "ck_%(table_name)s_%(constraint_name)s",
-    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-    "pk": "pk_%(table_name)s",
-}
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
-
-
-def aware(ts: datetime) -> datetime:
-    """A timestamp from the catalog in UTC: SQLite hands them back without a zone; Rewind writes UTC only."""
-    return ts.replace(tzinfo=UTC) if ts.tzinfo is None else ts.astimezone(UTC)
-
-
-class Base(DeclarativeBase):
-    metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime(timezone=True)}
-
-
 _LIVE_SQL = "status IN ('writing', 'committed', 'verified')"
-_STABLE_SQL = "state = 'stable'"
-
-
-def _enum(cls: type[StrEnum], name: str) -> Enum:
-    """A string column limited to ``cls``'s values by a named CHECK constraint (no native enum type)."""
-    return Enum(
-        cls,
-        name=name,
-        native_enum=False,
-        create_constraint=True,
-        length=16,
-        values_callable=lambda e: [m.value for m in e],
-        validate_strings=True,
-    )
 
 
 class Run(Base):
@@ -116,7 +83,7 @@ class Checkpoint(Base):
     step: Mapped[int] = mapped_column(BigInteger)
     parent_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoint.id", ondelete="SET NULL"))
     status: Mapped[CheckpointStatus] = mapped_column(
-        _enum(CheckpointStatus, "status"), default=CheckpointStatus.WRITING
+        checked_enum(CheckpointStatus, "status"), default=CheckpointStatus.WRITING
     )
     status_reason: Mapped[str | None] = mapped_column(Text)
     path: Mapped[str] = mapped_column(Text)
@@ -168,7 +135,7 @@ class Replica(Base):
     tier_id: Mapped[str | None] = mapped_column(String(64))
     host: Mapped[str | None] = mapped_column(String(255))
     status: Mapped[ReplicaStatus] = mapped_column(
-        _enum(ReplicaStatus, "status"), default=ReplicaStatus.PENDING
+        checked_enum(ReplicaStatus, "status"), default=ReplicaStatus.PENDING
     )
     detail: Mapped[str | None] = mapped_column(Text)  # what the last check found
     bytes: Mapped[int | None] = mapped_column(BigInteger)
@@ -194,7 +161,9 @@ class Incident(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("run.id", ondelete="CASCADE"), index=True)
-    kind: Mapped[IncidentKind] = mapped_column(_enum(IncidentKind, "kind"))  # never FINISHED: incidents.KINDS
+    kind: Mapped[IncidentKind] = mapped_column(
+        checked_enum(IncidentKind, "kind")
+    )  # never FINISHED: incidents.KINDS
     detected_at: Mapped[datetime] = mapped_column(default=utcnow)
     reason: Mapped[str | None] = mapped_column(Text)
     decision: Mapped[str | None] = mapped_column(Text)
@@ -257,85 +226,8 @@ class RankProgress(Base):
         Float
     )  # the rank's clock (epoch s) when ``step`` was reached
     beat_at: Mapped[float] = mapped_column(Float)  # the rank's clock when it last wrote
-    state: Mapped[RankState] = mapped_column(_enum(RankState, "state"), default=RankState.RUNNING)
+    state: Mapped[RankState] = mapped_column(checked_enum(RankState, "state"), default=RankState.RUNNING)
     detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
-
-
-class ServingVersion(Base):
-    """One model version in serving, with the training checkpoint it came from."""
-
-    __tablename__ = "serving_version"
-    __table_args__ = (
-        UniqueConstraint("model", "version"),
-        Index(
-            "uq_serving_version_stable",
-            "model",
-            unique=True,
-            postgresql_where=text(_STABLE_SQL),
-            sqlite_where=text(_STABLE_SQL),
-        ),
-    )
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    model: Mapped[str] = mapped_column(String(63))
-    version: Mapped[str] = mapped_column(String(63))
-    checkpoint_id: Mapped[int | None] = mapped_column(
-        ForeignKey("checkpoint.id", ondelete="SET NULL"), index=True
-    )
-    # Copied from the checkpoint so the lineage survives the checkpoint's deletion.
-    run: Mapped[str] = mapped_column(String(200))
-    step: Mapped[int] = mapped_column(BigInteger)
-    manifest_digest: Mapped[str] = mapped_column(String(64))
-    artifact_uri: Mapped[str] = mapped_column(Text)
-    artifact_digest: Mapped[str] = mapped_column(String(64))
-    artifact_bytes: Mapped[int] = mapped_column(BigInteger)
-    # What the archive was packed with (absolute paths); the model's next version reuses them.
-    handler: Mapped[str | None] = mapped_column(Text)
-    extra_files: Mapped[list[str] | None] = mapped_column(JSON)
-    state: Mapped[VersionState] = mapped_column(_enum(VersionState, "state"), default=VersionState.EXPORTED)
-    weight: Mapped[int] = mapped_column(Integer, default=0)
-    was_stable: Mapped[bool] = mapped_column(Boolean, default=False)
-    created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    loaded_at: Mapped[datetime | None]
-    promoted_at: Mapped[datetime | None]
-    unloaded_at: Mapped[datetime | None]
-
-
-class Rollout(Base):
-    """One change of what serves a model: a deploy, a gated rollout or a rollback."""
-
-    __tablename__ = "rollout"
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    model: Mapped[str] = mapped_column(String(63), index=True)
-    kind: Mapped[RolloutKind] = mapped_column(_enum(RolloutKind, "kind"))
-    from_version: Mapped[str | None] = mapped_column(String(63))
-    to_version: Mapped[str] = mapped_column(String(63))
-    state: Mapped[RolloutState] = mapped_column(_enum(RolloutState, "state"), default=RolloutState.RUNNING)
-    triggered_by: Mapped[str] = mapped_column(Text)
-    params: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    reason: Mapped[str | None] = mapped_column(Text)
-    started_at: Mapped[datetime] = mapped_column(default=utcnow)
-    decided_at: Mapped[datetime | None]
-    finished_at: Mapped[datetime | None]
-    switch_s: Mapped[float | None] = mapped_column(Float)
-    origin: Mapped[str | None] = mapped_column(String(200), unique=True)  # ``flow-run:<id>:<kind>``
-
-
-class RolloutStep(Base):
-    """One entry of a rollout's timeline: weights set, a gate evaluated, a version loaded or unloaded."""
-
-    __tablename__ = "rollout_step"
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    rollout_id: Mapped[int] = mapped_column(ForeignKey("rollout.id", ondelete="CASCADE"), index=True)
-    at: Mapped[datetime] = mapped_column(default=utcnow)
-    action: Mapped[str] = mapped_column(String(32))
-    actor: Mapped[str] = mapped_column(String(200))
-    weights: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    gates: Mapped[dict[str, Any] | None] = mapped_column(JSON)
-    passed: Mapped[bool | None] = mapped_column(Boolean)
-    detail: Mapped[str | None] = mapped_column(Text)
 
 
 class Drill(Base):
@@ -354,7 +246,7 @@ class Drill(Base):
     incident_id: Mapped[int | None] = mapped_column(ForeignKey("incident.id", ondelete="SET NULL"))
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     ended_at: Mapped[datetime | None]
-    outcome: Mapped[DrillOutcome] = mapped_column(_enum(DrillOutcome, "outcome"))
+    outcome: Mapped[DrillOutcome] = mapped_column(checked_enum(DrillOutcome, "outcome"))
     phases: Mapped[dict[str, Any]] = mapped_column(default=dict)
     rto_s: Mapped[float | None] = mapped_column(Float)
     rpo_steps: Mapped[int | None] = mapped_column(Integer)
@@ -366,38 +258,3 @@ class Drill(Base):
     seed: Mapped[int | None] = mapped_column(Integer)
     slo: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # the budget it was judged against
     details: Mapped[dict[str, Any]] = mapped_column(default=dict)  # the Chaos Toolkit journal's summary
-
-
-class ChatSession(Base):
-    """A conversation served by a generative model: its history lives here, not in the serving process.
-
-    ``tokens`` is every token so far (prompts and replies, in order), so any instance can take the
-    conversation over; ``blocks`` names its KV-cache blocks (``[prefix hash, content digest, end]`` per
-    full block) so that instance can load them from a tier and check every byte first.
-    """
-
-    __tablename__ = "chat_session"
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    session_key: Mapped[str] = mapped_column(String(200), unique=True)  # the client's session_id
-    model: Mapped[str] = mapped_column(String(100))
-    tokens: Mapped[list[int]] = mapped_column(JSON, default=list)
-    blocks: Mapped[list[Any]] = mapped_column(JSON, default=list)
-    created_at: Mapped[datetime] = mapped_column(default=utcnow)
-    last_turn_at: Mapped[datetime] = mapped_column(default=utcnow)
-    expires_at: Mapped[datetime] = mapped_column(index=True)
-
-
-class ChatTurn(Base):
-    """One turn of a conversation, written before its reply is returned."""
-
-    __tablename__ = "chat_turn"
-    __table_args__ = (UniqueConstraint("session_id", "n"),)
-
-    id: Mapped[int] = mapped_column(primary_key=True)
-    session_id: Mapped[int] = mapped_column(ForeignKey("chat_session.id", ondelete="CASCADE"), index=True)
-    n: Mapped[int] = mapped_column(Integer)  # 1, 2, ... within the session
-    prompt: Mapped[list[int]] = mapped_column(JSON)
-    reply: Mapped[list[int]] = mapped_column(JSON)
-    instance: Mapped[str | None] = mapped_column(String(200))  # who answered
-    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,5 +1,5 @@
 """The states and kinds the catalog stores, as enums: every column that holds one is typed by it and
-limited to its values by a CHECK constraint (``models._enum``)."""
+limited to its values by a CHECK constraint (``base.checked_enum``)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ class RolloutKind(StrEnum):
 
 
 class IncidentKind(StrEnum):
-    """What went wrong (at most 16 characters: ``_enum``'s column length)."""
+    """What went wrong (at most 16 characters: ``checked_enum``'s column length)."""
 
     CRASH = "crash"
     FAILED_TO_START = "failed_to_start"

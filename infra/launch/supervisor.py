@@ -35,6 +35,7 @@ from rewind.infra.health.layout import Layout
 from rewind.infra.health.signals import describe_exit
 from rewind.infra.launch import observe, warm
 from rewind.infra.launch.gpu_watch import GpuWatch
+from rewind.infra.launch.host_watch import HostWatch
 from rewind.infra.launch.launchers import LauncherKind, Placement, Request, launcher_for
 from rewind.infra.launch.memory_agent import MemoryAgent
 from rewind.infra.launch.node_process import NodeProcess, bounded_tail
@@ -73,9 +74,7 @@ class Supervisor:
         self._gpu_watch: GpuWatch | None = None
         self.launcher = launcher_for(spec.launcher)
         self.placement: Placement | None = None
-        self.lost_hosts: dict[str, int] = {}  # host -> node, as the scheduler reported them
-        self.lost_at: dict[str, float] = {}  # host -> when the scheduler was first seen calling it lost
-        self.host_check_s, self._next_host_check = host_check_s, 0.0
+        self.host_watch = HostWatch(self.launcher, host_check_s)
         self.handoff = {
             "world_size": spec.world_size,
             "lr_scale": 1.0,
@@ -149,7 +148,7 @@ class Supervisor:
                 self._signal(signal.SIGKILL)
                 for p in self.processes:
                     p.proc.wait()
-                self._release()
+                self.host_watch.release()
                 if self._gpu_watch is not None:
                     self._gpu_watch.close()
                 if self._memory is not None:  # the run's memory copies stay for the next launch
@@ -191,7 +190,7 @@ class Supervisor:
             prefer=tuple(self.handoff.get("prefer_hosts") or ()), endpoint=self.spec.rdzv_endpoint,
         )  # fmt: skip
         try:
-            self.placement = self.launcher.place(request)
+            self.placement = self.host_watch.placement = self.launcher.place(request)
         except BaseException:
             self._end_launch(PLACEMENT_FAILED)
             raise
@@ -215,6 +214,16 @@ class Supervisor:
             env[LAYOUT_ENV] = given.env_value()
         return env
 
+    @property
+    def lost_hosts(self) -> dict[str, int]:
+        """host -> node, as the scheduler reported them lost during this launch."""
+        return self.host_watch.lost
+
+    @property
+    def lost_at(self) -> dict[str, float]:
+        """host -> when the scheduler was first seen calling it lost."""
+        return self.host_watch.lost_at
+
     # -- watching ------------------------------------------------------------------------
 
     def poll(self, timeout_s: float = 1.0) -> list[Observation]:
@@ -229,7 +238,7 @@ class Supervisor:
             seen += self._committed(now) + self._progress(now)
         except TransientError as exc:  # the catalog blinked: look again at the next poll
             log.warning("could not read the catalog this poll: %s", exc)
-        seen += (self._gpu_watch.observe(now) if self._gpu_watch else []) + self._hosts(now)
+        seen += (self._gpu_watch.observe(now) if self._gpu_watch else []) + self.host_watch.observe(now)
         seen += [
             Observation(
                 Seen.EXITED,
@@ -288,27 +297,6 @@ class Supervisor:
         left = [d.strip() for d in known if d.strip() and d.strip() not in {str(i) for i in excluded}]
         return {"CUDA_VISIBLE_DEVICES": ",".join(left), "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
 
-    def _hosts(self, now: float) -> list[Observation]:
-        """A placed host the scheduler now reports gone: once per host."""
-        if self.placement is None or self.launcher.kind is LauncherKind.LOCAL:
-            return []
-        if time.monotonic() < self._next_host_check:
-            return []
-        self._next_host_check = time.monotonic() + self.host_check_s
-        try:
-            lost = self.launcher.lost(self.placement)
-        except TransientError as exc:  # the scheduler blinked: the next check asks again
-            log.warning("could not ask the scheduler for node states: %s", exc)
-            return []
-        out = []
-        for host in sorted(lost - set(self.lost_hosts)):
-            node = self.placement.hosts.index(host)
-            self.lost_hosts[host] = node
-            self.lost_at[host] = now
-            why = f"host {host} (node {node}) lost: the scheduler reports it not responding or down"
-            out.append(Observation(Seen.HOST_LOST, now, None, {"host": host, "node": node, "reason": why}))
-        return out
-
     # -- ending --------------------------------------------------------------------------
 
     def stop(self, grace_s: float = 30.0) -> None:
@@ -318,7 +306,7 @@ class Supervisor:
         self._signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and any(p.ended() is None for p in self.processes):
-            self._hosts(time.time())  # a step on a lost host never ends by itself: do not wait for it
+            self.host_watch.observe(time.time())  # a step on a lost host never ends by itself: do not wait
             if all(p.host in self.lost_hosts for p in self.processes if p.ended() is None):
                 break
             time.sleep(0.1)
@@ -353,42 +341,16 @@ class Supervisor:
         failed = first_failure(exits)
         code = failed.detail["exit_code"] if failed is not None else 0
         if code != 0:
-            self._settle()
+            self.host_watch.settle(len(self.processes))
         if self.spec.warm and (code == 0 or not self._first_step):
             for p in self.processes:  # the run is done, or a launch died before training: a cold start next
                 warm.stop(self.run, p.node)
-        self._release()
+        self.host_watch.release()
         if self._memory is not None:  # a finished run has nothing to come back to; a failed one, its memory
             self._memory.close(release=code == 0)
         if self.launch_id is not None:
             self._end_launch(code)
         return code
-
-    def _settle(self) -> None:
-        """After a failed launch of several hosts: give the scheduler its node timeout to call a host lost.
-
-        A lost host's step can end (srun gives up on it) before the scheduler has noticed the host is
-        gone; relaunching onto it would fail again. Ends as soon as a host is called lost."""
-        if self.placement is None or self.launcher.kind is LauncherKind.LOCAL or len(self.processes) < 2:
-            return
-        try:
-            deadline = time.monotonic() + self.launcher.settle_s()
-        except TransientError as exc:
-            log.warning("could not read the scheduler's node timeout: %s", exc)
-            return
-        while not self.lost_hosts and time.monotonic() < deadline:
-            self._next_host_check = 0.0
-            self._hosts(time.time())
-            time.sleep(0.5)
-
-    def _release(self) -> None:
-        """The allocation given back (its nodes free for the relaunch); a failure to is said, not raised."""
-        if self.placement is None or self.launcher.kind is LauncherKind.LOCAL:
-            return
-        try:
-            self.launcher.cancel(self.placement)
-        except TransientError as exc:
-            log.warning("could not release allocation %s: %s", self.placement.allocation, exc)
 
     def _end_launch(self, code: int, timeout_s: float = 120.0) -> None:
         """Record the exit, riding out a catalog restart (bounded): the job is over, and losing its
