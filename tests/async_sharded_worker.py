@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -35,11 +36,14 @@ def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: _local(v).detach().clone() for k, v in model.state_dict().items()}
 
 
-def main(kind: str, root: str, what: str = "copy") -> None:
-    dist.init_process_group("gloo")
-    same = (
-        _check(kind, root) if what == "copy" else _lead_fails(kind, root)
-    )  # its models and tensors freed on return, while the group still exists
+def main(kind: str, root: str, what: str = "copy", mode: str = "async") -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=90))  # a rank left waiting fails the test
+    checks = {
+        "copy": _check,
+        "leadfails": _lead_fails,
+        "onefails": lambda k, r: _one_fails(k, r, SaveMode(mode)),
+    }
+    same = checks[what](kind, root)  # its models and tensors freed on return, while the group still exists
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
@@ -104,6 +108,42 @@ def _lead_fails(kind: str, root: str) -> bool:
     _say(f"rank {rank}: heard {heard}; {'restored step 8' if ok else f'WRONG {step} {mine}'}")
     ck.close()
     return ok and heard.startswith("rank 0")
+
+
+def _one_fails(kind: str, root: str, mode: SaveMode) -> bool:
+    """Rank 1's own state cannot be saved at step 7 (a set: no checkpoint holds one) while rank 0's can: every
+    rank must hear of it from the save, naming rank 1, none left waiting in DCP's collectives; and the save
+    after it (step 8) must be whole, its group unbroken."""
+    from rewind.infra.checkpoint.background import BackgroundSaveError
+    from rewind.infra.errors import RankFailed
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _wrap(torch.nn.Sequential(torch.nn.Linear(64, 64)), kind)
+    catalog = Catalog(f"sqlite:///{Path(root) / 'catalog.db'}") if rank == 0 else None
+    ck = ShardedCheckpointer("onefails", root=Path(root), catalog=catalog, mode=mode)
+    try:
+        ck.save(
+            7, {"model": model.state_dict()}, {"rank": rank, "seen": {1, 2}} if rank == 1 else {"rank": rank}
+        )
+        ck.wait()
+        heard = "nothing"
+    except (RankFailed, BackgroundSaveError) as exc:
+        heard = (
+            "rank 1's state" if "rank 1: ConfigError" in str(exc) and "rank1.seen" in str(exc) else str(exc)
+        )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    want = _snapshot(model)
+    ck.save(8, {"model": model.state_dict()}, {"rank": rank, "step": 8})
+    restored = ck.restore_latest(lambda: {"model": model.state_dict()})
+    step, tree, mine = restored if restored is not None else (None, {}, {})
+    got = {k: _local(v).detach().clone() for k, v in tree.get("model", {}).items()}
+    ok = step == 8 and mine == {"rank": rank, "step": 8} and all(torch.equal(want[k], got[k]) for k in want)
+    _say(f"rank {rank}: heard {heard}; {'restored step 8' if ok else f'WRONG {step} {mine}'}")
+    ck.close()
+    return ok and heard == "rank 1's state"
 
 
 def _say(line: str) -> None:

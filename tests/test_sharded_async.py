@@ -87,3 +87,22 @@ def test_rank_0s_catalog_failing_reaches_every_rank_and_the_next_save_is_whole(t
     said = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
     assert done.returncode == 0 and len(said) == 2, done.stdout[-2000:] + done.stderr[-3000:]
     assert all("heard rank 0 before any rank wrote; restored step 8" in line for line in said), said
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_one_rank_unable_to_save_fails_the_save_on_every_rank_at_once_and_the_next_save_is_whole(
+    mode: str, tmp_path: Path
+) -> None:
+    """Rank 1's own state holds a value no checkpoint holds (a set): rank 0's share is fine. Every rank hears it
+    from that save, at once, none waiting in DCP's collectives for the rank that never entered them (the
+    group's timeout is 90 s; the test's 150 s)."""
+    cmd = [*torchrun(2), "-m", "tests.async_sharded_worker", "ddp", str(tmp_path), "onefails", mode]
+    done = subprocess.run(cmd, cwd=REPO, env=_env(tmp_path), capture_output=True, text=True, timeout=150)
+    said = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    assert done.returncode == 0 and len(said) == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    assert all("heard rank 1's state; restored step 8" in line for line in said), said
+    states = {
+        c.step: S(c.status)
+        for c in lineage.checkpoints(Catalog(f"sqlite:///{tmp_path / 'catalog.db'}"), "onefails")
+    }
+    assert states.get(7) in (None, S.ABORTED) and states[8] in (S.COMMITTED, S.VERIFIED), states

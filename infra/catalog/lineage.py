@@ -122,14 +122,26 @@ def begin(
         return ck.id
 
 
-def _fence(writer: str) -> Any:
+def _fence(writer: str, run_id: Any = Checkpoint.run_id) -> Any:
     """Still the run's writer, and of a launch its supervisor has not seen end (an isolated host's
-    orphaned rank 0 must never commit once the job was relaunched elsewhere)."""
+    orphaned rank 0 must never commit once the job was relaunched elsewhere). ``run_id``: the run (default:
+    the checkpoint row's in the statement)."""
     launch = writer.rsplit(":", 2)[-1] if writer.count(":") >= 2 else ""
-    ok: Any = exists().where(Run.id == Checkpoint.run_id, Run.writer == writer)
+    ok: Any = exists().where(Run.id == run_id, Run.writer == writer)
     if launch.isdigit():
         ok = and_(ok, ~exists().where(Launch.id == int(launch), Launch.ended_at.is_not(None)))
     return ok
+
+
+def require_writer(cat: Catalog, run_id: int, writer: str) -> None:
+    """``Fenced`` unless ``writer`` is still the run's writer, of a launch not seen ended: checked before a
+    save supersedes anything (a writer fenced off must never touch the live writer's checkpoints)."""
+    with cat.session() as s:
+        if not s.scalar(select(_fence(writer, run_id))):
+            raise Fenced(
+                f"run {run_id}: {writer} is no longer the run's writer (its launch ended, or another process "
+                "took the run over): nothing saved"
+            )
 
 
 def commit(

@@ -119,7 +119,9 @@ def _keep(target: Path, entry: mf.FileEntry, raw: bytes) -> None:
     store.replace_file(path, store.bytes_writer(raw))
 
 
-def _exchange(target: Path, manifest: mf.Manifest, have: dict[int, set[str]], errors: list[str]) -> int:
+def _exchange(
+    target: Path, manifest: mf.Manifest, have: dict[int, set[str]], errors: list[str], group: Any = None
+) -> int:
     """Collective: each file some rank lacks, sent from the lowest rank holding it to every rank; the bytes
     this rank received. What failed is added to ``errors`` (a rank with errors keeps nothing more)."""
     rank, got = dist.get_rank(), 0
@@ -128,7 +130,7 @@ def _exchange(target: Path, manifest: mf.Manifest, have: dict[int, set[str]], er
         if not lacking:
             continue
         src = min(r for r, h in have.items() if e.path in h)
-        data, error = _send(target / e.path if rank == src else None, e, src)
+        data, error = _send(target / e.path if rank == src else None, e, src, group)
         errors += [error] if error else []
         if rank in lacking and not errors:
             try:
@@ -139,9 +141,12 @@ def _exchange(target: Path, manifest: mf.Manifest, have: dict[int, set[str]], er
     return got
 
 
-def _send(path: Path | None, entry: mf.FileEntry, src: int) -> tuple[torch.Tensor, str | None]:
-    """Collective: the bytes of one file from rank ``src`` to every rank; the sender's failure to read
-    it (it then sends zeros, which no receiver keeps), else None."""
+def _send(
+    path: Path | None, entry: mf.FileEntry, src: int, group: Any = None
+) -> tuple[torch.Tensor, str | None]:
+    """Collective over ``group`` (one whose backend carries CPU tensors: NCCL's does not): the bytes of one
+    file from rank ``src`` to every rank; the sender's failure to read it (it then sends zeros, which no
+    receiver keeps), else None."""
     data, error = torch.zeros(entry.size, dtype=torch.uint8), None
     if path is not None:
         try:
@@ -151,7 +156,7 @@ def _send(path: Path | None, entry: mf.FileEntry, src: int) -> tuple[torch.Tenso
             data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         except OSError as exc:
             error = f"{path}: {exc.strerror or exc}"
-    dist.broadcast(data, src=src)
+    dist.broadcast(data, src=src, group=group)
     return data, error
 
 
@@ -181,6 +186,7 @@ def complete(
     *,
     refused: Refused | None = None,
     displaced: Displaced | None = None,
+    group: Any = None,
 ) -> Completed:
     """Collective: this rank's disk's copy of the checkpoint whose manifest bytes are ``raw``, completed
     (each disk's sources, by leader, on rank 0 only; the files this node's memory holds, on every rank).
@@ -188,7 +194,8 @@ def complete(
     ``directory``: this rank's copy (rank 0: the one its restore plan chose; the others: their root's).
     ``remote`` (rank 0): fetches a file no disk at hand holds. ``refused`` (rank 0): told of each memory tier's
     ring copies refused (memory tier id, their directories), before anything else can fail; ``displaced``
-    (rank 0): of each disk's copy of another checkpoint moved aside from ``directory``. A file sent that is not the manifest's (or
+    (rank 0): of each disk's copy of another checkpoint moved aside from ``directory``. ``group``: where the
+    files' bytes travel (a gloo group of every rank: NCCL carries no CPU tensors; None: the default group). A file sent that is not the manifest's (or
     not readable by its sender) fails the restore on every rank, judging no copy: ``OSError``."""
     rank = dist.get_rank()
     ready = _ready(directory, raw, manifest, rank) if disks.leads(rank) else _Ready(directory)
@@ -221,7 +228,7 @@ def complete(
     lost = [e for e in manifest.files if not any(e.path in h for h in have.values())]
     fetched = _fetch_lost(target, lost, remote if rank == 0 else None, fresh, manifest.step)
     have[0] = have[0] | {e.path for e in lost}
-    got = _exchange(target, manifest, have, errors)
+    got = _exchange(target, manifest, have, errors, group)
     _agree(errors, target if fresh else None)
     if fresh:  # a disk without a copy: now a whole one
         store.commit(target, manifest, raw)

@@ -200,6 +200,7 @@ class Checkpointer:
             parent_id=self._parent_id,
             layout=self.layout,
             environment=env,
+            writer=leases.writer_name(),
         ) as (ck_id, final):
             draft = mf.Manifest(
                 run=self.run,

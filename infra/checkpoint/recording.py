@@ -22,13 +22,18 @@ def recorded_save(
     parent_id: int | None,
     layout: dict,
     environment: dict,
+    writer: str | None = None,
 ) -> Iterator[tuple[int, Path]]:
     """A ``writing`` row for the body to commit, ``aborted`` if it raises.
 
     Whatever the run held at this step before (a replayed timeline) is superseded
     first, and a directory already at ``step-<N>/`` is moved aside, with every row
     that pointed at it following it, so no old row ever describes the new bytes.
+    ``writer``: the process saving, which must still be the run's writer before anything is superseded
+    (``Fenced`` otherwise: an orphaned writer must never take the live one's checkpoint at the step away).
     """
+    if writer is not None:
+        lineage.require_writer(cat, run_id, writer)
     final = store.step_dir(run_dir, step)
     for old in lineage.checkpoints_at(cat, run_id, step, (S.WRITING, S.COMMITTED, S.VERIFIED, S.CORRUPT)):
         lineage.transition(

@@ -49,10 +49,7 @@ from rewind.infra.checkpoint.sharded_save import (
 )
 from rewind.infra.checkpoint.shells import ShellStager
 from rewind.infra.checkpoint.state import environment
-from rewind.infra.errors import (
-    ConfigError,
-    RunBusy,
-)
+from rewind.infra.errors import ConfigError, RankFailed, RunBusy
 from rewind.infra.faults import fault_point
 from rewind.infra.format import direct, payload, store
 from rewind.infra.format import manifest as mf
@@ -115,13 +112,19 @@ class ShardedCheckpointer(ShardedRestoring):
         self.layout = layout_of(
             self.world, layout, model_shape, per_rank_data=per_rank_data
         )  # with every checkpoint
-        self.catalog = (catalog or Catalog()) if self.rank == 0 else None
         # Rank 0 leads: it alone holds the catalog and the run's id.
-        self._lead = (
-            (self.catalog, lineage.ensure_run(self.catalog, run)) if self.catalog is not None else None
-        )
-        self._lease = WriterLease(*self._lead) if self._lead is not None else None
-        self._take_writer()
+        self.catalog: Catalog | None = None
+        self._lead: tuple[Catalog, int] | None = None
+        self._lease: WriterLease | None = None
+        failed: Exception | None = None
+        if self.rank == 0:
+            try:
+                self.catalog = catalog or Catalog()
+                self._lead = (self.catalog, lineage.ensure_run(self.catalog, run))
+                self._lease = WriterLease(*self._lead)
+            except Exception as exc:  # every rank hears of it (none left waiting for rank 0)
+                failed = exc
+        self._take_writer(failed)
         try:
             self._start(run, exit_timeout_s, priority, catalog)
         except BaseException:
@@ -144,6 +147,8 @@ class ShardedCheckpointer(ShardedRestoring):
         self._runner = BackgroundRunner(f"rewind-{run}-rank{self.rank}", exit_timeout_s, priority=priority)
         self.last_stall_s: float | None = None
         self.disks = spread.discover(self.root)  # the hosts' own disks, or one disk for every rank
+        # a spread restore sends files' bytes between ranks as CPU tensors: over gloo, whatever the job's backend
+        self._files_group = (self._group or dist.new_group(backend="gloo")) if self.disks.spread else None
         self.sources: list[assemble.Sources] = []  # rank 0: where the last restore's bytes came from
         self.read_from: dict[str, Any] = {}  # rank 0: the same, for the record (``assemble.read_from``)
         self._remote: remotes.RemoteFiles | None = None  # rank 0: the last restore's fetcher of lost files
@@ -156,18 +161,26 @@ class ShardedCheckpointer(ShardedRestoring):
             store.sweep_temp(self.run_dir)
         dist.barrier()
 
-    def _take_writer(self) -> None:
-        """Rank 0 takes the run's writer lease; every rank learns whether it was refused (none goes on alone)."""
+    def _take_writer(self, failed: Exception | None) -> None:
+        """Rank 0 takes the run's writer lease; every rank learns whether it was refused, or whether rank 0
+        could not reach its catalog (``failed``): none goes on alone, none waits for rank 0."""
         refused = ""
-        if self._lease is not None:
+        if failed is None and self._lease is not None:
             try:
                 self._lease.take()
             except RunBusy as exc:
                 refused = str(exc)
-        box: list[Any] = [refused]
+            except Exception as exc:
+                failed = exc
+        box: list[Any] = [(refused, f"{type(failed).__name__}: {failed}" if failed is not None else "")]
         dist.broadcast_object_list(box, src=0)
-        if box[0]:
-            raise RunBusy(box[0])
+        refused, why = box[0]
+        if failed is not None:
+            raise failed
+        if why:
+            raise RankFailed(f"rank 0 could not begin saving run {self.run!r}: {why}")
+        if refused:
+            raise RunBusy(refused)
 
     def save(
         self,
@@ -258,7 +271,7 @@ class ShardedCheckpointer(ShardedRestoring):
                 fault_point("save.before_catalog", step)  # rank 0 alone: its catalog fails, not the ranks
                 ck_id, _ = stack.enter_context(recorded_save(
                     cat, run_id, self.run_dir, step, parent_id=self._parent_id, layout=layout,
-                    environment=environment(),
+                    environment=environment(), writer=leases.writer_name(),
                 ))  # fmt: skip
                 row.append(ck_id)
 

@@ -53,6 +53,7 @@ class ShardedRestoring:
     _remote: remotes.RemoteFiles | None
     loaded: dict[str, int]
     _read_whole: bool
+    _files_group: Any  # the gloo group a spread restore's files travel over (None: not spread)
 
     def restore_latest(
         self, state: StateTree, *, target: restore_plan.RestoreTarget | None = None
@@ -84,6 +85,7 @@ class ShardedRestoring:
         Spread over hosts' disks, each rank loads its own disk's copy, completed from the others' first
         (``assemble``); ``directory`` is rank 0's choice, used by the ranks on its disk."""
         mine: Any = None
+        into: Any = None
         error: BaseException | None = None
         reads, tier_id = Nearest(directory), ""
         try:
@@ -91,14 +93,22 @@ class ShardedRestoring:
                 own = self.disks.leader(self.rank) == self.disks.leader(0)
                 here = directory if own else store.step_dir(self.run_dir, manifest.step)
                 leads = self._lead is not None
-                done = assemble.complete(here, raw, manifest, self.disks, remote,
+                done = assemble.complete(here, raw, manifest, self.disks, remote, group=self._files_group,
                                          refused=self._lead_refused if leads else None,
                                          displaced=self._displaced(raw) if leads else None)  # fmt: skip
                 directory, self.sources = done.directory, done.sources
                 reads, tier_id = Nearest(directory, done.nearer), done.tier_id  # this node's memory first
-            mine = load(directory, manifest, state() if callable(state) else state, reads)
-        except Exception as exc:  # every rank must reach the gather below, whatever went wrong
+            into = state() if callable(state) else state
+        except Exception as exc:  # every rank must reach the gathers below, whatever went wrong
             error = exc
+        # every rank enters DCP's collectives, or none does: one left out would leave the others waiting in them
+        ready: list[Any] = [None] * self.world
+        dist.all_gather_object(ready, error is None)
+        if all(ready):
+            try:
+                mine = load(directory, manifest, into, reads)
+            except Exception as exc:
+                error = exc
         every: list[Any] = [None] * self.world
         missed = tuple((path, str(copy), tier_id) for path, copy in reads.missed)
         dist.all_gather_object(every, (error, reads.near_bytes, reads.here_bytes, missed))
@@ -152,8 +162,8 @@ class ShardedRestoring:
         if self._lead is None:
             raise ConfigError("only rank 0 leads a restore")
         cat = self._lead[0]
-        p = restore_plan.plan(cat, self.run, root=self.root, target=target)
         try:
+            p = restore_plan.plan(cat, self.run, root=self.root, target=target)
             done = restore_exec.execute(
                 cat, p, load_everywhere, partial=self.disks.spread, whole=lambda: self._read_whole
             )

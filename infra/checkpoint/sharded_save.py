@@ -109,15 +109,13 @@ def save(
     if kind == "error":
         raise RankFailed(f"sharded save of step {step} failed on rank 0 before any rank wrote: {value}")
     tmp = run_dir / Path(value).name  # this rank's disk: rank 0's directory, or its namesake on another disk
-    if rank != 0:
-        tmp.mkdir(parents=True, exist_ok=True)
-    error: str | None = share.error and f"rank {rank}: {share.error}"
-    if error is None and lead_step != step:  # a rank out of step with rank 0: never mix two steps
-        error = f"rank {rank} is saving step {step}, rank 0 step {lead_step}"
+    error, link_from = _ready_to_write(tmp, rank, step, lead_step, share, run_dir, parent, fmt)
+    # every rank enters DCP's collectives, or none does: one left out would leave the others waiting in them
+    ready: list[Any] = [None] * world
+    dist.all_gather_object(ready, error is None, group=group)
     entries: list[mf.FileEntry] = []
-    if error is None:
+    if all(ready):
         try:
-            link_from = _link_source(run_dir, parent) if fmt == payload.CHUNKED else None
             entries = _write_rank(tmp, rank, step, share, group, fmt=fmt, link_from=link_from)
         except Exception as exc:  # reported to rank 0, which then refuses to commit
             error = f"rank {rank}: {exc}"
@@ -257,18 +255,44 @@ def _open(run_dir: Path, step: int, lead: LeadHooks | None) -> tuple[str, str, i
 
 def _close(tmp: Path, gathered: list[Any], facts: _Facts, *, lead: LeadHooks | None) -> tuple[str, str]:
     """Rank 0: commit every rank's files (and the catalog row) or remove them; the outcome to announce."""
+    final: Path | None = None
     try:
         errors = [e for e, _ in gathered if e]
         if errors:
             raise RankFailed("; ".join(errors))
         files = [e for _, es in gathered for e in es]
-        digest = store.commit(tmp, _manifest(tmp, files, facts)).digest
+        done = store.commit(tmp, _manifest(tmp, files, facts))
+        final = done.path
         if lead is not None:
-            lead.commit(store.step_dir(tmp.parent, facts.step), digest, ())
-        return "ok", digest
-    except Exception as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
+            lead.commit(final, done.digest, ())
+        return "ok", done.digest
+    except Exception as exc:  # renamed, then the catalog's commit failed: no copy its row does not commit
+        shutil.rmtree(tmp if final is None else final, ignore_errors=True)
         return "error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankFailed) else str(exc)
+
+
+def _ready_to_write(
+    tmp: Path,
+    rank: int,
+    step: int,
+    lead_step: int,
+    share: RankShare,
+    run_dir: Path,
+    parent: tuple[int, str | None] | None,
+    fmt: str,
+) -> tuple[str | None, packs.Parent | None]:
+    """This rank ready to write its share into ``tmp`` (made on its disk), and what a chunked save links
+    from; or why it cannot (its share failed at the call, it is out of step with rank 0, its disk refused)."""
+    if share.error is not None:
+        return f"rank {rank}: {share.error}", None
+    if lead_step != step:  # a rank out of step with rank 0: never mix two steps
+        return f"rank {rank} is saving step {step}, rank 0 step {lead_step}", None
+    try:
+        if rank != 0:
+            tmp.mkdir(parents=True, exist_ok=True)
+        return None, _link_source(run_dir, parent) if fmt == payload.CHUNKED else None
+    except Exception as exc:
+        return f"rank {rank}: {type(exc).__name__}: {exc}", None
 
 
 def _link_source(run_dir: Path, parent: tuple[int, str | None] | None) -> packs.Parent | None:
