@@ -279,9 +279,14 @@ def test_a_leader_with_no_agent_listening_goes_on_and_a_line_not_a_commit_is_not
         with open(fifo, "wb") as hostile:
             hostile.write(b'{"run": "r", "step": "x"}\nnot json\n{"run": ["r"], "step": 1, "directory": "/d",'
                           b' "disk": "d", "host": "h"}\n{"run": "r", "step": true, "directory": "/d", "disk": "d",'
-                          b' "host": "h"}\n')  # fmt: skip
+                          b' "host": "h"}\n' + b"[" * 3000 + b"\n")  # fmt: skip
+        assert inbox.take(5.0) == []  # nested too deep for the parser: refused, the agent goes on
+        with open(fifo, "wb") as hostile:
+            hostile.write(b"x" * (3 * agent_notice.MAX_LINE))  # a line never ended: not kept growing
+        assert inbox.take(5.0) == [] and len(inbox._pending) <= agent_notice.MAX_LINE
         agent_notice.tell(told)
-        assert inbox.take(5.0) == [told]
+        got = inbox.take(5.0)
+        assert got[-1:] == [told], got
     finally:
         inbox.close()
     assert "pw" not in repr(told) and told.shareable().catalog is None  # never shown, never sent on

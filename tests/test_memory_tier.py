@@ -89,6 +89,8 @@ def test_a_damaged_memory_copy_is_refused_removed_and_the_local_copy_used(
     assert got is not None and got.source == "local" and got.step == 1
     [mem] = _memory_copies(cat, run_name)[1]
     assert mem.status == R.CORRUPT.value and not kept.directory.exists()
+    left = [p for p in memory_root.rglob("*") if p.is_file() and p.name.endswith(".safetensors")]
+    assert not left, left  # removed, not moved aside in memory (where nothing would ever free it)
 
 
 class _Holder(torch.nn.Module):

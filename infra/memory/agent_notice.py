@@ -83,7 +83,7 @@ def passed(run: str) -> str | None:
     where = os.environ.get(FIFO_ENV, "").strip()
     try:
         done = json.loads((Path(where).parent / PASSED).read_text(encoding="utf-8")) if where else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     got = done.get(run) if isinstance(done, dict) else None
     return got if isinstance(got, str) else None
@@ -142,6 +142,9 @@ class Inbox:
         except BlockingIOError:
             return []
         *lines, self._pending = self._pending.split(b"\n")
+        if len(self._pending) > MAX_LINE:  # no notice is this long: the rest of that line is dropped unread
+            log.warning("a line on the memory agent's FIFO longer than %d bytes: dropped", MAX_LINE)
+            self._pending = b""
         return [n for n in map(parsed, lines) if n is not None]
 
     def close(self) -> None:
@@ -164,6 +167,6 @@ def parsed(line: bytes) -> Committed | None:
             if isinstance(value, bool) or not isinstance(value, kind):  # bool is an int to isinstance
                 raise ValueError(f"its {name} is not of the right type")
         return Committed(**got)
-    except (ValueError, TypeError) as exc:  # never acted on
+    except (ValueError, TypeError, RecursionError) as exc:  # never acted on
         log.warning("a line on the memory agent's FIFO that is not a commit: %s", exc)
         return None

@@ -263,7 +263,9 @@ def _failed_copy(
     if opened is None or opened.local_replica_id is None:
         where = Path(copy.uri) if copy.local else None
         return _fail(cat, copy.replica_id, where, verdict, findings, plan.root, copy.tier)
-    return _fail(cat, opened.local_replica_id, opened.directory, verdict, findings, plan.root)
+    # the copy opened in place (memory or local), or the local one a download made
+    tier = copies.LOCAL if opened.fetched else copy.tier
+    return _fail(cat, opened.local_replica_id, opened.directory, verdict, findings, plan.root, tier)
 
 
 def _outcome(verdicts: list[Verdict], shares: int) -> SkipOutcome:
