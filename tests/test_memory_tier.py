@@ -30,7 +30,7 @@ from rewind.infra.drills import chaos
 from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import mapped, tensorfile
-from rewind.infra.format.digest import hash_bytes
+from rewind.infra.format.digest import hash_bytes, manifest_digest
 from rewind.infra.memory import keeper, place
 from tests.prefect_support import wait_until
 from tests.test_protect_any_job import config, protect, ranks_at
@@ -480,3 +480,50 @@ def test_an_ended_runs_ring_copy_makes_room_for_the_memory_agent_a_live_runs_nev
     [row] = _memory_copies(cat, f"{run_name}-multihost")[1]
     assert row.status == R.DELETED.value and "room for" in (row.detail or ""), row
     leases.release(cat, lease)
+
+
+def test_the_memory_agent_copies_only_the_newest_offered_and_nothing_offered_with_its_release(
+    rewind_env, run_name, tmp_path, memory_root
+):  # type: ignore[no-untyped-def]
+    """The supervisor writes each checkpoint it sees committed, then ``release`` when the run finished: ids
+    waiting together are one batch (the newest copied), and nothing offered with ``release`` is copied
+    after the run's copies are let go."""
+    from rewind.infra.memory import agent
+
+    cat, cfg = Catalog(), place.config()
+    assert cfg is not None
+    _model, ck = _job(run_name, cat, tmp_path / "ckpt")
+    ids = [_saved(ck, step) for step in (1, 2, 3)]
+    r, w = os.pipe()
+    os.write(w, "".join(f"{i}\n" for i in ids).encode())
+    with os.fdopen(r, "r") as stream:
+        assert next(agent.batches(stream)) == [str(i) for i in ids]  # not one line at a time
+        os.write(w, f"{ids[0]}\n{ids[2]}\nrelease\n".encode())
+        os.close(w)
+        agent.serve(cat, cfg, run_name, stream)  # keeps step 3 (the newest when it starts), then the rest
+    held = [r for rs in _memory_copies(cat, run_name).values() for r in rs if r.status != R.DELETED.value]
+    assert not held, held
+    assert not list(memory_root.rglob("*.safetensors"))
+
+
+def test_a_step_saved_again_takes_its_memory_copys_place_and_the_older_copys_row_is_let_go(
+    rewind_env, run_name, tmp_path, memory_root
+):  # type: ignore[no-untyped-def]
+    """A replayed timeline saves step 1 again: the new checkpoint's memory copy takes the directory of the
+    old one's, whose row must then say it is gone (never naming the new bytes: letting the old checkpoint
+    go would delete them)."""
+    cat, cfg = Catalog(), place.config()
+    assert cfg is not None
+    _model, ck = _job(run_name, cat, tmp_path / "ckpt")
+    old = _saved(ck, 1)
+    assert keeper.keep(cat, old, cfg) is not None
+    new = _saved(ck, 1)
+    kept = keeper.keep(cat, new, cfg)
+    assert kept is not None
+    rows = {
+        ck_id: [r for r in lineage.replicas_of(cat, ck_id) if r.tier == copies.MEMORY] for ck_id in (old, new)
+    }
+    assert [r.status for r in rows[old]] == [R.DELETED.value], rows
+    assert [r.status for r in rows[new]] == [R.VERIFIED.value] and rows[new][0].uri == str(kept.directory)
+    raw = (kept.directory / mf.MANIFEST_NAME).read_bytes()
+    assert lineage.get_checkpoint(cat, new).manifest_digest == manifest_digest(raw)

@@ -218,11 +218,9 @@ def register(cat: Catalog, checkpoint_id: int, run: str, passed: list[Passed]) -
     and the run's older ring copies on the same memory tiers recorded let go, as the hosts let them go."""
     cfg = _config()
     keep = cfg.keep if cfg is not None else 1
+    record_evicted(cat, run, passed)
     for p in passed:
-        if p.holder is None:
-            continue
-        ring_room.record(cat, p.holder.id, p.evicted, R.DELETED, f"let go from the peer ring: room for {run}")
-        if p.directory is None:
+        if p.holder is None or p.directory is None:
             continue
         copies.add(cat, checkpoint_id, MEMORY, str(p.directory), key=f"{RING_KEY}{p.source_host}",
                    nbytes=p.received + p.own, status=R.VERIFIED, disk=p.holder)  # fmt: skip
@@ -233,6 +231,16 @@ def register(cat: Catalog, checkpoint_id: int, run: str, passed: list[Passed]) -
         current = [h for h in older if h.tier_id == p.holder.id]
         for h in stale + current[keep - 1 :]:
             copies.record(cat, h.replica_id, R.DELETED, "let go from the peer ring")
+
+
+def record_evicted(cat: Catalog, run: str, passed: list[Passed]) -> None:
+    """Other runs' ring copies the hosts let go to make room for ``run``'s pass, recorded let go (whatever
+    came of the pass: their bytes are gone either way)."""
+    for p in passed:
+        if p.holder is not None:
+            ring_room.record(
+                cat, p.holder.id, p.evicted, R.DELETED, f"let go from the peer ring: room for {run}"
+            )
 
 
 def hold(run: str) -> ring_room.Live | None:

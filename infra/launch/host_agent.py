@@ -296,6 +296,7 @@ class HostAgent:
             ):  # saved again since it was told
                 log.warning("%s step %d: the ring copies made are not of the checkpoint told: not recorded",
                             mine.run, seen.step)  # fmt: skip
+                self._register(mine, got, copies_made=False)  # what was let go for them is gone all the same
             else:
                 self._register(mine, got)
         return mine
@@ -309,8 +310,9 @@ class HostAgent:
         if live is not None:
             ring.renew(live)
 
-    def _register(self, notice: Committed, passed: list[Any]) -> None:
-        """The agent rank 0 told: the ring copies made recorded in the catalog (told, never raised)."""
+    def _register(self, notice: Committed, passed: list[Any], *, copies_made: bool = True) -> None:
+        """The agent rank 0 told: the ring copies made (``copies_made``), and other runs' let go to make room
+        for them, recorded in the catalog (told, never raised)."""
         from rewind.infra.catalog.db import Catalog
         from rewind.infra.checkpoint import ring
 
@@ -321,7 +323,10 @@ class HostAgent:
             cat = self.catalogs.get(notice.catalog)
             if cat is None:  # rank 0 made it current: nothing to upgrade
                 cat = self.catalogs[notice.catalog] = Catalog(notice.catalog, auto_upgrade=False)
-            ring.register(cat, notice.checkpoint_id, notice.run, passed)
+            if copies_made:
+                ring.register(cat, notice.checkpoint_id, notice.run, passed)
+            else:
+                ring.record_evicted(cat, notice.run, passed)
         except Exception as exc:
             log.warning("%s step %d: the peer ring's copies not recorded: %s", notice.run, notice.step,
                         _first(exc))  # fmt: skip

@@ -3,8 +3,9 @@ supervisor sees committed into the memory tier, so a crash of the job's processe
 
 ``python -m rewind.infra.memory.agent RUN``: checkpoint ids come one per line on stdin (the supervisor
 writes each it sees committed; when several wait, only the newest is copied); it ends when stdin closes
-(the supervisor finished or died), after the copy in progress. ``release`` on a line of its own first:
-the run's memory copies are let go before it ends (the run finished: nothing left to come back to). It
+(the supervisor finished or died), after the copy in progress. ``release`` on a line of its own last:
+the run's memory copies are let go and it ends, copying nothing offered with it (the run finished: nothing
+left to come back to). It
 runs at a lower CPU priority than the job, whose compute it must not take.
 """
 
@@ -32,19 +33,22 @@ NICENESS = 10
 
 
 def batches(stream: TextIO) -> Iterator[list[str]]:
-    """The lines on ``stream``, as many as are waiting at a time; ends at end of file."""
-    while True:
-        line = stream.readline()
-        if not line:
-            return
-        got = [line.strip()]
-        while select.select([stream], [], [], 0)[0]:
-            more = stream.readline()
-            if not more:
-                yield got
-                return
-            got.append(more.strip())
-        yield got
+    """The lines on ``stream``, as many as are waiting at a time; ends at end of file. Read from its file
+    descriptor, not through its buffer (which would hide from ``select`` the lines it already holds)."""
+    fd, pending, ended = stream.fileno(), b"", False
+    while not ended:
+        got = os.read(fd, 1 << 16)
+        ended = not got
+        pending += got
+        while not ended and select.select([fd], [], [], 0)[0]:
+            more = os.read(fd, 1 << 16)
+            ended = not more
+            pending += more
+        *lines, pending = pending.split(b"\n")
+        if ended and pending:
+            lines, pending = [*lines, pending], b""
+        if lines:
+            yield [x.decode(errors="replace").strip() for x in lines]
 
 
 def release(cat: Catalog, cfg: place.MemoryConfig, run: str) -> int:
@@ -64,9 +68,10 @@ def serve(cat: Catalog, cfg: place.MemoryConfig, run: str, stream: TextIO) -> No
     newest = lineage.newest_restorable(cat, lineage.get_run(cat, run).id)
     offered: list[str] = [str(newest.id)] if newest is not None else []
     for lines in itertools.chain([offered], batches(stream)):  # each batch as it comes, not at the end
-        ids = [int(x) for x in lines if x.isdigit()]
-        if RELEASE in lines:
+        if RELEASE in lines:  # the last word: the run finished, nothing of it is copied after
             release(cat, cfg, run)
+            return
+        ids = [int(x) for x in lines if x.isdigit()]
         if ids:
             _keep(cat, cfg, max(ids))
 

@@ -27,7 +27,7 @@ from rewind.infra.catalog.models import Checkpoint
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.errors import ConfigError
 from rewind.infra.format import keyring as kr
-from rewind.infra.format import local_tier
+from rewind.infra.format import local_tier, store
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.verify import partial
 from rewind.infra.memory import ring_room
@@ -96,10 +96,13 @@ def keep(
     with _alone(
         cfg.root
     ):  # one copy at a time per memory tier (an agent of an earlier launch may still copy)
+        store.sweep_temp(cfg.root / run)  # what a copy killed midway left (its process gone)
         rows = held.held_on(cat, copies.MEMORY, here.id)
         # the peer ring's copies: counted, let go only by ``ring_room``
         have = [h for h in rows if not h.ring]
         if any(h.checkpoint_id == checkpoint_id for h in have):
+            return None
+        if not _displace(cat, have, store.step_dir(cfg.root / run, ck.step), checkpoint_id):
             return None
         lease = leases.take(cat, checkpoint_id, "memory-tier")
         room = None
@@ -120,6 +123,19 @@ def keep(
             leases.release(cat, lease)
     seconds = time.perf_counter() - started
     return Kept(checkpoint_id, ck.step, done.path, done.manifest.total_bytes, seconds, evicted)
+
+
+def _displace(cat: Catalog, have: list[held.Held], final: Path, checkpoint_id: int) -> bool:
+    """The copy of another checkpoint at ``final`` (the step saved again: a replayed timeline) recorded let
+    go before the copy of ``checkpoint_id`` takes its place, so no row names bytes not its own; False (nothing
+    done) while a restore holds it."""
+    there = [h for h in have if Path(h.uri) == final and h.checkpoint_id != checkpoint_id]
+    if any(leases.leased(cat, h.checkpoint_id) for h in there):
+        log.info("%s is being restored from: the checkpoint saved again at its step is not held yet", final)
+        return False
+    for h in there:
+        copies.record(cat, h.replica_id, R.DELETED, "let go from the memory tier: its step saved again")
+    return True
 
 
 @dataclass
