@@ -527,3 +527,23 @@ def test_a_step_saved_again_takes_its_memory_copys_place_and_the_older_copys_row
     assert [r.status for r in rows[new]] == [R.VERIFIED.value] and rows[new][0].uri == str(kept.directory)
     raw = (kept.directory / mf.MANIFEST_NAME).read_bytes()
     assert lineage.get_checkpoint(cat, new).manifest_digest == manifest_digest(raw)
+
+
+def test_the_default_budget_counts_the_cgroups_memory_limit_where_lower(tmp_path: Path) -> None:
+    """A Slurm job's or a pod's memory limit bounds the tier (its pages are charged to the job): the lowest
+    limit on the process's cgroup and those above it, in cgroup v2 and v1 alike; none where none is set."""
+    v2 = tmp_path / "v2"
+    (v2 / "job_7" / "step_0").mkdir(parents=True)
+    (v2 / "job_7" / "memory.max").write_text("68719476736\n")  # the job's 64 GiB
+    (v2 / "job_7" / "step_0" / "memory.max").write_text("max\n")
+    (tmp_path / "self-v2").write_text("0::/job_7/step_0\n")
+    assert place.cgroup_limit(tmp_path / "self-v2", v2) == 64 << 30
+    v1 = tmp_path / "v1"
+    (v1 / "memory" / "pod").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    (v1 / "memory" / "pod" / "memory.limit_in_bytes").write_text("1073741824\n")
+    (tmp_path / "self-v1").write_text("12:cpu,cpuacct:/pod\n4:memory:/pod\n0::/\n")
+    assert place.cgroup_limit(tmp_path / "self-v1", v1) == 1 << 30
+    (tmp_path / "none").write_text("0::/\n")
+    assert place.cgroup_limit(tmp_path / "none", tmp_path / "empty") is None
+    assert place.cgroup_limit(tmp_path / "missing", v2) is None

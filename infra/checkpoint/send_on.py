@@ -80,7 +80,8 @@ class SendOn:
         self._ask = seen.ready or seen.hopeful  # asked again at each save: agents meeting late take over
         # while this leader lives, another run's pass never lets this run's ring copies here go (held
         # whenever they may be read: a restore reads them even when this launch passes none)
-        self.ring_hold = ring.hold(run) if disks.spread and leads else None
+        self._holds = disks.spread and leads
+        self.ring_hold = ring.hold(run) if self._holds else None
 
     def after_commit(
         self,
@@ -149,6 +150,8 @@ class SendOn:
     def _pass(self, step: int, lead: Catalog | None, checkpoint_id: int | None) -> None:
         if self.ring_hold is not None:
             ring.renew(self.ring_hold)
+        elif self._holds:  # not had at the start (its lock busy, say): taken now, or at the next pass
+            self.ring_hold = ring.hold(self.run)
         mine = None
         try:
             directory = store.step_dir(self.run_dir, step)

@@ -2,8 +2,9 @@
 
 ``REWIND_MEMORY_ROOT``: its directory, on a memory filesystem (default ``/dev/shm/rewind-<uid>``, POSIX
 shared memory on Linux; ``off`` turns the tier off). ``REWIND_MEMORY_BUDGET``: the most bytes it holds
-(a size such as ``8GiB``; default a quarter of the machine's memory, at most half the memory filesystem:
-a container's /dev/shm may be 64 MB). ``REWIND_MEMORY_KEEP``: the newest
+(a size such as ``8GiB``; default a quarter of the memory the process may use: the machine's, or its
+cgroup's limit where lower (a Slurm job's, a pod's: the tier's pages are charged to it); at most half the
+memory filesystem: a container's /dev/shm may be 64 MB). ``REWIND_MEMORY_KEEP``: the newest
 checkpoints of each run it holds (default 1: a crash restores the newest; older ones are on disk).
 """
 
@@ -38,14 +39,52 @@ def root() -> Path | None:
     return SHM / f"rewind-{os.getuid()}" if SHM.is_dir() and os.access(SHM, os.W_OK) else None
 
 
+CGROUPS = Path("/sys/fs/cgroup")
+NO_LIMIT = 1 << 62  # cgroup v1 says "no limit" with a number near 2**63
+
+
 def machine_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cgroup_limit(proc_cgroup: Path = Path("/proc/self/cgroup"), mounts: Path = CGROUPS) -> int | None:
+    """The lowest memory limit on this process's cgroup and the cgroups above it (v2 ``memory.max``, v1
+    ``memory.limit_in_bytes``); None where there is none, or it cannot be read."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    found: list[int] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and not controllers:
+            found += _limits(mounts, mounts / path.lstrip("/"), "memory.max")
+        elif "memory" in controllers.split(","):
+            found += _limits(mounts / "memory", mounts / "memory" / path.lstrip("/"), "memory.limit_in_bytes")
+    return min(found, default=None)
+
+
+def _limits(top: Path, leaf: Path, name: str) -> list[int]:
+    """The numeric limits in ``name`` from ``leaf`` up to ``top`` (``max`` and v1's near-2**63: none)."""
+    got: list[int] = []
+    for d in (leaf, *leaf.parents):
+        try:
+            raw = (d / name).read_text().strip()
+        except OSError:
+            raw = ""
+        if raw.isdigit() and int(raw) < NO_LIMIT:
+            got.append(int(raw))
+        if d == top or top not in d.parents:
+            break
+    return got
 
 
 def default_budget(where: Path) -> int:
     fs = next((p for p in (where, *where.parents) if p.exists()), Path("/"))
     st = os.statvfs(fs)
-    return min(machine_memory() // 4, st.f_blocks * st.f_frsize // 2)
+    usable = min(machine_memory(), cgroup_limit() or machine_memory())
+    return min(usable // 4, st.f_blocks * st.f_frsize // 2)
 
 
 def config() -> MemoryConfig | None:
