@@ -31,7 +31,7 @@ from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import mapped, tensorfile
 from rewind.infra.format.digest import hash_bytes, manifest_digest
-from rewind.infra.memory import keeper, place
+from rewind.infra.memory import keeper, place, ring_room
 from tests.prefect_support import wait_until
 from tests.test_protect_any_job import config, protect, ranks_at
 
@@ -378,6 +378,11 @@ def test_older_memory_copies_are_let_go_by_count_and_budget(
     tiny = place.config()
     assert tiny is not None and keeper.keep(cat, _saved(ck, 4), tiny) is None  # too large to hold
     assert third.directory.is_dir()
+    # bytes no row names (another catalog's copy, a ring pass under way) count against the budget too
+    (memory_root / "elsewhere").mkdir()
+    (memory_root / "elsewhere" / "blob").write_bytes(bytes(second.nbytes))
+    assert keeper.keep(cat, _saved(ck, 5), small) is None
+    assert third.directory.is_dir() and ring_room.tier_bytes(memory_root) <= 2 * second.nbytes + 4096
 
 
 @pytest.mark.timeout(300)

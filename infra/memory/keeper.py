@@ -151,13 +151,16 @@ def _room(
 ) -> Room | None:
     """What must go for ``ck`` to fit, decided before anything goes: the run's older copies past
     ``keep - 1``, then the oldest past the budget, then ended runs' ring copies; None (nothing let go) when
-    it cannot fit beside what may not go (copies a restore holds, live runs' ring copies)."""
+    it cannot fit beside what may not go (copies a restore holds, live runs' ring copies, bytes on the
+    tier that no row of this catalog names)."""
     leased = {h.checkpoint_id for h in have if leases.leased(cat, h.checkpoint_id)}
     free = [h for h in have if h.checkpoint_id not in leased]
     need = ck.total_bytes or 0
     mine = [h for h in free if h.run == run and h.step < ck.step]
     going = mine[: max(0, len(mine) - (cfg.keep - 1))]
-    used = reserved + sum(h.nbytes for h in have if h not in going)
+    recorded = reserved + sum(h.nbytes for h in have)
+    # bytes on the tier no row here names (a pass under way, another catalog's copies) count all the same
+    used = max(recorded, ring_room.tier_bytes(cfg.root)) - sum(h.nbytes for h in going)
     for h in sorted((h for h in free if h not in going), key=lambda h: (h.step, h.replica_id)):
         if used + need <= cfg.budget_bytes:
             break
