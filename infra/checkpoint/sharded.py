@@ -49,7 +49,7 @@ from rewind.infra.checkpoint.sharded_save import (
 )
 from rewind.infra.checkpoint.shells import ShellStager
 from rewind.infra.checkpoint.state import environment
-from rewind.infra.errors import ConfigError, RankFailed, RunBusy
+from rewind.infra.errors import CatalogUnavailable, ConfigError, RankFailed, RunBusy, is_transient
 from rewind.infra.faults import fault_point
 from rewind.infra.format import direct, payload, store
 from rewind.infra.format import manifest as mf
@@ -172,13 +172,16 @@ class ShardedCheckpointer(ShardedRestoring):
                 refused = str(exc)
             except Exception as exc:
                 failed = exc
-        box: list[Any] = [(refused, f"{type(failed).__name__}: {failed}" if failed is not None else "")]
+        why = f"{type(failed).__name__}: {failed}" if failed is not None else ""
+        box: list[Any] = [(refused, why, failed is not None and is_transient(failed))]
         dist.broadcast_object_list(box, src=0)
-        refused, why = box[0]
+        refused, why, transient = box[0]
         if failed is not None:
             raise failed
-        if why:
-            raise RankFailed(f"rank 0 could not begin saving run {self.run!r}: {why}")
+        if why:  # a catalog that blinked is retried like rank 0's own error, on every rank
+            raise (CatalogUnavailable if transient else RankFailed)(
+                f"rank 0 could not begin saving run {self.run!r}: {why}"
+            )
         if refused:
             raise RunBusy(refused)
 

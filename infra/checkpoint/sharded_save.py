@@ -27,7 +27,7 @@ from rewind.infra.faults import fault_point
 from rewind.infra.format import dcp_packs, packs, payload, store, tree
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.dcp_direct import DirectWriter
-from rewind.infra.format.digest import hash_file
+from rewind.infra.format.digest import hash_file, manifest_digest
 from rewind.infra.format.local_tier import LocalTier
 
 RANK_STATE = "rank-{rank}.json"
@@ -231,6 +231,14 @@ def _finish_spread(
         return "error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankFailed) else str(exc)
 
 
+def _remove_own(final: Path, digest: str) -> None:
+    """The step's directory removed if it still holds this save's manifest (whose digest is ``digest``),
+    never another writer's renamed in since."""
+    with contextlib.suppress(OSError):
+        if manifest_digest((final / mf.MANIFEST_NAME).read_bytes()) == digest:
+            shutil.rmtree(final, ignore_errors=True)
+
+
 def _remove_written(tmp: Path, step: int, raw: bytes) -> None:
     """This save's copy on this disk removed: its temporary directory, or, once renamed (a commit that failed
     syncing the run's directory after it), the step's, if that holds this save's manifest (never another's)."""
@@ -255,19 +263,22 @@ def _open(run_dir: Path, step: int, lead: LeadHooks | None) -> tuple[str, str, i
 
 def _close(tmp: Path, gathered: list[Any], facts: _Facts, *, lead: LeadHooks | None) -> tuple[str, str]:
     """Rank 0: commit every rank's files (and the catalog row) or remove them; the outcome to announce."""
-    final: Path | None = None
+    final, digest = None, ""
     try:
         errors = [e for e, _ in gathered if e]
         if errors:
             raise RankFailed("; ".join(errors))
         files = [e for _, es in gathered for e in es]
         done = store.commit(tmp, _manifest(tmp, files, facts))
-        final = done.path
+        final, digest = done.path, done.digest
         if lead is not None:
-            lead.commit(final, done.digest, ())
-        return "ok", done.digest
+            lead.commit(final, digest, ())
+        return "ok", digest
     except Exception as exc:  # renamed, then the catalog's commit failed: no copy its row does not commit
-        shutil.rmtree(tmp if final is None else final, ignore_errors=True)
+        if final is None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            _remove_own(final, digest)
         return "error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankFailed) else str(exc)
 
 

@@ -133,8 +133,9 @@ def _displace(cat: Catalog, have: list[held.Held], final: Path, checkpoint_id: i
     if any(leases.leased(cat, h.checkpoint_id) for h in there):
         log.info("%s is being restored from: the checkpoint saved again at its step is not held yet", final)
         return False
-    for h in there:
+    for h in there:  # the row first, then the bytes (never left unnamed should the copy not be made now)
         copies.record(cat, h.replica_id, R.DELETED, "let go from the memory tier: its step saved again")
+        remove(h.uri)
     return True
 
 
