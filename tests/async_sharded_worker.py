@@ -96,17 +96,7 @@ def _lead_fails(kind: str, root: str) -> bool:
         heard = "nothing"
     except BackgroundSaveError as exc:
         heard = "rank 0 before any rank wrote" if "before any rank wrote" in str(exc) else str(exc)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)
-    want = _snapshot(model)
-    ck.save(8, {"model": model.state_dict()}, {"rank": rank, "step": 8})
-    restored = ck.restore_latest(lambda: {"model": model.state_dict()})
-    step, tree, mine = restored if restored is not None else (None, {}, {})
-    got = {k: _local(v).detach().clone() for k, v in tree.get("model", {}).items()}
-    ok = step == 8 and mine == {"rank": rank, "step": 8} and all(torch.equal(want[k], got[k]) for k in want)
-    _say(f"rank {rank}: heard {heard}; {'restored step 8' if ok else f'WRONG {step} {mine}'}")
-    ck.close()
+    ok = _step_8_whole(ck, model, rank, heard)
     return ok and heard.startswith("rank 0")
 
 
@@ -132,6 +122,13 @@ def _one_fails(kind: str, root: str, mode: SaveMode) -> bool:
         heard = (
             "rank 1's state" if "rank 1: ConfigError" in str(exc) and "rank1.seen" in str(exc) else str(exc)
         )
+    ok = _step_8_whole(ck, model, rank, heard)
+    return ok and heard == "rank 1's state"
+
+
+def _step_8_whole(ck: ShardedCheckpointer, model: torch.nn.Module, rank: int, heard: str) -> bool:
+    """After a failed save: the parameters changed, saved at step 8 and restored; whether what came back is
+    what was saved (said with ``heard``, what the failed save told this rank). Closes ``ck``."""
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
@@ -143,7 +140,7 @@ def _one_fails(kind: str, root: str, mode: SaveMode) -> bool:
     ok = step == 8 and mine == {"rank": rank, "step": 8} and all(torch.equal(want[k], got[k]) for k in want)
     _say(f"rank {rank}: heard {heard}; {'restored step 8' if ok else f'WRONG {step} {mine}'}")
     ck.close()
-    return ok and heard == "rank 1's state"
+    return ok
 
 
 def _say(line: str) -> None:
