@@ -331,12 +331,14 @@ def test_a_mapping_faulted_in_by_helpers_span_by_span_proves_every_byte_in_order
         assert again is not None and again == data, helpers
 
 
-def _helpers_refused_after(started: int, real_start: Callable[[threading.Thread], None]) -> Any:
-    """``Thread.start`` refusing every populate helper after the first ``started`` (a process limit)."""
+def _helpers_refused_after(
+    started: int, real_start: Callable[[threading.Thread], None], prefix: str = "rewind-populate"
+) -> Any:
+    """``Thread.start`` refusing every helper named ``prefix`` after the first ``started`` (a process limit)."""
     left = [started]
 
     def start(thread: threading.Thread) -> None:
-        if thread.name.startswith("rewind-populate"):
+        if thread.name.startswith(prefix):
             if left[0] <= 0:
                 raise RuntimeError("can't start new thread")
             left[0] -= 1

@@ -144,9 +144,11 @@ def add(
     nbytes: int,
     status: R,
     disk: LocalTier | None = None,
+    segments: str | None = None,
 ) -> int:
     """Register a copy (or update the row of the same copy); returns its id. ``disk``: the local disk
-    that holds it, as the process that wrote it there said (another host's); else as seen here."""
+    that holds it, as the process that wrote it there said (another host's); else as seen here.
+    ``segments``: its files' segment digests as they were written (``rewind.infra.format.segments``)."""
     now = utcnow()
     with cat.session() as s:
         # the same directory name on another disk is another copy (node-local disks share paths)
@@ -162,10 +164,17 @@ def add(
             s.add(row)
         row.tier_id, row.host = tier_id, host
         row.key, row.bytes, row.status, row.checked_at, row.detail = key, nbytes, status, now, None
+        row.segments = segments  # of the bytes just registered: never an earlier copy's
         if status is R.VERIFIED:
             row.verified_at = now
         s.flush()
         return row.id
+
+
+def segments_of(cat: Catalog, replica_id: int) -> str | None:
+    """The segment digests recorded with a copy (JSON), None where none were."""
+    with cat.session() as s:
+        return s.scalar(select(Replica.segments).where(Replica.id == replica_id))
 
 
 def record(

@@ -142,6 +142,8 @@ class Replica(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     verified_at: Mapped[datetime | None]
     checked_at: Mapped[datetime | None]
+    # memory: each file's segment digests as the copy was written (``rewind.infra.format.segments``, JSON)
+    segments: Mapped[str | None] = mapped_column(Text)
 
 
 class RestoreLease(Base):

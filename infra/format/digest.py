@@ -39,6 +39,7 @@ class FileDigest:
     size: int
     xxh3: str  # hex
     crc32c: str  # base64 of the big-endian 4 bytes, the form S3 reports
+    segments: tuple[str, ...] = ()  # xxh3-128 of each ``segment`` bytes in turn, where asked for
 
     def as_dict(self) -> dict[str, int | str]:
         return {"size": self.size, "xxh3": self.xxh3, "crc32c": self.crc32c}
@@ -47,31 +48,55 @@ class FileDigest:
 class Hasher:
     """Accumulates size and digests over a byte stream.
 
-    Verification compares xxh3 only and passes ``with_crc=False`` to halve the cost.
+    Verification compares xxh3 only and passes ``with_crc=False`` to halve the cost. ``segment``: the xxh3
+    of every ``segment`` bytes in turn as well (``rewind.infra.format.segments``), a second pass over each
+    piece while it is in the cache.
     """
 
-    __slots__ = ("_crc", "_size", "_with_crc", "_xxh")
+    __slots__ = ("_crc", "_done", "_seg", "_segment", "_size", "_with_crc", "_xxh")
 
-    def __init__(self, *, with_crc: bool = True) -> None:
+    def __init__(self, *, with_crc: bool = True, segment: int = 0) -> None:
         self._xxh = xxhash.xxh3_128()
         self._crc = 0
         self._size = 0
         self._with_crc = with_crc
+        self._segment = segment
+        self._seg = xxhash.xxh3_128()
+        self._done: list[str] = []
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
         with memoryview(data) as whole, whole.cast("B") as view:
-            if not self._with_crc:
+            if not self._with_crc and not self._segment:
                 self._xxh.update(view)
-            else:  # both digests over each piece while it is in the CPU's cache, not twice over all of it
+            else:  # every digest over each piece while it is in the CPU's cache, not twice over all of it
                 for at in range(0, len(view), CACHED):
                     with view[at : at + CACHED] as piece:
                         self._xxh.update(piece)
-                        self._crc = crc32c(piece, self._crc)
+                        if self._with_crc:
+                            self._crc = crc32c(piece, self._crc)
+                        if self._segment:
+                            self._segments(piece, self._size + at)
             self._size += len(view)
+
+    def _segments(self, piece: memoryview, offset: int) -> None:
+        """``piece`` (at ``offset`` in the stream) into the segment digests, a segment closed at its end."""
+        at = 0
+        while at < len(piece):
+            room = self._segment - (offset + at) % self._segment
+            with piece[at : at + room] as part:
+                self._seg.update(part)
+                at += len(part)
+            if (offset + at) % self._segment == 0:
+                self._done.append(self._seg.hexdigest())
+                self._seg.reset()
 
     def result(self) -> FileDigest:
         crc = crc32c_b64(self._crc) if self._with_crc else ""
-        return FileDigest(size=self._size, xxh3=self._xxh.hexdigest(), crc32c=crc)
+        segments: tuple[str, ...] = ()
+        if self._segment:
+            tail = [self._seg.hexdigest()] if self._size % self._segment else []
+            segments = (*self._done, *tail)
+        return FileDigest(size=self._size, xxh3=self._xxh.hexdigest(), crc32c=crc, segments=segments)
 
 
 class HashingWriter:
@@ -80,9 +105,9 @@ class HashingWriter:
     Every file Rewind writes goes through one, so the job's write limit (``rewind.infra.throttle``) paces it here.
     """
 
-    def __init__(self, raw: BinaryIO) -> None:
+    def __init__(self, raw: BinaryIO, *, segment: int = 0) -> None:
         self._raw = raw
-        self.hasher = Hasher()
+        self.hasher = Hasher(segment=segment)
         self._throttle = throttle.for_writes()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:

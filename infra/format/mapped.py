@@ -20,6 +20,7 @@ import errno
 import mmap
 import os
 import sys
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 from rewind.infra import progress
 from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import pages
+from rewind.infra.format import pages, segments
 from rewind.infra.format.digest import CHUNK, Hasher
 from rewind.infra.format.verify import Finding, Problem, entry_mismatch, open_entry
 
@@ -36,6 +37,7 @@ MIN_BYTES = 1 << 20  # a smaller file is read: mapping it saves nothing worth it
 MADV_POPULATE_READ = 22  # Linux 5.14: fault the pages in, an I/O error reported as an errno, not a SIGBUS
 SPAN = 32 << 20  # faulted in by one helper at a time, ahead of the hash
 HELPERS = 2  # a helper faults pages in at about half the rate one thread hashes them
+MAX_WORKERS = 16  # segments hashed at once, at most (each a core's worth of memory bandwidth)
 _STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux
 
 
@@ -81,7 +83,10 @@ def verified_mapping(directory: Path, entry: mf.FileEntry) -> memoryview | None:
         return None
     view = memoryview(whole)
     try:
-        wrong = entry_mismatch(entry, len(whole), _populated_hash(whole, view, directory, entry))
+        if entry.segments and len(entry.segments) == segments.count(len(whole)):
+            wrong = _segment_mismatch(whole, view, directory, entry)
+        else:
+            wrong = entry_mismatch(entry, len(whole), _populated_hash(whole, view, directory, entry))
     except BaseException:
         view.release()  # before the close, or the close raises BufferError in the error's place
         whole.close()
@@ -114,9 +119,7 @@ def _populated_hash(whole: mmap.mmap, view: memoryview, directory: Path, entry: 
     """The xxh3 of the mapping, its pages faulted in ahead of the hash a span at a time by helper threads
     (``MADV_POPULATE_READ``: the kernel's page-table work, most of a mapped read's cost, runs on other
     cores while this thread hashes the spans already in)."""
-    anchor = ctypes.c_char.from_buffer(whole)  # the mapping's address (an export, let go at once)
-    base = ctypes.addressof(anchor)
-    del anchor
+    base = _address(whole)
     spans = [(at, min(SPAN, len(whole) - at)) for at in range(0, len(whole), SPAN)]
     hasher = Hasher(with_crc=False)
     with ThreadPoolExecutor(max_workers=_helpers(len(spans)), thread_name_prefix="rewind-populate") as pool:
@@ -134,6 +137,61 @@ def _populated_hash(whole: mmap.mmap, view: memoryview, directory: Path, entry: 
                     f.cancel()
             raise
     return hasher.result().xxh3
+
+
+def _segment_mismatch(
+    whole: mmap.mmap, view: memoryview, directory: Path, entry: mf.FileEntry
+) -> Finding | None:
+    """The first segment of the mapping whose xxh3 is not the one the catalog recorded (``entry.segments``),
+    None when every one is; each segment faulted in and hashed by a worker, on every core at once."""
+    base = _address(whole)
+    starts = range(0, len(whole), segments.SEGMENT)
+
+    def hashed(at: int) -> tuple[int, str]:  # (errno faulting it in, its digest)
+        size = min(segments.SEGMENT, len(whole) - at)
+        err = _populate(base + at, size)
+        if err not in (0, errno.EINVAL, errno.ENOSYS):
+            return err, ""
+        hasher = Hasher(with_crc=False)
+        with view[at : at + size] as piece:
+            hasher.update(piece)
+        return 0, hasher.result().xxh3
+
+    workers = max(1, min(len(starts), len(os.sched_getaffinity(0)), MAX_WORKERS))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rewind-segment") as pool:
+        done = [_started(pool, hashed, at) for at in starts]
+        try:
+            for i, (at, want, job) in enumerate(zip(starts, entry.segments, done, strict=True)):
+                err, got = job.result() if job else hashed(at)
+                _check(err, directory, entry)
+                if got != want:
+                    end = min(at + segments.SEGMENT, len(whole))
+                    detail = f"segment {i} (bytes {at}..{end}) xxh3 {got} != the catalog's {want}"
+                    return Finding(Problem.DIGEST, entry.path, detail)
+                progress.advance(min(segments.SEGMENT, len(whole) - at))
+        finally:
+            for job in done:
+                if job:
+                    job.cancel()
+    return None
+
+
+def _started(
+    pool: ThreadPoolExecutor, hashed: Callable[[int], tuple[int, str]], at: int
+) -> Future[tuple[int, str]] | None:
+    """The segment at ``at`` hashed by a worker; None where no thread can be started (this thread hashes it)."""
+    try:
+        return pool.submit(hashed, at)
+    except RuntimeError:
+        return None
+
+
+def _address(whole: mmap.mmap) -> int:
+    """The mapping's address (through an export of it, let go at once)."""
+    anchor = ctypes.c_char.from_buffer(whole)
+    base = ctypes.addressof(anchor)
+    del anchor
+    return base
 
 
 def _submitted(pool: ThreadPoolExecutor, first: int, nbytes: int) -> Future[int] | None:

@@ -15,8 +15,8 @@ import re
 import shutil
 import stat
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -112,6 +112,7 @@ class Committed:
     digest: str
     manifest_size: int = 0
     linked_bytes: int = 0  # data bytes hard-linked from a parent checkpoint instead of written
+    segments: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # per file, where asked for
 
     @property
     def written_bytes(self) -> int:
@@ -143,14 +144,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file(path: Path, fill: FileWriter) -> mf.FileEntry:
+def write_file(path: Path, fill: FileWriter, *, segment: int = 0) -> mf.FileEntry:
     """Create ``path`` (never overwrite), stream ``fill`` into it through the hasher, fsync it (written past
-    the page cache where the filesystem allows: ``direct``)."""
+    the page cache where the filesystem allows: ``direct``). ``segment``: its segments' digests as well."""
     with direct.NewFile(path) as raw:
-        out = HashingWriter(raw)  # type: ignore[arg-type]  # a file that only writes
+        out = HashingWriter(raw, segment=segment)  # type: ignore[arg-type]  # a file that only writes
         fill(out)  # type: ignore[arg-type]
     d = out.hasher.result()
-    return mf.FileEntry(path=path.name, size=d.size, xxh3=d.xxh3, crc32c=d.crc32c)
+    return mf.FileEntry(path=path.name, size=d.size, xxh3=d.xxh3, crc32c=d.crc32c, segments=d.segments)
 
 
 def replace_file(path: Path, fill: FileWriter) -> None:
@@ -201,7 +202,9 @@ def commit(
     return Committed(final, manifest, manifest_digest(raw), manifest_size=len(raw))
 
 
-def _place(tmp: Path, name: str, fill: FileWriter | Link, made: set[Path]) -> tuple[mf.FileEntry, bool]:
+def _place(
+    tmp: Path, name: str, fill: FileWriter | Link, made: set[Path], segment: int
+) -> tuple[mf.FileEntry, bool]:
     """Write (or link) one file into ``tmp``, creating its directory; (entry, whether it was linked)."""
     rel = mf.safe_relative(name)
     path = tmp / rel
@@ -212,7 +215,7 @@ def _place(tmp: Path, name: str, fill: FileWriter | Link, made: set[Path]) -> tu
         if link_file(path, fill):
             return replace(fill.entry, path=rel), True
         fill = fill.fallback
-    return replace(write_file(path, fill), path=rel), False
+    return replace(write_file(path, fill, segment=segment), path=rel), False
 
 
 def write_checkpoint(
@@ -222,8 +225,9 @@ def write_checkpoint(
     *,
     copy_of: bytes | None = None,
     displace: Displace | None = None,
+    segment: int = 0,
 ) -> Committed:
-    """Write ``files`` and then the manifest.
+    """Write ``files`` and then the manifest (``segment``: the written files' segment digests returned too).
 
     ``manifest`` supplies everything but the file list. With ``copy_of`` (the raw
     manifest of the checkpoint being copied, already held to the catalog's digest),
@@ -235,7 +239,7 @@ def write_checkpoint(
     try:
         entries, made, linked = [], set[Path](), 0
         for name, fill in files:
-            entry, was_linked = _place(tmp, name, fill, made)
+            entry, was_linked = _place(tmp, name, fill, made, segment)
             entries.append(entry)
             linked += entry.size if was_linked else 0
             fault_point("save.file_written", manifest.step)
@@ -244,9 +248,10 @@ def write_checkpoint(
         fsync_dir(tmp)
         if copy_of is not None:
             _same_files(tmp, manifest.files, entries)
-            return commit(tmp, manifest, copy_of, displace=displace)
-        done = commit(tmp, replace(manifest, files=tuple(entries)))
-        return replace(done, linked_bytes=linked)
+            done = commit(tmp, manifest, copy_of, displace=displace)
+        else:
+            done = replace(commit(tmp, replace(manifest, files=tuple(entries))), linked_bytes=linked)
+        return replace(done, segments={e.path: e.segments for e in entries if e.segments})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

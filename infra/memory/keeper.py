@@ -27,7 +27,7 @@ from rewind.infra.catalog.models import Checkpoint
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.errors import ConfigError
 from rewind.infra.format import keyring as kr
-from rewind.infra.format import local_tier, store
+from rewind.infra.format import local_tier, segments, store
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.verify import partial
 from rewind.infra.memory import ring_room
@@ -114,9 +114,11 @@ def keep(
             done = fetch.pull(
                 FileTier(str(src.parent)), src.name, str(ck.manifest_digest), cfg.root / run,
                 keyring=keyring if keyring is not None else kr.from_env(), displace=remove,
+                segment=segments.SEGMENT,
             )  # fmt: skip
             copies.add(cat, checkpoint_id, copies.MEMORY, str(done.path), key=None,
-                       nbytes=done.manifest.total_bytes, status=R.VERIFIED)  # fmt: skip
+                       nbytes=done.manifest.total_bytes, status=R.VERIFIED,
+                       segments=segments.dumps(done.segments))  # fmt: skip
         finally:
             if room is not None:
                 room.rings.release()  # let go of the ended runs' locks, whatever happened

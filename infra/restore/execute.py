@@ -37,7 +37,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from rewind.infra.catalog import copies, leases, moved_copies
+from rewind.infra.catalog import copies, disks, leases, moved_copies
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.errors import (
@@ -51,7 +51,7 @@ from rewind.infra.errors import (
 )
 from rewind.infra.format import keyring as kr
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import payload, store
+from rewind.infra.format import payload, segments, store
 from rewind.infra.format.verify import Finding, Problem, Verdict, check_copy, require, verdict_of
 from rewind.infra.format.verify import partial as is_partial
 from rewind.infra.restore.plan import Candidate, Copy, RestorePlan
@@ -175,6 +175,8 @@ def _open(
         manifest = require(check_copy(directory, cand.manifest_digest, deep=False, keyring=ring))
         if not partial and is_partial(directory, manifest):
             raise ShareOnly(f"local copy at {directory} holds one host's share of the checkpoint")
+        if copy.tier == copies.MEMORY:  # its files hashed a segment per core against the catalog's record
+            manifest = segments.attach(manifest, copies.segments_of(cat, copy.replica_id))
         return _Opened(directory, manifest, copy.replica_id, False)
 
     def displace(final: Path) -> None:  # what is there did not prove itself: kept, out of the way
@@ -231,7 +233,8 @@ def _try(
                 # a download hashed every byte; a quick open proved the manifest; a load that read some
                 # files from a nearer copy (this node's memory) did not prove the local copy's
                 copies.record(cat, opened.local_replica_id, R.VERIFIED, None, uri=str(opened.directory))
-                copies.settle(cat, cand.checkpoint_id)
+                if copy.tier not in disks.VOLATILE_TIERS:  # a volatile copy never proves a checkpoint
+                    copies.settle(cat, cand.checkpoint_id)
             return opened, value, copy
         _drop(opened)
         detail = _failed_copy(cat, plan, copy, opened, verdict, findings)

@@ -79,8 +79,10 @@ def pull(
     *,
     keyring: kr.Keyring,
     displace: store.Displace | None = None,
+    segment: int = 0,
 ) -> store.Committed:
-    """Download the copy at ``key`` into ``run_dir`` with the commit protocol.
+    """Download the copy at ``key`` into ``run_dir`` with the commit protocol (``segment``: each file's
+    segment digests computed as it is written, returned with it).
 
     The manifest is held to the catalog's digest before any data is fetched, and
     every file must hash to its entry before the manifest is written locally; only
@@ -94,7 +96,9 @@ def pull(
     streams = [(e.path, _stream(tier, key, e)) for e in manifest.files]
     try:
         with progress.phase(f"fetch {key} from {tier.uri}", manifest.total_bytes):
-            return store.write_checkpoint(run_dir, manifest, streams, copy_of=raw, displace=displace)
+            return store.write_checkpoint(
+                run_dir, manifest, streams, copy_of=raw, displace=displace, segment=segment
+            )
     except SourceFailed as failed:
         raise failed.error from None  # reading the copy failed: as the tier said it
     except OSError as exc:  # everything else that touches a disk here writes the local one
