@@ -186,8 +186,10 @@ def test_one_live_checkpoint_per_step(pg_url, run_name):
     cat = Catalog(pg_url)
     _committed_checkpoint(cat, run_name, 7)
     run_id = lineage.get_run(cat, run_name).id
+    # a save of the step again is in flight beside it (the committed one stays live until that commits)...
+    again = lineage.begin(cat, run_id, 7, "/nowhere/dup", parent_id=None, layout={}, environment={})
     with pytest.raises(Exception, match=r"uq_checkpoint_live_step|unique|UNIQUE"):
-        lineage.begin(cat, run_id, 7, "/nowhere/dup", parent_id=None, layout={}, environment={})
+        lineage.transition(cat, again, (S.WRITING,), S.COMMITTED)  # ...but never two live at one step
 
 
 def test_unreachable_and_bad_urls_are_clear():

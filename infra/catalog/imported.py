@@ -72,15 +72,16 @@ def insert(
     tier_id, host = disks.place(copy.tier, copy.uri)
     with cat.session() as s:
         lineage.lock_run(s, run_id)
-        live = s.scalar(
+        at_step = s.scalars(
             select(Checkpoint).where(
                 Checkpoint.run_id == run_id,
                 Checkpoint.step == m.step,
                 Checkpoint.status.in_([st.value for st in LIVE_STATUSES]),
             )
-        )
-        if live is not None and live.status == S.WRITING.value:
+        ).all()
+        if any(c.status == S.WRITING.value for c in at_step):
             raise RewindError(f"step {m.step} is being saved right now: left to its writer")
+        live = at_step[0] if at_step else None  # one committed or verified at most (the step's index)
         status, reason = (S.VERIFIED if verified else S.COMMITTED), None
         if live is not None and aware(live.created_at) >= written:
             status, reason = S.SUPERSEDED, f"{REBUILT}a later save holds step {m.step}"

@@ -106,7 +106,8 @@ def list_runs(cat: Catalog) -> list[dict]:
 def begin(
     cat: Catalog, run_id: int, step: int, path: str, *, parent_id: int | None, layout: dict, environment: dict
 ) -> int:
-    """Record a save in flight; fails if a live checkpoint already holds this step."""
+    """Record a save in flight. A checkpoint the run already holds at this step stays as it is until this
+    one commits (``commit`` supersedes it then): a save that fails must not take it away."""
     with cat.session() as s:
         ck = Checkpoint(
             run_id=run_id,
@@ -157,10 +158,12 @@ def commit(
 ) -> None:
     """``writing -> committed`` with its manifest digest, files and local copy, in one transaction; with
     ``writer``, only while that process is the run's writer (else ``Fenced``, and nothing is committed).
-    ``also_on``: the copies (directory, disk) on other hosts' disks of a checkpoint spread over them,
-    each holding its disk's share."""
+    What the run held at the step before (a replayed timeline, a step saved again) is superseded in the
+    same transaction, never earlier. ``also_on``: the copies (directory, disk) on other hosts' disks of a
+    checkpoint spread over them, each holding its disk's share."""
     now = utcnow()
     with cat.session() as s:
+        _supersede_at_step(s, checkpoint_id)
         guard = [Checkpoint.id == checkpoint_id, Checkpoint.status == S.WRITING.value]
         if writer is not None:
             guard.append(_fence(writer))
@@ -200,6 +203,29 @@ def commit(
                     bytes=sum(f.size for f in share),
                 )
             )
+
+
+def _supersede_at_step(s: Session, checkpoint_id: int) -> None:
+    """The run's other checkpoints at this checkpoint's step superseded (one still writing: aborted), before
+    it commits in the same transaction (one live checkpoint a step); rolled back with it if it does not."""
+    new = s.execute(select(Checkpoint.run_id, Checkpoint.step).where(Checkpoint.id == checkpoint_id)).first()
+    if new is None:
+        return
+    held = (S.WRITING.value, S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value)
+    for old in s.scalars(
+        select(Checkpoint).where(
+            Checkpoint.run_id == new.run_id,
+            Checkpoint.step == new.step,
+            Checkpoint.id != checkpoint_id,
+            Checkpoint.status.in_(held),
+        )
+    ):
+        was = old.status
+        old.status = S.ABORTED if was == S.WRITING.value else S.SUPERSEDED
+        old.status_reason = f"superseded by a new save at step {new.step}" + (
+            f" (it was corrupt: {old.status_reason})" if was == S.CORRUPT.value else ""
+        )
+    s.flush()  # before the commit's own update: the one-live-per-step index sees them gone
 
 
 def _not_committed(s: Session, checkpoint_id: int, writer: str | None) -> RewindError:

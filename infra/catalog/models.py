@@ -45,7 +45,8 @@ from rewind.infra.catalog.states import (  # noqa: F401 (re-exported)
     VersionState,
 )
 
-_LIVE_SQL = "status IN ('writing', 'committed', 'verified')"
+# A save in flight ('writing') is not live: the step's committed checkpoint stays so until it commits.
+_LIVE_SQL = "status IN ('committed', 'verified')"
 
 
 class Run(Base):
@@ -66,7 +67,8 @@ class Run(Base):
 class Checkpoint(Base):
     __tablename__ = "checkpoint"
     __table_args__ = (
-        # Only one live checkpoint per (run, step); dead ones (corrupt, aborted, deleted) stay as history.
+        # Only one live checkpoint per (run, step); dead ones (corrupt, aborted, deleted, superseded) stay as
+        # history, and a save in flight at the step is not live until it commits (superseding the old one).
         Index(
             "uq_checkpoint_live_step",
             "run_id",

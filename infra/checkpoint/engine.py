@@ -38,7 +38,7 @@ from rewind.infra.catalog.writer_lease import WriterLease
 from rewind.infra.checkpoint import own_tensors
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
-from rewind.infra.checkpoint.recording import recorded_save
+from rewind.infra.checkpoint.recording import displacer, held_by_live, recorded_save
 from rewind.infra.checkpoint.staging import Staged, StagingBuffer
 from rewind.infra.checkpoint.state import Stateful, as_stateful, environment, writer
 from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, StateMismatch
@@ -216,7 +216,7 @@ class Checkpointer:
             )
             staged.ready()
             files = payload.file_writers(trees, staged.parts, fmt=self.format, link_from=self._link_source())
-            done = store.write_checkpoint(self.run_dir, draft, files)
+            done = store.write_checkpoint(self.run_dir, draft, files, displace=displacer(self._cat))
             manifest = done.manifest
             fault_point("save.before_catalog", step)
             if self.mode is SaveMode.SYNC:
@@ -348,10 +348,10 @@ class Checkpointer:
             pid = int(env.get("pid", 0))
             if env.get("hostname") != host or (pid != os.getpid() and store.pid_alive(pid)):
                 continue
-            # The writer died. If it got as far as the rename, the directory is
-            # complete but uncommitted: treat it as not existing and remove it.
+            # The writer died. If it got as far as the rename, the directory is complete but uncommitted:
+            # treat it as not existing and remove it; if not, what lies there is the step's committed one.
             final = Path(ck.path)
-            if final.exists():
+            if final.exists() and not held_by_live(self._cat, self.run_id, ck.step, final):
                 store.quarantine(final, "uncommitted")
             lineage.transition(self._cat, ck.id, (S.WRITING,), S.ABORTED, "writer died before commit")
             log.info("checkpoint step %d was never committed (writer died); discarded", ck.step)

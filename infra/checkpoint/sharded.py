@@ -36,7 +36,7 @@ from rewind.infra.checkpoint import assemble, remotes, spread
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.engine import SaveMode
-from rewind.infra.checkpoint.recording import recorded_save
+from rewind.infra.checkpoint.recording import displacer, recorded_save
 from rewind.infra.checkpoint.send_on import SendOn
 from rewind.infra.checkpoint.sharded_load import PER_RANK_PREFIX
 from rewind.infra.checkpoint.sharded_restore import ShardedRestoring
@@ -292,7 +292,7 @@ class ShardedCheckpointer(ShardedRestoring):
                 step,
                 share,
                 parent=self._parent,
-                lead=LeadHooks(begin, commit, self._lead_aside),
+                lead=LeadHooks(begin, commit, self._lead_aside, displacer(cat)),
                 **kw,
             )
             self._parent_id, self._parent = row[0], (step, digest)

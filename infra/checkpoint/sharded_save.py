@@ -72,13 +72,17 @@ class LeadHooks:
     """Rank 0's catalog side of a save, run inside the protocol so every rank hears of its failure:
     ``begin`` before any rank writes, ``aside(moved)`` once other disks committed (or failed to), with what
     each held at the step (a copy of a timeline the run left moved aside, or nothing: the rows naming it
-    follow it, or are let go), and ``commit(final, digest, also_on)`` before the outcome is announced."""
+    follow it, or are let go), ``displace(final)`` at rank 0's rename, and ``commit(final, digest, also_on)``
+    before the outcome is announced."""
 
     begin: Callable[[], None]
     # (committed directory, manifest digest, the copies on other disks: (directory, disk))
     commit: Callable[[Path, str, Sequence[tuple[str, LocalTier]]], None]
     # what other disks held at this step: (moved aside from and to, or nothing there; the disk)
     aside: Callable[[Sequence[tuple[spread.Moved, LocalTier]]], None] = lambda moved: None
+    # what moves rank 0's directory already at the step aside at the rename (its rows following it): the
+    # checkpoint it holds stays the run's until this one commits (``recording.displacer``)
+    displace: Callable[[Path], None] | None = None
 
 
 def save(
@@ -217,7 +221,7 @@ def _finish_spread(
         errors = [e for e, _, _ in reports if e]
         if errors:
             raise RankFailed("; ".join(errors))
-        done = store.commit(tmp, mf.parse(prepared.raw), prepared.raw)
+        done = store.commit(tmp, mf.parse(prepared.raw), prepared.raw, displace=_displace(lead))
         final = done.path
         if lead is not None:
             also = [(path, disks.of_rank[r]) for r, (_, path, _) in enumerate(reports) if path]
@@ -229,6 +233,10 @@ def _finish_spread(
         else:  # renamed, then the catalog's commit failed
             shutil.rmtree(final, ignore_errors=True)
         return "error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankFailed) else str(exc)
+
+
+def _displace(lead: LeadHooks | None) -> Callable[[Path], None] | None:
+    return lead.displace if lead is not None else None
 
 
 def _remove_own(final: Path, digest: str) -> None:
@@ -269,7 +277,7 @@ def _close(tmp: Path, gathered: list[Any], facts: _Facts, *, lead: LeadHooks | N
         if errors:
             raise RankFailed("; ".join(errors))
         files = [e for _, es in gathered for e in es]
-        done = store.commit(tmp, _manifest(tmp, files, facts))
+        done = store.commit(tmp, _manifest(tmp, files, facts), displace=_displace(lead))
         final, digest = done.path, done.digest
         if lead is not None:
             lead.commit(final, digest, ())

@@ -250,7 +250,8 @@ def write_checkpoint(
             _same_files(tmp, manifest.files, entries)
             done = commit(tmp, manifest, copy_of, displace=displace)
         else:
-            done = replace(commit(tmp, replace(manifest, files=tuple(entries))), linked_bytes=linked)
+            done = commit(tmp, replace(manifest, files=tuple(entries)), displace=displace)
+            done = replace(done, linked_bytes=linked)
         return replace(done, segments={e.path: e.segments for e in entries if e.segments})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

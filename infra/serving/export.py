@@ -69,10 +69,9 @@ def archive_name(model: str, version: str) -> str:
 
 def verified_checkpoint(cat: Catalog, run: str, step: int) -> Checkpoint:
     """The live checkpoint at ``run@step``; refuses one that is not verified, saying how to fix it."""
-    live = [
-        c
-        for c in lineage.checkpoints(cat, run, step)
-        if c.status in (S.COMMITTED, S.VERIFIED, S.WRITING, S.CORRUPT)
+    rows = lineage.checkpoints(cat, run, step)  # a save in flight at the step: only where nothing else is
+    live = [c for c in rows if c.status in (S.COMMITTED, S.VERIFIED, S.CORRUPT)] or [
+        c for c in rows if c.status == S.WRITING
     ]
     if not live:
         raise NotFoundError(f"run {run!r} has no checkpoint at step {step}")

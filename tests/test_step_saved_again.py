@@ -1,0 +1,106 @@
+"""A step saved again replaces the step's checkpoint only when the new save commits: one that fails (a full
+disk, a catalog gone at the commit, a writer that died) leaves the old one restorable, bit-exact."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rewind.infra.catalog import lineage
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def cat(request, rewind_env, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    if request.param == "sqlite":
+        monkeypatch.setenv("REWIND_CATALOG_URL", f"sqlite:///{tmp_path / 'catalog.db'}")
+    return Catalog()
+
+
+def _job(run: str, cat: Catalog, root: Path, seed: int) -> tuple[torch.nn.Module, Checkpointer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(256, 256)
+    return model, Checkpointer(run, states={"model": model}, root=root, catalog=cat)
+
+
+def _restores(cat: Catalog, run: str, root: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    model, ck = _job(run, cat, root, seed=99)
+    got = ck.restore_latest()
+    assert got is not None
+    return got.step, model.state_dict()
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _statuses(cat: Catalog, run: str, step: int) -> list[str]:
+    return [str(c.status) for c in sorted(lineage.checkpoints(cat, run, step), key=lambda c: c.id)]
+
+
+@pytest.mark.parametrize("point", ["save.file_written", "save.before_catalog"])
+def test_a_step_saved_again_that_fails_leaves_the_steps_checkpoint_restorable(
+    cat, run_name, tmp_path, monkeypatch, point
+):  # type: ignore[no-untyped-def]
+    """Failing while its files are written, or after its rename when the catalog's commit fails: the step's
+    committed checkpoint stays committed and restores bit-exact (before, it was superseded and moved aside
+    when the new save began: the run fell back to the step before)."""
+    root = tmp_path / "ckpt"
+    model, ck = _job(run_name, cat, root, seed=0)
+    ck.save(3)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ck.save(5)
+    at_five = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.mul_(-1.0)
+    monkeypatch.setenv("REWIND_FAULT", f"enospc:{point}@5")
+    with pytest.raises(OSError, match="No space left"):
+        ck.save(5)
+    monkeypatch.delenv("REWIND_FAULT")
+    assert _statuses(cat, run_name, 5) == ["committed", "aborted"]
+    step, restored = _restores(cat, run_name, root)
+    assert step == 5 and _same(restored, at_five)
+
+
+def test_a_step_saved_again_supersedes_the_old_checkpoint_when_it_commits(cat, run_name, tmp_path):  # type: ignore[no-untyped-def]
+    root = tmp_path / "ckpt"
+    model, ck = _job(run_name, cat, root, seed=0)
+    ck.save(5)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ck.save(5)
+    again = {k: v.clone() for k, v in model.state_dict().items()}
+    assert _statuses(cat, run_name, 5) == ["superseded", "committed"]
+    step, restored = _restores(cat, run_name, root)
+    assert step == 5 and _same(restored, again)
+    moved = [p for p in (root / run_name / ".quarantine").iterdir() if "superseded" in p.name]
+    assert len(moved) == 1  # the old copy moved aside at the rename, not removed
+
+
+def test_a_writer_that_died_saving_a_step_again_leaves_the_old_copy_in_place(cat, run_name, tmp_path):  # type: ignore[no-untyped-def]
+    """The next start settles the dead writer's row; the directory at the step is the committed checkpoint's,
+    not the dead save's (it never got to its rename): it stays where it is."""
+    root = tmp_path / "ckpt"
+    model, ck = _job(run_name, cat, root, seed=0)
+    ck.save(5)
+    at_five = {k: v.clone() for k, v in model.state_dict().items()}
+    final = root / run_name / "step-5"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    pid = int(dead.stdout)  # exited: no process has this pid now (checked below)
+    run_id = lineage.get_run(cat, run_name).id
+    lineage.begin(cat, run_id, 5, str(final), parent_id=None, layout={},
+                  environment={"hostname": socket.gethostname(), "pid": pid})  # fmt: skip
+    ck.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    step, restored = _restores(cat, run_name, root)
+    assert _statuses(cat, run_name, 5) == ["verified", "aborted"]  # the restore proved it
+    assert step == 5 and _same(restored, at_five) and (final / "manifest.json").is_file()
