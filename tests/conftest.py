@@ -4,6 +4,7 @@ the example training job as a real subprocess."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -236,3 +237,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(
         key=lambda item: rank.get(item.path.name, len(SLOW_FILES_FIRST))
     )  # stable: a file keeps its order
+
+
+@pytest.fixture
+def memory_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private memory tier on the machine's shared memory (/dev/shm), removed afterwards."""
+    from rewind.infra.memory import place
+
+    if not place.SHM.is_dir():
+        pytest.skip("this machine has no /dev/shm")
+    root = place.SHM / f"rewind-test-{uuid.uuid4().hex[:12]}"
+    monkeypatch.setenv(place.ROOT_ENV, str(root))
+    monkeypatch.delenv(place.BUDGET_ENV, raising=False)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

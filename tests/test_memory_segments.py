@@ -22,7 +22,7 @@ from rewind.infra.format import manifest as mf
 from rewind.infra.format import mapped, segments
 from rewind.infra.format.digest import Hasher, hash_bytes
 from rewind.infra.memory import keeper, place
-from tests.test_memory_tier import _helpers_refused_after, _memory_copies, memory_root  # noqa: F401
+from tests.test_memory_tier import _helpers_refused_after, _memory_copies
 
 SEGMENT = 1 << 20  # the tests' segment: a 4 MiB model is 5 of them, the last a part one
 
@@ -58,7 +58,7 @@ def kept(rewind_env, run_name, tmp_path, memory_root, monkeypatch):  # type: ign
     done = keeper.keep(cat, ck.last_saved.checkpoint_id, cfg)
     assert done is not None
     [row] = _memory_copies(cat, run_name)[1]
-    return cat, model, row, done.directory
+    return cat, model, row, done.directory, copies.segments_of(cat, row.id, segments.MAX_RECORD)
 
 
 def _restored(cat: Catalog, run: str, root: object, model: torch.nn.Module) -> tuple[str, bool]:
@@ -66,7 +66,10 @@ def _restored(cat: Catalog, run: str, root: object, model: torch.nn.Module) -> t
     fresh = torch.nn.Linear(1024, 1024)
     got = Checkpointer(run, states={"model": fresh}, root=root, catalog=cat).restore_latest()  # type: ignore[arg-type]
     assert got is not None and got.step == 1
-    same = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True)
+    )
     return got.source, same
 
 
@@ -79,8 +82,8 @@ def test_a_memory_copy_proves_each_segment_against_the_catalogs_record(kept, run
     """The agent records each file's segment digests with the copy; a restore from memory holds every segment
     to them (bit-exact when they match). A record that differs from the bytes refuses the copy even though
     the file matches its manifest entry: the segments, not a second whole-file pass, are what is checked."""
-    cat, model, row, directory = kept
-    record = json.loads(row.segments)
+    cat, model, row, directory, recorded = kept
+    record = json.loads(recorded)
     data = (directory / "model.safetensors").read_bytes()
     assert record["segment"] == SEGMENT
     assert record["files"]["model.safetensors"] == [
@@ -88,6 +91,10 @@ def test_a_memory_copy_proves_each_segment_against_the_catalogs_record(kept, run
     ]
     assert len(record["files"]["model.safetensors"]) == 5
     assert _restored(cat, run_name, tmp_path / "ckpt", model) == ("memory", True)
+    manifest = mf.read(directory)  # what a spread restore compares with each disk's copy's manifest
+    with_segments = segments.attach(manifest, recorded)
+    assert with_segments.files[0].segments and with_segments == manifest
+    assert with_segments.files[0].segments[0] not in repr(with_segments)  # never in a message
 
     wrong = dict(record, files={"model.safetensors": [*record["files"]["model.safetensors"][:-1], "0" * 32]})
     _set_record(cat, row.id, json.dumps(wrong))
@@ -99,11 +106,21 @@ def test_a_memory_copy_proves_each_segment_against_the_catalogs_record(kept, run
 def test_a_damaged_segment_is_refused_and_a_record_that_does_not_fit_hashes_the_file_whole(
     kept, run_name, tmp_path
 ):  # type: ignore[no-untyped-def]
-    cat, model, row, directory = kept
-    for record in (None, "{", json.dumps({"segment": 12345, "files": {}}), row.segments.replace('"', "'")):
+    cat, model, row, directory, recorded = kept
+    digests = json.loads(recorded)["files"]["model.safetensors"]
+    newline = json.dumps(
+        {"segment": SEGMENT, "files": {"model.safetensors": [digests[0] + "\n", *digests[1:]]}}
+    )
+    for record in (
+        None,
+        "{",
+        json.dumps({"segment": 12345, "files": {}}),
+        recorded.replace('"', "'"),
+        newline,
+    ):
         _set_record(cat, row.id, record)  # none, malformed, another size: each file hashed whole
         assert _restored(cat, run_name, tmp_path / "ckpt", model) == ("memory", True), record
-    _set_record(cat, row.id, row.segments)
+    _set_record(cat, row.id, recorded)
     path = directory / "model.safetensors"
     data = bytearray(path.read_bytes())
     data[2 * SEGMENT + 77] ^= 0x10
@@ -136,4 +153,8 @@ def test_segments_are_hashed_on_this_thread_where_no_worker_can_start(memory_roo
 def test_only_memory_copies_carry_segment_digests(kept, run_name):  # type: ignore[no-untyped-def]
     cat = kept[0]
     rows = [r for reps in copies.copies_of(cat, [kept[2].checkpoint_id]).values() for r in reps]
-    assert {r.tier: r.segments is not None for r in rows} == {"local": False, "memory": True}
+    recorded = {r.tier: copies.segments_of(cat, r.id, segments.MAX_RECORD) is not None for r in rows}
+    assert recorded == {"local": False, "memory": True}
+    keeper.remove(kept[3])
+    copies.record(cat, kept[2].id, R.DELETED, "let go")  # as the keeper lets a copy go
+    assert copies.segments_of(cat, kept[2].id, segments.MAX_RECORD) is None

@@ -10,11 +10,9 @@ import gc
 import io
 import mmap
 import os
-import shutil
 import signal
 import threading
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +32,6 @@ from rewind.infra.format.digest import hash_bytes, manifest_digest
 from rewind.infra.memory import keeper, place, ring_room
 from tests.prefect_support import wait_until
 from tests.test_protect_any_job import config, protect, ranks_at
-
-
-@pytest.fixture
-def memory_root(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A private memory tier on the machine's shared memory (/dev/shm), removed afterwards."""
-    if not place.SHM.is_dir():
-        pytest.skip("this machine has no /dev/shm")
-    root = place.SHM / f"rewind-test-{uuid.uuid4().hex[:12]}"
-    monkeypatch.setenv(place.ROOT_ENV, str(root))
-    monkeypatch.delenv(place.BUDGET_ENV, raising=False)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
 
 
 def _memory_copies(cat: Catalog, run: str) -> dict[int, list[copies.Replica]]:

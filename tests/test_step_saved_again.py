@@ -93,7 +93,9 @@ def test_a_writer_that_died_saving_a_step_again_leaves_the_old_copy_in_place(cat
     ck.save(5)
     at_five = {k: v.clone() for k, v in model.state_dict().items()}
     final = root / run_name / "step-5"
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
     pid = int(dead.stdout)  # exited: no process has this pid now (checked below)
     run_id = lineage.get_run(cat, run_name).id
     lineage.begin(cat, run_id, 5, str(final), parent_id=None, layout={},

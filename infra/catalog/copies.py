@@ -171,10 +171,13 @@ def add(
         return row.id
 
 
-def segments_of(cat: Catalog, replica_id: int) -> str | None:
-    """The segment digests recorded with a copy (JSON), None where none were."""
+def segments_of(cat: Catalog, replica_id: int, limit: int) -> str | None:
+    """The segment digests recorded with a copy (JSON), None where none were or the record is longer than
+    ``limit`` characters (not read)."""
     with cat.session() as s:
-        return s.scalar(select(Replica.segments).where(Replica.id == replica_id))
+        return s.scalar(
+            select(Replica.segments).where(Replica.id == replica_id, func.length(Replica.segments) <= limit)
+        )
 
 
 def record(
@@ -185,6 +188,8 @@ def record(
     values: dict[str, object] = {"status": status.value, "detail": detail, "checked_at": now}
     if status is R.VERIFIED:
         values["verified_at"] = now
+    if status in (R.DELETED, R.CORRUPT, R.MISSING):
+        values["segments"] = None  # of bytes gone or not to be read again
     if uri is not None:
         values["uri"] = uri
     with cat.session() as s:

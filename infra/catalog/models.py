@@ -145,7 +145,7 @@ class Replica(Base):
     verified_at: Mapped[datetime | None]
     checked_at: Mapped[datetime | None]
     # memory: each file's segment digests as the copy was written (``rewind.infra.format.segments``, JSON)
-    segments: Mapped[str | None] = mapped_column(Text)
+    segments: Mapped[str | None] = mapped_column(Text, deferred=True)  # read only by a restore from it
 
 
 class RestoreLease(Base):

@@ -61,7 +61,7 @@ class Hasher:
         self._size = 0
         self._with_crc = with_crc
         self._segment = segment
-        self._seg = xxhash.xxh3_128()
+        self._seg = xxhash.xxh3_128() if segment else None
         self._done: list[str] = []
 
     def update(self, data: bytes | bytearray | memoryview) -> None:
@@ -80,20 +80,22 @@ class Hasher:
 
     def _segments(self, piece: memoryview, offset: int) -> None:
         """``piece`` (at ``offset`` in the stream) into the segment digests, a segment closed at its end."""
+        seg = self._seg
+        assert seg is not None  # made with the segment size
         at = 0
         while at < len(piece):
             room = self._segment - (offset + at) % self._segment
             with piece[at : at + room] as part:
-                self._seg.update(part)
+                seg.update(part)
                 at += len(part)
             if (offset + at) % self._segment == 0:
-                self._done.append(self._seg.hexdigest())
-                self._seg.reset()
+                self._done.append(seg.hexdigest())
+                seg.reset()
 
     def result(self) -> FileDigest:
         crc = crc32c_b64(self._crc) if self._with_crc else ""
         segments: tuple[str, ...] = ()
-        if self._segment:
+        if self._seg is not None:
             tail = [self._seg.hexdigest()] if self._size % self._segment else []
             segments = (*self._done, *tail)
         return FileDigest(size=self._size, xxh3=self._xxh.hexdigest(), crc32c=crc, segments=segments)

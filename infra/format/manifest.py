@@ -52,7 +52,7 @@ class FileEntry:
     crc32c: str
     # The xxh3 of each ``segments.SEGMENT`` bytes in turn: never in a manifest; what the catalog recorded
     # for a memory copy when its file was written (``rewind.infra.format.segments``), hashed in parallel.
-    segments: tuple[str, ...] = ()
+    segments: tuple[str, ...] = field(default=(), compare=False, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path, "size": self.size, "xxh3": self.xxh3, "crc32c": self.crc32c}

@@ -23,7 +23,7 @@ from rewind.infra.format import manifest as mf
 
 SEGMENT = 32 << 20
 MAX_RECORD = 16 << 20  # a record larger than this is not read (about 400 TB of files at 32 MiB a segment)
-_HEX = re.compile(r"^[0-9a-f]{32}$")
+_HEX = re.compile(r"[0-9a-f]{32}")
 
 
 def count(size: int) -> int:
@@ -63,6 +63,6 @@ def _parsed(record: str | None) -> dict[str, object]:
 def _with(entry: mf.FileEntry, digests: object) -> mf.FileEntry:
     if not isinstance(digests, list) or len(digests) != count(entry.size) or not digests:
         return entry
-    if not all(isinstance(d, str) and _HEX.match(d) for d in digests):
+    if not all(isinstance(d, str) and _HEX.fullmatch(d) for d in digests):
         return entry
     return replace(entry, segments=tuple(digests))

@@ -37,7 +37,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from rewind.infra.catalog import copies, disks, leases, moved_copies
+from rewind.infra.catalog import copies, leases, moved_copies
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.errors import (
@@ -176,7 +176,9 @@ def _open(
         if not partial and is_partial(directory, manifest):
             raise ShareOnly(f"local copy at {directory} holds one host's share of the checkpoint")
         if copy.tier == copies.MEMORY:  # its files hashed a segment per core against the catalog's record
-            manifest = segments.attach(manifest, copies.segments_of(cat, copy.replica_id))
+            manifest = segments.attach(
+                manifest, copies.segments_of(cat, copy.replica_id, segments.MAX_RECORD)
+            )
         return _Opened(directory, manifest, copy.replica_id, False)
 
     def displace(final: Path) -> None:  # what is there did not prove itself: kept, out of the way
@@ -233,8 +235,7 @@ def _try(
                 # a download hashed every byte; a quick open proved the manifest; a load that read some
                 # files from a nearer copy (this node's memory) did not prove the local copy's
                 copies.record(cat, opened.local_replica_id, R.VERIFIED, None, uri=str(opened.directory))
-                if copy.tier not in disks.VOLATILE_TIERS:  # a volatile copy never proves a checkpoint
-                    copies.settle(cat, cand.checkpoint_id)
+                copies.settle(cat, cand.checkpoint_id)
             return opened, value, copy
         _drop(opened)
         detail = _failed_copy(cat, plan, copy, opened, verdict, findings)
