@@ -17,8 +17,8 @@ be removed (an error, a SIGKILL) stays listed, its checkpoint already ``deleted`
 (so nothing restores from it), and the next run finishes it.
 
 Dead copies (of superseded, aborted or corrupt checkpoints) and ``.quarantine/``
-directories are reclaimed once older than ``grace_s``; what is left of checkpoints
-retention itself deleted goes at the next run.
+directories are reclaimed once older than ``grace_s`` (never one a live checkpoint's copy still names);
+what is left of checkpoints retention itself deleted goes at the next run.
 """
 
 from __future__ import annotations
@@ -230,12 +230,16 @@ def _dead(cat: Catalog, run_id: int, policy: Policy) -> list[Removal]:
     return out
 
 
-def _quarantined(root: Path, run: str, grace_s: float) -> list[Path]:
+def _quarantined(cat: Catalog, root: Path, run: str, grace_s: float) -> list[Path]:
+    """What lies aside past the grace period, but never a copy a checkpoint the run holds still names (one a
+    save of its step moved aside and could not put back yet)."""
     where = root / run / QUARANTINE
     if not where.is_dir():
         return []
     cutoff = time.time() - grace_s
-    return sorted(p for p in where.iterdir() if p.stat().st_mtime <= cutoff)
+    old = sorted(p for p in where.iterdir() if p.stat().st_mtime <= cutoff)
+    held = copies.named_by_live(cat, [str(p) for p in old])
+    return [p for p in old if str(p) not in held]
 
 
 def plan(cat: Catalog, run: str, policy: Policy, *, root: Path | None = None) -> GcPlan:
@@ -255,7 +259,7 @@ def plan(cat: Catalog, run: str, policy: Policy, *, root: Path | None = None) ->
     out = GcPlan(run, sorted(c.step for c in live if c.id in keep), verified_first=proof.checked)
     out.remove = [Removal(c.id, c.step, c.total_bytes or 0, _refs(refs.get(c.id, []))) for c in gone]
     out.reclaim = _dead(cat, run_id, policy)
-    out.quarantine = _quarantined(Path(root or config.checkpoint_root()), run, policy.grace_s)
+    out.quarantine = _quarantined(cat, Path(root or config.checkpoint_root()), run, policy.grace_s)
     return out
 
 

@@ -12,9 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rewind.infra.catalog import lineage
+from rewind.infra import retention
+from rewind.infra.catalog import lineage, moved_copies
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint import displaced
 from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.errors import CatalogUnavailable, Fenced
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -66,8 +69,8 @@ def test_a_step_saved_again_that_fails_leaves_the_steps_checkpoint_restorable(
         ck.save(5)
     monkeypatch.delenv("REWIND_FAULT")
     assert _statuses(cat, run_name, 5) == ["committed", "aborted"]
-    step, restored = _restores(cat, run_name, root)
-    assert step == 5 and _same(restored, at_five)
+    step, path, restored = _path_restored(cat, run_name, root)
+    assert (step, path) == (5, str(root / run_name / "step-5")) and _same(restored, at_five)  # put back
 
 
 def test_a_step_saved_again_supersedes_the_old_checkpoint_when_it_commits(cat, run_name, tmp_path):  # type: ignore[no-untyped-def]
@@ -106,3 +109,78 @@ def test_a_writer_that_died_saving_a_step_again_leaves_the_old_copy_in_place(cat
     step, restored = _restores(cat, run_name, root)
     assert _statuses(cat, run_name, 5) == ["verified", "aborted"]  # the restore proved it
     assert step == 5 and _same(restored, at_five) and (final / "manifest.json").is_file()
+
+
+def _path_restored(cat: Catalog, run: str, root: Path) -> tuple[int, str, dict[str, torch.Tensor]]:
+    model, ck = _job(run, cat, root, seed=99)
+    got = ck.restore_latest()
+    assert got is not None
+    return got.step, got.path, model.state_dict()
+
+
+def test_a_save_fenced_off_since_it_began_never_moves_a_newer_saves_checkpoint(cat, run_name, tmp_path):  # type: ignore[no-untyped-def]
+    """An orphaned writer whose save of a step began before the live writer committed that step (a later row)
+    is refused at its rename: the live checkpoint's directory stays where it is."""
+    root = tmp_path / "ckpt"
+    _, ck = _job(run_name, cat, root, seed=0)
+    ck.save(5)
+    assert ck.last_saved is not None
+    final = root / run_name / "step-5"
+    earlier = displaced.Displacer(
+        cat, lineage.get_run(cat, run_name).id, 5, ck.last_saved.checkpoint_id - 1, None
+    )
+    with pytest.raises(Fenced, match="later save"):
+        earlier(final)
+    assert (final / "manifest.json").is_file() and not (root / run_name / ".quarantine").exists()
+
+
+def test_a_catalog_that_fails_while_the_old_copy_is_moved_aside_leaves_it_in_place(
+    cat, run_name, tmp_path, monkeypatch
+):  # type: ignore[no-untyped-def]
+    root = tmp_path / "ckpt"
+    model, ck = _job(run_name, cat, root, seed=0)
+    ck.save(5)
+    at_five = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)
+
+    def unreachable(*_: object) -> None:
+        raise CatalogUnavailable("catalog unreachable (injected)")
+
+    monkeypatch.setattr(moved_copies, "moved", unreachable)
+    with pytest.raises(CatalogUnavailable):
+        ck.save(5)
+    monkeypatch.undo()
+    step, path, restored = _path_restored(cat, run_name, root)
+    assert (step, path) == (5, str(root / run_name / "step-5")) and _same(restored, at_five)
+
+
+def test_the_next_start_puts_back_a_copy_a_dead_writer_moved_aside(cat, run_name, tmp_path):  # type: ignore[no-untyped-def]
+    """A writer killed between moving the step's checkpoint aside and its commit, its own copy renamed in:
+    the next start moves that copy out and the checkpoint back, rows following; nothing gc could take."""
+    root = tmp_path / "ckpt"
+    model, ck = _job(run_name, cat, root, seed=0)
+    ck.save(5)
+    at_five = {k: v.clone() for k, v in model.state_dict().items()}
+    ck.close()
+    final = root / run_name / "step-5"
+    run_id = lineage.get_run(cat, run_name).id
+    new = lineage.begin(cat, run_id, 5, str(final), parent_id=None, layout={},
+                        environment={"hostname": socket.gethostname(), "pid": _dead_pid()})  # fmt: skip
+    displaced.Displacer(cat, run_id, 5, new, None)(final)
+    final.mkdir()
+    (final / "manifest.json").write_text('{"dead": "save"}')  # its rename done, its commit never
+    aside = root / run_name / ".quarantine"
+    plan = retention.plan(cat, run_name, retention.Policy(grace_s=0), root=root)
+    assert not any(p.name.startswith("step-5-superseded") for p in plan.quarantine)  # still the run's
+    step, path, restored = _path_restored(cat, run_name, root)
+    assert (step, path) == (5, str(final)) and _same(restored, at_five)
+    assert [p.name.split("-")[2] for p in aside.iterdir()] == ["uncommitted"]
+
+
+def _dead_pid() -> int:
+    pid = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                             text=True, check=True).stdout)  # fmt: skip
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    return pid

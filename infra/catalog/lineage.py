@@ -11,13 +11,12 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, exists, func, select, update
+from sqlalchemy import and_, case, exists, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
 from rewind.infra.catalog.db import Catalog, changed
 from rewind.infra.catalog.models import (
-    LIVE_STATUSES,
     Checkpoint,
     CheckpointFile,
     CheckpointStatus,
@@ -135,8 +134,9 @@ def _fence(writer: str, run_id: Any = Checkpoint.run_id) -> Any:
 
 
 def require_writer(cat: Catalog, run_id: int, writer: str) -> None:
-    """``Fenced`` unless ``writer`` is still the run's writer, of a launch not seen ended: checked before a
-    save supersedes anything (a writer fenced off must never touch the live writer's checkpoints)."""
+    """``Fenced`` unless ``writer`` is still the run's writer, of a launch not seen ended: checked when a save
+    begins and again before it moves anything aside (a writer fenced off must never touch the live writer's
+    checkpoints)."""
     with cat.session() as s:
         if not s.scalar(select(_fence(writer, run_id))):
             raise Fenced(
@@ -206,26 +206,38 @@ def commit(
 
 
 def _supersede_at_step(s: Session, checkpoint_id: int) -> None:
-    """The run's other checkpoints at this checkpoint's step superseded (one still writing: aborted), before
-    it commits in the same transaction (one live checkpoint a step); rolled back with it if it does not."""
+    """The run's other checkpoints at this checkpoint's step superseded (one still writing: aborted), under
+    the run's lock, before it commits in the same transaction (one live checkpoint a step); rolled back with
+    it if it does not."""
     new = s.execute(select(Checkpoint.run_id, Checkpoint.step).where(Checkpoint.id == checkpoint_id)).first()
     if new is None:
         return
-    held = (S.WRITING.value, S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value)
-    for old in s.scalars(
-        select(Checkpoint).where(
-            Checkpoint.run_id == new.run_id,
-            Checkpoint.step == new.step,
-            Checkpoint.id != checkpoint_id,
-            Checkpoint.status.in_(held),
+    lock_run(s, new.run_id)
+    others = (Checkpoint.run_id == new.run_id, Checkpoint.step == new.step, Checkpoint.id != checkpoint_id)
+    why = f"superseded by a new save at step {new.step}"
+    s.execute(
+        update(Checkpoint)
+        .where(*others, Checkpoint.status == S.WRITING.value)
+        .values(status=S.ABORTED.value, status_reason=why)
+    )
+    s.execute(
+        update(Checkpoint)
+        .where(*others, Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]))
+        .values(
+            status=S.SUPERSEDED.value,
+            status_reason=case(
+                (
+                    Checkpoint.status == S.CORRUPT.value,
+                    func.substr(
+                        why + " (it was corrupt: " + func.coalesce(Checkpoint.status_reason, "") + ")",
+                        1,
+                        2000,
+                    ),
+                ),
+                else_=why,
+            ),
         )
-    ):
-        was = old.status
-        old.status = S.ABORTED if was == S.WRITING.value else S.SUPERSEDED
-        old.status_reason = f"superseded by a new save at step {new.step}" + (
-            f" (it was corrupt: {old.status_reason})" if was == S.CORRUPT.value else ""
-        )
-    s.flush()  # before the commit's own update: the one-live-per-step index sees them gone
+    )
 
 
 def _not_committed(s: Session, checkpoint_id: int, writer: str | None) -> RewindError:
@@ -392,8 +404,8 @@ def set_pinned(cat: Catalog, run: str, step: int, pinned: bool) -> int:
                 update(Checkpoint)
                 .where(
                     Checkpoint.run_id == run_id,
-                    Checkpoint.step == step,
-                    Checkpoint.status.in_([st.value for st in LIVE_STATUSES]),
+                    Checkpoint.step == step,  # the step's live checkpoint, never a save in flight beside it
+                    Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value]),
                 )
                 .values(pinned=pinned)
             )

@@ -31,14 +31,14 @@ from typing import Any
 import torch
 
 from rewind.infra import config, progress, throttle
-from rewind.infra.catalog import leases, lineage
+from rewind.infra.catalog import leases, lineage, moved_copies
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
 from rewind.infra.catalog.writer_lease import WriterLease
-from rewind.infra.checkpoint import own_tensors
+from rewind.infra.checkpoint import displaced, own_tensors
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
-from rewind.infra.checkpoint.recording import displacer, held_by_live, recorded_save
+from rewind.infra.checkpoint.recording import recorded_save
 from rewind.infra.checkpoint.staging import Staged, StagingBuffer
 from rewind.infra.checkpoint.state import Stateful, as_stateful, environment, writer
 from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, StateMismatch
@@ -201,7 +201,7 @@ class Checkpointer:
             layout=self.layout,
             environment=env,
             writer=leases.writer_name(),
-        ) as (ck_id, final):
+        ) as (ck_id, final, displace):
             draft = mf.Manifest(
                 run=self.run,
                 step=step,
@@ -216,7 +216,7 @@ class Checkpointer:
             )
             staged.ready()
             files = payload.file_writers(trees, staged.parts, fmt=self.format, link_from=self._link_source())
-            done = store.write_checkpoint(self.run_dir, draft, files, displace=displacer(self._cat))
+            done = store.write_checkpoint(self.run_dir, draft, files, displace=displace)
             manifest = done.manifest
             fault_point("save.before_catalog", step)
             if self.mode is SaveMode.SYNC:
@@ -351,7 +351,11 @@ class Checkpointer:
             # The writer died. If it got as far as the rename, the directory is complete but uncommitted:
             # treat it as not existing and remove it; if not, what lies there is the step's committed one.
             final = Path(ck.path)
-            if final.exists() and not held_by_live(self._cat, self.run_id, ck.step, final):
-                store.quarantine(final, "uncommitted")
+            if final.exists() and not displaced.held_by_live(self._cat, self.run_id, ck.step, final):
+                moved = store.quarantine(final, "uncommitted")
+                moved_copies.moved(
+                    self._cat, str(final), str(moved), "a save whose writer died before commit"
+                )
             lineage.transition(self._cat, ck.id, (S.WRITING,), S.ABORTED, "writer died before commit")
+            displaced.put_back(self._cat, self.run_id, ck.step, self.run_dir)  # what it moved aside
             log.info("checkpoint step %d was never committed (writer died); discarded", ck.step)

@@ -36,7 +36,7 @@ from rewind.infra.checkpoint import assemble, remotes, spread
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.engine import SaveMode
-from rewind.infra.checkpoint.recording import displacer, recorded_save
+from rewind.infra.checkpoint.recording import recorded_save
 from rewind.infra.checkpoint.send_on import SendOn
 from rewind.infra.checkpoint.sharded_load import PER_RANK_PREFIX
 from rewind.infra.checkpoint.sharded_restore import ShardedRestoring
@@ -269,14 +269,16 @@ class ShardedCheckpointer(ShardedRestoring):
         cat, run_id = self._lead
         with contextlib.ExitStack() as stack:
             row: list[int] = []
+            displacers: list[Callable[[Path], None]] = []  # the row's, once begun
 
             def begin() -> None:
                 fault_point("save.before_catalog", step)  # rank 0 alone: its catalog fails, not the ranks
-                ck_id, _ = stack.enter_context(recorded_save(
+                ck_id, _, displace = stack.enter_context(recorded_save(
                     cat, run_id, self.run_dir, step, parent_id=self._parent_id, layout=layout,
                     environment=environment(), writer=leases.writer_name(),
                 ))  # fmt: skip
                 row.append(ck_id)
+                displacers.append(displace)
 
             def commit(final: Path, digest: str, also_on: Sequence[tuple[str, LocalTier]]) -> None:
                 lineage.commit(
@@ -292,7 +294,7 @@ class ShardedCheckpointer(ShardedRestoring):
                 step,
                 share,
                 parent=self._parent,
-                lead=LeadHooks(begin, commit, self._lead_aside, displacer(cat)),
+                lead=LeadHooks(begin, commit, self._lead_aside, lambda final: displacers[0](final)),
                 **kw,
             )
             self._parent_id, self._parent = row[0], (step, digest)

@@ -82,8 +82,8 @@ def prepare(tmp: Path, manifest: mf.Manifest) -> Prepared:
 def commit_share(tmp: Path, prepared: Prepared, aside: list[Moved]) -> Path:
     """Another disk's leader: the shared files written beside this disk's ranks' files, each held to the
     manifest's entry, then the manifest and the rename; the committed directory. ``aside`` is told (even if
-    this then fails) where a copy this disk held at the same step (a timeline the run left: rank 0
-    superseded its checkpoint) was moved, or, once committed, that none was there."""
+    this then fails) where a copy this disk held at the same step (a timeline the run left, superseded when
+    this save commits) was moved, or, once committed, that none was there."""
     manifest = mf.parse(prepared.raw)
     want = {e.path: e for e in manifest.files}
     for name, data in prepared.common.items():
@@ -113,6 +113,6 @@ class Moved:
 
 def undo(path: Path | None) -> None:
     """Remove a disk's copy the catalog will never name (rank 0 failed to commit after it was renamed). A copy
-    it displaced stays aside: its checkpoint was superseded, and rank 0 has its rows follow it."""
+    it displaced stays aside, its rows following it (rank 0 records that): still its checkpoint's copy."""
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
