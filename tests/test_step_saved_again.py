@@ -15,6 +15,7 @@ import torch
 from rewind.infra import retention
 from rewind.infra.catalog import lineage, moved_copies
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.catalog.models import CheckpointStatus as S
 from rewind.infra.checkpoint import displaced
 from rewind.infra.checkpoint.engine import Checkpointer
 from rewind.infra.errors import CatalogUnavailable, Fenced
@@ -184,3 +185,18 @@ def _dead_pid() -> int:
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     return pid
+
+
+def test_a_corrupt_checkpoint_at_the_step_is_superseded_with_why_it_was_corrupt(cat, run_name, tmp_path):  # type: ignore[no-untyped-def]
+    _, ck = _job(run_name, cat, tmp_path / "ckpt", seed=0)
+    ck.save(5)
+    assert ck.last_saved is not None
+    old = ck.last_saved.checkpoint_id
+    assert lineage.transition(cat, old, (S.COMMITTED,), S.CORRUPT, "no copy verifies: local: corrupt")
+    ck.save(5)
+    [was] = [c for c in lineage.checkpoints(cat, run_name, 5) if c.id == old]
+    assert str(was.status) == "superseded"
+    assert (
+        was.status_reason
+        == "superseded by a new save at step 5 (it was corrupt: no copy verifies: local: corrupt)"
+    )
