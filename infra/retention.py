@@ -17,7 +17,7 @@ be removed (an error, a SIGKILL) stays listed, its checkpoint already ``deleted`
 (so nothing restores from it), and the next run finishes it.
 
 Dead copies (of superseded, aborted or corrupt checkpoints) and ``.quarantine/``
-directories are reclaimed once older than ``grace_s`` (never one a live checkpoint's copy still names);
+directories are reclaimed once older than ``grace_s`` (never a live checkpoint a failed save moved aside);
 what is left of checkpoints retention itself deleted goes at the next run.
 """
 
@@ -38,6 +38,7 @@ from rewind.infra.catalog import copies, disks, leases, lineage, serving
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint, CheckpointStatus, Replica, utcnow
 from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.checkpoint import displaced
 from rewind.infra.errors import ConfigError, RewindError
 from rewind.infra.faults import fault_point
 from rewind.infra.format import manifest as mf
@@ -230,16 +231,16 @@ def _dead(cat: Catalog, run_id: int, policy: Policy) -> list[Removal]:
     return out
 
 
-def _quarantined(cat: Catalog, root: Path, run: str, grace_s: float) -> list[Path]:
-    """What lies aside past the grace period, but never a copy a checkpoint the run holds still names (one a
-    save of its step moved aside and could not put back yet)."""
+def _quarantined(cat: Catalog, run_id: int, root: Path, run: str, grace_s: float) -> list[Path]:
+    """What lies aside past the grace period, but never a checkpoint the run still holds that a save of its
+    step moved aside and could not put back yet (``displaced.superseded_live``)."""
     where = root / run / QUARANTINE
     if not where.is_dir():
         return []
     cutoff = time.time() - grace_s
     old = sorted(p for p in where.iterdir() if p.stat().st_mtime <= cutoff)
-    held = copies.named_by_live(cat, [str(p) for p in old])
-    return [p for p in old if str(p) not in held]
+    held = set(displaced.superseded_live(cat, run_id, root / run))
+    return [p for p in old if p not in held]
 
 
 def plan(cat: Catalog, run: str, policy: Policy, *, root: Path | None = None) -> GcPlan:
@@ -259,7 +260,7 @@ def plan(cat: Catalog, run: str, policy: Policy, *, root: Path | None = None) ->
     out = GcPlan(run, sorted(c.step for c in live if c.id in keep), verified_first=proof.checked)
     out.remove = [Removal(c.id, c.step, c.total_bytes or 0, _refs(refs.get(c.id, []))) for c in gone]
     out.reclaim = _dead(cat, run_id, policy)
-    out.quarantine = _quarantined(cat, Path(root or config.checkpoint_root()), run, policy.grace_s)
+    out.quarantine = _quarantined(cat, run_id, Path(root or config.checkpoint_root()), run, policy.grace_s)
     return out
 
 

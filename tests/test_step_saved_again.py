@@ -200,3 +200,59 @@ def test_a_corrupt_checkpoint_at_the_step_is_superseded_with_why_it_was_corrupt(
         was.status_reason
         == "superseded by a new save at step 5 (it was corrupt: no copy verifies: local: corrupt)"
     )
+
+
+def test_what_a_failed_save_could_not_put_back_the_next_start_does(cat, run_name, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """The save fails after its rename and its catalog fails again while it puts the old copy back: that copy
+    stays aside (rows following it), gc keeps it, and the next start puts it back."""
+    root = tmp_path / "ckpt"
+    model, ck = _job(run_name, cat, root, seed=0)
+    ck.save(5)
+    at_five = {k: v.clone() for k, v in model.state_dict().items()}
+    real = moved_copies.moved
+
+    def put_back_fails(c: Catalog, old: str, new: str, reason: str) -> None:
+        if reason.startswith("put back"):
+            raise CatalogUnavailable("catalog unreachable (injected)")
+        real(c, old, new, reason)
+
+    monkeypatch.setattr(moved_copies, "moved", put_back_fails)
+    monkeypatch.setenv("REWIND_FAULT", "enospc:save.before_catalog@5")
+    with pytest.raises(OSError, match="No space left"):
+        ck.save(5)
+    monkeypatch.undo()
+    monkeypatch.delenv("REWIND_FAULT", raising=False)
+    final = root / run_name / "step-5"
+    assert not final.exists()  # the failed save's copy moved out; the old one still aside
+    plan = retention.plan(cat, run_name, retention.Policy(grace_s=0), root=root)
+    assert not any("superseded" in p.name for p in plan.quarantine)
+    ck.close()
+    step, path, restored = _path_restored(cat, run_name, root)  # a new writer's start puts it back
+    assert (step, path) == (5, str(final)) and _same(restored, at_five)
+
+
+def test_bytes_put_back_half_way_are_finished_by_the_next_start(cat, run_name, tmp_path):  # type: ignore[no-untyped-def]
+    """Killed between the catalog's part of a put back (rows naming the step again) and the rename: the next
+    start finds the checkpoint aside by its manifest and renames it in."""
+    root = tmp_path / "ckpt"
+    model, ck = _job(run_name, cat, root, seed=0)
+    ck.save(5)
+    at_five = {k: v.clone() for k, v in model.state_dict().items()}
+    ck.close()
+    final = root / run_name / "step-5"
+    run_id = lineage.get_run(cat, run_name).id
+    d = displaced.Displacer(cat, run_id, 5, 10**9, None)
+    d(final)
+    assert d.moved is not None
+    moved_copies.moved(cat, str(d.moved[1]), str(final), "put back (the rename never came)")
+    step, path, restored = _path_restored(cat, run_name, root)
+    assert (step, path) == (5, str(final)) and _same(restored, at_five)
+
+
+def test_a_pin_on_the_step_moves_to_the_checkpoint_that_replaces_it(cat, run_name, tmp_path):  # type: ignore[no-untyped-def]
+    _, ck = _job(run_name, cat, tmp_path / "ckpt", seed=0)
+    ck.save(5)
+    assert lineage.set_pinned(cat, run_name, 5, True) == 1
+    ck.save(5)
+    pins = {str(c.status): c.pinned for c in lineage.checkpoints(cat, run_name, 5)}
+    assert pins == {"superseded": False, "committed": True}

@@ -171,25 +171,6 @@ def add(
         return row.id
 
 
-def named_by_live(cat: Catalog, uris: Collection[str]) -> set[str]:
-    """Those of ``uris`` (local directories) that a copy of a checkpoint the run still holds (committed,
-    verified, corrupt) names: a step's checkpoint moved aside by a save of the step that then failed."""
-    held = [S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]
-    out: set[str] = set()
-    with cat.session() as s:
-        for batch in chunks(list(uris)):
-            out.update(
-                s.scalars(
-                    select(Replica.uri)
-                    .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
-                    .where(
-                        Replica.uri.in_(batch), Replica.status != R.DELETED.value, Checkpoint.status.in_(held)
-                    )
-                )
-            )
-    return out
-
-
 def segments_of(cat: Catalog, replica_id: int, limit: int) -> str | None:
     """The segment digests recorded with a copy (JSON), None where none were or the record is longer than
     ``limit`` characters (not read)."""

@@ -214,6 +214,11 @@ def _supersede_at_step(s: Session, checkpoint_id: int) -> None:
         return
     lock_run(s, new.run_id)
     others = (Checkpoint.run_id == new.run_id, Checkpoint.step == new.step, Checkpoint.id != checkpoint_id)
+    held = [S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]
+    if s.scalar(select(exists().where(*others, Checkpoint.status.in_(held), Checkpoint.pinned.is_(True)))):
+        # a pin on the step (set before, or while this save was in flight) moves to the checkpoint it keeps
+        s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(pinned=True))
+        s.execute(update(Checkpoint).where(*others, Checkpoint.status.in_(held)).values(pinned=False))
     why = f"superseded by a new save at step {new.step}"
     s.execute(
         update(Checkpoint)
@@ -222,7 +227,7 @@ def _supersede_at_step(s: Session, checkpoint_id: int) -> None:
     )
     s.execute(
         update(Checkpoint)
-        .where(*others, Checkpoint.status.in_([S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]))
+        .where(*others, Checkpoint.status.in_(held))
         .values(
             status=S.SUPERSEDED.value,
             status_reason=case(

@@ -4,8 +4,9 @@ A run's checkpoint at a step stays its checkpoint until a new save of that step 
 At the new save's rename its directory, ``step-<N>/``, is moved into ``.quarantine/`` with its copy rows
 following it (still committed there: a restore reads it where it lies); should the save then fail, its
 own copy is moved out and the old one put back, rows following. A writer fenced off since it began never
-moves a directory that holds a newer save's checkpoint. After a crash, the next start puts back what a
-dead writer moved aside (``put_back``).
+moves a directory that holds a newer save's checkpoint. What could not be put back (a writer killed, its
+catalog failing) the next start puts back (``put_back_all``), and retention never reclaims it meanwhile
+(``superseded_live``): found by the manifest it holds, whatever the rows name.
 """
 
 from __future__ import annotations
@@ -44,55 +45,74 @@ class Displacer:
                 f"{final} holds step {self._step} as a later save committed it: this save is not the run's"
             )
         moved = store.quarantine(final, "superseded")
+        self.moved = (final, moved)  # from here on, put back should anything fail
         try:
             moved_copies.moved(self._cat, str(final), str(moved), "superseded by a new save")
         except BaseException:
             with contextlib.suppress(OSError):
                 os.rename(moved, final)  # the rows still name it there
+                self.moved = None
             raise
-        self.moved = (final, moved)
 
     def put_back(self) -> None:
-        """The save failed: its own copy at the step moved out (never a live checkpoint's), the displaced one
-        moved back, rows following. Best effort: what cannot be done now is done at the next start."""
+        """The save failed: what lies at the step moved out (never a live checkpoint's), the displaced one moved
+        back, rows following; nothing while this writer is fenced off (the live writer's save may lie there).
+        Best effort: what cannot be done now is done by the next start (``put_back_all``)."""
         if self.moved is None:
             return
         final, moved = self.moved
         try:
+            if self._writer is not None:
+                lineage.require_writer(self._cat, self._run_id, self._writer)
             _back(self._cat, self._run_id, self._step, final, moved)
-        except Exception as exc:  # the catalog or the disk that failed the save: left for the next start
+        except Exception as exc:  # the catalog or the disk that failed the save, or fenced off
             log.warning(
                 "step %d: the checkpoint moved aside to %s stays there for now: %s", self._step, moved, exc
             )
 
 
-def put_back(cat: Catalog, run_id: int, step: int, run_dir: Path) -> None:
-    """After a writer of ``step`` died: what lies at the step that no live checkpoint holds moved out, and a
-    live checkpoint's directory it moved aside (found in ``.quarantine/`` by its manifest) put back."""
-    final = store.step_dir(run_dir, step)
+def put_back_all(cat: Catalog, run_id: int, run_dir: Path) -> None:
+    """At a writer's start: each live checkpoint's directory that a save of its step moved aside and could not
+    put back (it died, its catalog failed) put back, what lies at its step moved out, rows following."""
+    for moved in superseded_live(cat, run_id, run_dir):
+        step = _step_of(moved)
+        if step is not None:
+            _back(cat, run_id, step, store.step_dir(run_dir, step), moved)
+
+
+def superseded_live(cat: Catalog, run_id: int, run_dir: Path) -> list[Path]:
+    """The directories in the run's ``.quarantine/`` that a save of their step moved aside and that hold a
+    checkpoint the run still holds (whatever the rows name): never to be reclaimed."""
     aside = run_dir / store.QUARANTINE
-    if not aside.is_dir():
-        return
-    live = lineage.checkpoints_at(cat, run_id, step, HELD)
-    if not live or (final.exists() and _holding(cat, run_id, step, final)):
-        return
-    for moved in sorted(aside.glob(f"{final.name}-superseded-*"), key=lambda p: -p.stat().st_mtime):
-        if _holding(cat, run_id, step, moved):
-            _back(cat, run_id, step, final, moved)
-            return
+    try:
+        candidates = sorted(aside.glob("step-*-superseded-*"))
+    except OSError:
+        return []
+    out = []
+    for moved in candidates:
+        step = _step_of(moved)
+        if step is None or not _holding(cat, run_id, step, moved):
+            continue
+        if not _holding(cat, run_id, step, store.step_dir(run_dir, step)):  # else a spare: the step holds it
+            out.append(moved)
+    return out
+
+
+def _step_of(moved: Path) -> int | None:
+    head = moved.name.split("-superseded-", 1)[0]
+    step = head.removeprefix("step-")
+    return int(step) if step.isdigit() else None
 
 
 def _back(cat: Catalog, run_id: int, step: int, final: Path, moved: Path) -> None:
+    """``moved`` (a live checkpoint's directory) back at ``final``; catalog first, so any step it stops at
+    leaves what ``put_back_all`` finishes."""
     if final.exists():
         if _holding(cat, run_id, step, final):
             return  # a live checkpoint's copy is there already
         moved_copies.moved(cat, str(final), str(store.quarantine(final, "uncommitted")), "a save that failed")
     moved_copies.moved(cat, str(moved), str(final), "put back: the save that displaced it failed")
-    try:
-        os.rename(moved, final)
-    except OSError:
-        moved_copies.moved(cat, str(final), str(moved), "superseded by a new save")
-        raise
+    os.rename(moved, final)
     with contextlib.suppress(OSError):
         store.fsync_dir(final.parent)
     log.info("step %d: the run's checkpoint moved aside by a save that failed is back at %s", step, final)

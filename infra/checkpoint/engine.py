@@ -357,5 +357,5 @@ class Checkpointer:
                     self._cat, str(final), str(moved), "a save whose writer died before commit"
                 )
             lineage.transition(self._cat, ck.id, (S.WRITING,), S.ABORTED, "writer died before commit")
-            displaced.put_back(self._cat, self.run_id, ck.step, self.run_dir)  # what it moved aside
             log.info("checkpoint step %d was never committed (writer died); discarded", ck.step)
+        displaced.put_back_all(self._cat, self.run_id, self.run_dir)  # what a save that failed moved aside

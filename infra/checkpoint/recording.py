@@ -48,6 +48,6 @@ def recorded_save(
     try:
         yield ck_id, final, displace
     except BaseException as exc:
+        displace.put_back()  # first: the row's transition may fail with the catalog that failed the save
         lineage.transition(cat, ck_id, (S.WRITING,), S.ABORTED, f"save failed: {exc}"[:2000])
-        displace.put_back()
         raise

@@ -81,7 +81,7 @@ class LeadHooks:
     # what other disks held at this step: (moved aside from and to, or nothing there; the disk)
     aside: Callable[[Sequence[tuple[spread.Moved, LocalTier]]], None] = lambda moved: None
     # what moves rank 0's directory already at the step aside at the rename (its rows following it): the
-    # checkpoint it holds stays the run's until this one commits (``recording.displacer``)
+    # checkpoint it holds stays the run's until this one commits (``displaced.Displacer``)
     displace: Callable[[Path], None] | None = None
 
 
