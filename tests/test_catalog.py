@@ -11,7 +11,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, text
 from sqlalchemy.exc import IntegrityError
 
-from rewind.infra.catalog import drills, incidents, jobs, lineage, serving
+from rewind.infra.catalog import commits, drills, incidents, jobs, lineage, serving
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import LIVE_STATUSES, Base, CheckpointStatus, IncidentKind
 from rewind.infra.errors import CatalogUnavailable, ConfigError
@@ -138,7 +138,7 @@ def test_migration_0011_enforces_kinds_states_outcomes_and_keeps_rows(empty_url)
 
 def _committed_checkpoint(cat: Catalog, run: str, step: int) -> int:
     run_id = lineage.ensure_run(cat, run)
-    ck = lineage.begin(
+    ck = commits.begin(
         cat, run_id, step, f"/nowhere/{run}/step-{step}", parent_id=None, layout={}, environment={}
     )
     assert lineage.transition(cat, ck, (S.WRITING,), S.COMMITTED)
@@ -187,7 +187,7 @@ def test_one_live_checkpoint_per_step(pg_url, run_name):
     _committed_checkpoint(cat, run_name, 7)
     run_id = lineage.get_run(cat, run_name).id
     # a save of the step again is in flight beside it (the committed one stays live until that commits)...
-    again = lineage.begin(cat, run_id, 7, "/nowhere/dup", parent_id=None, layout={}, environment={})
+    again = commits.begin(cat, run_id, 7, "/nowhere/dup", parent_id=None, layout={}, environment={})
     with pytest.raises(Exception, match=r"uq_checkpoint_live_step|unique|UNIQUE"):
         lineage.transition(cat, again, (S.WRITING,), S.COMMITTED)  # ...but never two live at one step
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rewind.infra import retention
-from rewind.infra.catalog import lineage, moved_copies
+from rewind.infra.catalog import commits, lineage, moved_copies
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus as S
 from rewind.infra.checkpoint import displaced
@@ -41,6 +41,16 @@ def _restores(cat: Catalog, run: str, root: Path) -> tuple[int, dict[str, torch.
     return got.step, model.state_dict()
 
 
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of the model's state as it is now."""
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _change(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        model.weight.add_(1.0)
+
+
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -59,10 +69,9 @@ def test_a_step_saved_again_that_fails_leaves_the_steps_checkpoint_restorable(
     root = tmp_path / "ckpt"
     model, ck = _job(run_name, cat, root, seed=0)
     ck.save(3)
-    with torch.no_grad():
-        model.weight.add_(1.0)
+    _change(model)
     ck.save(5)
-    at_five = {k: v.clone() for k, v in model.state_dict().items()}
+    at_five = _state(model)
     with torch.no_grad():
         model.weight.mul_(-1.0)
     monkeypatch.setenv("REWIND_FAULT", f"enospc:{point}@5")
@@ -78,10 +87,9 @@ def test_a_step_saved_again_supersedes_the_old_checkpoint_when_it_commits(cat, r
     root = tmp_path / "ckpt"
     model, ck = _job(run_name, cat, root, seed=0)
     ck.save(5)
-    with torch.no_grad():
-        model.weight.add_(1.0)
+    _change(model)
     ck.save(5)
-    again = {k: v.clone() for k, v in model.state_dict().items()}
+    again = _state(model)
     assert _statuses(cat, run_name, 5) == ["superseded", "committed"]
     step, restored = _restores(cat, run_name, root)
     assert step == 5 and _same(restored, again)
@@ -95,14 +103,14 @@ def test_a_writer_that_died_saving_a_step_again_leaves_the_old_copy_in_place(cat
     root = tmp_path / "ckpt"
     model, ck = _job(run_name, cat, root, seed=0)
     ck.save(5)
-    at_five = {k: v.clone() for k, v in model.state_dict().items()}
+    at_five = _state(model)
     final = root / run_name / "step-5"
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
     pid = int(dead.stdout)  # exited: no process has this pid now (checked below)
     run_id = lineage.get_run(cat, run_name).id
-    lineage.begin(cat, run_id, 5, str(final), parent_id=None, layout={},
+    commits.begin(cat, run_id, 5, str(final), parent_id=None, layout={},
                   environment={"hostname": socket.gethostname(), "pid": pid})  # fmt: skip
     ck.close()
     with pytest.raises(ProcessLookupError):
@@ -141,9 +149,8 @@ def test_a_catalog_that_fails_while_the_old_copy_is_moved_aside_leaves_it_in_pla
     root = tmp_path / "ckpt"
     model, ck = _job(run_name, cat, root, seed=0)
     ck.save(5)
-    at_five = {k: v.clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():
-        model.weight.add_(1.0)
+    at_five = _state(model)
+    _change(model)
 
     def unreachable(*_: object) -> None:
         raise CatalogUnavailable("catalog unreachable (injected)")
@@ -162,11 +169,11 @@ def test_the_next_start_puts_back_a_copy_a_dead_writer_moved_aside(cat, run_name
     root = tmp_path / "ckpt"
     model, ck = _job(run_name, cat, root, seed=0)
     ck.save(5)
-    at_five = {k: v.clone() for k, v in model.state_dict().items()}
+    at_five = _state(model)
     ck.close()
     final = root / run_name / "step-5"
     run_id = lineage.get_run(cat, run_name).id
-    new = lineage.begin(cat, run_id, 5, str(final), parent_id=None, layout={},
+    new = commits.begin(cat, run_id, 5, str(final), parent_id=None, layout={},
                         environment={"hostname": socket.gethostname(), "pid": _dead_pid()})  # fmt: skip
     displaced.Displacer(cat, run_id, 5, new, None)(final)
     final.mkdir()
@@ -208,7 +215,7 @@ def test_what_a_failed_save_could_not_put_back_the_next_start_does(cat, run_name
     root = tmp_path / "ckpt"
     model, ck = _job(run_name, cat, root, seed=0)
     ck.save(5)
-    at_five = {k: v.clone() for k, v in model.state_dict().items()}
+    at_five = _state(model)
     real = moved_copies.moved
 
     def put_back_fails(c: Catalog, old: str, new: str, reason: str) -> None:
@@ -237,7 +244,7 @@ def test_bytes_put_back_half_way_are_finished_by_the_next_start(cat, run_name, t
     root = tmp_path / "ckpt"
     model, ck = _job(run_name, cat, root, seed=0)
     ck.save(5)
-    at_five = {k: v.clone() for k, v in model.state_dict().items()}
+    at_five = _state(model)
     ck.close()
     final = root / run_name / "step-5"
     run_id = lineage.get_run(cat, run_name).id

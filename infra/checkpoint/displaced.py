@@ -16,7 +16,7 @@ import logging
 import os
 from pathlib import Path
 
-from rewind.infra.catalog import lineage, moved_copies
+from rewind.infra.catalog import commits, lineage, moved_copies
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus as S
 from rewind.infra.errors import Fenced, MalformedFile
@@ -38,7 +38,7 @@ class Displacer:
 
     def __call__(self, final: Path) -> None:
         if self._writer is not None:
-            lineage.require_writer(self._cat, self._run_id, self._writer)
+            commits.require_writer(self._cat, self._run_id, self._writer)
         newer = [c for c in _holding(self._cat, self._run_id, self._step, final) if c.id > self._ck_id]
         if newer:
             raise Fenced(
@@ -63,7 +63,7 @@ class Displacer:
         final, moved = self.moved
         try:
             if self._writer is not None:
-                lineage.require_writer(self._cat, self._run_id, self._writer)
+                commits.require_writer(self._cat, self._run_id, self._writer)
             _back(self._cat, self._run_id, self._step, final, moved)
         except Exception as exc:  # the catalog or the disk that failed the save, or fenced off
             log.warning(
@@ -110,12 +110,18 @@ def _back(cat: Catalog, run_id: int, step: int, final: Path, moved: Path) -> Non
     if final.exists():
         if _holding(cat, run_id, step, final):
             return  # a live checkpoint's copy is there already
-        moved_copies.moved(cat, str(final), str(store.quarantine(final, "uncommitted")), "a save that failed")
+        move_out(cat, final, "a save that failed")
     moved_copies.moved(cat, str(moved), str(final), "put back: the save that displaced it failed")
     os.rename(moved, final)
     with contextlib.suppress(OSError):
         store.fsync_dir(final.parent)
     log.info("step %d: the run's checkpoint moved aside by a save that failed is back at %s", step, final)
+
+
+def move_out(cat: Catalog, final: Path, why: str) -> None:
+    """What lies at a step that no live checkpoint holds (a save's own copy, uncommitted) moved aside into
+    ``.quarantine/``, any rows naming it following it there."""
+    moved_copies.moved(cat, str(final), str(store.quarantine(final, "uncommitted")), why)
 
 
 def held_by_live(cat: Catalog, run_id: int, step: int, directory: Path) -> bool:

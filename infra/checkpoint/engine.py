@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from rewind.infra import config, progress, throttle
-from rewind.infra.catalog import leases, lineage, moved_copies
+from rewind.infra.catalog import commits, leases, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
 from rewind.infra.catalog.writer_lease import WriterLease
@@ -221,7 +221,7 @@ class Checkpointer:
             fault_point("save.before_catalog", step)
             if self.mode is SaveMode.SYNC:
                 stall = time.perf_counter() - stall
-            lineage.commit(
+            commits.commit(
                 self._cat, ck_id, manifest, digest=done.digest, stall_s=stall, uri=str(final),
                 writer=leases.writer_name(),
             )  # fmt: skip
@@ -352,10 +352,7 @@ class Checkpointer:
             # treat it as not existing and remove it; if not, what lies there is the step's committed one.
             final = Path(ck.path)
             if final.exists() and not displaced.held_by_live(self._cat, self.run_id, ck.step, final):
-                moved = store.quarantine(final, "uncommitted")
-                moved_copies.moved(
-                    self._cat, str(final), str(moved), "a save whose writer died before commit"
-                )
+                displaced.move_out(self._cat, final, "a save whose writer died before commit")
             lineage.transition(self._cat, ck.id, (S.WRITING,), S.ABORTED, "writer died before commit")
             log.info("checkpoint step %d was never committed (writer died); discarded", ck.step)
         displaced.put_back_all(self._cat, self.run_id, self.run_dir)  # what a save that failed moved aside

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rewind.infra.catalog import leases, lineage
+from rewind.infra.catalog import commits, leases, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.writer_lease import WriterLease
 from rewind.infra.checkpoint import assemble, remotes, spread
@@ -281,7 +281,7 @@ class ShardedCheckpointer(ShardedRestoring):
                 displacers.append(displace)
 
             def commit(final: Path, digest: str, also_on: Sequence[tuple[str, LocalTier]]) -> None:
-                lineage.commit(
+                commits.commit(
                     cat, row[0], mf.read(final), digest=digest, stall_s=stall, uri=str(final),
                     writer=leases.writer_name(), also_on=also_on,
                 )  # fmt: skip
