@@ -35,7 +35,7 @@ from rewind.infra.catalog import commits, leases, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
 from rewind.infra.catalog.writer_lease import WriterLease
-from rewind.infra.checkpoint import displaced, own_tensors
+from rewind.infra.checkpoint import displaced, own_tensors, stall_hash
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.recording import recorded_save
@@ -45,6 +45,7 @@ from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, StateMismat
 from rewind.infra.faults import fault_point
 from rewind.infra.format import chunked, direct, payload, store
 from rewind.infra.format import manifest as mf
+from rewind.infra.format.digest import FileDigest
 from rewind.infra.format.verify import Finding, Problem
 from rewind.infra.restore import execute as restore_exec
 from rewind.infra.restore import plan as restore_plan
@@ -104,6 +105,7 @@ class Checkpointer:
         payload.check_format(self.format)
         throttle.for_writes()  # a bad REWIND_WRITE_LIMIT fails here, not in the first background save
         priority = persist_priority.configured()  # and a bad REWIND_PERSIST_PRIORITY
+        stall_hash.configured()  # and a bad REWIND_HASH_IN_STALL
         direct.wanted()  # a bad REWIND_DIRECT_WRITES too, before anything is written
         for name in self.states:
             mf.safe_relative(f"{name}.safetensors")
@@ -149,11 +151,20 @@ class Checkpointer:
             self._persist(step, trees, Staged(dict(tensors)), metrics, started)
             return time.perf_counter() - started
         staged = self._staging.stage(tensors)
+        hashed = self._hash_in_stall(trees, staged)
         stall = time.perf_counter() - started
         self._runner.submit(
-            f"save of step {step}", lambda: self._persist(step, trees, staged, metrics, stall)
+            f"save of step {step}", lambda: self._persist(step, trees, staged, metrics, stall, hashed)
         )
         return stall
+
+    def _hash_in_stall(self, trees: dict[str, Any], staged: Staged) -> dict[str, FileDigest]:
+        """The staged files' digests, computed now on every core where the job leaves none to the
+        background persist (``stall_hash``); none otherwise."""
+        if self.format != payload.PLAIN or not stall_hash.wanted(staged.parts):
+            return {}
+        staged.ready()
+        return stall_hash.digests(trees, staged.parts)
 
     def prepare(self) -> None:
         """Async mode: the staging buffer for the state as it is now, allocated and made resident in the
@@ -188,7 +199,13 @@ class Checkpointer:
         self._lease.release()
 
     def _persist(
-        self, step: int, trees: dict[str, Any], staged: Staged, metrics: dict[str, float], stall: float
+        self,
+        step: int,
+        trees: dict[str, Any],
+        staged: Staged,
+        metrics: dict[str, float],
+        stall: float,
+        hashed: Mapping[str, FileDigest] | None = None,
     ) -> SaveResult:
         """Write, fsync, manifest, rename, then catalog commit. ``stall`` is a start time in sync mode."""
         env = environment()
@@ -216,7 +233,16 @@ class Checkpointer:
             )
             staged.ready()
             files = payload.file_writers(trees, staged.parts, fmt=self.format, link_from=self._link_source())
-            done = store.write_checkpoint(self.run_dir, draft, files, displace=displace)
+            known = hashed or {}
+            done = store.write_checkpoint(
+                self.run_dir,
+                draft,
+                [
+                    (n, store.Hashed(f, known[n]) if n in known and not isinstance(f, store.Link) else f)
+                    for n, f in files
+                ],
+                displace=displace,
+            )
             manifest = done.manifest
             fault_point("save.before_catalog", step)
             if self.mode is SaveMode.SYNC:

@@ -107,9 +107,11 @@ class HashingWriter:
     Every file Rewind writes goes through one, so the job's write limit (``rewind.infra.throttle``) paces it here.
     """
 
-    def __init__(self, raw: BinaryIO, *, segment: int = 0) -> None:
+    def __init__(self, raw: BinaryIO, *, segment: int = 0, hashed: bool = True) -> None:
         self._raw = raw
         self.hasher = Hasher(segment=segment)
+        self._hashed = hashed  # False: the bytes were hashed before (``store.Hashed``); only counted
+        self.count = 0
         self._throttle = throttle.for_writes()
 
     def write(self, data: bytes | bytearray | memoryview) -> int:
@@ -124,8 +126,10 @@ class HashingWriter:
         return written
 
     def _write(self, data: bytes | bytearray | memoryview) -> int:
-        self.hasher.update(data)
+        if self._hashed:
+            self.hasher.update(data)
         n = self._raw.write(data)
+        self.count += n
         progress.advance(n)
         return n
 
@@ -182,6 +186,17 @@ class HashingReader:
         self.count += pos
         self.finish(limit)
         return bytes(buf[:pos])
+
+
+class HashingSink:
+    """A write-only object that hashes what is written to it and keeps none of it (``store.hash_stream``)."""
+
+    def __init__(self) -> None:
+        self.hasher = Hasher()
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:
+        self.hasher.update(data)
+        return memoryview(data).nbytes
 
 
 def hash_bytes(data: bytes | bytearray | memoryview) -> FileDigest:

@@ -24,7 +24,7 @@ from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.faults import fault_point
 from rewind.infra.format import direct, local_tier
 from rewind.infra.format import manifest as mf
-from rewind.infra.format.digest import HashingWriter, hash_file, manifest_digest
+from rewind.infra.format.digest import FileDigest, HashingSink, HashingWriter, hash_file, manifest_digest
 from rewind.infra.format.verify import Finding, Problem
 
 _TMP_DIR = re.compile(r"^step-\d+\.tmp-(\d+)-[0-9a-f]+$")
@@ -54,6 +54,24 @@ class Link:
     source: Path
     entry: mf.FileEntry
     fallback: FileWriter
+
+
+@dataclass(frozen=True, slots=True)
+class Hashed:
+    """A file whose bytes ``fill`` streams were hashed before the write (``hash_stream``: in a save's stall,
+    from the staging buffer the write then sends): written without hashing them again. ``fill`` must
+    stream the same bytes again; a file of another size is an error, and any other difference shows as
+    a digest mismatch when the file is next read, never as a checkpoint that proves itself."""
+
+    fill: FileWriter
+    digest: FileDigest
+
+
+def hash_stream(fill: FileWriter) -> FileDigest:
+    """The digests of the bytes ``fill`` streams, nothing written."""
+    sink = HashingSink()
+    fill(sink)  # type: ignore[arg-type]  # an object that only writes
+    return sink.hasher.result()
 
 
 # Files this process hashed before linking them, by (device, inode, size, mtime): the xxh3 it found.
@@ -144,13 +162,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file(path: Path, fill: FileWriter, *, segment: int = 0) -> mf.FileEntry:
+def write_file(path: Path, fill: FileWriter | Hashed, *, segment: int = 0) -> mf.FileEntry:
     """Create ``path`` (never overwrite), stream ``fill`` into it through the hasher, fsync it (written past
-    the page cache where the filesystem allows: ``direct``). ``segment``: its segments' digests as well."""
+    the page cache where the filesystem allows: ``direct``). ``segment``: its segments' digests as well.
+    A ``Hashed`` file is written without hashing, its size held to the digest's."""
+    known = fill.digest if isinstance(fill, Hashed) and not segment else None
+    stream = fill.fill if isinstance(fill, Hashed) else fill
     with direct.NewFile(path) as raw:
-        out = HashingWriter(raw, segment=segment)  # type: ignore[arg-type]  # a file that only writes
-        fill(out)  # type: ignore[arg-type]
-    d = out.hasher.result()
+        out = HashingWriter(raw, segment=segment, hashed=known is None)  # type: ignore[arg-type]
+        stream(out)  # type: ignore[arg-type]  # a file that only writes
+        if known is not None and out.count != known.size:
+            raise RuntimeError(f"{path}: {out.count} bytes written, {known.size} hashed before the write")
+    d = known or out.hasher.result()
     return mf.FileEntry(path=path.name, size=d.size, xxh3=d.xxh3, crc32c=d.crc32c, segments=d.segments)
 
 
@@ -203,7 +226,7 @@ def commit(
 
 
 def _place(
-    tmp: Path, name: str, fill: FileWriter | Link, made: set[Path], segment: int
+    tmp: Path, name: str, fill: FileWriter | Link | Hashed, made: set[Path], segment: int
 ) -> tuple[mf.FileEntry, bool]:
     """Write (or link) one file into ``tmp``, creating its directory; (entry, whether it was linked)."""
     rel = mf.safe_relative(name)
@@ -221,7 +244,7 @@ def _place(
 def write_checkpoint(
     run_dir: Path,
     manifest: mf.Manifest,
-    files: Iterable[tuple[str, FileWriter | Link]],
+    files: Iterable[tuple[str, FileWriter | Link | Hashed]],
     *,
     copy_of: bytes | None = None,
     displace: Displace | None = None,
