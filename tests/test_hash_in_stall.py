@@ -1,23 +1,29 @@
 """Hashing in the stall (``REWIND_HASH_IN_STALL``): an async save that hashes its staged files while the job
-waits writes the same files as one that hashes them in the background and as a sync save; values changed
-after ``save()`` returned never reach the file; a stream that is not the one hashed is never committed as
-proven; ``auto`` hashes in the stall only when the job's threads hold every core."""
+waits writes the same files as one that hashes them in the background and as a sync save, and its persist
+records the stall's digests without hashing again; values changed after ``save()`` returned never reach
+the file, a save right after another included; copied and hashed in one pass on any number of threads,
+any layout stages and hashes exactly as the plain writer would; a stream that is not the one hashed is
+never committed as proven; ``auto`` hashes in the stall only when the job's threads hold every core, a
+cgroup's CPU quota counted."""
 
 from __future__ import annotations
 
-import os
+import random
 from pathlib import Path
 
 import pytest
 import torch
 
+from rewind.infra import cpus
 from rewind.infra.catalog import lineage
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.checkpoint import stall_hash
+from rewind.infra.checkpoint import stage_hashed, stall_hash
 from rewind.infra.checkpoint.engine import Checkpointer, SaveMode
+from rewind.infra.checkpoint.staging import StagingBuffer
 from rewind.infra.errors import ConfigError
+from rewind.infra.format import digest, payload, store, tensorfile, verify
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import store, verify
+from rewind.infra.format.digest import FileDigest
 
 
 def _job(run: str, cat: Catalog, root: Path, mode: SaveMode):  # type: ignore[no-untyped-def]
@@ -57,22 +63,116 @@ def test_hashed_in_the_stall_or_in_the_background_the_files_are_a_sync_saves(
 
 
 def test_values_changed_after_save_returned_never_reach_the_file(rewind_env, run_name, tmp_path, monkeypatch):
+    """The second save reuses the staging buffer at once, while the job keeps changing its tensors."""
+    monkeypatch.setenv(stall_hash.ENV, "on")
+    cat = Catalog()
+    model, opt, ck = _job(run_name, cat, tmp_path / "ckpt", SaveMode.ASYNC)
+    at_call = {}
+    for step in (1, 2):
+        _step(model, opt)
+        at_call[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        ck.save(step)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(7.0)  # while the persist writes
+    ck.close()
+    for c in lineage.checkpoints(cat, run_name):
+        report = verify.check_copy(Path(c.path), c.manifest_digest, deep=True)
+        assert report.findings == ()  # every byte is the one its manifest records
+        entry = next(e for e in report.manifest.files if e.path == "model.safetensors")
+        saved = payload.read_tensors(Path(c.path), entry)
+        assert saved.keys() == {f"model.{k}" for k in at_call[c.step]}
+        assert all(torch.equal(saved[f"model.{k}"], v) for k, v in at_call[c.step].items()), c.step
+
+
+def test_the_persist_records_the_stalls_digests_without_hashing_again(
+    rewind_env, run_name, tmp_path, monkeypatch
+):
+    """A stall digest made wrong on purpose reaches the manifest as it is (the persist did not hash the file
+    again), and the restore refuses that checkpoint for the one before."""
     monkeypatch.setenv(stall_hash.ENV, "on")
     cat = Catalog()
     model, opt, ck = _job(run_name, cat, tmp_path / "ckpt", SaveMode.ASYNC)
     _step(model, opt)
-    at_call = {k: v.clone() for k, v in model.state_dict().items()}
     ck.save(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(7.0)  # while the persist writes
+    good = {k: v.clone() for k, v in model.state_dict().items()}
     ck.wait()
+    real = stage_hashed.stage_and_hash
+    wrong = "0" * 32
+
+    def lying(*args, **kwargs):  # type: ignore[no-untyped-def]
+        staged, digests = real(*args, **kwargs)
+        d = digests["model.safetensors"]
+        return staged, {**digests, "model.safetensors": FileDigest(d.size, wrong, d.crc32c)}
+
+    monkeypatch.setattr(stage_hashed, "stage_and_hash", lying)
+    _step(model, opt)
+    ck.save(2)
     ck.close()
+    newest = lineage.checkpoints(cat, run_name)[-1]
+    assert newest.step == 2
+    assert next(e for e in mf.read(Path(newest.path)).files if e.path == "model.safetensors").xxh3 == wrong
     model2, _, ck2 = _job(run_name, cat, tmp_path / "ckpt", SaveMode.SYNC)
     restored = ck2.restore_latest()
     ck2.close()
-    assert restored is not None and restored.step == 1 and not restored.skipped  # every file proved itself
-    assert all(torch.equal(v, at_call[k]) for k, v in model2.state_dict().items())
+    assert restored is not None and restored.step == 1 and [s.step for s in restored.skipped] == [2]
+    assert all(torch.equal(v, good[k]) for k, v in model2.state_dict().items())
+
+
+def _layout(rnd: random.Random) -> dict[str, dict[str, torch.Tensor]]:
+    """Parts of unequal sizes: tensors of several dtypes, empty ones, sizes about a block and not whole."""
+    sizes = [
+        0,
+        1,
+        3,
+        1000,
+        stage_hashed.BLOCK // 4 - 1,
+        stage_hashed.BLOCK // 2 + 5,
+        3 * stage_hashed.BLOCK + 7,
+    ]
+    dtypes = [torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.bool, torch.float64]
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    for p, count in (("big", 12), ("small", 3), ("one", 1)):
+        tensors = {}
+        for i in range(count):
+            n, dtype = rnd.choice(sizes) // 8 + (i % 3), rnd.choice(dtypes)
+            t = torch.randint(0, 2 if dtype is torch.bool else 100, (n,)).to(dtype)
+            tensors[f"t{i}"] = t
+        parts[p] = tensors
+    parts["big"]["huge"] = torch.randn(5 * stage_hashed.BLOCK // 4 + 3)  # blocks for the helpers to take
+    return parts
+
+
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_one_pass_stages_and_hashes_any_layout_as_the_plain_writer_would(workers):
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    for _ in range(3):
+        parts = _layout(rnd)
+        staging = StagingBuffer()
+        staged, digests = stage_hashed.stage_and_hash(staging, parts, workers=workers)
+        for p, tensors in parts.items():
+            assert all(torch.equal(staged.parts[p][k], t) for k, t in tensors.items()), (seed, p)
+            want = store.hash_stream(
+                lambda out, ts=tensors: tensorfile.write(out, ts)
+            )  # from the job's tensors
+            assert digests[payload.tensor_file(p)] == want, (seed, p)
+
+
+def test_a_state_a_copy_of_bytes_does_not_stage_is_staged_and_hashed_all_the_same(monkeypatch):
+    monkeypatch.setenv(stall_hash.ENV, "on")
+    base = torch.randn(300, 400)
+    parts = {
+        "model": {"transposed": base.t(), "w": torch.randn(1000)},
+        "optimizer": {"m": torch.randn(70_000)},
+    }
+    assert not stage_hashed.plain(parts)
+    staged, digests = stall_hash.stage_and_hash(StagingBuffer(), parts)
+    for p, tensors in parts.items():
+        assert all(torch.equal(staged.parts[p][k], t) for k, t in tensors.items())
+        assert digests[payload.tensor_file(p)] == store.hash_stream(
+            lambda out, ts=tensors: tensorfile.write(out, ts)
+        )
 
 
 def test_a_stream_of_another_length_than_hashed_is_refused(tmp_path):
@@ -95,13 +195,15 @@ def test_a_stream_other_than_hashed_is_never_a_checkpoint_that_proves_itself(tmp
 
 
 def test_auto_hashes_in_the_stall_only_when_the_job_holds_every_core(monkeypatch):
-    cores = len(os.sched_getaffinity(0))
+    cores = cpus.cores()
     cpu = {"model": {"w": torch.zeros(4)}}
+    elsewhere = {"model": {"w": torch.zeros(4, device="meta")}}  # not on the CPU: the copy is not the job's
     monkeypatch.delenv(stall_hash.ENV, raising=False)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(cores)
         assert stall_hash.wanted(cpu)
+        assert not stall_hash.wanted(elsewhere)
         if cores > 1:
             torch.set_num_threads(cores - 1)  # a core left to the background persist
             assert not stall_hash.wanted(cpu)
@@ -114,6 +216,23 @@ def test_auto_hashes_in_the_stall_only_when_the_job_holds_every_core(monkeypatch
         torch.set_num_threads(threads)
 
 
+def test_a_cgroup_cpu_quota_bounds_the_cores_counted(tmp_path, monkeypatch):
+    """``cpu.max`` of this process's cgroup (v2) as a container runtime writes it: 1.5 CPUs count as 2."""
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    own = next((line[3:] for line in lines if line.startswith("0::")), None)
+    if own is None:
+        pytest.skip("this machine has no cgroup v2 entry for the process")
+    where = tmp_path / own.lstrip("/")
+    where.mkdir(parents=True, exist_ok=True)
+    monkeypatch.setattr(cpus, "CGROUP_ROOT", tmp_path)
+    (where / "cpu.max").write_text("max 100000\n")
+    unbounded = cpus.usable()
+    (where / "cpu.max").write_text("150000 100000\n")
+    assert cpus.usable() == min(unbounded, 2) and cpus.cores() <= 2
+    (where / "cpu.max").write_text("50000 100000\n")
+    assert cpus.usable() == cpus.cores() == 1
+
+
 def test_a_setting_that_does_not_exist_is_refused_before_any_save(
     rewind_env, run_name, tmp_path, monkeypatch
 ):
@@ -121,3 +240,12 @@ def test_a_setting_that_does_not_exist_is_refused_before_any_save(
     with pytest.raises(ConfigError, match="REWIND_HASH_IN_STALL='sometimes': expected one of auto, on, off"):
         _job(run_name, Catalog(), tmp_path / "ckpt", SaveMode.ASYNC)
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").rglob("step-*"))
+
+
+def test_crc32c_combined_from_pieces_is_the_crc32c_of_the_whole():
+    seed = random.randrange(1 << 30)
+    rnd = random.Random(seed)
+    for _ in range(100):
+        a = rnd.randbytes(rnd.randint(0, 3000))
+        b = rnd.randbytes(rnd.choice([0, 1, 7, 4096, stage_hashed.BLOCK, rnd.randint(0, 70_000)]))
+        assert digest.crc32c_combine(digest.crc32c(a), digest.crc32c(b), len(b)) == digest.crc32c(a + b), seed

@@ -108,7 +108,7 @@ class Checkpointer:
         stall_hash.configured()  # and a bad REWIND_HASH_IN_STALL
         direct.wanted()  # a bad REWIND_DIRECT_WRITES too, before anything is written
         for name in self.states:
-            mf.safe_relative(f"{name}.safetensors")
+            mf.safe_relative(payload.tensor_file(name))
             if name.endswith(".json") or name == "manifest":
                 raise ConfigError(f"state name {name!r} is reserved")
         self._stateful: dict[str, Stateful] = {k: as_stateful(k, v) for k, v in self.states.items()}
@@ -150,21 +150,19 @@ class Checkpointer:
         if self.mode is SaveMode.SYNC:
             self._persist(step, trees, Staged(dict(tensors)), metrics, started)
             return time.perf_counter() - started
-        staged = self._staging.stage(tensors)
-        hashed = self._hash_in_stall(trees, staged)
+        staged, hashed = self._stage(tensors)
         stall = time.perf_counter() - started
         self._runner.submit(
             f"save of step {step}", lambda: self._persist(step, trees, staged, metrics, stall, hashed)
         )
         return stall
 
-    def _hash_in_stall(self, trees: dict[str, Any], staged: Staged) -> dict[str, FileDigest]:
-        """The staged files' digests, computed now on every core where the job leaves none to the
-        background persist (``stall_hash``); none otherwise."""
-        if self.format != payload.PLAIN or not stall_hash.wanted(staged.parts):
-            return {}
-        staged.ready()
-        return stall_hash.digests(trees, staged.parts)
+    def _stage(self, tensors: dict[str, dict[str, torch.Tensor]]) -> tuple[Staged, dict[str, FileDigest]]:
+        """The state staged; and where the job leaves no core to the background persist (``stall_hash``),
+        its files' digests, computed now on every core."""
+        if self.format != payload.PLAIN or not stall_hash.wanted(tensors):
+            return self._staging.stage(tensors), {}
+        return stall_hash.stage_and_hash(self._staging, tensors)
 
     def prepare(self) -> None:
         """Async mode: the staging buffer for the state as it is now, allocated and made resident in the

@@ -112,6 +112,13 @@ class StagingBuffer:
         memory included), which ``stage`` then need not."""
         populate(self._ensure(parts))
 
+    def places(self, parts: Parts) -> dict[str, dict[str, torch.Tensor]]:
+        """Where ``stage`` would copy each tensor of ``parts`` (the buffer made for them first), for a
+        caller that copies them itself (``stall_hash.stage_and_hash``); the previous ``Staged`` must no
+        longer be in use."""
+        self._ensure(parts)
+        return {part: dict(views) for part, views in self._views.items()}
+
     def stage(self, parts: Parts) -> Staged:
         """Copy ``parts`` into the buffer; the previous ``Staged`` must no longer be in use."""
         self._ensure(parts)

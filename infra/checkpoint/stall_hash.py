@@ -5,8 +5,9 @@ writes it, on a core the job is not using, if there is one. When the job's torch
 this process may run on (CPU training on the whole machine), there is none: the persist's hashing then
 runs between the job's threads, and a parallel operator waits for the one thread that lost its core, so
 each millisecond of hashing cost the job about two (measured: a 51M-parameter job on both of 2 cores).
-``auto`` (the default) then hashes the staged files in the stall instead, one file per core while the job
-waits (a few tens of milliseconds more stall), and the persist only writes. On a GPU job, or one that
+``auto`` (the default) then hashes the files in the stall instead, while the job waits: each block copied
+into the staging buffer and hashed while in the cache, on every core (``stage_hashed``; a few
+milliseconds more stall), and the persist only writes. On a GPU job, or one that
 leaves a core free, ``auto`` keeps the hashing in the background; ``on`` and ``off`` force either.
 
 The digests are of the staged bytes, which the write then sends unchanged (the staging buffer is not
@@ -16,12 +17,13 @@ reused before the persist ends); the written size is held to the hashed one.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
+from rewind.infra import cpus
+from rewind.infra.checkpoint import stage_hashed
+from rewind.infra.checkpoint.staging import Parts, Staged, StagingBuffer
 from rewind.infra.errors import ConfigError
 from rewind.infra.format import payload, store
 from rewind.infra.format.digest import FileDigest
@@ -38,37 +40,42 @@ def configured() -> str:
     return raw
 
 
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def wanted(parts: Mapping[str, Mapping[str, torch.Tensor]]) -> bool:
+def wanted(parts: Parts) -> bool:
     """Whether a save of ``parts`` hashes in its stall: ``on``; or ``auto`` with the state on the CPU and
-    the job's torch threads on every core this process may use."""
+    the job's torch threads on every core this process may use (``cpus.cores``: physical cores, at most
+    the cgroup's quota)."""
     setting = configured()
     if setting != "auto":
         return setting == "on"
     on_cpu = all(t.device.type == "cpu" for ts in parts.values() for t in ts.values())
-    return on_cpu and torch.get_num_threads() >= _cores()
+    return on_cpu and torch.get_num_threads() >= cpus.cores()
 
 
-def digests(
-    trees: Mapping[str, Any], staged: Mapping[str, Mapping[str, torch.Tensor]]
-) -> dict[str, FileDigest]:
-    """The digests of a plain-format save's tensor files, each as ``payload.file_writers`` streams it from
-    ``staged``: the largest first, one file per core at a time."""
+def stage_and_hash(staging: StagingBuffer, parts: Parts) -> tuple[Staged, dict[str, FileDigest]]:
+    """``parts`` staged, and the digests of their plain-format tensor files as written from the staging
+    buffer: copied and hashed in one pass on every core (``stage_hashed``) where a copy of bytes stages
+    them; else staged, then hashed one file per core."""
+    if stage_hashed.plain(parts):
+        return stage_hashed.stage_and_hash(staging, parts, workers=cpus.usable())
+    staged = staging.stage(parts)
+    staged.ready()
+    return staged, digests(staged.parts)
+
+
+def digests(staged: Parts) -> dict[str, FileDigest]:
+    """The digests of the plain-format tensor files of ``staged``, each as ``payload.file_writers`` streams
+    it: the largest first, one file per core at a time."""
     biggest_first = dict(sorted(staged.items(), key=lambda kv: -sum(_nbytes(t) for t in kv[1].values())))
     files = [
         (name, fill)
-        for name, fill in payload.file_writers(trees, biggest_first)
+        for name, fill in payload.file_writers({}, biggest_first)
         if name != payload.STATE_FILE and not isinstance(fill, store.Link)
     ]
     if len(files) <= 1:
         return {name: store.hash_stream(fill) for name, fill in files}
-    with ThreadPoolExecutor(max_workers=min(len(files), _cores()), thread_name_prefix="rewind-hash") as pool:
+    with ThreadPoolExecutor(
+        max_workers=min(len(files), cpus.usable()), thread_name_prefix="rewind-hash"
+    ) as pool:
         done = {name: pool.submit(store.hash_stream, fill) for name, fill in files}
         return {name: f.result() for name, f in done.items()}
 

@@ -8,6 +8,7 @@ be checked without downloading it.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import hmac
 from dataclasses import dataclass
@@ -27,6 +28,39 @@ CACHED = 256 << 10  # a piece hashed by both digests in turn fits in a core's L2
 def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
     """The CRC32C of ``data``, continuing ``crc``."""
     return _crc32c.crc32c(data, crc)
+
+
+_CRC32C_POLY = 0x82F63B78  # reflected
+_X0 = 1 << 31  # the polynomial 1, reflected
+
+
+def _mult_mod_p(a: int, b: int) -> int:
+    """``a`` times ``b`` modulo the CRC32C polynomial (reflected, as zlib's ``multmodp``)."""
+    m, p = _X0, 0
+    while m and a:
+        if a & m:
+            p ^= b
+            a ^= m
+        m >>= 1
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
+    return p
+
+
+@functools.lru_cache(maxsize=64)  # a copy's blocks mostly share one length
+def _x_power_8n(n: int) -> int:
+    """x to the power 8 ``n`` (``n`` bytes of zeros) modulo the CRC32C polynomial."""
+    p, square = _X0, _X0 >> 8  # x^8: one byte
+    while n:
+        if n & 1:
+            p = _mult_mod_p(square, p)
+        square = _mult_mod_p(square, square)
+        n >>= 1
+    return p
+
+
+def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+    """The CRC32C of ``a`` then ``b`` from the CRC32C of each (``b``'s from 0) and ``b``'s length."""
+    return _mult_mod_p(_x_power_8n(len_b), crc_a) ^ crc_b
 
 
 def crc32c_b64(value: int) -> str:
@@ -76,6 +110,17 @@ class Hasher:
                             self._crc = crc32c(piece, self._crc)
                         if self._segment:
                             self._segments(piece, self._size + at)
+            self._size += len(view)
+
+    def extend(self, data: bytes | bytearray | memoryview, crc: int) -> None:
+        """``data`` whose CRC32C (from 0) is known already, computed where it was copied: hashed by xxh3
+        alone, its CRC32C combined with the stream's (``crc32c_combine``)."""
+        if self._segment:
+            raise ValueError("a hasher of segments takes every byte through update")
+        with memoryview(data) as whole, whole.cast("B") as view:
+            self._xxh.update(view)
+            if self._with_crc:
+                self._crc = crc32c_combine(self._crc, crc, len(view))
             self._size += len(view)
 
     def _segments(self, piece: memoryview, offset: int) -> None:

@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from rewind.infra import progress
+from rewind.infra import cpus, progress
 from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.format import manifest as mf
 from rewind.infra.format import pages, segments
@@ -157,7 +157,7 @@ def _segment_mismatch(
             hasher.update(piece)
         return 0, hasher.result().xxh3
 
-    workers = max(1, min(len(starts), len(os.sched_getaffinity(0)), MAX_WORKERS))
+    workers = max(1, min(len(starts), cpus.usable(), MAX_WORKERS))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rewind-segment") as pool:
         done = [_started(pool, hashed, at) for at in starts]
         try:
@@ -204,7 +204,7 @@ def _submitted(pool: ThreadPoolExecutor, first: int, nbytes: int) -> Future[int]
 
 
 def _helpers(spans: int) -> int:
-    return max(1, min(HELPERS, spans, len(os.sched_getaffinity(0))))
+    return max(1, min(HELPERS, spans, cpus.usable()))
 
 
 def _populate(first: int, nbytes: int) -> int:

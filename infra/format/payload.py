@@ -42,6 +42,11 @@ DCP_METADATA = ".metadata"  # present only in sharded (DCP) checkpoints
 _DECODE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, binascii.Error, RecursionError)
 
 
+def tensor_file(part: str) -> str:
+    """The plain format's file of ``part``'s tensors."""
+    return f"{part}.safetensors"
+
+
 def split_states(state_dicts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
     """``{part: state_dict}`` -> (JSON trees per part, tensors per part)."""
     trees: dict[str, Any] = {}
@@ -74,7 +79,7 @@ def file_writers(
     if fmt == CHUNKED:
         files = chunked.file_writers(tensors, link_from)
     else:
-        files = [(f"{part}.safetensors", tensors_writer(t)) for part, t in tensors.items() if t]
+        files = [(tensor_file(part), tensors_writer(t)) for part, t in tensors.items() if t]
     files.append((STATE_FILE, state_writer))
     return files
 
@@ -138,7 +143,7 @@ def read_states(directory: Path, manifest: mf.Manifest, *, copied: Collection[st
     if STATE_FILE not in entries:
         raise _unloadable(directory, STATE_FILE, "not listed in the manifest")
     tensors: dict[str, torch.Tensor] = {}
-    mappable = {f"{part}.safetensors" for part in copied}
+    mappable = {tensor_file(part) for part in copied}
     for path, entry in entries.items():
         if path.endswith(".safetensors"):
             tensors.update(read_tensors(directory, entry, may_map=path in mappable))
