@@ -71,7 +71,11 @@ def _checkpointer(
 
 @pytest.mark.parametrize("prepared", [True, False], ids=["prepared", "made-at-the-save"])
 def test_a_prepared_first_save_faults_in_no_buffer_and_holds_the_values_of_the_call(
-    run_name: str, tmp_path: Path, prepared: bool, request: pytest.FixtureRequest
+    run_name: str,
+    tmp_path: Path,
+    prepared: bool,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     if pages.thp_mode() == "always":  # a fresh buffer on 2 MiB pages: a fault per 512, for both cases
         pytest.skip("THP always: a buffer's faults are not one per 4 KiB page, so the count tells nothing")
@@ -84,6 +88,7 @@ def test_a_prepared_first_save_faults_in_no_buffer_and_holds_the_values_of_the_c
         )  # fmt: skip
         assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
         return
+    monkeypatch.setattr(pages, "_ADVISE", False)  # the buffer on 4 KiB pages (huge ones fault 512 at once)
     model, opt = _job()
     ck = _checkpointer(run_name, tmp_path, model, opt)
     cat = ck._cat
@@ -177,19 +182,23 @@ def test_a_new_layout_lets_the_old_buffer_go_before_the_new_one_is_made(monkeypa
     old = sb._buf.untyped_storage()  # the old buffer's memory: this reference alone once it is let go
     del staged
     made: list[int] = []
-    real_empty = torch.empty
+    real_empty, real_pages_empty = torch.empty, pages.empty
 
     def empty(*args, **kwargs):  # type: ignore[no-untyped-def]
-        if "pin_memory" in kwargs:  # the staging buffer's allocation, not another caller's
-            made.append(
-                torch._C._storage_Use_Count(old._cdata)
-            )  # who else holds it when the new one is asked for
+        if "pin_memory" in kwargs:  # the staging buffer's allocation (pinned), not another caller's
+            made.append(torch._C._storage_Use_Count(old._cdata))  # who else holds it when the new one is made
         return real_empty(*args, **kwargs)
+
+    def pages_empty(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(torch._C._storage_Use_Count(old._cdata))  # the staging buffer's allocation (not pinned)
+        return real_pages_empty(*args, **kwargs)
 
     second = {"model": {"w": torch.randn(1024, 256)}, "optimizer": {"m": torch.randn(1024, 256)}}
     monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(pages, "empty", pages_empty)
     staged = sb.stage(second)
     monkeypatch.setattr(torch, "empty", real_empty)
+    monkeypatch.setattr(pages, "empty", real_pages_empty)
     assert made and made[0] == 1, made
     assert all(torch.equal(staged.parts[p][n], second[p][n]) for p in second for n in second[p])
     third = {**second, "extra": {}}  # the same tensors, one more part with none

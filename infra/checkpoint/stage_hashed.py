@@ -58,6 +58,10 @@ class _Stream:
     def __post_init__(self) -> None:
         self.back = len(self.blocks)
 
+    def fresh(self) -> _Stream:
+        """The same file, no block taken yet."""
+        return _Stream(self.name, self.head, self.blocks)
+
 
 def plain(parts: Parts) -> bool:
     """Whether every tensor of ``parts`` is staged exactly by copying its bytes."""
@@ -78,10 +82,11 @@ def stage_and_hash(
     """``parts`` (``plain``) copied into ``staging``, and the digests of their tensor files as the plain
     format writes them from there, on ``workers`` threads."""
     places = staging.places(parts)
-    streams = sorted(
-        (_stream(part, parts[part], places[part]) for part in parts if parts[part]),
-        key=lambda s: -len(s.blocks),
-    )
+    addresses = tuple((part, name, t.data_ptr()) for part, ts in parts.items() for name, t in ts.items())
+    streams = [
+        stream.fresh()
+        for stream in staging.derived(addresses, lambda: _streams(parts, places))  # the same while the job's
+    ]  # tensors stay where they are: made at the first save, and again only when one moved
     lock = threading.Lock()
     digests: dict[str, FileDigest] = {}
     queue = list(streams)
@@ -92,6 +97,14 @@ def stage_and_hash(
             for done in [pool.submit(_work, queue, streams, lock, digests) for _ in range(workers)]:
                 done.result()
     return Staged(places), digests
+
+
+def _streams(parts: Parts, places: Mapping[str, Mapping[str, torch.Tensor]]) -> list[_Stream]:
+    """Each part's file, the one with the most blocks first."""
+    return sorted(
+        (_stream(part, parts[part], places[part]) for part in parts if parts[part]),
+        key=lambda s: -len(s.blocks),
+    )
 
 
 def _stream(part: str, tensors: Mapping[str, torch.Tensor], places: Mapping[str, torch.Tensor]) -> _Stream:

@@ -13,15 +13,17 @@ for the copy-done event before reading the buffer.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
 from rewind.infra.checkpoint.populate import populate
-from rewind.infra.format import tensorfile
+from rewind.infra.format import pages, tensorfile
 
 Parts = Mapping[str, Mapping[str, torch.Tensor]]
+T = TypeVar("T")
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -82,6 +84,7 @@ class StagingBuffer:
         self._views: dict[str, dict[str, torch.Tensor]] = {}  # each tensor's place in the buffer, made once
         self._signature: tuple | None = None
         self._stream: torch.cuda.Stream | None = None
+        self._derived: tuple[object, object] | None = None  # (key, value) made from the buffer: ``derived``
 
     @property
     def nbytes(self) -> int:
@@ -97,9 +100,14 @@ class StagingBuffer:
         pin = torch.cuda.is_available()
         had = self._buf is not None
         self._buf, self._views, self._signature = None, {}, None  # the old one freed first: never two copies
+        self._derived = None
         if pin and had:
             _unpin_freed()
-        whole = torch.empty(total + tensorfile.PAGE, dtype=torch.uint8, pin_memory=pin)
+        whole = (  # huge pages where they can be asked for: fewer to pin when the direct writer sends them
+            torch.empty(total + tensorfile.PAGE, dtype=torch.uint8, pin_memory=True)
+            if pin
+            else pages.empty([total + tensorfile.PAGE], torch.uint8)
+        )
         start = -whole.data_ptr() % tensorfile.PAGE  # the first part on a page boundary, like the rest
         self._buf = whole[start : start + max(total, 1)]
         self._views = _views(parts, at, self._buf)
@@ -118,6 +126,17 @@ class StagingBuffer:
         longer be in use."""
         self._ensure(parts)
         return {part: dict(views) for part, views in self._views.items()}
+
+    def derived(self, key: object, make: Callable[[], T]) -> T:
+        """What ``make`` makes from the buffer as it is now (addresses in it, views of it), kept for calls
+        with an equal ``key`` until another key or a new buffer (one value at a time, dropped with the
+        buffer it describes)."""
+        if self._derived is not None and self._derived[0] == key:
+            return self._derived[1]  # type: ignore[return-value]  # made by ``make`` for this key
+        self._derived = None
+        value = make()
+        self._derived = (key, value)
+        return value
 
     def stage(self, parts: Parts) -> Staged:
         """Copy ``parts`` into the buffer; the previous ``Staged`` must no longer be in use."""

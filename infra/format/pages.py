@@ -4,8 +4,9 @@ A restore reads each tensor into fresh memory, and a fresh 4 KiB page costs a fa
 written: measured here (a VM, 2 cores), reading 512 MiB from /dev/shm into a new tensor took 0.30 s, into
 the same buffer backed by transparent huge pages (``MADV_HUGEPAGE`` before the first write) 0.10 s, into
 memory already resident 0.06 s. Only a tensor glibc mapped by itself is advised (at least
-``MIN_HUGE_BYTES``, above the program break, made by the main thread): the advice then covers that
-mapping alone and goes with it when the tensor is freed. One in the malloc heap (a large free chunk is
+``MIN_HUGE_BYTES``, above the program break, made by the main thread or larger than another thread's
+arena can hold): the advice then covers that mapping alone and goes with it when the tensor is freed.
+A save's staging buffer is made here too: the direct writer pins fewer pages to send it. One in the malloc heap (a large free chunk is
 reused there, whatever its size) or in another thread's arena is not: there the advice would outlive it
 and reach other allocations. Where THP is ``always`` every large mapping gets huge pages anyway, and
 where it is ``never`` (or absent) the advice does nothing: it is given only in ``madvise`` mode. It
@@ -27,6 +28,7 @@ import torch
 PAGE = mmap.PAGESIZE
 MADV_HUGEPAGE = 14
 MIN_HUGE_BYTES = 32 << 20  # glibc's largest mmap threshold (64-bit); a free heap chunk may still serve it
+ARENA_HEAP_MAX = 64 << 20  # a thread arena's heap (64-bit glibc): a larger allocation is mapped by itself
 _THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
@@ -71,13 +73,13 @@ def whole_pages(t: torch.Tensor) -> tuple[int, int]:
     return first, max(0, (start + nbytes - first) // PAGE * PAGE)
 
 
-def _in_own_mapping(t: torch.Tensor) -> bool:
-    """Whether glibc mapped ``t``'s allocation by itself: made by the main thread (the main arena), above
-    the program break (not in the malloc heap, where a large free chunk can be reused too), glibc's own
-    malloc (no other allocator preloaded)."""
+def _in_own_mapping(t: torch.Tensor, nbytes: int) -> bool:
+    """Whether glibc mapped ``t``'s allocation by itself: made by the main thread (the main arena) or larger
+    than another thread's arena can hold (``ARENA_HEAP_MAX``), above the program break (not in the malloc
+    heap, where a large free chunk can be reused too), glibc's own malloc (no other allocator preloaded)."""
     if _LIBC is None or not _GLIBC or "malloc" in os.environ.get("LD_PRELOAD", ""):
         return False
-    if threading.current_thread() is not threading.main_thread():
+    if threading.current_thread() is not threading.main_thread() and nbytes <= ARENA_HEAP_MAX:
         return False  # another thread's arena lies in mappings that other allocations reuse
     brk = _LIBC.sbrk(0)
     return brk is not None and t.data_ptr() >= brk
@@ -88,7 +90,12 @@ def huge_range(t: torch.Tensor) -> tuple[int, int] | None:
     included (they lie in the tensor's own mapping), or None for one that may share its pages' mapping
     with other allocations (too small, in the malloc heap, another thread's arena)."""
     nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or not t.is_contiguous() or nbytes < MIN_HUGE_BYTES or not _in_own_mapping(t):
+    if (
+        t.device.type != "cpu"
+        or not t.is_contiguous()
+        or nbytes < MIN_HUGE_BYTES
+        or not _in_own_mapping(t, nbytes)
+    ):
         return None
     first = t.data_ptr() // PAGE * PAGE
     return first, -(-(t.data_ptr() + nbytes - first) // PAGE) * PAGE
