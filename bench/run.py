@@ -286,6 +286,8 @@ SUMMARY = (
     "training_overhead_all_cores_paired_ci95_high_pct",
     "training_overhead_all_cores_idle_priority_pct",
     "training_overhead_all_cores_page_cache_pct",
+    "training_overhead_all_cores_hashed_in_stall_pct",
+    "training_overhead_all_cores_hashed_behind_pct",
     "commit_after_s_all_cores",
     "commit_after_s_all_cores_idle_priority",
 )
@@ -316,9 +318,11 @@ def main(argv: list[str] | None = None) -> int:
 
             first_save.report(results, first_save.measure(work, args.gib, args.repeat))
         if "training" in sections:
+            from bench.hash_sides import measure_and_report as hash_sides
             from bench.training import measure_and_report
 
             measure_and_report(results, work, args)
+            hash_sides(results, work, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("\n== summary (ratios measured in one run) ==")

@@ -1,9 +1,9 @@
 """Training overhead: a 51M-parameter job on the CPU with and without a background save per interval.
 
 Run by ``python -m bench.run --sections training``. The interval is chosen so that the persist is about 10%
-of it; on all cores the other persist priority, the files hashed on the other side of the stall
-(``REWIND_HASH_IN_STALL``) and the page cache (``REWIND_DIRECT_WRITES=off``) are measured beside at the same
-interval. Each interval with a save includes its whole persist.
+of it; on all cores the other persist priority and the page cache (``REWIND_DIRECT_WRITES=off``) are measured
+beside at the same interval, and where the files are hashed (``bench.hash_sides``: in the stall against in
+the background, interleaved in one process). Each interval with a save includes its whole persist.
 """
 
 from __future__ import annotations
@@ -223,8 +223,6 @@ def report_training(results: dict, runs: list[dict]) -> None:
         if t.get("page_cache_alternative"):  # the persist's files written through the page cache
             results["training_overhead_all_cores_page_cache_pct"] = t["overhead_pct"]
             results["commit_after_s_all_cores_page_cache"] = t["commit_after_s"]
-        elif t.get("hash_alternative"):  # e.g. training_overhead_all_cores_hash_in_stall_off_pct
-            results[f"training_overhead_all_cores_hash_in_stall_{t['hash_in_stall']}_pct"] = t["overhead_pct"]
         elif t.get("priority_alternative"):  # e.g. training_overhead_all_cores_idle_priority_pct
             results[f"training_overhead_all_cores_{t['persist_priority']}_priority_pct"] = t["overhead_pct"]
             results[f"commit_after_s_all_cores_{t['persist_priority']}_priority"] = t["commit_after_s"]
@@ -233,8 +231,8 @@ def report_training(results: dict, runs: list[dict]) -> None:
 
 
 def measure_and_report(results: dict, work: Path, args: argparse.Namespace) -> None:
-    """The job with and without saves; on all cores also the other persist priority, the hash on the other
-    side of the stall and the page cache, each at the same checkpoint interval as the configured persist."""
+    """The job with and without saves; on all cores also the other persist priority, the page cache and the
+    two sides of the hash, each at the same checkpoint interval as the configured persist."""
     cores = os.cpu_count() or 1
     threads = [args.train_threads] if args.train_threads else sorted({max(1, cores - 1), cores})
     runs = [bench_training(work, args.train_steps, n, args.train_runs) for n in threads]
@@ -247,9 +245,6 @@ def measure_and_report(results: dict, work: Path, args: argparse.Namespace) -> N
     prio = {persist_priority.ENV: other.value}
     alt = bench_training(work, args.train_steps, threads[-1], args.train_runs, env=prio, **same)
     runs.append(alt | {"priority_alternative": True})
-    hashing = {stall_hash.ENV: "on" if stall_hash.configured() == "off" else "off"}  # the other side of it
-    hashed = bench_training(work, args.train_steps, threads[-1], args.train_runs, env=hashing, **same)
-    runs.append(hashed | {"hash_alternative": True})
     cached = {direct.ENV: "off"}
     page = bench_training(work, args.train_steps, threads[-1], args.train_runs, env=cached, **same)
     runs.append(page | {"page_cache_alternative": True})
