@@ -58,7 +58,14 @@ def test_lower_layers_never_import_higher_ones():
 def test_the_format_sits_below_every_engine():
     graph = _graph()
     allowed = {
-        "infra.format": {"infra.format", "infra.errors", "infra.faults", "infra.progress", "infra.throttle"},
+        "infra.format": {
+            "infra.format",
+            "infra.errors",
+            "infra.faults",
+            "infra.progress",
+            "infra.throttle",
+            "infra.cpus",
+        },
         "infra.tiers": {
             "infra.tiers",
             "infra.format",
@@ -71,6 +78,7 @@ def test_the_format_sits_below_every_engine():
         "infra.catalog": {"infra.catalog", "infra.format", "infra.errors", "infra.config", "infra.sizes"},
         "infra.progress": {"infra.progress"},  # a leaf: the byte paths report, nothing below them
         "infra.redact": {"infra.redact"},  # a leaf: hides secrets in what is printed or recorded
+        "infra.cpus": {"infra.cpus"},  # a leaf: the CPUs and cores this process may use
     }
     for unit, ok in allowed.items():
         assert graph[unit] <= ok, f"{unit} imports {graph[unit] - ok}"
