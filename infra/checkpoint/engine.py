@@ -217,30 +217,11 @@ class Checkpointer:
             environment=env,
             writer=leases.writer_name(),
         ) as (ck_id, final, displace):
-            draft = mf.Manifest(
-                run=self.run,
-                step=step,
-                files=(),
-                parent_step=self._parent_step,
-                parent_digest=self._parent_digest,
-                writer=writer("rewind.Checkpointer"),
-                created_at=datetime.now(UTC).isoformat(),
-                layout=self.layout,
-                environment=env,
-                metrics=metrics,
-            )
             staged.ready()
-            files = payload.file_writers(trees, staged.parts, fmt=self.format, link_from=self._link_source())
-            known = hashed or {}
             done = store.write_checkpoint(
-                self.run_dir,
-                draft,
-                [
-                    (n, store.Hashed(f, known[n]) if n in known and not isinstance(f, store.Link) else f)
-                    for n, f in files
-                ],
+                self.run_dir, self._draft(step, env, metrics), self._files(trees, staged, hashed or {}),
                 displace=displace,
-            )
+            )  # fmt: skip
             manifest = done.manifest
             fault_point("save.before_catalog", step)
             if self.mode is SaveMode.SYNC:
@@ -271,6 +252,31 @@ class Checkpointer:
             stall,
         )
         return result
+
+    def _draft(self, step: int, env: dict[str, str], metrics: dict[str, float]) -> mf.Manifest:
+        """The manifest of a save of ``step``, all but its files."""
+        return mf.Manifest(
+            run=self.run,
+            step=step,
+            files=(),
+            parent_step=self._parent_step,
+            parent_digest=self._parent_digest,
+            writer=writer("rewind.Checkpointer"),
+            created_at=datetime.now(UTC).isoformat(),
+            layout=self.layout,
+            environment=env,
+            metrics=metrics,
+        )
+
+    def _files(
+        self, trees: dict[str, Any], staged: Staged, hashed: Mapping[str, FileDigest]
+    ) -> list[tuple[str, store.FileWriter | store.Link | store.Hashed]]:
+        """The save's files from ``staged``; those hashed in the stall (``hashed``) written without hashing."""
+        files = payload.file_writers(trees, staged.parts, fmt=self.format, link_from=self._link_source())
+        return [
+            (n, store.Hashed(f, hashed[n]) if n in hashed and not isinstance(f, store.Link) else f)
+            for n, f in files
+        ]
 
     def _link_source(self) -> chunked.Parent | None:
         """What a chunked save links packs from: this process's last checkpoint, else the newest on disk.
