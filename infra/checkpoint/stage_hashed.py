@@ -90,12 +90,15 @@ def stage_and_hash(
     lock = threading.Lock()
     digests: dict[str, FileDigest] = {}
     queue = list(streams)
-    if workers <= 1 or len(streams) == 0:
+    others = workers - 1 if streams else 0
+    if others <= 0:
         _work(queue, streams, lock, digests)
-    else:
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rewind-stage") as pool:
-            for done in [pool.submit(_work, queue, streams, lock, digests) for _ in range(workers)]:
-                done.result()
+        return Staged(places), digests
+    with ThreadPoolExecutor(max_workers=others, thread_name_prefix="rewind-stage") as pool:
+        helping = [pool.submit(_work, queue, streams, lock, digests) for _ in range(others)]
+        _work(queue, streams, lock, digests)  # the calling thread is one of the workers
+        for done in helping:
+            done.result()
     return Staged(places), digests
 
 
@@ -169,7 +172,7 @@ def _own(s: _Stream, lock: threading.Lock) -> FileDigest:
                 s.front = i + 1
         if taken is None:
             block.copy()
-            h.update(block.staged)
+            h.update(block.staged, cached=len(block.staged))  # in the cache as one: both digests over it
             continue
         taken.wait()  # the helper copying it never waits on anything
         if i not in s.crcs:

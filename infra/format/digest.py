@@ -98,13 +98,15 @@ class Hasher:
         self._seg = xxhash.xxh3_128() if segment else None
         self._done: list[str] = []
 
-    def update(self, data: bytes | bytearray | memoryview) -> None:
+    def update(self, data: bytes | bytearray | memoryview, *, cached: int = CACHED) -> None:
+        """``data`` into the digests, each over ``cached`` bytes in turn: pieces of a stream that fit in a
+        core's cache, or more where the caller just put them there (``stage_hashed``: a block it copied)."""
         with memoryview(data) as whole, whole.cast("B") as view:
             if not self._with_crc and not self._segment:
                 self._xxh.update(view)
             else:  # every digest over each piece while it is in the CPU's cache, not twice over all of it
-                for at in range(0, len(view), CACHED):
-                    with view[at : at + CACHED] as piece:
+                for at in range(0, len(view), cached):
+                    with view[at : at + cached] as piece:
                         self._xxh.update(piece)
                         if self._with_crc:
                             self._crc = crc32c(piece, self._crc)
