@@ -8,6 +8,7 @@ cgroup's CPU quota counted."""
 
 from __future__ import annotations
 
+import io
 import random
 from pathlib import Path
 
@@ -32,6 +33,13 @@ def _job(run: str, cat: Catalog, root: Path, mode: SaveMode):  # type: ignore[no
     opt = torch.optim.AdamW(model.parameters())
     ck = Checkpointer(run, states={"model": model, "optimizer": opt}, root=root, catalog=cat, mode=mode)
     return model, opt, ck
+
+
+def _streamed(fill: store.FileWriter) -> bytes:
+    """The bytes ``fill`` streams."""
+    out = io.BytesIO()
+    fill(out)
+    return out.getvalue()
 
 
 def _step(model, opt) -> None:  # type: ignore[no-untyped-def]
@@ -101,9 +109,13 @@ def test_the_persist_records_the_stalls_digests_without_hashing_again(
     wrong = "0" * 32
 
     def lying(*args, **kwargs):  # type: ignore[no-untyped-def]
-        staged, digests = real(*args, **kwargs)
-        d = digests["model.safetensors"]
-        return staged, {**digests, "model.safetensors": FileDigest(d.size, wrong, d.crc32c)}
+        staged, files = real(*args, **kwargs)
+        f = files["model.safetensors"]
+        d = f.digest
+        return staged, {
+            **files,
+            "model.safetensors": store.Hashed(f.fill, FileDigest(d.size, wrong, d.crc32c)),
+        }
 
     monkeypatch.setattr(stage_hashed, "stage_and_hash", lying)
     _step(model, opt)
@@ -150,13 +162,16 @@ def test_one_pass_stages_and_hashes_any_layout_as_the_plain_writer_would(workers
     for _ in range(3):
         parts = _layout(rnd)
         staging = StagingBuffer()
-        staged, digests = stage_hashed.stage_and_hash(staging, parts, workers=workers)
+        staged, files = stage_hashed.stage_and_hash(staging, parts, workers=workers)
         for p, tensors in parts.items():
             assert all(torch.equal(staged.parts[p][k], t) for k, t in tensors.items()), (seed, p)
             want = store.hash_stream(
                 lambda out, ts=tensors: tensorfile.write(out, ts)
             )  # from the job's tensors
-            assert digests[payload.tensor_file(p)] == want, (seed, p)
+            assert files[payload.tensor_file(p)].digest == want, (seed, p)
+            # the file is written from the bytes hashed: the plain writer's bytes, exactly
+            written = _streamed(files[payload.tensor_file(p)].fill)
+            assert written == _streamed(lambda out, ts=tensors: tensorfile.write(out, ts)), (seed, p)
 
 
 def test_a_state_a_copy_of_bytes_does_not_stage_is_staged_and_hashed_all_the_same(monkeypatch):
@@ -167,10 +182,13 @@ def test_a_state_a_copy_of_bytes_does_not_stage_is_staged_and_hashed_all_the_sam
         "optimizer": {"m": torch.randn(70_000)},
     }
     assert not stage_hashed.plain(parts)
-    staged, digests = stall_hash.stage_and_hash(StagingBuffer(), parts)
+    staged, files = stall_hash.stage_and_hash(StagingBuffer(), parts)
     for p, tensors in parts.items():
         assert all(torch.equal(staged.parts[p][k], t) for k, t in tensors.items())
-        assert digests[payload.tensor_file(p)] == store.hash_stream(
+        assert files[payload.tensor_file(p)].digest == store.hash_stream(
+            lambda out, ts=tensors: tensorfile.write(out, ts)
+        )
+        assert _streamed(files[payload.tensor_file(p)].fill) == _streamed(
             lambda out, ts=tensors: tensorfile.write(out, ts)
         )
 

@@ -45,7 +45,6 @@ from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, StateMismat
 from rewind.infra.faults import fault_point
 from rewind.infra.format import chunked, direct, payload, store
 from rewind.infra.format import manifest as mf
-from rewind.infra.format.digest import FileDigest
 from rewind.infra.format.verify import Finding, Problem
 from rewind.infra.restore import execute as restore_exec
 from rewind.infra.restore import plan as restore_plan
@@ -157,7 +156,7 @@ class Checkpointer:
         )
         return stall
 
-    def _stage(self, tensors: dict[str, dict[str, torch.Tensor]]) -> tuple[Staged, dict[str, FileDigest]]:
+    def _stage(self, tensors: dict[str, dict[str, torch.Tensor]]) -> tuple[Staged, dict[str, store.Hashed]]:
         """The state staged; and where the job leaves no core to the background persist (``stall_hash``),
         its files' digests, computed now on every core."""
         if self.format != payload.PLAIN or not stall_hash.wanted(tensors):
@@ -203,7 +202,7 @@ class Checkpointer:
         staged: Staged,
         metrics: dict[str, float],
         stall: float,
-        hashed: Mapping[str, FileDigest] | None = None,
+        hashed: Mapping[str, store.Hashed] | None = None,
     ) -> SaveResult:
         """Write, fsync, manifest, rename, then catalog commit. ``stall`` is a start time in sync mode."""
         env = environment()
@@ -269,14 +268,11 @@ class Checkpointer:
         )
 
     def _files(
-        self, trees: dict[str, Any], staged: Staged, hashed: Mapping[str, FileDigest]
+        self, trees: dict[str, Any], staged: Staged, hashed: Mapping[str, store.Hashed]
     ) -> list[tuple[str, store.FileWriter | store.Link | store.Hashed]]:
-        """The save's files from ``staged``; those hashed in the stall (``hashed``) written without hashing."""
+        """The save's files from ``staged``; those hashed in the stall (``hashed``) written as hashed."""
         files = payload.file_writers(trees, staged.parts, fmt=self.format, link_from=self._link_source())
-        return [
-            (n, store.Hashed(f, hashed[n]) if n in hashed and not isinstance(f, store.Link) else f)
-            for n, f in files
-        ]
+        return [(n, hashed.get(n, f) if not isinstance(f, store.Link) else f) for n, f in files]
 
     def _link_source(self) -> chunked.Parent | None:
         """What a chunked save links packs from: this process's last checkpoint, else the newest on disk.

@@ -9,6 +9,9 @@ computes its CRC32C; the owner, when it gets there, hashes it by xxh3 alone and 
 (``Hasher.extend``). So the copy and both digests are spread over the cores however unequal the files are,
 and each byte is read from memory once for the copy, not again for the hash.
 
+Each file is then written from the bytes hashed: its header, then its body as one view of the buffer
+(``store.Hashed``), so the persist neither lays the file out again nor hashes it.
+
 Only for tensors a plain copy of bytes stages exactly (``plain``): dense, contiguous, on the CPU, neither
 conjugated nor negated; anything else is staged by ``StagingBuffer.stage`` and hashed after.
 """
@@ -20,11 +23,12 @@ import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import torch
 
 from rewind.infra.checkpoint.staging import Parts, Staged, StagingBuffer
-from rewind.infra.format import payload, tensorfile
+from rewind.infra.format import payload, store, tensorfile
 from rewind.infra.format.digest import FileDigest, Hasher, crc32c
 
 BLOCK = 1 << 20  # copied, then hashed while it is in the core's cache (a fraction of its L2)
@@ -45,10 +49,12 @@ class _Block:
 
 @dataclass(slots=True)
 class _Stream:
-    """One file: its header, then its blocks in file order. Blocks from ``back`` on are taken by helpers."""
+    """One file: its header, then its blocks in file order, which make up ``body`` (the file's bytes after
+    its header, in the buffer). Blocks from ``back`` on are taken by helpers."""
 
     name: str
     head: bytes
+    body: memoryview
     blocks: list[_Block]
     back: int = 0
     front: int = 0  # the owner's next block: never taken by a helper
@@ -60,7 +66,18 @@ class _Stream:
 
     def fresh(self) -> _Stream:
         """The same file, no block taken yet."""
-        return _Stream(self.name, self.head, self.blocks)
+        return _Stream(self.name, self.head, self.body, self.blocks)
+
+    def file(self, digest: FileDigest) -> store.Hashed:
+        """The file as the persist writes it: the bytes hashed, as they lie in the buffer."""
+        head, body = self.head, self.body
+
+        def fill(out: BinaryIO) -> None:
+            out.write(head)
+            if len(body):
+                out.write(body)
+
+        return store.Hashed(fill, digest)
 
 
 def plain(parts: Parts) -> bool:
@@ -78,9 +95,9 @@ def plain(parts: Parts) -> bool:
 
 def stage_and_hash(
     staging: StagingBuffer, parts: Parts, *, workers: int
-) -> tuple[Staged, dict[str, FileDigest]]:
-    """``parts`` (``plain``) copied into ``staging``, and the digests of their tensor files as the plain
-    format writes them from there, on ``workers`` threads."""
+) -> tuple[Staged, dict[str, store.Hashed]]:
+    """``parts`` (``plain``) copied into ``staging``, and their tensor files as the plain format writes them
+    from there, with their digests, on ``workers`` threads."""
     places = staging.places(parts)
     addresses = tuple((part, name, t.data_ptr()) for part, ts in parts.items() for name, t in ts.items())
     streams = [
@@ -93,13 +110,13 @@ def stage_and_hash(
     others = workers - 1 if streams else 0
     if others <= 0:
         _work(queue, streams, lock, digests)
-        return Staged(places), digests
-    with ThreadPoolExecutor(max_workers=others, thread_name_prefix="rewind-stage") as pool:
-        helping = [pool.submit(_work, queue, streams, lock, digests) for _ in range(others)]
-        _work(queue, streams, lock, digests)  # the calling thread is one of the workers
-        for done in helping:
-            done.result()
-    return Staged(places), digests
+    else:
+        with ThreadPoolExecutor(max_workers=others, thread_name_prefix="rewind-stage") as pool:
+            helping = [pool.submit(_work, queue, streams, lock, digests) for _ in range(others)]
+            _work(queue, streams, lock, digests)  # the calling thread is one of the workers
+            for done in helping:
+                done.result()
+    return Staged(places), {s.name: s.file(digests[s.name]) for s in streams}
 
 
 def _streams(parts: Parts, places: Mapping[str, Mapping[str, torch.Tensor]]) -> list[_Stream]:
@@ -122,16 +139,22 @@ def _stream(part: str, tensors: Mapping[str, torch.Tensor], places: Mapping[str,
             (dst.data_ptr() + at, src.data_ptr() + at, min(BLOCK, n - at)) for at in range(0, n, BLOCK)
         )
     placed = [places[name] for name in order if places[name].numel()]  # an empty one is not in the buffer
-    return _Stream(payload.tensor_file(part), head, _blocks(copies, placed[0]) if copies else [])
+    if not copies:
+        return _Stream(payload.tensor_file(part), head, memoryview(b""), [])
+    body = _body(placed[0], sum(n for _, _, n in copies))
+    return _Stream(payload.tensor_file(part), head, body, _blocks(copies, placed[0], body))
 
 
-def _blocks(copies: list[tuple[int, int, int]], first: torch.Tensor) -> list[_Block]:
-    """``copies`` (back to back in the buffer from ``first``'s place) grouped into blocks of at least
-    ``BLOCK`` bytes (the last may be less)."""
-    total = sum(n for _, _, n in copies)
+def _body(first: torch.Tensor, nbytes: int) -> memoryview:
+    """The ``nbytes`` of the buffer from ``first``'s place."""
     at = first.data_ptr() - first.untyped_storage().data_ptr()
-    region = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage(), at, (total,), (1,))
-    staged = tensorfile.byte_view(region)
+    region = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage(), at, (nbytes,), (1,))
+    return tensorfile.byte_view(region)
+
+
+def _blocks(copies: list[tuple[int, int, int]], first: torch.Tensor, staged: memoryview) -> list[_Block]:
+    """``copies`` (back to back in the buffer from ``first``'s place: ``staged``) grouped into blocks of at
+    least ``BLOCK`` bytes (the last may be less)."""
     blocks: list[_Block] = []
     group: list[tuple[int, int, int]] = []
     start = size = 0  # the group's first byte, from ``first``'s place, and its bytes

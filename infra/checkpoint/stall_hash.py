@@ -26,7 +26,6 @@ from rewind.infra.checkpoint import stage_hashed
 from rewind.infra.checkpoint.staging import Parts, Staged, StagingBuffer
 from rewind.infra.errors import ConfigError
 from rewind.infra.format import payload, store
-from rewind.infra.format.digest import FileDigest
 
 ENV = "REWIND_HASH_IN_STALL"
 CHOICES = ("auto", "on", "off")
@@ -51,20 +50,20 @@ def wanted(parts: Parts) -> bool:
     return on_cpu and torch.get_num_threads() >= cpus.cores()
 
 
-def stage_and_hash(staging: StagingBuffer, parts: Parts) -> tuple[Staged, dict[str, FileDigest]]:
-    """``parts`` staged, and the digests of their plain-format tensor files as written from the staging
-    buffer: copied and hashed in one pass on every core (``stage_hashed``) where a copy of bytes stages
-    them; else staged, then hashed one file per core."""
+def stage_and_hash(staging: StagingBuffer, parts: Parts) -> tuple[Staged, dict[str, store.Hashed]]:
+    """``parts`` staged, and their plain-format tensor files as written from the staging buffer, hashed:
+    copied and hashed in one pass on every core (``stage_hashed``) where a copy of bytes stages them; else
+    staged, then hashed one file per core."""
     if stage_hashed.plain(parts):
         return stage_hashed.stage_and_hash(staging, parts, workers=cpus.usable())
     staged = staging.stage(parts)
     staged.ready()
-    return staged, digests(staged.parts)
+    return staged, hashed(staged.parts)
 
 
-def digests(staged: Parts) -> dict[str, FileDigest]:
-    """The digests of the plain-format tensor files of ``staged``, each as ``payload.file_writers`` streams
-    it: the largest first, one file per core at a time."""
+def hashed(staged: Parts) -> dict[str, store.Hashed]:
+    """The plain-format tensor files of ``staged``, each as ``payload.file_writers`` streams it, with its
+    digests: the largest first, one file per core at a time."""
     biggest_first = dict(sorted(staged.items(), key=lambda kv: -sum(_nbytes(t) for t in kv[1].values())))
     files = [
         (name, fill)
@@ -72,12 +71,12 @@ def digests(staged: Parts) -> dict[str, FileDigest]:
         if name != payload.STATE_FILE and not isinstance(fill, store.Link)
     ]
     if len(files) <= 1:
-        return {name: store.hash_stream(fill) for name, fill in files}
+        return {name: store.Hashed(fill, store.hash_stream(fill)) for name, fill in files}
     with ThreadPoolExecutor(
         max_workers=min(len(files), cpus.usable()), thread_name_prefix="rewind-hash"
     ) as pool:
-        done = {name: pool.submit(store.hash_stream, fill) for name, fill in files}
-        return {name: f.result() for name, f in done.items()}
+        done = {name: (fill, pool.submit(store.hash_stream, fill)) for name, fill in files}
+        return {name: store.Hashed(fill, f.result()) for name, (fill, f) in done.items()}
 
 
 def _nbytes(t: torch.Tensor) -> int:
