@@ -174,6 +174,35 @@ def test_one_pass_stages_and_hashes_any_layout_as_the_plain_writer_would(workers
             assert written == _streamed(lambda out, ts=tensors: tensorfile.write(out, ts)), (seed, p)
 
 
+def test_a_later_pass_over_the_same_buffer_stages_and_hashes_tensors_from_where_they_are_now():
+    """The block plan is kept while the job's tensors stay where they are: tensors of the same shapes made
+    anew (other addresses, other bytes) are copied and hashed from where they are now; a part of empty
+    tensors alone is its header."""
+    seed = random.randrange(1 << 30)
+    parts = _layout(random.Random(seed))
+    parts["empty"] = {"a": torch.empty(0), "b": torch.empty(0, 3, dtype=torch.int64)}
+    staging = StagingBuffer()
+    for _ in range(2):
+        stage_hashed.stage_and_hash(staging, parts, workers=2)
+        parts = {p: {k: _flipped(t) for k, t in ts.items()} for p, ts in parts.items()}  # moved, changed
+        staged, files = stage_hashed.stage_and_hash(staging, parts, workers=2)
+        for p, tensors in parts.items():
+            plain_bytes = _streamed(lambda out, ts=tensors: tensorfile.write(out, ts))
+            assert _streamed(files[payload.tensor_file(p)].fill) == plain_bytes, (seed, p)
+            assert files[payload.tensor_file(p)].digest == store.hash_stream(store.bytes_writer(plain_bytes))
+            assert all(
+                bytes(tensorfile.byte_view(staged.parts[p][k])) == bytes(tensorfile.byte_view(t))
+                for k, t in tensors.items()
+            ), (seed, p)
+
+
+def _flipped(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` elsewhere in memory, the lowest bit of each of its bytes flipped (a bool stays one)."""
+    out = t.clone()
+    out.view(torch.uint8).bitwise_xor_(1)
+    return out
+
+
 def test_a_state_a_copy_of_bytes_does_not_stage_is_staged_and_hashed_all_the_same(monkeypatch):
     monkeypatch.setenv(stall_hash.ENV, "on")
     base = torch.randn(300, 400)
@@ -267,3 +296,9 @@ def test_crc32c_combined_from_pieces_is_the_crc32c_of_the_whole():
         a = rnd.randbytes(rnd.randint(0, 3000))
         b = rnd.randbytes(rnd.choice([0, 1, 7, 4096, stage_hashed.BLOCK, rnd.randint(0, 70_000)]))
         assert digest.crc32c_combine(digest.crc32c(a), digest.crc32c(b), len(b)) == digest.crc32c(a + b), seed
+
+
+@pytest.mark.parametrize("cached", [0, -1])
+def test_pieces_of_no_bytes_are_refused_not_left_unhashed(cached):
+    with pytest.raises(ValueError, match="at least one byte"):
+        digest.Hasher().update(b"abc", cached=cached)

@@ -101,6 +101,8 @@ class Hasher:
     def update(self, data: bytes | bytearray | memoryview, *, cached: int = CACHED) -> None:
         """``data`` into the digests, each over ``cached`` bytes in turn: pieces of a stream that fit in a
         core's cache, or more where the caller just put them there (``stage_hashed``: a block it copied)."""
+        if cached <= 0:
+            raise ValueError(f"cached={cached}: the pieces hashed in turn must hold at least one byte")
         with memoryview(data) as whole, whole.cast("B") as view:
             if not self._with_crc and not self._segment:
                 self._xxh.update(view)
