@@ -4,10 +4,9 @@ writer fence, and the commit that supersedes the step's old checkpoint in its ow
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import and_, case, exists, func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import Connection, Table, and_, case, exists, func, insert, select, update
 
 from rewind.infra.catalog.db import Catalog, changed
 from rewind.infra.catalog.lineage import lock_run
@@ -26,6 +25,9 @@ from rewind.infra.format import local_tier
 from rewind.infra.format.manifest import Manifest
 
 S = CheckpointStatus
+_CHECKPOINTS = cast(Table, Checkpoint.__table__)  # Core inserts: a save's rows cost the job's CPU
+_FILES = cast(Table, CheckpointFile.__table__)
+_REPLICAS = cast(Table, Replica.__table__)
 
 
 def begin(
@@ -33,19 +35,12 @@ def begin(
 ) -> int:
     """Record a save in flight. A checkpoint the run already holds at this step stays as it is until this
     one commits (``commit`` supersedes it then): a save that fails must not take it away."""
+    row = {"run_id": run_id, "step": step, "path": path, "parent_id": parent_id, "status": S.WRITING.value,
+           "layout": layout, "environment": environment}  # fmt: skip
     with cat.session() as s:
-        ck = Checkpoint(
-            run_id=run_id,
-            step=step,
-            path=path,
-            parent_id=parent_id,
-            status=S.WRITING.value,
-            layout=layout,
-            environment=environment,
+        return int(
+            s.connection().execute(insert(_CHECKPOINTS).returning(_CHECKPOINTS.c.id), row).scalar_one()
         )
-        s.add(ck)
-        s.flush()
-        return ck.id
 
 
 def _fence(writer: str, run_id: Any = Checkpoint.run_id) -> Any:
@@ -64,7 +59,7 @@ def require_writer(cat: Catalog, run_id: int, writer: str) -> None:
     begins and again before it moves anything aside (a writer fenced off must never touch the live writer's
     checkpoints)."""
     with cat.session() as s:
-        if not s.scalar(select(_fence(writer, run_id))):
+        if not s.connection().scalar(select(_fence(writer, run_id))):
             raise Fenced(
                 f"run {run_id}: {writer} is no longer the run's writer (its launch ended, or another process "
                 "took the run over): nothing saved"
@@ -89,12 +84,13 @@ def commit(
     checkpoint spread over them, each holding its disk's share."""
     now = utcnow()
     with cat.session() as s:
-        _supersede_at_step(s, checkpoint_id)
+        c = s.connection()  # Core statements: a save's commit is on the job's time (no ORM objects here)
+        _supersede_at_step(c, checkpoint_id)
         guard = [Checkpoint.id == checkpoint_id, Checkpoint.status == S.WRITING.value]
         if writer is not None:
             guard.append(_fence(writer))
         won = changed(
-            s.execute(
+            c.execute(
                 update(Checkpoint)
                 .where(*guard)
                 .values(
@@ -108,30 +104,43 @@ def commit(
             )
         )
         if won != 1:
-            raise _not_committed(s, checkpoint_id, writer)
-        s.add_all(
-            CheckpointFile(
-                checkpoint_id=checkpoint_id, path=f.path, size=f.size, xxh3=f.xxh3, crc32c=f.crc32c
-            )
-            for f in manifest.files
+            raise _not_committed(c, checkpoint_id, writer)
+        _record_files(c, checkpoint_id, manifest, uri, also_on)
+
+
+def _record_files(
+    c: Connection,
+    checkpoint_id: int,
+    manifest: Manifest,
+    uri: str,
+    also_on: Sequence[tuple[str, local_tier.LocalTier]],
+) -> None:
+    """The committed checkpoint's files, and its local copy (``uri``) with the copies ``also_on``."""
+    files = [
+        {"checkpoint_id": checkpoint_id, "path": f.path, "size": f.size, "xxh3": f.xxh3, "crc32c": f.crc32c}
+        for f in manifest.files
+    ]
+    if files:
+        c.execute(insert(_FILES), files)
+    disk = local_tier.of_copy(uri)
+    copies = []
+    for where, on in [(uri, disk), *also_on]:
+        share = manifest.files_on(on.id if on is not None else None)
+        copies.append(
+            {
+                "checkpoint_id": checkpoint_id,
+                "tier": "local",
+                "uri": where,
+                "tier_id": on.id if on is not None else None,
+                "host": on.host if on is not None else None,
+                "status": ReplicaStatus.PENDING.value,
+                "bytes": sum(f.size for f in share),
+            }
         )
-        disk = local_tier.of_copy(uri)
-        for where, on in [(uri, disk), *also_on]:
-            share = manifest.files_on(on.id if on is not None else None)
-            s.add(
-                Replica(
-                    checkpoint_id=checkpoint_id,
-                    tier="local",
-                    uri=where,
-                    tier_id=on.id if on is not None else None,
-                    host=on.host if on is not None else None,
-                    status=ReplicaStatus.PENDING.value,
-                    bytes=sum(f.size for f in share),
-                )
-            )
+    c.execute(insert(_REPLICAS), copies)
 
 
-def _supersede_at_step(s: Session, checkpoint_id: int) -> None:
+def _supersede_at_step(s: Connection, checkpoint_id: int) -> None:
     """The run's other checkpoints at this checkpoint's step superseded (one still writing: aborted), under
     the run's lock, before it commits in the same transaction (one live checkpoint a step); rolled back with
     it if it does not."""
@@ -141,16 +150,24 @@ def _supersede_at_step(s: Session, checkpoint_id: int) -> None:
     lock_run(s, new.run_id)
     others = (Checkpoint.run_id == new.run_id, Checkpoint.step == new.step, Checkpoint.id != checkpoint_id)
     held = [S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]
-    if s.scalar(select(exists().where(*others, Checkpoint.status.in_(held), Checkpoint.pinned.is_(True)))):
+    there = s.execute(
+        select(Checkpoint.status, Checkpoint.pinned).where(
+            *others, Checkpoint.status.in_([S.WRITING.value, *held])
+        )
+    ).all()  # mostly none: a new step, and nothing to change
+    if any(r.status in held and r.pinned for r in there):
         # a pin on the step (set before, or while this save was in flight) moves to the checkpoint it keeps
         s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(pinned=True))
         s.execute(update(Checkpoint).where(*others, Checkpoint.status.in_(held)).values(pinned=False))
     why = f"superseded by a new save at step {new.step}"
-    s.execute(
-        update(Checkpoint)
-        .where(*others, Checkpoint.status == S.WRITING.value)
-        .values(status=S.ABORTED.value, status_reason=why)
-    )
+    if any(r.status == S.WRITING.value for r in there):
+        s.execute(
+            update(Checkpoint)
+            .where(*others, Checkpoint.status == S.WRITING.value)
+            .values(status=S.ABORTED.value, status_reason=why)
+        )
+    if not any(r.status in held for r in there):
+        return
     s.execute(
         update(Checkpoint)
         .where(*others, Checkpoint.status.in_(held))
@@ -171,7 +188,7 @@ def _supersede_at_step(s: Session, checkpoint_id: int) -> None:
     )
 
 
-def _not_committed(s: Session, checkpoint_id: int, writer: str | None) -> RewindError:
+def _not_committed(s: Connection, checkpoint_id: int, writer: str | None) -> RewindError:
     """Why a commit changed nothing: the writer was fenced off (still ``writing``), or it was not writing."""
     if (
         writer is not None

@@ -178,7 +178,7 @@ def take_writer(cat: Catalog, run_id: int, who: str | None = None) -> None:
 def touch_writer(cat: Catalog, run_id: int, who: str | None = None) -> None:
     """Still here (every committed save says so)."""
     with cat.session() as s:
-        s.execute(
+        s.connection().execute(  # Core: after every save, on the job's time
             update(Run)
             .where(Run.id == run_id, Run.writer == (who or writer_name()))
             .values(writer_seen_at=utcnow())

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 
-from sqlalchemy import func, select, update
+from sqlalchemy import Connection, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, defer
 
@@ -63,10 +63,11 @@ def ensure_run(
         return get_run(cat, name).id
 
 
-def lock_run(s: Session, run_id: int) -> None:
+def lock_run(s: Session | Connection, run_id: int) -> None:
     """Serialise what changes which checkpoints of a run are restorable: restores, roll-backs,
     verdicts and retention's deletes all take this row lock first (SQLite locks the whole file)."""
-    s.execute(select(Run.id).where(Run.id == run_id).with_for_update())
+    conn = s.connection() if isinstance(s, Session) else s
+    conn.execute(select(Run.id).where(Run.id == run_id).with_for_update())
 
 
 def get_run(cat: Catalog, name: str) -> Run:

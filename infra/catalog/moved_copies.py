@@ -56,7 +56,7 @@ def _moving(old_uri: str, new_uri: str, reason: str, disk: LocalTier | None, sta
 def vacate(cat: Catalog, uri: str, reason: str) -> None:
     """Nothing lies at this local path any more: copy rows still naming it are let go."""
     with cat.session() as s:
-        s.execute(_vacating(uri, reason, None))
+        s.connection().execute(_vacating(uri, reason, None))  # Core: before every save, on the job's time
 
 
 def _vacating(uri: str, reason: str, disk: LocalTier | None) -> Update:
