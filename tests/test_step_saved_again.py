@@ -211,18 +211,29 @@ def test_a_corrupt_checkpoint_at_the_step_is_superseded_with_why_it_was_corrupt(
 
 def test_a_save_still_writing_the_step_is_aborted_when_another_commits_it(cat, run_name, tmp_path):  # type: ignore[no-untyped-def]
     """A save of the step begun elsewhere and never committed (a writer that stalled mid-save) is aborted,
-    saying why, by the save that commits the step: one live checkpoint a step."""
+    saying why, by the save that commits the step, with the step's pinned checkpoint superseded and its pin
+    moved: one live checkpoint a step. A save still writing another step is left alone."""
     root = tmp_path / "ckpt"
     _, ck = _job(run_name, cat, root, seed=0)
-    ck.save(3)
-    run_id = lineage.get_run(cat, run_name).id
-    stalled = commits.begin(cat, run_id, 5, str(root / run_name / "step-5"), parent_id=None, layout={},
-                            environment={})  # fmt: skip
     ck.save(5)
-    [was] = [c for c in lineage.checkpoints(cat, run_name, 5) if c.id == stalled]
-    assert (str(was.status), was.status_reason) == ("aborted", "superseded by a new save at step 5")
-    assert _statuses(cat, run_name, 5) == ["aborted", "committed"]
-    assert [str(c.status) for c in lineage.checkpoints(cat, run_name, 3)] == ["committed"]  # another step
+    assert lineage.set_pinned(cat, run_name, 5, True) == 1
+    run_id = lineage.get_run(cat, run_name).id
+
+    def begun(step: int) -> int:
+        final = str(root / run_name / f"step-{step}")
+        return commits.begin(cat, run_id, step, final, parent_id=None, layout={}, environment={})
+
+    stalled, elsewhere = begun(5), begun(7)
+    ck.save(5)
+    rows = sorted(lineage.checkpoints(cat, run_name, 5), key=lambda c: c.id)
+    assert [(str(c.status), c.pinned) for c in rows] == [
+        ("superseded", False),
+        ("aborted", False),
+        ("committed", True),
+    ]
+    assert rows[1].id == stalled and rows[1].status_reason == "superseded by a new save at step 5"
+    [other] = lineage.checkpoints(cat, run_name, 7)
+    assert (other.id, str(other.status)) == (elsewhere, "writing")
 
 
 def test_what_a_failed_save_could_not_put_back_the_next_start_does(cat, run_name, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]

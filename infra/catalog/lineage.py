@@ -66,6 +66,8 @@ def ensure_run(
 def lock_run(s: Session | Connection, run_id: int) -> None:
     """Serialise what changes which checkpoints of a run are restorable: restores, roll-backs,
     verdicts and retention's deletes all take this row lock first (SQLite locks the whole file)."""
+    if isinstance(s, Session):
+        s.flush()  # what the session added is written before the lock, as an ORM statement would
     conn = s.connection() if isinstance(s, Session) else s
     conn.execute(select(Run.id).where(Run.id == run_id).with_for_update())
 
