@@ -2,7 +2,9 @@
 
 xxh3-128 is the identity of a file (about 20 GB/s per core, never the bottleneck);
 CRC32C rides along because S3 servers compute it too, which lets an off-site copy
-be checked without downloading it.
+be checked without downloading it. It is ``fastcrc``'s (carry-less multiply folding:
+about 50 GB/s per core in cache here, twice the ``crc32`` instruction's 25 GB/s that
+the ``crc32c`` package is bound by); both release the GIL.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-import crc32c as _crc32c
 import xxhash
+from fastcrc import crc32 as _crc32
 
 from rewind.infra import progress, throttle
 
@@ -27,7 +29,7 @@ CACHED = 256 << 10  # a piece hashed by both digests in turn fits in a core's L2
 
 def crc32c(data: bytes | bytearray | memoryview, crc: int = 0) -> int:
     """The CRC32C of ``data``, continuing ``crc``."""
-    return _crc32c.crc32c(data, crc)
+    return _crc32.iscsi(data, crc)
 
 
 _CRC32C_POLY = 0x82F63B78  # reflected
