@@ -73,6 +73,15 @@ def _saved(ck: Checkpointer, step: Callable[[], None], every: int, at: int) -> t
     return took, committed_s if committed_s is not None else time.perf_counter() - saved_at
 
 
+def _persisted(ck: Checkpointer, at: int) -> float:
+    """Seconds from ``save()`` to the commit of step ``at``, nothing else running."""
+    _drop_older(ck)
+    t0 = time.perf_counter()
+    ck.save(at)
+    ck.wait()
+    return time.perf_counter() - t0
+
+
 def _intervals(
     ck: Checkpointer, step: Callable[[], None], *, every: int, runs: int
 ) -> tuple[list[float], list[float], list[float]]:
@@ -85,11 +94,11 @@ def _intervals(
     for r in range(runs):
         _drop_older(ck)  # between pairs, outside every timed interval
         if r % 2:
-            took, seen = _saved(ck, step, every, r * every + 2)
+            took, seen = _saved(ck, step, every, r * every + 4)
             without.append(_plain(step, every))
         else:
             without.append(_plain(step, every))
-            took, seen = _saved(ck, step, every, r * every + 2)
+            took, seen = _saved(ck, step, every, r * every + 4)
         with_ck.append(took)
         commit_after.append(seen)
     return without, with_ck, commit_after
@@ -157,10 +166,8 @@ def bench_training(
     )
     ck.save(0)  # the first save allocates the staging buffer (faults in a copy of the state): not timed
     ck.wait()
-    t0 = time.perf_counter()
-    ck.save(1)
-    ck.wait()
-    persist = time.perf_counter() - t0  # a save as every later one is: the interval is ~10 times it
+    persist = median([_persisted(ck, at) for at in (1, 2, 3)])  # a save as every later one is: the
+    # interval is ~10 times it (a median of three: one save alone put it either side of a step's tenth)
     base = [timed(step) for _ in range(steps)]
     step_s = median(base)
     every = every or max(1, math.ceil(10 * persist / step_s))  # persist is ~10% of the interval
