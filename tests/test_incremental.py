@@ -459,3 +459,58 @@ def test_the_training_session_saves_in_the_chunked_format_when_asked(rewind_env,
         assert torch.equal(v, net2.state_dict()[k]), k
     with pytest.raises(ConfigError, match="'zip' is not one of plain, chunked"):
         TrainingSession(run_name, model=net, format="zip", root=tmp_path)
+
+
+class _Writes:
+    """A file that keeps every write's bytes, one entry per call."""
+
+    def __init__(self) -> None:
+        self.calls: list[bytes] = []
+
+    def write(self, data: memoryview) -> int:
+        self.calls.append(bytes(data))
+        return len(data)
+
+
+def test_a_packs_chunks_cut_back_to_back_from_one_tensor_go_out_as_one_write():
+    """A pack is its chunks' bytes in order; the chunks of one tensor lying back to back are written as one
+    run (the disk takes one large write faster than 1 MiB ones), never merged across tensors or gaps."""
+    rows = chunked.CHUNK_BYTES // (256 * 4)
+    a = torch.arange(3 * rows * 256, dtype=torch.float32).reshape(3 * rows, 256)  # 3 chunks
+    b = torch.ones(2 * rows, 256)  # 2 chunks, equal: stored once
+    got: dict[str, packs.Chunk] = {}
+    chunked.split_tensor("a", a, got)
+    chunked.split_tensor("b", b, got)
+    order = list(got.values())
+    assert len(order) == 4
+    pack = [order[0], order[2], order[1], order[3]]  # a gap in a's chunks: a0, then a2 alone, then a1 and b
+    out = _Writes()
+    packs._pack_writer(pack)(out)  # type: ignore[arg-type]
+    assert b"".join(out.calls) == b"".join(bytes(c.data) for c in pack)
+    assert len(out.calls) == 4  # nothing merged: a0 | a2 | a1 | b0
+    out = _Writes()
+    packs._pack_writer(order)(out)  # type: ignore[arg-type]
+    assert b"".join(out.calls) == b"".join(bytes(c.data) for c in order)
+    assert [len(c) for c in out.calls] == [3 * chunked.CHUNK_BYTES, chunked.CHUNK_BYTES]
+
+
+def test_a_file_that_fails_fails_the_checkpoint_and_nothing_is_left_writing(tmp_path):
+    """Files are written several at once: one failing fails the save, and only once every file started has
+    ended, so no write lands in the temporary directory after it is removed."""
+    started, ended = [], []
+
+    def fill(i: int):  # type: ignore[no-untyped-def]
+        def write(out) -> None:  # type: ignore[no-untyped-def]
+            started.append(i)
+            if i == 1:
+                raise OSError(28, "No space left on device")
+            out.write(bytes(4096 * (i + 1)))
+            ended.append(i)
+
+        return write
+
+    files = [(f"f{i}.bin", fill(i)) for i in range(8)]
+    with pytest.raises(OSError, match="No space left"):
+        store.write_checkpoint(tmp_path, mf.Manifest(run="r", step=1, files=()), files)
+    assert sorted(ended) == sorted(i for i in started if i != 1)
+    assert not any(p.name.startswith("step-") for p in tmp_path.iterdir())

@@ -66,7 +66,7 @@ def split_tensor(name: str, t: torch.Tensor, chunks: dict[str, Chunk]) -> dict[s
         h = Hasher(with_crc=False)
         h.update(data)
         digest = h.result().xxh3
-        chunks.setdefault(digest, Chunk(digest, data))
+        chunks.setdefault(digest, Chunk(digest, data, view, a * row_bytes))
         refs.append([digest, a, b])
     return {"dtype": dtype, "shape": list(t.shape), "chunks": refs}
 

@@ -33,7 +33,7 @@ ENV = "REWIND_DIRECT_WRITES"
 REFUSED = {errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}  # the filesystem takes no direct writes
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux; elsewhere every file goes through the page cache
 STRAIGHT_FROM = 1 << 20  # a write this large goes to the disk from where it lies, when it can
-KEEP = 2  # buffers kept for the next file; more, made for files written at the same time, are unmapped
+KEEP = 4  # buffers kept for the next files (``store.WRITE_STREAMS`` written at once); any more are unmapped
 
 _LINUX = sys.platform.startswith("linux")
 _MADV_WIPEONFORK = 18  # Linux 4.14+ (Python 3.11's mmap does not name it): a forked child gets zeros there

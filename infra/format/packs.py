@@ -44,6 +44,8 @@ T = TypeVar("T")
 class Chunk:
     digest: str
     data: memoryview
+    whole: memoryview | None = None  # the bytes of the tensor it was cut from, where ``data`` lies at ``at``
+    at: int = 0
 
 
 @dataclass(slots=True)
@@ -205,10 +207,30 @@ def layout(
 
 def _pack_writer(chunks: list[Chunk]) -> FileWriter:
     def fill(out: BinaryIO) -> None:
-        for c in chunks:
-            out.write(c.data)
+        for run in _runs(chunks):
+            out.write(run)
 
     return fill
+
+
+def _runs(chunks: list[Chunk]) -> Iterator[memoryview]:
+    """The chunks' bytes in order, those cut back to back from one tensor as one view: one large write, which
+    the disk takes faster than the same bytes a 1 MiB chunk at a time."""
+    i = 0
+    while i < len(chunks):
+        first, end, i = chunks[i], chunks[i].at + len(chunks[i].data), i + 1
+        while (
+            first.whole is not None
+            and i < len(chunks)
+            and chunks[i].whole is first.whole
+            and chunks[i].at == end
+        ):
+            end, i = end + len(chunks[i].data), i + 1
+        yield (
+            first.data
+            if first.whole is None or end == first.at + len(first.data)
+            else first.whole[first.at : end]
+        )
 
 
 def _relink_writer(pack: Pack, chunks: Mapping[str, Chunk]) -> FileWriter:
