@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 import time
 from collections import Counter
 
@@ -35,6 +36,7 @@ ONCE_ENV = "REWIND_FAULT_ONCE"
 RELEASE_ENV = "REWIND_FAULT_RELEASE"
 HOLD_MAX_S = 600.0
 _hits: Counter[str] = Counter()
+_hits_lock = threading.Lock()  # a point hit by several threads at once (a checkpoint's files) counts each hit
 
 
 def fault_point(point: str, step: int | None = None) -> None:
@@ -49,8 +51,10 @@ def fault_point(point: str, step: int | None = None) -> None:
         return
     if rank and os.environ.get("RANK", "0") != rank:
         return
-    _hits[spec] += 1
-    if times and _hits[spec] > int(times):
+    with _hits_lock:
+        _hits[spec] += 1
+        hits = _hits[spec]
+    if times and hits > int(times):
         return
     once = os.environ.get(ONCE_ENV)
     if once:

@@ -511,6 +511,8 @@ def test_a_file_that_fails_fails_the_checkpoint_and_nothing_is_left_writing(tmp_
 
     files = [(f"f{i}.bin", fill(i)) for i in range(8)]
     with pytest.raises(OSError, match="No space left"):
-        store.write_checkpoint(tmp_path, mf.Manifest(run="r", step=1, files=()), files)
-    assert sorted(ended) == sorted(i for i in started if i != 1)
+        store.write_checkpoint(
+            tmp_path, mf.Manifest(run="r", step=1, files=()), files, streams=store.WRITE_STREAMS
+        )
+    assert 1 in started and sorted(ended) == sorted(i for i in started if i != 1)
     assert not any(p.name.startswith("step-") for p in tmp_path.iterdir())

@@ -219,7 +219,7 @@ class Checkpointer:
             staged.ready()
             done = store.write_checkpoint(
                 self.run_dir, self._draft(step, env, metrics), self._files(trees, staged, hashed or {}),
-                displace=displace,
+                displace=displace, streams=store.WRITE_STREAMS,
             )  # fmt: skip
             manifest = done.manifest
             fault_point("save.before_catalog", step)

@@ -15,9 +15,9 @@ import os
 import re
 import shutil
 import stat
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
@@ -29,11 +29,11 @@ from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import FileDigest, HashingSink, HashingWriter, hash_file, manifest_digest
 from rewind.infra.format.verify import Finding, Problem
 
-WRITE_STREAMS = (
-    4  # files of a checkpoint written at once, each hashed as it goes: one at a time, a direct write
-)
-# waits on the disk while nothing hashes, and a pack of 1 MiB chunks keeps one write in flight (measured, 580 MB:
-# the chunked format's whole save 0.51 -> 0.43 s, the plain one's 0.33 -> 0.30 s)
+# A save's files written at once, each hashed as it goes: one at a time, a direct write waits on the disk while
+# nothing hashes, and a pack of 1 MiB chunks keeps one write in flight (measured, 580 MB: the chunked format's
+# whole save 0.51 -> 0.43 s, the plain one's 0.33 -> 0.30 s). A copy pulled from a tier writes one file at a
+# time: each download keeps its own ranges in flight, and in memory.
+WRITE_STREAMS = 4
 _TMP_DIR = re.compile(r"^step-\d+\.tmp-(\d+)-[0-9a-f]+$")
 _STEP_DIR = re.compile(r"^step-(\d{1,19})$")
 
@@ -260,22 +260,44 @@ def _place(
 
 
 def _place_all(
-    tmp: Path, files: list[tuple[str, FileWriter | Link | Hashed]], segment: int, step: int
+    tmp: Path, files: list[tuple[str, FileWriter | Link | Hashed]], segment: int, step: int, streams: int
 ) -> list[tuple[mf.FileEntry, bool]]:
-    """Every file placed, ``WRITE_STREAMS`` at a time; their entries in the order given. The first failure
-    is raised once every file started has ended (nothing is left writing into ``tmp``)."""
-    if len(files) <= 1:
+    """Every file placed, ``streams`` at a time, on threads of their own (daemon threads, like the persist
+    that starts them: an exit does not wait on them); their entries in the order given. After a failure no
+    file is started; the failure of the first file in that order is raised once every file started has
+    ended (nothing is left writing into ``tmp``)."""
+    if len(files) <= 1 or streams <= 1:
         return [_place(tmp, name, fill, segment, step) for name, fill in files]
-    with ThreadPoolExecutor(min(WRITE_STREAMS, len(files)), thread_name_prefix="rewind-write") as pool:
-        futures = [
-            pool.submit(contextvars.copy_context().run, _place, tmp, name, fill, segment, step)
-            for name, fill in files
-        ]
-        try:
-            return [f.result() for f in futures]
-        finally:
-            for f in futures:
-                f.cancel()
+    placed: list[tuple[mf.FileEntry, bool] | None] = [None] * len(files)
+    failed: dict[int, BaseException] = {}
+    lock = threading.Lock()
+    todo = iter(range(len(files)))
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = None if failed else next(todo, None)
+            if i is None:
+                return
+            try:
+                placed[i] = _place(tmp, files[i][0], files[i][1], segment, step)
+            except BaseException as exc:  # raised by the thread that waits on them all
+                with lock:
+                    failed[i] = exc
+
+    threads = [
+        threading.Thread(
+            target=contextvars.copy_context().run, args=(work,), name="rewind-write", daemon=True
+        )
+        for _ in range(min(streams, len(files)))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[min(failed)]
+    return [p for p in placed if p is not None]
 
 
 def write_checkpoint(
@@ -286,8 +308,10 @@ def write_checkpoint(
     copy_of: bytes | None = None,
     displace: Displace | None = None,
     segment: int = 0,
+    streams: int = 1,
 ) -> Committed:
-    """Write ``files`` and then the manifest (``segment``: the written files' segment digests returned too).
+    """Write ``files`` and then the manifest (``segment``: the written files' segment digests returned too;
+    ``streams``: files written at once, ``WRITE_STREAMS`` for a save's own files).
 
     ``manifest`` supplies everything but the file list. With ``copy_of`` (the raw
     manifest of the checkpoint being copied, already held to the catalog's digest),
@@ -299,7 +323,7 @@ def write_checkpoint(
     try:
         files = list(files)
         made = _made_dirs(tmp, (name for name, _ in files))
-        placed = _place_all(tmp, files, segment, manifest.step)
+        placed = _place_all(tmp, files, segment, manifest.step, streams)
         entries = [entry for entry, _ in placed]
         linked = sum(entry.size for entry, was_linked in placed if was_linked)
         for d in sorted(made, key=lambda p: -len(p.parts)):  # deepest first, then the directory itself
