@@ -485,11 +485,11 @@ def test_a_packs_chunks_cut_back_to_back_from_one_tensor_go_out_as_one_write():
     assert len(order) == 4
     pack = [order[0], order[2], order[1], order[3]]  # a gap in a's chunks: a0, then a2 alone, then a1 and b
     out = _Writes()
-    packs._pack_writer(pack)(out)  # type: ignore[arg-type]
+    packs.pack_writer(pack)(out)  # type: ignore[arg-type]
     assert b"".join(out.calls) == b"".join(bytes(c.data) for c in pack)
     assert len(out.calls) == 4  # nothing merged: a0 | a2 | a1 | b0
     out = _Writes()
-    packs._pack_writer(order)(out)  # type: ignore[arg-type]
+    packs.pack_writer(order)(out)  # type: ignore[arg-type]
     assert b"".join(out.calls) == b"".join(bytes(c.data) for c in order)
     assert [len(c) for c in out.calls] == [3 * chunked.CHUNK_BYTES, chunked.CHUNK_BYTES]
 

@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from rewind.infra import config, progress, throttle
+from rewind.infra import config, cpus, progress, throttle
 from rewind.infra.catalog import commits, leases, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
 from rewind.infra.catalog.writer_lease import WriterLease
-from rewind.infra.checkpoint import displaced, own_tensors, stall_hash
+from rewind.infra.checkpoint import displaced, own_tensors, stage_chunked, stall_hash
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.recording import recorded_save
@@ -149,19 +149,30 @@ class Checkpointer:
         if self.mode is SaveMode.SYNC:
             self._persist(step, trees, Staged(dict(tensors)), metrics, started)
             return time.perf_counter() - started
-        staged, hashed = self._stage(tensors)
+        staged, prehashed = self._stage(tensors)
         stall = time.perf_counter() - started
         self._runner.submit(
-            f"save of step {step}", lambda: self._persist(step, trees, staged, metrics, stall, hashed)
+            f"save of step {step}", lambda: self._persist(step, trees, staged, metrics, stall, prehashed)
         )
         return stall
 
-    def _stage(self, tensors: dict[str, dict[str, torch.Tensor]]) -> tuple[Staged, dict[str, store.Hashed]]:
+    def _stage(self, tensors: dict[str, dict[str, torch.Tensor]]) -> tuple[Staged, payload.Prehashed]:
         """The state staged; and where the job leaves no core to the background persist (``stall_hash``),
-        its files' digests, computed now on every core."""
-        if self.format != payload.PLAIN or not stall_hash.wanted(tensors):
-            return self._staging.stage(tensors), {}
-        return stall_hash.stage_and_hash(self._staging, tensors)
+        its digests, computed now on every core."""
+        if not stall_hash.wanted(tensors):
+            return self._staging.stage(tensors), payload.Prehashed()
+        if self.format == payload.CHUNKED:
+            return stage_chunked.stage_and_hash(
+                self._staging, tensors, workers=cpus.usable(), all_new=self._all_new()
+            )
+        staged, files = stall_hash.stage_and_hash(self._staging, tensors)
+        return staged, payload.Prehashed(files=files)
+
+    def _all_new(self) -> bool:
+        """Whether a chunked save is expected to write most of its chunks anew: the first of this process,
+        or one after a save that wrote at least half its bytes (``stage_chunked`` hashes its packs ahead)."""
+        last = self.last_saved
+        return last is None or 2 * last.written_bytes >= last.total_bytes
 
     def prepare(self) -> None:
         """Async mode: the staging buffer for the state as it is now, allocated and made resident in the
@@ -202,7 +213,7 @@ class Checkpointer:
         staged: Staged,
         metrics: dict[str, float],
         stall: float,
-        hashed: Mapping[str, store.Hashed] | None = None,
+        prehashed: payload.Prehashed | None = None,
     ) -> SaveResult:
         """Write, fsync, manifest, rename, then catalog commit. ``stall`` is a start time in sync mode."""
         env = environment()
@@ -218,7 +229,7 @@ class Checkpointer:
         ) as (ck_id, final, displace):
             staged.ready()
             done = store.write_checkpoint(
-                self.run_dir, self._draft(step, env, metrics), self._files(trees, staged, hashed or {}),
+                self.run_dir, self._draft(step, env, metrics), self._files(trees, staged, prehashed),
                 displace=displace, streams=store.WRITE_STREAMS,
             )  # fmt: skip
             manifest = done.manifest
@@ -268,11 +279,15 @@ class Checkpointer:
         )
 
     def _files(
-        self, trees: dict[str, Any], staged: Staged, hashed: Mapping[str, store.Hashed]
+        self, trees: dict[str, Any], staged: Staged, prehashed: payload.Prehashed | None
     ) -> list[tuple[str, store.FileWriter | store.Link | store.Hashed]]:
-        """The save's files from ``staged``; those hashed in the stall (``hashed``) written as hashed."""
-        files = payload.file_writers(trees, staged.parts, fmt=self.format, link_from=self._link_source())
-        return [(n, hashed.get(n, f) if not isinstance(f, store.Link) else f) for n, f in files]
+        """The save's files from ``staged``; those hashed already (``prehashed``) written as hashed. A
+        chunked save's chunks not hashed in the stall are hashed here, in one pass with its packs."""
+        if self.format == payload.CHUNKED and not (prehashed and prehashed.chunks):
+            prehashed = stage_chunked.hash_staged(staged.parts, workers=1, all_new=self._all_new())
+        return payload.file_writers(
+            trees, staged.parts, fmt=self.format, link_from=self._link_source(), prehashed=prehashed
+        )
 
     def _link_source(self) -> chunked.Parent | None:
         """What a chunked save links packs from: this process's last checkpoint, else the newest on disk.

@@ -68,7 +68,7 @@ def hashed(staged: Parts) -> dict[str, store.Hashed]:
     files = [
         (name, fill)
         for name, fill in payload.file_writers({}, biggest_first)
-        if name != payload.STATE_FILE and not isinstance(fill, store.Link)
+        if name != payload.STATE_FILE and not isinstance(fill, store.Link | store.Hashed)
     ]
     if len(files) <= 1:
         return {name: store.Hashed(fill, store.hash_stream(fill)) for name, fill in files}

@@ -21,7 +21,7 @@ unpickled: tensors are rebuilt from chunk bytes, each proven against its digest 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -51,33 +51,61 @@ def _rows(shape: list[int] | torch.Size) -> int:
     return int(shape[0]) if len(shape) else 1
 
 
-def split_tensor(name: str, t: torch.Tensor, chunks: dict[str, Chunk]) -> dict[str, Any]:
-    """Cut ``t`` into row-aligned chunks of about ``CHUNK_BYTES``; add them to ``chunks``; its index entry."""
+ChunkKey = tuple[str, str, int]  # (state, tensor, first row): a chunk's place in a save
+
+
+def grid(shape: list[int] | torch.Size, nbytes: int) -> tuple[int, list[tuple[int, int]]]:
+    """A tensor's bytes per row and its chunks' row ranges: row-aligned, about ``CHUNK_BYTES`` each."""
+    rows = _rows(shape)
+    row_bytes = nbytes // rows if rows else 0
+    per = max(1, CHUNK_BYTES // row_bytes) if row_bytes else max(rows, 1)
+    return row_bytes, [(a, min(rows, a + per)) for a in range(0, rows if nbytes else 0, per)]
+
+
+def ordered(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """Every (state, tensor name, tensor) in the order a save lays out its chunks."""
+    for part, ts in tensors.items():
+        for name, t in sorted(ts.items()):
+            yield part, name, t
+
+
+def split_tensor(
+    name: str,
+    t: torch.Tensor,
+    chunks: dict[str, Chunk],
+    *,
+    part: str = "",
+    known: Mapping[ChunkKey, str] | None = None,
+) -> dict[str, Any]:
+    """Cut ``t`` into row-aligned chunks of about ``CHUNK_BYTES``; add them to ``chunks``; its index entry.
+
+    ``known``: digests of these very bytes computed already (``stage_chunked``), by (``part``, ``name``,
+    first row); any chunk it lacks is hashed here."""
     t = _cpu(t)
     dtype = tensorfile.dtype_name(name, t.dtype)
     view = tensorfile.byte_view(t)
-    rows = _rows(t.shape)
-    row_bytes = len(view) // rows if rows else 0
-    per = max(1, CHUNK_BYTES // row_bytes) if row_bytes else max(rows, 1)
+    row_bytes, ranges = grid(t.shape, len(view))
     refs: list[list[Any]] = []
-    for a in range(0, rows if len(view) else 0, per):
-        b = min(rows, a + per)
+    for a, b in ranges:
         data = view[a * row_bytes : b * row_bytes]
-        h = Hasher(with_crc=False)
-        h.update(data)
-        digest = h.result().xxh3
+        digest = known.get((part, name, a)) if known else None
+        if digest is None:
+            h = Hasher(with_crc=False)
+            h.update(data)
+            digest = h.result().xxh3
         chunks.setdefault(digest, Chunk(digest, data, view, a * row_bytes))
         refs.append([digest, a, b])
     return {"dtype": dtype, "shape": list(t.shape), "chunks": refs}
 
 
-def build_index(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[dict[str, Any], dict[str, Chunk]]:
+def build_index(
+    tensors: Mapping[str, Mapping[str, torch.Tensor]], known: Mapping[ChunkKey, str] | None = None
+) -> tuple[dict[str, Any], dict[str, Chunk]]:
     """The index of every state's tensors, and the distinct chunks they are made of, in tensor order."""
     chunks: dict[str, Chunk] = {}
-    states = {
-        part: {name: split_tensor(name, t, chunks) for name, t in sorted(ts.items())}
-        for part, ts in tensors.items()
-    }
+    states: dict[str, dict[str, Any]] = {part: {} for part in tensors}
+    for part, name, t in ordered(tensors):
+        states[part][name] = split_tensor(name, t, chunks, part=part, known=known)
     index = {
         "format": INDEX_FORMAT,
         "chunk_bytes": CHUNK_BYTES,
@@ -88,10 +116,12 @@ def build_index(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> tuple[dict
 
 
 def file_writers(
-    tensors: Mapping[str, Mapping[str, torch.Tensor]], parent: Parent | None
+    tensors: Mapping[str, Mapping[str, torch.Tensor]],
+    parent: Parent | None,
+    known: Mapping[ChunkKey, str] | None = None,
 ) -> list[tuple[str, FileWriter | Link]]:
     """Packs (those of ``parent`` still mostly used are linked, the rest written), then the index."""
-    index, chunks = build_index(tensors)
+    index, chunks = build_index(tensors, known)
     plan = packs.layout(chunks, parent, packs.parent_packs(parent, INDEX_FILE, INDEX_FORMAT))
     index["packs"] = plan.packs()
     files = packs.file_writers(plan, chunks)

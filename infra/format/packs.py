@@ -205,7 +205,7 @@ def layout(
     return out
 
 
-def _pack_writer(chunks: list[Chunk]) -> FileWriter:
+def pack_writer(chunks: list[Chunk]) -> FileWriter:
     def fill(out: BinaryIO) -> None:
         for run in _runs(chunks):
             out.write(run)
@@ -266,7 +266,7 @@ def file_writers(plan: Layout, chunks: Mapping[str, Chunk]) -> list[tuple[str, F
                 ),
             )
         )
-    files.extend((pack.path, _pack_writer(group)) for pack, group in plan.new)
+    files.extend((pack.path, pack_writer(group)) for pack, group in plan.new)
     return files
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import binascii
 import json
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -22,7 +23,7 @@ from rewind.infra.errors import ConfigError, MalformedFile, UnloadableCheckpoint
 from rewind.infra.format import chunked, mapped, tensorfile, tree
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.nearest import Nearest
-from rewind.infra.format.store import FileWriter, Link
+from rewind.infra.format.store import FileWriter, Hashed, Link
 from rewind.infra.format.verify import Finding, Problem, read_verified, verified_read
 
 STATE_FILE = "state.json"
@@ -56,18 +57,31 @@ def split_states(state_dicts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[s
     return trees, tensors
 
 
+@dataclass(frozen=True, slots=True)
+class Prehashed:
+    """Digests of a save's bytes computed before its files are laid out (in the stall, or in one pass over
+    the staged state): whole files by name, written as hashed; chunks by (state, tensor, first row)."""
+
+    files: Mapping[str, Hashed] = field(default_factory=dict)
+    chunks: Mapping[chunked.ChunkKey, str] = field(default_factory=dict)
+
+
 def file_writers(
     trees: Mapping[str, Any],
     tensors: Mapping[str, Mapping[str, torch.Tensor]],
     *,
     fmt: str = PLAIN,
     link_from: chunked.Parent | None = None,
-) -> list[tuple[str, FileWriter | Link]]:
+    prehashed: Prehashed | None = None,
+) -> list[tuple[str, FileWriter | Link | Hashed]]:
     """The files of a checkpoint, as (name, function that streams its bytes, or a link).
 
     ``fmt="chunked"`` selects the chunked format (:mod:`rewind.infra.format.chunked`), hard-linking
     the packs that the checkpoint ``link_from`` (held to its catalog digest) already holds.
+    ``prehashed``: a file it names is written as hashed (a link stays a link); its chunks are not hashed
+    again.
     """
+    pre = prehashed or Prehashed()
 
     def tensors_writer(part_tensors: Mapping[str, torch.Tensor]) -> FileWriter:
         return lambda out: tensorfile.write(out, part_tensors)
@@ -77,11 +91,11 @@ def file_writers(
 
     files: list[tuple[str, FileWriter | Link]]
     if fmt == CHUNKED:
-        files = chunked.file_writers(tensors, link_from)
+        files = chunked.file_writers(tensors, link_from, pre.chunks)
     else:
         files = [(tensor_file(part), tensors_writer(t)) for part, t in tensors.items() if t]
     files.append((STATE_FILE, state_writer))
-    return files
+    return [(n, f if isinstance(f, Link) else pre.files.get(n, f)) for n, f in files]
 
 
 def adopted_format(manifest: mf.Manifest) -> str | None:
