@@ -26,8 +26,9 @@ ROW_SIZES = [1, 7, 1000, chunked.CHUNK_BYTES // 4 + 3, chunked.CHUNK_BYTES + 5] 
 
 
 def _parts(rnd: random.Random, *, repeats: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """Tensors of several dtypes and row sizes (rows over a chunk, empty ones), about 3 packs in all;
-    with ``repeats``, chunks of zeros that repeat (stored once: the packs are then not the ones expected)."""
+    """Tensors of several dtypes and row sizes (rows over a chunk, empty ones), about 3 packs in all, and
+    small chunks that repeat (an optimizer's ``step`` per parameter); with ``repeats``, larger chunks of
+    zeros that repeat too (stored once: the packs after the first such are then not the ones expected)."""
     parts: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optimizer": {}}
     total = 0
     i = 0
@@ -42,7 +43,9 @@ def _parts(rnd: random.Random, *, repeats: bool) -> dict[str, dict[str, torch.Te
         total += t.numel() * 4
         i += 1
     parts["model"]["empty"] = torch.empty(0, 5)
-    parts["optimizer"]["scalar"] = torch.tensor(3.5)
+    parts["optimizer"].update({f"state.{i}.step": torch.tensor(3.0) for i in range(20)})
+    if repeats:
+        parts["model"].update(zeros_a=torch.zeros(16384), zeros_b=torch.zeros(16384))  # 64 KiB each
     return parts
 
 
@@ -74,9 +77,9 @@ def test_one_pass_hashes_chunks_and_packs_as_the_chunked_writer_would(workers, r
             assert fill.digest == digest.hash_bytes(data), (seed, name)
     hashed_ahead = {n for n, f in ahead.items() if isinstance(f, store.Hashed)}
     every_pack = {n for n in ahead if n.startswith(packs.PACK_DIR + "/")}
-    if not repeats:  # laid out as expected: no pack hashed again as it is written
+    if not repeats:  # laid out as expected (the small repeats found): no pack hashed again as it is written
         assert hashed_ahead == every_pack, seed
-    else:  # the zeros stored once move the later packs' boundaries: those are hashed as they are written
+    else:  # a pack without the zeros stored once is not the one hashed ahead: hashed as it is written
         assert hashed_ahead < every_pack, seed
 
 
@@ -102,9 +105,10 @@ def test_a_state_a_copy_of_bytes_does_not_stage_is_staged_and_its_chunks_hashed_
         "optimizer": {"m": torch.randn(70_000)},
     }
     staged, pre = stage_chunked.stage_and_hash(StagingBuffer(), parts, workers=2, all_new=True)
-    assert all(torch.equal(staged.parts["model"][k], t) for k, t in parts["model"].items())
+    for p, tensors in parts.items():
+        assert all(torch.equal(staged.parts[p][k], t) for k, t in tensors.items()), p
+    assert chunked.build_index(staged.parts, pre.chunks)[0] == chunked.build_index(parts)[0]
     assert _files(staged.parts, pre).keys() == _files(parts, None).keys()
-    assert len(pre.chunks) == len(chunked.build_index(parts)[1])
 
 
 def _job(run: str, cat: Catalog, root: Path, mode: SaveMode):  # type: ignore[no-untyped-def]
@@ -140,6 +144,15 @@ def test_chunked_saves_hashed_in_the_stall_in_the_background_or_synchronously_ar
     that wrote under half its bytes, hashes only its chunks ahead."""
     cat = Catalog()
     saved = {}
+    written_as_hashed: list[str] = []
+    real = store.write_file
+
+    def spy(path: Path, fill: store.FileWriter | store.Hashed, **kw: int) -> mf.FileEntry:
+        if isinstance(fill, store.Hashed):
+            written_as_hashed.append(path.parent.name)
+        return real(path, fill, **kw)
+
+    monkeypatch.setattr(store, "write_file", spy)
     for label, mode, setting in [("sync", SaveMode.SYNC, "off"), ("bg", SaveMode.ASYNC, "off"),
                                  ("stall", SaveMode.ASYNC, "on")]:  # fmt: skip
         monkeypatch.setenv(stall_hash.ENV, setting)
@@ -153,6 +166,8 @@ def test_chunked_saves_hashed_in_the_stall_in_the_background_or_synchronously_ar
             ck.save(step)
         ck.close()
         saved[label] = _saves(cat, run)
+        assert written_as_hashed.count(packs.PACK_DIR) >= 2, label  # the first two saves' packs at least
+        written_as_hashed.clear()
         done = lineage.checkpoints(cat, run)
         assert [c.step for c in done] == [1, 2, 3, 4, 5]
         for c in done:

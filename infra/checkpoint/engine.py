@@ -282,9 +282,11 @@ class Checkpointer:
         self, trees: dict[str, Any], staged: Staged, prehashed: payload.Prehashed | None
     ) -> list[tuple[str, store.FileWriter | store.Link | store.Hashed]]:
         """The save's files from ``staged``; those hashed already (``prehashed``) written as hashed. A
-        chunked save's chunks not hashed in the stall are hashed here, in one pass with its packs."""
+        chunked save's chunks not hashed in the stall are hashed here, in one pass with its packs, on as
+        many threads as it writes files at once (the writes then hash nothing more)."""
         if self.format == payload.CHUNKED and not (prehashed and prehashed.chunks):
-            prehashed = stage_chunked.hash_staged(staged.parts, workers=1, all_new=self._all_new())
+            workers = min(cpus.usable(), store.WRITE_STREAMS)
+            prehashed = stage_chunked.hash_staged(staged.parts, workers=workers, all_new=self._all_new())
         return payload.file_writers(
             trees, staged.parts, fmt=self.format, link_from=self._link_source(), prehashed=prehashed
         )

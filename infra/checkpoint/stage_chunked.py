@@ -5,24 +5,28 @@ A chunked save needs the digest of every chunk (its identity: what is linked, wh
 pack it writes, the pack's own digests. Hashing the chunks in one pass and each pack in another as it is
 written read the state from memory twice; hashing is bound by that read here, not by the hash (xxh3 at
 about 50 GB/s per core on bytes in the cache, 12 GB/s on bytes read from memory). Here each chunk is
-hashed right after its copy, and so is the pack it goes into when every chunk of the save is new (full
-training, or nothing to link from): the packs then are the chunks in tensor order, cut every
-``PACK_BYTES`` (``packs.cut``), each named by the digest of its chunk list. A pack the save then writes
-under such a name is made of exactly those chunks, and is written as hashed (``payload.Prehashed``).
-Where most chunks are expected unchanged (``all_new`` false: the previous save wrote under half its
-bytes), no pack is hashed ahead: the few written are hashed as they are written.
+hashed right after its copy, and so is the pack it goes into if every chunk of the save is new (full
+training): the packs then are the distinct chunks in tensor order, cut every ``PACK_BYTES``
+(``packs.cut``), each named by the digest of its chunk list. A pack the save then writes under such a
+name is made of exactly those chunks, and is written as hashed (``payload.Prehashed``); any other (one
+after a chunk stored once that repeats a large one, or where chunks are carried or linked) is hashed as it
+is written. Small chunks that repeat (an optimizer's ``step`` of every parameter) are found by their bytes
+before the packs are cut, so they shift no pack. Where most chunks are expected unchanged (``all_new``
+false: the previous save wrote under half its bytes), no pack is hashed ahead.
 
-The work is cut into those would-be packs, taken in turn by ``workers`` threads (the copy, xxh3 and CRC32C
-all release the GIL). The digests are of the staged bytes, which the writes then send unchanged.
+The work is cut into those would-be packs, taken in turn by ``workers`` threads (``parallel.run_all``;
+the copy, xxh3 and CRC32C all release the GIL). The digests are of the staged bytes, which the writes then
+send unchanged.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from rewind.infra import parallel
 from rewind.infra.checkpoint import stage_hashed
 from rewind.infra.checkpoint.staging import Parts, Staged, StagingBuffer
 from rewind.infra.format import chunked, packs, tensorfile
@@ -31,6 +35,7 @@ from rewind.infra.format.payload import Prehashed
 from rewind.infra.format.store import Hashed
 
 BLOCK = stage_hashed.BLOCK  # copied, then hashed while it is in the core's cache
+SMALL = 4096  # a chunk of at most this many bytes is compared by its bytes with the others that small
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,13 +49,17 @@ class _Piece:
     dst: int  # the address of ``view``
     src: int  # the address to copy it from; 0: staged already
 
+    def copy(self, at: int, n: int) -> None:
+        if self.src:
+            ctypes.memmove(self.dst + at, self.src + at, n)
+
 
 def stage_and_hash(
     staging: StagingBuffer, parts: Parts, *, workers: int, all_new: bool
 ) -> tuple[Staged, Prehashed]:
     """``parts`` staged and their chunks hashed, each right after its copy, on ``workers`` threads; the
-    would-be packs too where ``all_new``. Tensors a copy of bytes does not stage exactly are staged first,
-    then hashed."""
+    would-be packs too where ``all_new``. A state with a tensor a copy of bytes does not stage exactly is
+    staged first (``StagingBuffer.stage``), then hashed."""
     if not stage_hashed.plain(parts):
         staged = staging.stage(parts)
         staged.ready()
@@ -84,12 +93,10 @@ def _pieces(places: Parts, sources: Parts | None) -> list[_Piece]:
 
 
 def _hashed(pieces: list[_Piece], workers: int, all_new: bool) -> Prehashed:
-    units = list(packs.cut(pieces, lambda p: len(p.view)))
-    if workers <= 1 or len(units) <= 1:
-        done = [_hash_unit(u, all_new) for u in units]
-    else:
-        with ThreadPoolExecutor(min(workers, len(units)), thread_name_prefix="rewind-stage") as pool:
-            done = list(pool.map(lambda u: _hash_unit(u, all_new), units))
+    distinct, repeats = _small_repeats(pieces)
+    units = list(packs.cut(distinct, lambda p: len(p.view)))
+    calls = [functools.partial(_hash_unit, u, all_new) for u in units]
+    done = parallel.run_all(calls, workers=workers, name="rewind-stage")
     chunks: dict[chunked.ChunkKey, str] = {}
     files: dict[str, Hashed] = {}
     for unit, (digests, pack) in zip(units, done, strict=True):
@@ -99,7 +106,26 @@ def _hashed(pieces: list[_Piece], workers: int, all_new: bool) -> Prehashed:
             files[packs.Pack(packs.pack_name(digests), pack.size).path] = Hashed(
                 packs.pack_writer(group), pack
             )
+    chunks.update((key, chunks[first]) for key, first in repeats.items())
     return Prehashed(files=files, chunks=chunks)
+
+
+def _small_repeats(pieces: list[_Piece]) -> tuple[list[_Piece], dict[chunked.ChunkKey, chunked.ChunkKey]]:
+    """``pieces`` but the small ones whose staged bytes repeat an earlier one's (each copied here first, and
+    mapped to that earlier one): the distinct chunks in order, as the index stores them."""
+    first: dict[bytes, chunked.ChunkKey] = {}
+    distinct: list[_Piece] = []
+    repeats: dict[chunked.ChunkKey, chunked.ChunkKey] = {}
+    for p in pieces:
+        if len(p.view) <= SMALL:
+            p.copy(0, len(p.view))
+            p = replace(p, src=0)  # staged now
+            seen = first.setdefault(bytes(p.view), p.key)
+            if seen != p.key:
+                repeats[p.key] = seen
+                continue
+        distinct.append(p)
+    return distinct, repeats
 
 
 def _hash_unit(unit: Sequence[_Piece], with_pack: bool) -> tuple[list[str], FileDigest | None]:
@@ -111,8 +137,7 @@ def _hash_unit(unit: Sequence[_Piece], with_pack: bool) -> tuple[list[str], File
         h = Hasher(with_crc=False)
         for at in range(0, len(p.view), BLOCK):
             n = min(BLOCK, len(p.view) - at)
-            if p.src:
-                ctypes.memmove(p.dst + at, p.src + at, n)
+            p.copy(at, n)
             block = p.view[at : at + n]
             h.update(block)
             if pack is not None:

@@ -67,7 +67,7 @@ def hashed(staged: Parts) -> dict[str, store.Hashed]:
     biggest_first = dict(sorted(staged.items(), key=lambda kv: -sum(_nbytes(t) for t in kv[1].values())))
     files = [
         (name, fill)
-        for name, fill in payload.file_writers({}, biggest_first)
+        for name, fill in payload.file_writers({}, biggest_first)  # nothing prehashed: no ``store.Hashed``
         if name != payload.STATE_FILE and not isinstance(fill, store.Link | store.Hashed)
     ]
     if len(files) <= 1:

@@ -74,7 +74,8 @@ def file_writers(
     link_from: chunked.Parent | None = None,
     prehashed: Prehashed | None = None,
 ) -> list[tuple[str, FileWriter | Link | Hashed]]:
-    """The files of a checkpoint, as (name, function that streams its bytes, or a link).
+    """The files of a checkpoint, as (name, function that streams its bytes, or a link, or a file hashed
+    already).
 
     ``fmt="chunked"`` selects the chunked format (:mod:`rewind.infra.format.chunked`), hard-linking
     the packs that the checkpoint ``link_from`` (held to its catalog digest) already holds.

@@ -10,18 +10,18 @@ fsync the parent. A crash at any point leaves either a ``.tmp-`` directory
 from __future__ import annotations
 
 import contextlib
-import contextvars
+import functools
 import os
 import re
 import shutil
 import stat
-import threading
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO
 
+from rewind.infra import parallel
 from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.faults import fault_point
 from rewind.infra.format import direct, local_tier
@@ -262,42 +262,11 @@ def _place(
 def _place_all(
     tmp: Path, files: list[tuple[str, FileWriter | Link | Hashed]], segment: int, step: int, streams: int
 ) -> list[tuple[mf.FileEntry, bool]]:
-    """Every file placed, ``streams`` at a time, on threads of their own (daemon threads, like the persist
-    that starts them: an exit does not wait on them); their entries in the order given. After a failure no
-    file is started; the failure of the first file in that order is raised once every file started has
-    ended (nothing is left writing into ``tmp``)."""
-    if len(files) <= 1 or streams <= 1:
-        return [_place(tmp, name, fill, segment, step) for name, fill in files]
-    placed: list[tuple[mf.FileEntry, bool] | None] = [None] * len(files)
-    failed: dict[int, BaseException] = {}
-    lock = threading.Lock()
-    todo = iter(range(len(files)))
-
-    def work() -> None:
-        while True:
-            with lock:
-                i = None if failed else next(todo, None)
-            if i is None:
-                return
-            try:
-                placed[i] = _place(tmp, files[i][0], files[i][1], segment, step)
-            except BaseException as exc:  # raised by the thread that waits on them all
-                with lock:
-                    failed[i] = exc
-
-    threads = [
-        threading.Thread(
-            target=contextvars.copy_context().run, args=(work,), name="rewind-write", daemon=True
-        )
-        for _ in range(min(streams, len(files)))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failed:
-        raise failed[min(failed)]
-    return [p for p in placed if p is not None]
+    """Every file placed, ``streams`` at a time (``parallel.run_all``: after a failure no file is started,
+    and the first failure in file order is raised once nothing is left writing into ``tmp``); their entries
+    in the order given."""
+    calls = [functools.partial(_place, tmp, name, fill, segment, step) for name, fill in files]
+    return parallel.run_all(calls, workers=streams, name="rewind-write")
 
 
 def write_checkpoint(

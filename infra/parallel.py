@@ -1,0 +1,51 @@
+"""Calls run a few at a time on daemon threads of their own: a save's file writes, a chunked save's hashing.
+
+Not a ``ThreadPoolExecutor``: a pool refuses new work once the interpreter starts to exit, and then waits
+on the work it holds without bound, so a background save still in flight when a script ends would fail.
+Daemon threads started by the persist thread inherit its CPU priority, and an exit does not wait on them.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+def run_all(calls: Sequence[Callable[[], T]], *, workers: int, name: str) -> list[T]:
+    """Each of ``calls``, ``workers`` at a time (each thread with a copy of the caller's context); their
+    results in order. After a failure no further call starts; the failure of the first call in order that
+    failed is raised once every call started has ended (nothing is left running)."""
+    if len(calls) <= 1 or workers <= 1:
+        return [call() for call in calls]
+    done: list[tuple[T] | None] = [None] * len(calls)
+    failed: dict[int, BaseException] = {}
+    lock = threading.Lock()
+    todo = iter(range(len(calls)))
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = None if failed else next(todo, None)
+            if i is None:
+                return
+            try:
+                done[i] = (calls[i](),)
+            except BaseException as exc:  # raised by the thread that waits on them all
+                with lock:
+                    failed[i] = exc
+
+    threads = [
+        threading.Thread(target=contextvars.copy_context().run, args=(work,), name=name, daemon=True)
+        for _ in range(min(workers, len(calls)))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[min(failed)]
+    return [d[0] for d in done if d is not None]
