@@ -65,6 +65,7 @@ def test_the_format_sits_below_every_engine():
             "infra.progress",
             "infra.throttle",
             "infra.cpus",
+            "infra.parallel",
         },
         "infra.tiers": {
             "infra.tiers",
@@ -79,6 +80,7 @@ def test_the_format_sits_below_every_engine():
         "infra.progress": {"infra.progress"},  # a leaf: the byte paths report, nothing below them
         "infra.redact": {"infra.redact"},  # a leaf: hides secrets in what is printed or recorded
         "infra.cpus": {"infra.cpus"},  # a leaf: the CPUs and cores this process may use
+        "infra.parallel": {"infra.parallel"},  # a leaf: calls a few at a time on daemon threads
     }
     for unit, ok in allowed.items():
         assert graph[unit] <= ok, f"{unit} imports {graph[unit] - ok}"
