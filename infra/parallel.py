@@ -18,18 +18,20 @@ T = TypeVar("T")
 def run_all(calls: Sequence[Callable[[], T]], *, workers: int, name: str) -> list[T]:
     """Each of ``calls``, ``workers`` at a time (each thread with a copy of the caller's context); their
     results in order. After a failure no further call starts; the failure of the first call in order that
-    failed is raised once every call started has ended (nothing is left running)."""
+    failed is raised once every call started has ended (nothing is left running), as is anything raised in
+    the calling thread while it waits (an interrupt)."""
     if len(calls) <= 1 or workers <= 1:
         return [call() for call in calls]
     done: list[tuple[T] | None] = [None] * len(calls)
     failed: dict[int, BaseException] = {}
+    stopped = threading.Event()
     lock = threading.Lock()
     todo = iter(range(len(calls)))
 
     def work() -> None:
         while True:
             with lock:
-                i = None if failed else next(todo, None)
+                i = None if failed or stopped.is_set() else next(todo, None)
             if i is None:
                 return
             try:
@@ -38,14 +40,27 @@ def run_all(calls: Sequence[Callable[[], T]], *, workers: int, name: str) -> lis
                 with lock:
                     failed[i] = exc
 
-    threads = [
-        threading.Thread(target=contextvars.copy_context().run, args=(work,), name=name, daemon=True)
-        for _ in range(min(workers, len(calls)))
-    ]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run(work, min(workers, len(calls)), name, stopped)
     if failed:
         raise failed[min(failed)]
+    if any(d is None for d in done):
+        raise RuntimeError(f"{name}: a call neither returned nor failed")
     return [d[0] for d in done if d is not None]
+
+
+def _run(work: Callable[[], None], threads: int, name: str, stopped: threading.Event) -> None:
+    """``work`` on ``threads`` daemon threads, waited for; if the wait itself is interrupted, no further call
+    starts and the threads started are waited for before the interrupt goes on."""
+    started: list[threading.Thread] = []
+    try:
+        for _ in range(threads):
+            t = threading.Thread(target=contextvars.copy_context().run, args=(work,), name=name, daemon=True)
+            t.start()
+            started.append(t)
+        for t in started:
+            t.join()
+    except BaseException:
+        stopped.set()
+        for t in started:
+            t.join()
+        raise
