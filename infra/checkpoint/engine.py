@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from rewind.infra import config, cpus, progress, throttle
+from rewind.infra import config, progress, throttle
 from rewind.infra.catalog import commits, leases, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
 from rewind.infra.catalog.writer_lease import WriterLease
-from rewind.infra.checkpoint import displaced, own_tensors, stage_chunked, stall_hash
+from rewind.infra.checkpoint import displaced, own_tensors, stall_hash
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
 from rewind.infra.checkpoint.recording import recorded_save
@@ -157,16 +157,8 @@ class Checkpointer:
         return stall
 
     def _stage(self, tensors: dict[str, dict[str, torch.Tensor]]) -> tuple[Staged, payload.Prehashed]:
-        """The state staged; and where the job leaves no core to the background persist (``stall_hash``),
-        its digests, computed now on every core."""
-        if not stall_hash.wanted(tensors):
-            return self._staging.stage(tensors), payload.Prehashed()
-        if self.format == payload.CHUNKED:
-            return stage_chunked.stage_and_hash(
-                self._staging, tensors, workers=cpus.usable(), all_new=self._all_new()
-            )
-        staged, files = stall_hash.stage_and_hash(self._staging, tensors)
-        return staged, payload.Prehashed(files=files)
+        """The state staged; and where the job leaves no core to the background persist, its digests."""
+        return stall_hash.stage(self._staging, tensors, fmt=self.format, all_new=self._all_new())
 
     def _all_new(self) -> bool:
         """Whether a chunked save is expected to write most of its chunks anew: the first of this process,
@@ -281,12 +273,9 @@ class Checkpointer:
     def _files(
         self, trees: dict[str, Any], staged: Staged, prehashed: payload.Prehashed | None
     ) -> list[tuple[str, store.FileWriter | store.Link | store.Hashed]]:
-        """The save's files from ``staged``; those hashed already (``prehashed``) written as hashed. A
-        chunked save's chunks not hashed in the stall are hashed here, in one pass with its packs, on as
-        many threads as it writes files at once (the writes then hash nothing more)."""
-        if self.format == payload.CHUNKED and not (prehashed and prehashed.chunks):
-            workers = min(cpus.usable(), store.WRITE_STREAMS)
-            prehashed = stage_chunked.hash_staged(staged.parts, workers=workers, all_new=self._all_new())
+        """The save's files from ``staged``; those hashed already (``prehashed``, or now by
+        ``stall_hash.behind``) written as hashed."""
+        prehashed = stall_hash.behind(staged.parts, prehashed, fmt=self.format, all_new=self._all_new())
         return payload.file_writers(
             trees, staged.parts, fmt=self.format, link_from=self._link_source(), prehashed=prehashed
         )

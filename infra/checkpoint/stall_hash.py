@@ -1,4 +1,4 @@
-"""Where an async save hashes its files: in the stall, on every core, or in the background persist.
+"""Where an async save hashes its files (a chunked save: its chunks and packs): in the stall, on every core, or in the background persist.
 
 ``REWIND_HASH_IN_STALL=auto|on|off``. The background persist hashes each file (xxh3 and CRC32C) as it
 writes it, on a core the job is not using, if there is one. When the job's torch threads cover every core
@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from rewind.infra import cpus
-from rewind.infra.checkpoint import stage_hashed
+from rewind.infra.checkpoint import stage_chunked, stage_hashed
 from rewind.infra.checkpoint.staging import Parts, Staged, StagingBuffer
 from rewind.infra.errors import ConfigError
 from rewind.infra.format import payload, store
@@ -48,6 +48,32 @@ def wanted(parts: Parts) -> bool:
         return setting == "on"
     on_cpu = all(t.device.type == "cpu" for ts in parts.values() for t in ts.values())
     return on_cpu and torch.get_num_threads() >= cpus.cores()
+
+
+def stage(
+    staging: StagingBuffer, parts: Parts, *, fmt: str, all_new: bool
+) -> tuple[Staged, payload.Prehashed]:
+    """``parts`` staged; and where the job leaves no core to the background persist (``wanted``), their
+    digests, computed now on every core: the plain format's files (``stage_and_hash``), or the chunked
+    format's chunks, and its packs where ``all_new`` (``stage_chunked``)."""
+    if not wanted(parts):
+        return staging.stage(parts), payload.Prehashed()
+    if fmt == payload.CHUNKED:
+        return stage_chunked.stage_and_hash(staging, parts, workers=cpus.usable(), all_new=all_new)
+    staged, files = stage_and_hash(staging, parts)
+    return staged, payload.Prehashed(files=files)
+
+
+def behind(
+    staged: Parts, prehashed: payload.Prehashed | None, *, fmt: str, all_new: bool
+) -> payload.Prehashed | None:
+    """What the persist hashes before it lays out the files: a chunked save's chunks not hashed in the stall,
+    in one pass with its packs, on as many threads as it writes files at once (the writes then hash nothing
+    more); ``prehashed`` as it is otherwise."""
+    if fmt != payload.CHUNKED or (prehashed is not None and prehashed.chunks):
+        return prehashed
+    workers = min(cpus.usable(), store.WRITE_STREAMS)
+    return stage_chunked.hash_staged(staged, workers=workers, all_new=all_new)
 
 
 def stage_and_hash(staging: StagingBuffer, parts: Parts) -> tuple[Staged, dict[str, store.Hashed]]:
