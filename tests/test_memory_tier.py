@@ -11,6 +11,8 @@ import io
 import mmap
 import os
 import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -540,3 +542,58 @@ def test_the_default_budget_counts_the_cgroups_memory_limit_where_lower(tmp_path
     (tmp_path / "none").write_text("0::/\n")
     assert place.cgroup_limit(tmp_path / "none", tmp_path / "empty") is None
     assert place.cgroup_limit(tmp_path / "missing", v2) is None
+
+
+def _leasing_child(checkpoint_id: int) -> subprocess.Popen[str]:
+    """Another process of this host holding a restore lease on ``checkpoint_id`` (as a restore reading it
+    does), alive until its stdin closes or it is killed."""
+    script = (
+        "import sys\n"
+        "from rewind.infra.catalog import leases\n"
+        "from rewind.infra.catalog.db import Catalog\n"
+        "leases.take(Catalog(), int(sys.argv[1]))\n"
+        "sys.stdin.read()\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(checkpoint_id)], stdin=subprocess.PIPE, text=True
+    )
+
+
+def test_a_restore_killed_while_it_held_a_memory_copy_holds_it_no_more(
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """A job SIGKILLed while it restored from the memory tier never releases its lease. While that process
+    lives, its copy is not let go for the next step's (no room: the next step is not held) and retention
+    does not delete the checkpoint; once it is gone, without waiting for the lease's expiry (hours), the
+    next step's copy takes its room and retention may delete it."""
+    from rewind.infra.catalog import leases
+    from rewind.infra.catalog.models import Checkpoint
+    from rewind.infra.catalog.models import CheckpointStatus as S
+
+    cat = Catalog()
+    _model, ck = _job(run_name, cat, tmp_path / "ckpt")
+    step1, step2 = _saved(ck, 1), _saved(ck, 2)
+    cfg = place.config()
+    assert cfg is not None
+    first = keeper.keep(cat, step1, cfg)
+    assert first is not None
+    monkeypatch.setenv(place.BUDGET_ENV, str(int(first.nbytes * 1.5)))  # room for one copy
+    small = place.config()
+    assert small is not None
+    with cat.session() as s:  # a newer verified checkpoint: what lets retention delete step 1
+        row = s.get(Checkpoint, step2)
+        assert row is not None
+        row.status = S.VERIFIED.value
+    child = _leasing_child(step1)
+    try:
+        wait_until(lambda: leases.leased(cat, step1), 60, "the other process's lease on step 1")
+        assert keeper.keep(cat, step2, small) is None and first.directory.is_dir()
+        assert not leases.delete_guarded(cat, step1, keep_last=1, reason="retention")
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+    assert not leases.leased(cat, step1)
+    kept = keeper.keep(cat, step2, small)
+    assert kept is not None and kept.evicted == (step1,) and not first.directory.exists()
+    assert leases.delete_guarded(cat, step1, keep_last=1, reason="retention")
+    assert lineage.get_checkpoint(cat, step1).status == S.DELETED.value

@@ -1,6 +1,10 @@
 """Restore leases, and the one statement retention deletes with.
 
 A restore holds a lease on the checkpoint it is trying for as long as it uses it.
+A process killed while it held one (a job that crashed mid-restore, a memory agent killed mid-copy) never
+releases it: a lease whose holder is a process of this host that is gone holds nothing (``holder_gone``),
+so what it held does not wait ``DEFAULT_TTL_S`` to be let go (a holder on another host waits for the
+expiry).
 Retention's plan is only a read; what makes deletion safe is :func:`delete_guarded`,
 which re-checks everything in the same statement that marks the checkpoint deleted,
 under the run's row lock (which restores and roll-backs take too): no lease, not
@@ -35,6 +39,14 @@ def holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def holder_gone(who: str) -> bool:
+    """Whether the process a holder names (``host:pid``, maybe more after a colon) is surely gone: a
+    process of this host that no longer runs. Any other holder may still be alive."""
+    host, _, rest = who.partition(":")
+    pid = rest.partition(":")[0]
+    return host == socket.gethostname() and pid.isdigit() and not store.pid_alive(int(pid))
+
+
 def take(cat: Catalog, checkpoint_id: int, who: str | None = None, ttl_s: float = DEFAULT_TTL_S) -> int:
     now = utcnow()
     with cat.session() as s:
@@ -62,27 +74,35 @@ def release(cat: Catalog, lease_id: int) -> None:
 
 
 def leased(cat: Catalog, checkpoint_id: int) -> bool:
-    with cat.session() as s:
-        return (
-            s.scalar(
-                select(func.count())
-                .select_from(RestoreLease)
-                .where(RestoreLease.checkpoint_id == checkpoint_id, RestoreLease.expires_at > utcnow())
-            )
-            or 0
-        ) > 0
+    """Whether a restore holds ``checkpoint_id`` now."""
+    return checkpoint_id in _held(cat, RestoreLease.checkpoint_id == checkpoint_id)
 
 
 def leased_in_run(cat: Catalog, run_id: int) -> set[int]:
     """The run's checkpoints a restore holds now: :func:`leased` for a whole run in one statement."""
+    run_of = select(Checkpoint.id).where(Checkpoint.run_id == run_id)
+    return _held(cat, RestoreLease.checkpoint_id.in_(run_of))
+
+
+def _held(cat: Catalog, which: Any) -> set[int]:
+    """The checkpoints of the unexpired leases ``which`` selects whose holders may be alive."""
     with cat.session() as s:
-        return set(
-            s.scalars(
-                select(RestoreLease.checkpoint_id)
-                .join(Checkpoint, Checkpoint.id == RestoreLease.checkpoint_id)
-                .where(Checkpoint.run_id == run_id, RestoreLease.expires_at > utcnow())
+        rows = s.execute(
+            select(RestoreLease.checkpoint_id, RestoreLease.holder).where(
+                which, RestoreLease.expires_at > utcnow()
             )
-        )
+        ).all()
+    return {checkpoint_id for checkpoint_id, who in rows if not holder_gone(who)}
+
+
+def _forget_gone(s: Any, checkpoint_id: int) -> None:
+    """The checkpoint's leases whose holders are gone, deleted (in the caller's transaction)."""
+    rows = s.execute(
+        select(RestoreLease.id, RestoreLease.holder).where(RestoreLease.checkpoint_id == checkpoint_id)
+    ).all()
+    gone = [lease_id for lease_id, who in rows if holder_gone(who)]
+    if gone:
+        s.execute(delete(RestoreLease).where(RestoreLease.id.in_(gone)))
 
 
 def delete_guarded(cat: Catalog, checkpoint_id: int, *, keep_last: int, reason: str) -> bool:
@@ -93,6 +113,7 @@ def delete_guarded(cat: Catalog, checkpoint_id: int, *, keep_last: int, reason: 
         if ck is None:
             return False
         lineage.lock_run(s, ck.run_id)
+        _forget_gone(s, checkpoint_id)  # a restore killed on this host holds it no more
         newer_verified = (
             select(func.count())
             .select_from(newer)
@@ -139,15 +160,14 @@ def writer_name() -> str:
 
 def _gone(cat_session: Any, writer: str, seen_at: Any) -> bool:
     """Is the process named by ``writer`` surely no longer writing?"""
-    host, _, rest = writer.partition(":")
-    pid_text, _, launch = rest.partition(":")
+    launch = writer.split(":", 2)[2] if writer.count(":") >= 2 else ""
     if launch.isdigit():
         row = cat_session.get(Launch, int(launch))
         if row is not None and row.ended_at is not None:
             return True  # its supervisor saw the launch end
-    if host == socket.gethostname() and pid_text.isdigit() and not store.pid_alive(int(pid_text)):
-        return True
-    return seen_at is None or (utcnow() - aware(seen_at)).total_seconds() > WRITER_TTL_S
+    return (
+        holder_gone(writer) or seen_at is None or (utcnow() - aware(seen_at)).total_seconds() > WRITER_TTL_S
+    )
 
 
 def live_writer(cat: Catalog, run: str) -> str | None:
