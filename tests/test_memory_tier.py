@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import io
+import json
 import mmap
 import os
 import signal
@@ -597,3 +598,70 @@ def test_a_restore_killed_while_it_held_a_memory_copy_holds_it_no_more(
     assert kept is not None and kept.evicted == (step1,) and not first.directory.exists()
     assert leases.delete_guarded(cat, step1, keep_last=1, reason="retention")
     assert lineage.get_checkpoint(cat, step1).status == S.DELETED.value
+
+
+_HUGE_CHILD = """
+import json, shutil, subprocess, sys
+from pathlib import Path
+import torch
+mnt, work, run = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+subprocess.run(["mount", "-t", "tmpfs", "-o", "huge=within_size,size=256m,mode=0700", "tmpfs", str(mnt)],
+               check=True)
+import os
+os.environ["REWIND_MEMORY_ROOT"] = str(mnt / "tier")
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import mapped, payload
+from rewind.infra.memory import keeper, place
+
+def huge_kb():  # tmpfs bytes on huge pages, this machine's
+    line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("ShmemHugePages:"))
+    return int(line.split()[1])
+
+torch.manual_seed(0)
+model = torch.nn.Linear(2048, 2048)  # 16 MiB of weights
+cat = Catalog()
+ck = Checkpointer(run, states={"model": model}, root=work, catalog=cat)
+ck.save(1)
+before = huge_kb()
+kept = keeper.keep(cat, ck.last_saved.checkpoint_id, place.config())
+kept_kb = huge_kb() - before
+manifest = mf.read(kept.directory)
+states = payload.read_states(kept.directory, manifest, copied=("model",))
+entry = next(e for e in manifest.files if e.path == payload.tensor_file("model"))
+appended = mnt / "appended"
+appended.mkdir()
+before = huge_kb()
+with open(kept.directory / entry.path, "rb") as src, open(appended / entry.path, "wb") as out:
+    while chunk := src.read(1 << 20):  # no write covers a whole 2 MiB page
+        out.write(chunk)
+appended_kb = huge_kb() - before
+print(json.dumps({"kept": kept_kb, "appended": appended_kb,
+                  "equal": bool(torch.equal(states["model"]["weight"], model.weight.detach()))}))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs takes root (in a mount namespace of its own)")
+def test_a_memory_copy_on_a_tmpfs_with_huge_pages_is_read_over_huge_pages(rewind_env, run_name, tmp_path):  # type: ignore[no-untyped-def]
+    """A node whose memory tier is a tmpfs mounted ``huge=within_size`` (docs/recovery.md): the memory agent
+    writes its copy in blocks of several MiB, so the tmpfs holds it in 2 MiB pages (counted: the machine's
+    ``ShmemHugePages``), which a restore maps a page at a time, not 4 KiB at a time; a restore reads the bytes
+    the job saved. The same file written 1 MiB at a time is held in 4 KiB pages. Run in a mount namespace of
+    its own: nothing is mounted on this machine."""
+    if not Path("/sys/kernel/mm/transparent_hugepage").is_dir():
+        pytest.skip("this kernel has no transparent huge pages")
+    mnt = tmp_path / "huge"
+    mnt.mkdir()
+    done = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", sys.executable, "-c", _HUGE_CHILD,
+         str(mnt), str(tmp_path / "ckpt"), run_name],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    if done.returncode and "mount" in done.stderr and "tmpfs" not in done.stdout:
+        pytest.skip(f"no tmpfs could be mounted here: {done.stderr.strip().splitlines()[-1:]}")
+    assert done.returncode == 0, done.stderr
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["equal"], got
+    assert got["kept"] >= 14 << 10, got  # the 16 MiB file's whole 2 MiB pages
+    assert got["appended"] < 2 << 10, got
