@@ -60,7 +60,7 @@ bench: install
 	$(BIN)/python -m bench.incremental --params-m 50 --checkpoints 20
 	$(BIN)/python -m bench.catalog_scale
 	$(BIN)/python -m bench.multirank
-	$(BIN)/python -m bench.memory_tier
+	$(BIN)/python -m bench.memory_tier --huge-pages
 	$(BIN)/python -m bench.ring
 	$(BIN)/python -m bench.rto
 
