@@ -132,7 +132,11 @@ def _huge_pages(mib: int, repeats: int) -> dict[str, Any]:
     tmpfs can be mounted here."""
     cmd = ["unshare", "--mount", "--propagation", "private", sys.executable, "-m", "bench.memory_tier",
            "--mib", str(mib), "--repeats", str(repeats), "--mounted-huge"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, timeout=1800)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"huge pages not measured: {exc}", file=sys.stderr)
+        return {}
     if done.returncode:
         print(f"huge pages not measured: {(done.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
         return {}
@@ -152,6 +156,23 @@ def _measured(mib: int, repeats: int, memory: Path) -> dict[str, Any]:
         shutil.rmtree(memory, ignore_errors=True)
 
 
+def _mounted_huge(mib: int, repeats: int) -> int:
+    """Mount the tier's tmpfs with huge pages, measure, print the results as JSON."""
+    mnt = Path(tempfile.mkdtemp(prefix="rewind-bench-huge-"))
+    try:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"huge=within_size,size={4 * mib}m,mode=0700", "tmpfs",
+                        str(mnt)], check=True)  # fmt: skip
+    except BaseException:
+        mnt.rmdir()
+        raise
+    try:
+        print(json.dumps(_measured(mib, repeats, mnt / "tier")))
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+        mnt.rmdir()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mib", type=int, default=512)
@@ -159,23 +180,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--huge-pages", action="store_true", help="also on a tmpfs with huge pages (root)")
     p.add_argument("--mounted-huge", action="store_true", help=argparse.SUPPRESS)  # in its own namespace
     args = p.parse_args(argv)
-    if args.mounted_huge:  # the child of --huge-pages: mount the tier's tmpfs, measure, print
-        mnt = Path(tempfile.mkdtemp(prefix="rewind-bench-huge-"))
-        size = f"size={4 * args.mib}m"
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"huge=within_size,{size},mode=0700", "tmpfs", str(mnt)],
-                       check=True)  # fmt: skip
-        try:
-            print(json.dumps(_measured(args.mib, args.repeats, mnt / "tier")))
-        finally:
-            subprocess.run(["umount", str(mnt)], check=False)
-            mnt.rmdir()
-        return 0
+    if args.mounted_huge:  # the child of --huge-pages, in a mount namespace of its own
+        return _mounted_huge(args.mib, args.repeats)
     results = _measured(args.mib, args.repeats, Path("/dev/shm") / f"rewind-bench-{os.getpid()}")
     if args.huge_pages:
         results |= _huge_pages(args.mib, args.repeats)
     print(json.dumps(results, indent=2))
     out = HERE / "results.json"
     merged = json.loads(out.read_text()) if out.exists() else {}
+    merged = {k: v for k, v in merged.items() if not k.endswith("_huge_pages")}  # this run's, or none
     out.write_text(json.dumps(merged | results, indent=2) + "\n")
     return 0
 

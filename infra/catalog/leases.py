@@ -2,9 +2,9 @@
 
 A restore holds a lease on the checkpoint it is trying for as long as it uses it.
 A process killed while it held one (a job that crashed mid-restore, a memory agent killed mid-copy) never
-releases it: a lease whose holder is a process of this host that is gone holds nothing (``holder_gone``),
-so what it held does not wait ``DEFAULT_TTL_S`` to be let go (a holder on another host waits for the
-expiry).
+releases it: a lease whose holder is a process of this host's boot and pid namespace that is gone holds
+nothing (``holder_gone``), so what it held does not wait ``DEFAULT_TTL_S`` to be let go (any other holder
+waits for the expiry).
 Retention's plan is only a read; what makes deletion safe is :func:`delete_guarded`,
 which re-checks everything in the same statement that marks the checkpoint deleted,
 under the run's row lock (which restores and roll-backs take too): no lease, not
@@ -39,12 +39,25 @@ def holder() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def lease_holder() -> str:
+    """This process as a restore lease's holder: host, pid, and where its pid means something
+    (``store.pid_space``), so that another process can tell when it is gone."""
+    space = store.pid_space()
+    return f"{holder()}:{space}" if space else holder()
+
+
 def holder_gone(who: str) -> bool:
-    """Whether the process a holder names (``host:pid``, maybe more after a colon) is surely gone: a
-    process of this host that no longer runs. Any other holder may still be alive."""
-    host, _, rest = who.partition(":")
-    pid = rest.partition(":")[0]
-    return host == socket.gethostname() and pid.isdigit() and not store.pid_alive(int(pid))
+    """Whether the process a lease's holder names (``lease_holder``, maybe more after a colon) is surely
+    gone: a process of this host's boot and pid namespace that no longer runs. Any other holder (another
+    host, a container's pids, a name without its pid space) may still be alive."""
+    host, pid, space = [*who.split(":"), "", ""][:3]
+    return (
+        host == socket.gethostname()
+        and bool(space)
+        and space == store.pid_space()
+        and pid.isdigit()
+        and not store.pid_alive(int(pid))
+    )
 
 
 def take(cat: Catalog, checkpoint_id: int, who: str | None = None, ttl_s: float = DEFAULT_TTL_S) -> int:
@@ -59,7 +72,7 @@ def take(cat: Catalog, checkpoint_id: int, who: str | None = None, ttl_s: float 
             raise NotFoundError(f"checkpoint {ck.run_id}@{ck.step} is {ck.status} now")
         lease = RestoreLease(
             checkpoint_id=checkpoint_id,
-            holder=who or holder(),
+            holder=who or lease_holder(),
             taken_at=now,
             expires_at=now + timedelta(seconds=ttl_s),
         )
@@ -160,14 +173,15 @@ def writer_name() -> str:
 
 def _gone(cat_session: Any, writer: str, seen_at: Any) -> bool:
     """Is the process named by ``writer`` surely no longer writing?"""
-    launch = writer.split(":", 2)[2] if writer.count(":") >= 2 else ""
+    host, _, rest = writer.partition(":")
+    pid_text, _, launch = rest.partition(":")
     if launch.isdigit():
         row = cat_session.get(Launch, int(launch))
         if row is not None and row.ended_at is not None:
             return True  # its supervisor saw the launch end
-    return (
-        holder_gone(writer) or seen_at is None or (utcnow() - aware(seen_at)).total_seconds() > WRITER_TTL_S
-    )
+    if host == socket.gethostname() and pid_text.isdigit() and not store.pid_alive(int(pid_text)):
+        return True
+    return seen_at is None or (utcnow() - aware(seen_at)).total_seconds() > WRITER_TTL_S
 
 
 def live_writer(cat: Catalog, run: str) -> str | None:

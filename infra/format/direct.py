@@ -115,7 +115,10 @@ if hasattr(os, "register_at_fork"):
 class NewFile:
     """A file created at ``path`` (never one that exists), written with ``write``, synced by ``close``."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, length: int = 0) -> None:
+        """``length``: the bytes the file will hold, where known, given to it before any (a tmpfs mounted
+        ``huge=within_size`` holds a file in huge pages only within its length, on kernels that do not count
+        a write's own end); ``close`` leaves it exactly as long as what was written."""
         direct = wanted()
         self._pid = os.getpid()
         self._buf: mmap.mmap | None = _take()
@@ -128,7 +131,10 @@ class NewFile:
             raise
         self._pos = 0
         self.size = 0
+        self._length = length
         try:
+            if length:
+                os.ftruncate(self._fd, length)
             self.direct = direct and self._set_direct()
         except BaseException:
             self._release()
@@ -228,6 +234,8 @@ class NewFile:
                 with self._view[whole:pos] as part:
                     self._write_all(part)
             self._pos = 0
+            if self._length != self.size and self._length:
+                os.ftruncate(self._fd, self.size)
             os.fsync(self._fd)
         finally:
             self._release()

@@ -24,7 +24,7 @@ from typing import BinaryIO
 from rewind.infra import parallel
 from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.faults import fault_point
-from rewind.infra.format import direct, local_tier
+from rewind.infra.format import direct, local_tier, mapped
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import FileDigest, HashingSink, HashingWriter, hash_file, manifest_digest
 from rewind.infra.format.verify import Finding, Problem
@@ -169,13 +169,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file(path: Path, fill: FileWriter | Hashed, *, segment: int = 0) -> mf.FileEntry:
+def write_file(path: Path, fill: FileWriter | Hashed, *, segment: int = 0, length: int = 0) -> mf.FileEntry:
     """Create ``path`` (never overwrite), stream ``fill`` into it through the hasher, fsync it (written past
     the page cache where the filesystem allows: ``direct``). ``segment``: its segments' digests as well.
-    A ``Hashed`` file is written without hashing, its size held to the digest's."""
+    A ``Hashed`` file is written without hashing, its size held to the digest's. ``length``: the bytes it
+    will hold where known, given to it first (``direct.NewFile``)."""
     known = fill.digest if isinstance(fill, Hashed) and not segment else None
     stream = fill.fill if isinstance(fill, Hashed) else fill
-    with direct.NewFile(path) as raw:
+    with direct.NewFile(path, length=length) as raw:
         out = HashingWriter(raw, segment=segment, hashed=known is None)  # type: ignore[arg-type]
         stream(out)  # type: ignore[arg-type]  # a file that only writes
         if known is not None and out.count != known.size:
@@ -245,7 +246,7 @@ def _made_dirs(tmp: Path, names: Iterable[str]) -> set[Path]:
 
 
 def _place(
-    tmp: Path, name: str, fill: FileWriter | Link | Hashed, segment: int, step: int
+    tmp: Path, name: str, fill: FileWriter | Link | Hashed, segment: int, step: int, length: int
 ) -> tuple[mf.FileEntry, bool]:
     """Write (or link) one file into ``tmp`` (its directory made); (entry, whether it was linked)."""
     rel = mf.safe_relative(name)
@@ -254,18 +255,26 @@ def _place(
     if isinstance(fill, Link):
         entry = fill.entry if linked else write_file(path, fill.fallback, segment=segment)
     else:
-        entry = write_file(path, fill, segment=segment)
+        entry = write_file(path, fill, segment=segment, length=length)
     fault_point("save.file_written", step)
     return replace(entry, path=rel), linked
 
 
 def _place_all(
-    tmp: Path, files: list[tuple[str, FileWriter | Link | Hashed]], segment: int, step: int, streams: int
+    tmp: Path,
+    files: list[tuple[str, FileWriter | Link | Hashed]],
+    segment: int,
+    step: int,
+    streams: int,
+    lengths: Mapping[str, int],
 ) -> list[tuple[mf.FileEntry, bool]]:
     """Every file placed, ``streams`` at a time (``parallel.run_all``: after a failure no file is started,
     and the first failure in file order is raised once nothing is left writing into ``tmp``); their entries
-    in the order given."""
-    calls = [functools.partial(_place, tmp, name, fill, segment, step) for name, fill in files]
+    in the order given. ``lengths``: the files given their length before their bytes."""
+    calls = [
+        functools.partial(_place, tmp, name, fill, segment, step, lengths.get(name, 0))
+        for name, fill in files
+    ]
     return parallel.run_all(calls, workers=streams, name="rewind-write")
 
 
@@ -292,7 +301,7 @@ def write_checkpoint(
     try:
         files = list(files)
         made = _made_dirs(tmp, (name for name, _ in files))
-        placed = _place_all(tmp, files, segment, manifest.step, streams)
+        placed = _place_all(tmp, files, segment, manifest.step, streams, _lengths(tmp, manifest, copy_of))
         entries = [entry for entry, _ in placed]
         linked = sum(entry.size for entry, was_linked in placed if was_linked)
         for d in sorted(made, key=lambda p: -len(p.parts)):  # deepest first, then the directory itself
@@ -310,6 +319,14 @@ def write_checkpoint(
         raise
 
 
+def _lengths(tmp: Path, manifest: mf.Manifest, copy_of: bytes | None) -> dict[str, int]:
+    """The lengths of a copy's files (its manifest lists them) when it is written into memory, where a tmpfs
+    may hold them in huge pages (``direct.NewFile``); none otherwise."""
+    if copy_of is None or not mapped.in_memory(tmp):
+        return {}
+    return {e.path: e.size for e in manifest.files if e.size >= mapped.MIN_BYTES}
+
+
 def _same_files(tmp: Path, expected: tuple[mf.FileEntry, ...], written: list[mf.FileEntry]) -> None:
     """A copy must hash to exactly the entries of the manifest it copies, before that manifest is written."""
     want = {e.path: e for e in expected}
@@ -322,6 +339,18 @@ def _same_files(tmp: Path, expected: tuple[mf.FileEntry, ...], written: list[mf.
         bad.append(Finding(Problem.MISSING, "*", "the copy's file list differs from the manifest's"))
     if bad:
         raise CorruptCheckpoint(str(tmp), bad)
+
+
+def pid_space() -> str | None:
+    """Where this process's pids mean something: this boot of this host (``boot_id``: a directory or a
+    catalog shared between hosts must not have one host judge another's pids) and its pid namespace (its
+    inode: a container's pids are not the host's); None where either cannot be told."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip().replace("-", "")
+        space = os.stat("/proc/self/ns/pid").st_ino
+    except (OSError, UnicodeDecodeError):
+        return None
+    return f"{boot}.{space}" if boot.isascii() and boot.isalnum() else None
 
 
 def pid_alive(pid: int) -> bool:

@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rewind.infra.format.store import pid_alive  # the one check; no torch behind it
+from rewind.infra.format.store import pid_alive, pid_space  # the one check; no torch behind it
 
 HOME_PREFIX = "rewind-agent-"
 
@@ -30,7 +30,7 @@ def sweep_stale(tmp: Path) -> int:
     host's, or a container's, pids mean nothing here). A job still running, another user's directory, or a
     name that is not an agent's is left alone; a pid since taken by another process keeps its directory
     until that ends."""
-    space = _pid_space()
+    space = pid_space()
     if space is None:
         return 0
     swept = 0
@@ -50,20 +50,8 @@ def sweep_stale(tmp: Path) -> int:
 def _home_prefix() -> str:
     """``rewind-agent-<host>-<job pid>-``, or ``rewind-agent-`` alone where the host cannot be told (such a
     directory is never swept)."""
-    space = _pid_space()
+    space = pid_space()
     return f"{HOME_PREFIX}{space}-{os.getpid()}-" if space is not None else HOME_PREFIX
-
-
-def _pid_space() -> str | None:
-    """Where this process's pids mean something: this boot of this host (``boot_id``: a temporary directory
-    shared between hosts must not have one host sweep another's) and its pid namespace (its inode: a
-    container's pids are not the host's); None where either cannot be told."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip().replace("-", "")
-        space = os.stat("/proc/self/ns/pid").st_ino
-    except (OSError, UnicodeDecodeError):
-        return None
-    return f"{boot}.{space}" if boot.isascii() and boot.isalnum() else None
 
 
 def _job_pid(name: str, space: str) -> int | None:

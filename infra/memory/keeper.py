@@ -104,7 +104,7 @@ def keep(
             return None
         if not _displace(cat, have, store.step_dir(cfg.root / run, ck.step), checkpoint_id):
             return None
-        lease = leases.take(cat, checkpoint_id, f"{leases.holder()}:memory-tier")
+        lease = leases.take(cat, checkpoint_id, f"{leases.lease_holder()}:memory-tier")
         room = None
         try:
             room = _room(cat, cfg, have, run, ck, reserved=sum(h.nbytes for h in rows if h.ring))
