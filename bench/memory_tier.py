@@ -130,13 +130,16 @@ def _huge_pages(mib: int, repeats: int) -> dict[str, Any]:
     """The same measurement with the memory tier on a tmpfs mounted ``huge=within_size`` (2 MiB pages), in a
     mount namespace of its own (``unshare``: root); its keys end in ``_huge_pages``. Nothing when no such
     tmpfs can be mounted here."""
+    mnt = Path(tempfile.mkdtemp(prefix="rewind-bench-huge-"))  # mounted only in the child's namespace
     cmd = ["unshare", "--mount", "--propagation", "private", sys.executable, "-m", "bench.memory_tier",
-           "--mib", str(mib), "--repeats", str(repeats), "--mounted-huge"]  # fmt: skip
+           "--mib", str(mib), "--repeats", str(repeats), "--mounted-huge", str(mnt)]  # fmt: skip
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=HERE.parent, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as exc:
         print(f"huge pages not measured: {exc}", file=sys.stderr)
         return {}
+    finally:
+        mnt.rmdir()
     if done.returncode:
         print(f"huge pages not measured: {(done.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
         return {}
@@ -156,20 +159,14 @@ def _measured(mib: int, repeats: int, memory: Path) -> dict[str, Any]:
         shutil.rmtree(memory, ignore_errors=True)
 
 
-def _mounted_huge(mib: int, repeats: int) -> int:
-    """Mount the tier's tmpfs with huge pages, measure, print the results as JSON."""
-    mnt = Path(tempfile.mkdtemp(prefix="rewind-bench-huge-"))
-    try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"huge=within_size,size={4 * mib}m,mode=0700", "tmpfs",
-                        str(mnt)], check=True)  # fmt: skip
-    except BaseException:
-        mnt.rmdir()
-        raise
+def _mounted_huge(mnt: Path, mib: int, repeats: int) -> int:
+    """Mount the tier's tmpfs with huge pages on ``mnt``, measure, print the results as JSON."""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"huge=within_size,size={4 * mib}m,mode=0700", "tmpfs",
+                    str(mnt)], check=True)  # fmt: skip
     try:
         print(json.dumps(_measured(mib, repeats, mnt / "tier")))
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
-        mnt.rmdir()
     return 0
 
 
@@ -178,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=512)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--huge-pages", action="store_true", help="also on a tmpfs with huge pages (root)")
-    p.add_argument("--mounted-huge", action="store_true", help=argparse.SUPPRESS)  # in its own namespace
+    p.add_argument("--mounted-huge", type=Path, help=argparse.SUPPRESS)  # the child, in its own namespace
     args = p.parse_args(argv)
     if args.mounted_huge:  # the child of --huge-pages, in a mount namespace of its own
-        return _mounted_huge(args.mib, args.repeats)
+        return _mounted_huge(args.mounted_huge, args.mib, args.repeats)
     results = _measured(args.mib, args.repeats, Path("/dev/shm") / f"rewind-bench-{os.getpid()}")
     if args.huge_pages:
         results |= _huge_pages(args.mib, args.repeats)

@@ -574,6 +574,8 @@ def test_a_restore_killed_while_it_held_a_memory_copy_holds_it_no_more(
     from rewind.infra.catalog.models import Checkpoint
     from rewind.infra.catalog.models import CheckpointStatus as S
 
+    if store.pid_space() is None:
+        pytest.skip("where this process's pids mean something cannot be told here (/proc)")
     cat = Catalog()
     _model, ck = _job(run_name, cat, tmp_path / "ckpt")
     step1, step2 = _saved(ck, 1), _saved(ck, 2)
@@ -640,6 +642,13 @@ ck = Checkpointer(run, states={"model": model}, root=work, catalog=cat)
 ck.save(1)
 direct.BLOCK = fetch.CHUNK = 1 << 20  # the copy written 1 MiB at a time: no write covers a 2 MiB page
 before = huge_kb()
+fd = os.open(mnt / "control", os.O_WRONLY | os.O_CREAT, 0o600)  # can this machine give huge pages now?
+os.ftruncate(fd, 16 << 20)
+for _ in range(16):
+    os.write(fd, bytes(1 << 20))
+os.close(fd)
+control_kb = huge_kb() - before
+before = huge_kb()
 kept = keeper.keep(cat, ck.last_saved.checkpoint_id, place.config())
 kept_kb = huge_kb() - before
 manifest = mf.read(kept.directory)
@@ -652,7 +661,7 @@ with open(kept.directory / entry.path, "rb") as src, open(appended / entry.path,
     while chunk := src.read(1 << 20):  # the same, its length not given first
         out.write(chunk)
 appended_kb = huge_kb() - before
-print(json.dumps({"kept": kept_kb, "appended": appended_kb,
+print(json.dumps({"control": control_kb, "kept": kept_kb, "appended": appended_kb,
                   "equal": bool(torch.equal(states["model"]["weight"], model.weight.detach()))}))
 """
 
@@ -686,5 +695,7 @@ def test_a_memory_copy_on_a_tmpfs_with_huge_pages_is_held_in_huge_pages(rewind_e
     assert done.returncode == 0, done.stderr
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["equal"], got
+    if got["control"] < 14 << 10:  # a file given its length first got none: memory too fragmented now
+        pytest.skip(f"this machine gives no huge pages to a tmpfs now: {got}")
     assert got["kept"] >= 14 << 10, got  # the 16 MiB file's whole 2 MiB pages
     assert got["appended"] < 2 << 10, got
