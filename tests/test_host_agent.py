@@ -24,9 +24,9 @@ import torch.distributed as dist
 
 from rewind.infra.catalog import lineage
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.format import local_tier
+from rewind.infra.format import local_tier, pids
 from rewind.infra.format import manifest as mf
-from rewind.infra.launch import agent_home, host_agent
+from rewind.infra.launch import host_agent
 from rewind.infra.memory import agent_notice, agent_rounds
 from rewind.infra.memory.agent_rounds import Rounds, Seen
 from rewind.infra.net import free_port
@@ -300,7 +300,7 @@ def test_an_agent_killed_outright_leaves_nothing_behind_once_a_later_one_starts(
     """An agent killed with SIGKILL cannot remove its directory (its FIFO, its ``passed`` file); the next
     agent started on the host removes those of ended jobs, and only those: a running job's, another host's
     (a temporary directory shared between hosts), another pid namespace's and a name not an agent's stay."""
-    space = agent_home.pid_space()
+    space = pids.space()
     assert space is not None
     boot, _, ns = space.partition(".")
     ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
@@ -359,7 +359,7 @@ def _forwarded(port: int, to: int, stop: threading.Event) -> None:
 
 def _listening(pid: int, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Whether the agent of the node whose task (now its torchrun) is ``pid`` listens on its FIFO."""
-    fifos = list(Path(tempfile.gettempdir()).glob(f"rewind-agent-{agent_home.pid_space()}-{pid}-*/commits"))
+    fifos = list(Path(tempfile.gettempdir()).glob(f"rewind-agent-{pids.space()}-{pid}-*/commits"))
     if len(fifos) != 1:
         return False
     monkeypatch.setenv(agent_notice.FIFO_ENV, str(fifos[0]))

@@ -32,7 +32,7 @@ from rewind.infra.checkpoint.engine import Checkpointer
 from rewind.infra.drills import chaos
 from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import mapped, store, tensorfile
+from rewind.infra.format import mapped, pids, tensorfile
 from rewind.infra.format.digest import hash_bytes, manifest_digest
 from rewind.infra.memory import keeper, place, ring_room
 from tests.prefect_support import wait_until
@@ -574,7 +574,7 @@ def test_a_restore_killed_while_it_held_a_memory_copy_holds_it_no_more(
     from rewind.infra.catalog.models import Checkpoint
     from rewind.infra.catalog.models import CheckpointStatus as S
 
-    if store.pid_space() is None:
+    if pids.space() is None:
         pytest.skip("where this process's pids mean something cannot be told here (/proc)")
     cat = Catalog()
     _model, ck = _job(run_name, cat, tmp_path / "ckpt")
@@ -602,7 +602,7 @@ def test_a_restore_killed_while_it_held_a_memory_copy_holds_it_no_more(
             child.kill()
             child.wait(timeout=60)
     assert not leases.leased(cat, step1)
-    here, space = socket.gethostname(), store.pid_space()
+    here, space = socket.gethostname(), pids.space()
     assert leases.holder_gone(f"{here}:{child.pid}:{space}:memory-tier")  # a killed memory agent's
     assert not leases.holder_gone(f"{here}:{child.pid}:{space}0")  # another pid namespace's: may live
     assert not leases.holder_gone(f"{here}:{child.pid}")  # where its pid means something unknown

@@ -29,7 +29,7 @@ from rewind.infra.catalog.models import Checkpoint, Launch, RestoreLease, Run, S
 from rewind.infra.catalog.models import CheckpointStatus as S
 from rewind.infra.catalog.serving import KEEPS_CHECKPOINT
 from rewind.infra.errors import NotFoundError, RunBusy
-from rewind.infra.format import store
+from rewind.infra.format import pids
 
 DEFAULT_TTL_S = 6 * 3600.0
 RESTORABLE = (S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value)
@@ -41,8 +41,8 @@ def holder() -> str:
 
 def lease_holder() -> str:
     """This process as a restore lease's holder: host, pid, and where its pid means something
-    (``store.pid_space``), so that another process can tell when it is gone."""
-    space = store.pid_space()
+    (``pids.space``), so that another process can tell when it is gone."""
+    space = pids.space()
     return f"{holder()}:{space}" if space else holder()
 
 
@@ -54,9 +54,9 @@ def holder_gone(who: str) -> bool:
     return (
         host == socket.gethostname()
         and bool(space)
-        and space == store.pid_space()
+        and space == pids.space()
         and pid.isdigit()
-        and not store.pid_alive(int(pid))
+        and not pids.alive(int(pid))
     )
 
 
@@ -179,7 +179,7 @@ def _gone(cat_session: Any, writer: str, seen_at: Any) -> bool:
         row = cat_session.get(Launch, int(launch))
         if row is not None and row.ended_at is not None:
             return True  # its supervisor saw the launch end
-    if host == socket.gethostname() and pid_text.isdigit() and not store.pid_alive(int(pid_text)):
+    if host == socket.gethostname() and pid_text.isdigit() and not pids.alive(int(pid_text)):
         return True
     return seen_at is None or (utcnow() - aware(seen_at)).total_seconds() > WRITER_TTL_S
 

@@ -43,7 +43,7 @@ from rewind.infra.checkpoint.staging import Staged, StagingBuffer
 from rewind.infra.checkpoint.state import Stateful, as_stateful, environment, writer
 from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, StateMismatch
 from rewind.infra.faults import fault_point
-from rewind.infra.format import chunked, direct, payload, store
+from rewind.infra.format import chunked, direct, payload, pids, store
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.verify import Finding, Problem
 from rewind.infra.restore import execute as restore_exec
@@ -378,7 +378,7 @@ class Checkpointer:
         for ck in lineage.writing(self._cat, self.run_id):
             env = ck.environment or {}
             pid = int(env.get("pid", 0))
-            if env.get("hostname") != host or (pid != os.getpid() and store.pid_alive(pid)):
+            if env.get("hostname") != host or (pid != os.getpid() and pids.alive(pid)):
                 continue
             # The writer died. If it got as far as the rename, the directory is complete but uncommitted:
             # treat it as not existing and remove it; if not, what lies there is the step's committed one.

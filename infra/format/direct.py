@@ -234,7 +234,7 @@ class NewFile:
                 with self._view[whole:pos] as part:
                     self._write_all(part)
             self._pos = 0
-            if self._length != self.size and self._length:
+            if self._length and self._length != self.size:
                 os.ftruncate(self._fd, self.size)
             os.fsync(self._fd)
         finally:

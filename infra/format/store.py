@@ -24,7 +24,7 @@ from typing import BinaryIO
 from rewind.infra import parallel
 from rewind.infra.errors import CorruptCheckpoint
 from rewind.infra.faults import fault_point
-from rewind.infra.format import direct, local_tier, mapped
+from rewind.infra.format import direct, local_tier, mapped, pids
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import FileDigest, HashingSink, HashingWriter, hash_file, manifest_digest
 from rewind.infra.format.verify import Finding, Problem
@@ -341,30 +341,6 @@ def _same_files(tmp: Path, expected: tuple[mf.FileEntry, ...], written: list[mf.
         raise CorruptCheckpoint(str(tmp), bad)
 
 
-def pid_space() -> str | None:
-    """Where this process's pids mean something: this boot of this host (``boot_id``: a directory or a
-    catalog shared between hosts must not have one host judge another's pids) and its pid namespace (its
-    inode: a container's pids are not the host's); None where either cannot be told."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text(encoding="ascii").strip().replace("-", "")
-        space = os.stat("/proc/self/ns/pid").st_ino
-    except (OSError, UnicodeDecodeError):
-        return None
-    return f"{boot}.{space}" if boot.isascii() and boot.isalnum() else None
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_temp(run_dir: Path) -> list[Path]:
     """Remove ``.tmp-`` directories left by a killed save; return what was removed."""
     removed: list[Path] = []
@@ -372,7 +348,7 @@ def sweep_temp(run_dir: Path) -> list[Path]:
         return removed
     for p in run_dir.iterdir():
         m = _TMP_DIR.match(p.name)
-        if m and (int(m.group(1)) == os.getpid() or not pid_alive(int(m.group(1)))):
+        if m and (int(m.group(1)) == os.getpid() or not pids.alive(int(m.group(1)))):
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed

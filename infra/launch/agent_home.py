@@ -10,7 +10,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rewind.infra.format.store import pid_alive, pid_space  # the one check; no torch behind it
+from rewind.infra.format import pids
 
 HOME_PREFIX = "rewind-agent-"
 
@@ -30,14 +30,14 @@ def sweep_stale(tmp: Path) -> int:
     host's, or a container's, pids mean nothing here). A job still running, another user's directory, or a
     name that is not an agent's is left alone; a pid since taken by another process keeps its directory
     until that ends."""
-    space = pid_space()
+    space = pids.space()
     if space is None:
         return 0
     swept = 0
     with contextlib.suppress(OSError):
         for entry in os.scandir(tmp):
             pid = _job_pid(entry.name, space)
-            if pid is None or pid_alive(pid):
+            if pid is None or pids.alive(pid):
                 continue
             with contextlib.suppress(OSError):
                 st = entry.stat(follow_symlinks=False)
@@ -50,7 +50,7 @@ def sweep_stale(tmp: Path) -> int:
 def _home_prefix() -> str:
     """``rewind-agent-<host>-<job pid>-``, or ``rewind-agent-`` alone where the host cannot be told (such a
     directory is never swept)."""
-    space = pid_space()
+    space = pids.space()
     return f"{HOME_PREFIX}{space}-{os.getpid()}-" if space is not None else HOME_PREFIX
 
 

@@ -26,7 +26,7 @@ from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.held import held_on
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import store
+from rewind.infra.format import pids
 
 log = logging.getLogger("rewind.ring")
 RING_DIR = ".ring"  # no run is named with a leading dot: never a run's memory copy
@@ -121,7 +121,7 @@ def sweep(of_run: Path) -> None:
     """Transfers left unfinished by a process that is gone."""
     for d in of_run.glob(".incoming-*"):
         pid = d.name.rpartition("-")[2]
-        if pid.isdigit() and not store.pid_alive(int(pid)):
+        if pid.isdigit() and not pids.alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
 
 
