@@ -55,8 +55,7 @@ def _restore_s(run: str, root: Path, tier: str, evict: Path | None, into: Any, w
     written once after (``mapped``: read over the memory copy's pages, as the restore never does for kept
     tensors: what a first write to them would cost)."""
     from rewind.infra.catalog.db import Catalog
-    from rewind.infra.checkpoint import own_tensors
-    from rewind.infra.format import payload
+    from rewind.infra.format import dropping, payload
     from rewind.infra.restore import execute, plan
 
     def load(directory: Path, manifest: Any) -> None:
@@ -76,7 +75,7 @@ def _restore_s(run: str, root: Path, tier: str, evict: Path | None, into: Any, w
     done = execute.execute(cat, plan.plan(cat, run, root=root, tiers=(tier,)), load)
     seconds = time.perf_counter() - started
     assert done.source == tier, done.source
-    own_tensors.dropped()  # the parts' teardown done before the next timed restore, outside the timer
+    dropping.dropped()  # the parts' teardown done before the next timed restore, outside the timer
     return seconds
 
 

@@ -31,8 +31,8 @@ from rewind.infra.checkpoint import own_tensors
 from rewind.infra.checkpoint.engine import Checkpointer
 from rewind.infra.drills import chaos
 from rewind.infra.errors import CorruptCheckpoint
+from rewind.infra.format import dropping, mapped, pids, tensorfile
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import mapped, pids, tensorfile
 from rewind.infra.format.digest import hash_bytes, manifest_digest
 from rewind.infra.memory import keeper, place, ring_room
 from tests.prefect_support import wait_until
@@ -123,7 +123,7 @@ class _Extra(_Holder):
 
 def _mapped_from(root: Path) -> list[str]:
     """This process's mappings of files under ``root``, once what restores let go is dropped."""
-    assert own_tensors.dropped(timeout=30)
+    assert dropping.dropped(timeout=30)
     gc.collect()
     return [line for line in Path("/proc/self/maps").read_text().splitlines() if str(root) in line]
 
@@ -150,15 +150,21 @@ def test_what_a_job_restores_from_memory_is_its_own_the_memory_copy_never_change
     _, ck = job(dict(saved))
     kept = keeper.keep(cat, _saved(ck, 1), cfg)
     assert kept is not None
-    maps = mapped.verified_mapping
-    made: list[str] = []  # the files read over a mapping
+    maps, loads = mapped.verified_mapping, mapped.verified_into
+    made: list[str] = []  # the files read over a mapping, or loaded from it into the module's own tensors
 
     def spy(directory: Path, entry: mf.FileEntry) -> memoryview | None:
         view = maps(directory, entry)
         made.extend([entry.path] if view is not None else [])
         return view
 
+    def spy_into(directory: Path, entry: mf.FileEntry, into: Any) -> bool:
+        done = loads(directory, entry, into)
+        made.extend([entry.path] if done else [])
+        return done
+
     monkeypatch.setattr(mapped, "verified_mapping", spy)
+    monkeypatch.setattr(mapped, "verified_into", spy_into)
     first, ck = job({k: torch.zeros_like(v) for k, v in saved.items()})
     got = ck.restore_latest()
     assert got is not None and got.source == "memory"
@@ -206,11 +212,14 @@ def test_which_state_objects_are_read_over_a_mapping_and_a_module_left_on_one_ge
     assert torch.equal(module.weight, torch.ones(4, 4))
 
 
+@pytest.mark.parametrize("weight", ["contiguous", "transposed"])
 def test_only_parts_read_over_a_mapping_are_dropped_on_the_unmapping_thread(
-    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch, weight
 ):  # type: ignore[no-untyped-def]
-    """A restore from memory hands the drop thread the parts read over a mapping (a module's) and nothing
-    else (an optimizer's state, read into tensors of its own, is dropped where it was read)."""
+    """A restore from memory hands the drop thread the parts read over a mapping (a module's whose tensors
+    cannot take the file's bytes in place: a transposed weight) and nothing else (an optimizer's state, read
+    into tensors of its own, is dropped where it was read; a module loaded in place is given its own
+    tensors, and its file's mapping is let go on the thread where it was proven)."""
     cat, cfg = Catalog(), place.config()
     assert cfg is not None
     torch.manual_seed(2)
@@ -226,13 +235,16 @@ def test_only_parts_read_over_a_mapping_are_dropped_on_the_unmapping_thread(
     real = own_tensors.let_go
     monkeypatch.setattr(own_tensors, "let_go", lambda states: (handed.append(sorted(states)), real(states)))
     again = torch.nn.Linear(1024, 1024)
+    if weight == "transposed":
+        again.weight = torch.nn.Parameter(torch.empty(1024, 1024).t())
     ck = Checkpointer(
         run_name, states={"model": again, "optimizer": torch.optim.AdamW(again.parameters())},
         root=tmp_path / "ckpt", catalog=cat,
     )  # fmt: skip
     got = ck.restore_latest()
     assert got is not None and got.source == "memory"
-    assert handed == [["model"]] and torch.equal(again.weight, model.weight)
+    assert handed == ([["model"]] if weight == "transposed" else [])
+    assert torch.equal(again.weight, model.weight) and torch.equal(again.bias, model.bias)
     assert _mapped_from(memory_root) == []
 
 

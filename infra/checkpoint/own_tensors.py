@@ -13,15 +13,12 @@ parameters and buffers is not looked for: the conditions above leave it nothing 
 from __future__ import annotations
 
 import itertools
-import os
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-FORK_WAIT_S = 10.0  # a fork waits at most this long for parts being dropped
+from rewind.infra.format import dropping
 
 
 def copies_on_load(obj: object) -> bool:
@@ -43,6 +40,27 @@ def copies_on_load(obj: object) -> bool:
 
 
 _EXTRA = torch.nn.Module.set_extra_state
+
+
+def targets(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters and buffers by their state dict keys, detached (written without autograd, as
+    torch's own load writes them under ``no_grad``): what a proven memory copy may be loaded straight into
+    (``rewind.infra.format.in_place``). Empty unless every entry is one of its own dense, contiguous CPU
+    tensors of torch's own types, and under the swap-tensors load (``torch.__future__``), which exchanges
+    what it is given for its tensors instead of copying it. For a module that ``copies_on_load``."""
+    if torch.__future__.get_swap_module_params_on_conversion():
+        return {}
+    own = {id(t) for t in itertools.chain(module.parameters(), module.buffers())}
+    out: dict[str, torch.Tensor] = {}
+    for key, t in module.state_dict(keep_vars=True).items():
+        if not (id(t) in own and type(t) in (torch.Tensor, torch.nn.Parameter) and _plain(t)):
+            return {}
+        out[key] = t.detach()
+    return out
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.layout is torch.strided and t.is_contiguous()
 
 
 def _torch_own(cls: type, method: str) -> bool:
@@ -73,36 +91,12 @@ def own_kept(module: torch.nn.Module, handed: frozenset[int]) -> int:
 
 
 def let_go(states: dict[str, Any]) -> None:
-    """Empty ``states`` (parts as read, loaded) and drop what it held on a thread of its own: the last
-    tensor over a memory copy's mapping unmaps it, and the kernel's page-table teardown (13 ms per 512 MiB
-    measured here) runs beside the job's next steps instead of before them. The caller must hold no other
-    reference to the parts. Where no thread can be started they are dropped here."""
+    """Empty ``states`` (parts as read, loaded) and drop what it held on a thread of its own
+    (``dropping.later``): the last tensor over a memory copy's mapping unmaps it. The caller must hold no
+    other reference to the parts."""
     held = list(states.values())
     states.clear()
-    drop = threading.Thread(target=held.clear, name="rewind-unmap", daemon=True)
-    try:
-        drop.start()
-    except RuntimeError:  # a process limit on threads, or the interpreter shutting down
-        held.clear()
-        return
-    _DROPPING[:] = [t for t in _DROPPING if t.is_alive()] + [drop]  # no lock: the fork hook reads it
-
-
-def dropped(timeout: float = 30.0) -> bool:
-    """Wait up to ``timeout`` seconds in all for the parts ``let_go`` was given to be dropped; whether they
-    are. Takes no lock: it runs before every fork (``os.register_at_fork``), a signal handler's too."""
-    deadline = time.monotonic() + timeout
-    waiting = list(_DROPPING)
-    for t in waiting:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return not any(t.is_alive() for t in waiting)
-
-
-_DROPPING: list[threading.Thread] = []
-# A child forked while parts wait to be dropped would inherit them without the thread that drops them, and
-# keep a memory copy's pages mapped for its whole life (a data loader's persistent workers): wait first.
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(before=lambda: dropped(timeout=FORK_WAIT_S), after_in_child=_DROPPING.clear)
+    dropping.later(held.clear)
 
 
 def _tensors(tree: Any) -> Iterator[torch.Tensor]:

@@ -20,22 +20,24 @@ import errno
 import mmap
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from rewind.infra import cpus, progress
 from rewind.infra.errors import CorruptCheckpoint
+from rewind.infra.format import dropping, in_place, pages, segments, tensorfile
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import pages, segments
 from rewind.infra.format.digest import CHUNK, Hasher
 from rewind.infra.format.verify import Finding, Problem, entry_mismatch, open_entry
 
 TMPFS_MAGIC, RAMFS_MAGIC = 0x01021994, 0x858458F6
 MIN_BYTES = 1 << 20  # a smaller file is read: mapping it saves nothing worth its page-table cost
 MADV_POPULATE_READ = 22  # Linux 5.14: fault the pages in, an I/O error reported as an errno, not a SIGBUS
-SPAN = 32 << 20  # faulted in by one helper at a time, ahead of the hash
+SPAN = 32 << 20  # faulted in by one helper at a time, ahead of the hash; a worker's segments at a time
 HELPERS = 2  # a helper faults pages in at about half the rate one thread hashes them
 MAX_WORKERS = 16  # segments hashed at once, at most (each a core's worth of memory bandwidth)
 _STATFS_BYTES = 256  # struct statfs is 120 bytes on 64-bit Linux
@@ -98,6 +100,64 @@ def verified_mapping(directory: Path, entry: mf.FileEntry) -> memoryview | None:
     return view
 
 
+def verified_into(directory: Path, entry: mf.FileEntry, into: Mapping[str, torch.Tensor]) -> bool:
+    """``entry``'s file loaded straight into ``into`` (tensors by name that take every tensor of the file,
+    ``in_place``), each segment proven against the catalog's record before its bytes are copied; False,
+    nothing written, where it cannot be (not on a memory filesystem, small, no fitting segment record, the
+    tensors do not fit: read it the usual way). ``CorruptCheckpoint`` for a missing or different file and
+    ``OSError`` for an I/O error, as ``verified_mapping``: ``into`` may hold proven bytes of it by then."""
+    fits = entry.segments and len(entry.segments) == segments.count(entry.size)
+    if not (into and fits and entry.size >= MIN_BYTES and in_memory(directory)):
+        return False
+    with open_entry(directory, entry) as f:
+        whole = _map(f.fileno(), directory, entry)
+    if whole is None:
+        return False
+
+    def unmap() -> None:
+        view.release()
+        whole.close()
+
+    view = memoryview(whole)
+    try:
+        placements = _planned(view, _address(whole), directory, entry, into)
+        wrong = _segment_mismatch(whole, view, directory, entry, placements) if placements else None
+    finally:
+        dropping.later(unmap)  # the page-table teardown off the restore's path
+    if wrong is not None:
+        raise CorruptCheckpoint(str(directory), [wrong])
+    return bool(placements)
+
+
+def _planned(
+    view: memoryview, base: int, directory: Path, entry: mf.FileEntry, into: Mapping[str, torch.Tensor]
+) -> tuple[in_place.Placement, ...]:
+    """Where the file's tensors go in ``into``, its header read only once the segments it lies in are
+    proven; none for a header that does not parse (the usual read names it)."""
+    proven = _proven(view, base, 0, directory, entry)
+    try:
+        end = tensorfile.header_end(view)
+        while proven < end:
+            proven = _proven(view, base, proven, directory, entry)
+        data, spans, _ = tensorfile.laid_out(view)
+    except (ValueError, EOFError):
+        return ()
+    return in_place.plan(data, spans, into)
+
+
+def _proven(view: memoryview, base: int, at: int, directory: Path, entry: mf.FileEntry) -> int:
+    """The segment at ``at`` proven against the catalog's record (``CorruptCheckpoint`` if it differs); where
+    it ends."""
+    end = min(at + segments.SEGMENT, len(view))
+    err, got = _segment_digest(view, base, at, end)
+    _check(err, directory, entry)
+    if got != entry.segments[at // segments.SEGMENT]:
+        raise CorruptCheckpoint(
+            str(directory), [_segment_finding(entry, at // segments.SEGMENT, at, len(view), got)]
+        )
+    return end
+
+
 def _map(fd: int, directory: Path, entry: mf.FileEntry) -> mmap.mmap | None:
     """The open file mapped private; None when it cannot be (read it instead)."""
     size = os.fstat(fd).st_size
@@ -140,35 +200,40 @@ def _populated_hash(whole: mmap.mmap, view: memoryview, directory: Path, entry: 
 
 
 def _segment_mismatch(
-    whole: mmap.mmap, view: memoryview, directory: Path, entry: mf.FileEntry
+    whole: mmap.mmap,
+    view: memoryview,
+    directory: Path,
+    entry: mf.FileEntry,
+    placements: Sequence[in_place.Placement] = (),
 ) -> Finding | None:
     """The first segment of the mapping whose xxh3 is not the one the catalog recorded (``entry.segments``),
-    None when every one is; each segment faulted in and hashed by a worker, on every core at once."""
-    base = _address(whole)
-    starts = range(0, len(whole), segments.SEGMENT)
+    None when every one is; a ``SPAN`` of segments at a time faulted in and hashed by a worker, on every
+    core at once, each segment copied where ``placements`` put its bytes once it matched."""
+    base, size, seg = _address(whole), len(whole), segments.SEGMENT
+    per = max(1, SPAN // seg)  # segments a worker takes at a time
+    firsts = range(0, segments.count(size), per)
 
-    def hashed(at: int) -> tuple[int, str]:  # (errno faulting it in, its digest)
-        size = min(segments.SEGMENT, len(whole) - at)
-        err = _populate(base + at, size)
-        if err not in (0, errno.EINVAL, errno.ENOSYS):
-            return err, ""
-        hasher = Hasher(with_crc=False)
-        with view[at : at + size] as piece:
-            hasher.update(piece)
-        return 0, hasher.result().xxh3
+    def hashed(first: int) -> list[tuple[int, str]]:  # each segment's (errno faulting it in, digest)
+        out = []
+        for i in range(first, min(first + per, len(entry.segments))):
+            at, end = i * seg, min(i * seg + seg, size)
+            out.append(_segment_digest(view, base, at, end))
+            if out[-1][1] != entry.segments[i]:
+                break  # the rest are not looked at
+            if placements:
+                in_place.copy_proven(placements, at, end, base)
+        return out
 
-    workers = max(1, min(len(starts), cpus.usable(), MAX_WORKERS))
+    workers = max(1, min(len(firsts), cpus.usable(), MAX_WORKERS))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rewind-segment") as pool:
-        done = [_started(pool, hashed, at) for at in starts]
+        done = [_started(pool, hashed, first) for first in firsts]
         try:
-            for i, (at, want, job) in enumerate(zip(starts, entry.segments, done, strict=True)):
-                err, got = job.result() if job else hashed(at)
-                _check(err, directory, entry)
-                if got != want:
-                    end = min(at + segments.SEGMENT, len(whole))
-                    detail = f"segment {i} (bytes {at}..{end}) xxh3 {got} != the catalog's {want}"
-                    return Finding(Problem.DIGEST, entry.path, detail)
-                progress.advance(min(segments.SEGMENT, len(whole) - at))
+            for first, job in zip(firsts, done, strict=True):
+                for i, (err, got) in enumerate(job.result() if job else hashed(first), start=first):
+                    _check(err, directory, entry)
+                    if got != entry.segments[i]:
+                        return _segment_finding(entry, i, i * seg, size, got)
+                    progress.advance(min(seg, size - i * seg))
         finally:
             for job in done:
                 if job:
@@ -176,12 +241,31 @@ def _segment_mismatch(
     return None
 
 
+def _segment_digest(view: memoryview, base: int, at: int, end: int) -> tuple[int, str]:
+    """The bytes ``at`` .. ``end`` of the mapping faulted in and hashed: (errno faulting them in, their
+    xxh3; empty after an error)."""
+    err = _populate(base + at, end - at)
+    if err not in (0, errno.EINVAL, errno.ENOSYS):
+        return err, ""
+    hasher = Hasher(with_crc=False)
+    with view[at:end] as piece:
+        hasher.update(piece)
+    return 0, hasher.result().xxh3
+
+
+def _segment_finding(entry: mf.FileEntry, i: int, at: int, size: int, got: str) -> Finding:
+    end = min(at + segments.SEGMENT, size)
+    detail = f"segment {i} (bytes {at}..{end}) xxh3 {got} != the catalog's {entry.segments[i]}"
+    return Finding(Problem.DIGEST, entry.path, detail)
+
+
 def _started(
-    pool: ThreadPoolExecutor, hashed: Callable[[int], tuple[int, str]], at: int
-) -> Future[tuple[int, str]] | None:
-    """The segment at ``at`` hashed by a worker; None where no thread can be started (this thread hashes it)."""
+    pool: ThreadPoolExecutor, hashed: Callable[[int], list[tuple[int, str]]], first: int
+) -> Future[list[tuple[int, str]]] | None:
+    """The segments from ``first`` hashed by a worker; None where no thread can be started (this thread
+    hashes them)."""
     try:
-        return pool.submit(hashed, at)
+        return pool.submit(hashed, first)
     except RuntimeError:
         return None
 

@@ -109,10 +109,21 @@ def _unloadable(directory: Path, path: str, why: str) -> UnloadableCheckpoint:
     return UnloadableCheckpoint(str(directory), [Finding(Problem.CONTENT, path, why)])
 
 
-def read_tensors(directory: Path, entry: mf.FileEntry, *, may_map: bool = False) -> dict[str, torch.Tensor]:
+def read_tensors(
+    directory: Path,
+    entry: mf.FileEntry,
+    *,
+    may_map: bool = False,
+    into: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """One safetensors file, verified against ``entry``; every tensor has a storage of its own. ``may_map``:
     a file on a memory filesystem is mapped copy-on-write instead (``mapped``), for tensors the caller
-    copies into its own and lets go (a first write to a mapped page costs more than the copy saved)."""
+    copies into its own and lets go (a first write to a mapped page costs more than the copy saved).
+    ``into``: the caller's own tensors by name, which such a file, proven a segment at a time, is loaded
+    straight into where they take every tensor of it (``in_place``): then they are what is returned."""
+    if may_map and into and mapped.verified_into(directory, entry, into):
+        torch.autograd.graph.increment_version(list(into.values()))  # written, as a copy_ would mark them
+        return dict(into)
     problem: Exception | None = None
     proven = mapped.verified_mapping(directory, entry) if may_map else None
     if proven is not None:
@@ -139,9 +150,17 @@ def read_json(directory: Path, entry: mf.FileEntry, reads: Nearest | None = None
         raise _unloadable(directory, entry.path, f"not JSON ({str(exc)[:200]})") from exc
 
 
-def read_states(directory: Path, manifest: mf.Manifest, *, copied: Collection[str] = ()) -> dict[str, Any]:
+def read_states(
+    directory: Path,
+    manifest: mf.Manifest,
+    *,
+    copied: Collection[str] = (),
+    into: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+) -> dict[str, Any]:
     """Verified state dicts per part. ``copied``: the parts whose tensors the caller copies into tensors of
     its own as it loads them (a module's ``load_state_dict``): read from a memory tier without a copy.
+    ``into``: for some of those, those tensors of its own by state key: loaded into straight from a memory
+    copy where they take the part's every tensor (``read_tensors``), and then handed back in its state.
 
     ``CorruptCheckpoint`` names a file whose bytes differ; ``UnloadableCheckpoint`` one
     whose bytes match but whose content cannot be a state; ``OSError`` is an I/O error.
@@ -157,24 +176,38 @@ def read_states(directory: Path, manifest: mf.Manifest, *, copied: Collection[st
         raise ConfigError(f"{directory} is a sharded (DCP) checkpoint: load it with ShardedCheckpointer")
     if STATE_FILE not in entries:
         raise _unloadable(directory, STATE_FILE, "not listed in the manifest")
+    trees = read_json(directory, entries[STATE_FILE])
+    if not isinstance(trees, dict):
+        raise _unloadable(directory, STATE_FILE, f"holds a {type(trees).__name__}, not one state per part")
     tensors: dict[str, torch.Tensor] = {}
     mappable = {tensor_file(part) for part in copied}
+    targets = _by_name(trees, into or {})
     for path, entry in entries.items():
         if path.endswith(".safetensors"):
-            tensors.update(read_tensors(directory, entry, may_map=path in mappable))
+            tensors.update(read_tensors(directory, entry, may_map=path in mappable, into=targets.get(path)))
     if chunked.INDEX_FILE in entries:
         index = read_json(directory, entries[chunked.INDEX_FILE])
         try:
             tensors.update(chunked.read_tensors(directory, entries, index))
         except MalformedFile as exc:  # the index matched the manifest: the writer made it so
             raise _unloadable(directory, chunked.INDEX_FILE, str(exc)) from exc
-    trees = read_json(directory, entries[STATE_FILE])
-    if not isinstance(trees, dict):
-        raise _unloadable(directory, STATE_FILE, f"holds a {type(trees).__name__}, not one state per part")
     try:
         return {str(part): tree.join(t, tensors) for part, t in trees.items()}
     except _DECODE_ERRORS as exc:
         raise _unloadable(directory, STATE_FILE, f"{type(exc).__name__}: {str(exc)[:300]}") from exc
+
+
+def _by_name(
+    trees: Mapping[str, Any], into: Mapping[str, Mapping[str, torch.Tensor]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Per tensor file, the caller's tensors by the names its part's saved state gives their keys: for each
+    part whose state is flat (a module's) with exactly those keys."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for part, by_key in into.items():
+        names = tree.tensor_names(trees.get(part))
+        if by_key and names.keys() == by_key.keys():
+            out[tensor_file(part)] = {names[k]: t for k, t in by_key.items()}
+    return out
 
 
 def data_position(directory: Path, manifest: mf.Manifest) -> dict[str, int]:

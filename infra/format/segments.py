@@ -21,8 +21,8 @@ from dataclasses import replace
 
 from rewind.infra.format import manifest as mf
 
-SEGMENT = 32 << 20
-MAX_RECORD = 16 << 20  # a record larger than this is not read (about 400 TB of files at 32 MiB a segment)
+SEGMENT = 4 << 20  # small enough that a segment just hashed is still in the cache when it is copied
+MAX_RECORD = 16 << 20  # a record larger than this is not read (about 1.9 TB of files at 4 MiB a segment)
 _HEX = re.compile(r"[0-9a-f]{32}")
 
 

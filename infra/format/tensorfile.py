@@ -166,7 +166,7 @@ def _span(run: list[torch.Tensor]) -> memoryview:
 
 
 @dataclass(frozen=True, slots=True)
-class _Span:
+class Span:
     name: str
     dtype: torch.dtype
     shape: list[int]
@@ -174,7 +174,7 @@ class _Span:
     end: int
 
 
-def _spans(header: dict[str, Any], data_bytes: int) -> list[_Span]:
+def _spans(header: dict[str, Any], data_bytes: int) -> list[Span]:
     """Validate every header entry against the data size; return them in file order, non-overlapping."""
     spans = []
     for name, info in header.items():
@@ -194,7 +194,7 @@ def _spans(header: dict[str, Any], data_bytes: int) -> list[_Span]:
             raise MalformedFile(
                 f"tensor {name!r} has offsets {start}..{end} that do not fit its shape or the file"
             )
-        spans.append(_Span(name, dtype, shape, start, end))
+        spans.append(Span(name, dtype, shape, start, end))
     spans.sort(key=lambda sp: (sp.start, sp.end))
     for a, b in itertools.pairwise(spans):
         if b.start < a.end:
@@ -231,22 +231,35 @@ def read(reader: HashingReader, size: int) -> tuple[dict[str, torch.Tensor], dic
     return out, metadata
 
 
+def header_end(mapping: memoryview) -> int:
+    """Where the header of a whole file in memory ends: its first 8 bytes read, nothing after them.
+    Raises ``ValueError`` for a malformed file."""
+    return 8 + _header_length(bytes(mapping[:8]), len(mapping))
+
+
+def laid_out(mapping: memoryview) -> tuple[int, list[Span], dict[str, str]]:
+    """Where a whole file in memory holds its tensors: the offset their data starts at, each tensor's span
+    from there (in file order), the metadata; the header read, nothing after it. ``ValueError`` for a
+    malformed file."""
+    start = header_end(mapping)
+    spans, metadata = _decode_header(mapping[8:start], len(mapping) - start)
+    return start, spans, metadata
+
+
 def over(mapping: memoryview) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors of a whole file already in memory (a private mapping the caller proved), made over its
     bytes without a copy: each tensor has a storage of its own over its own bytes (one that lies at an
     offset not aligned to its element size is copied). Raises ``ValueError`` for a malformed file."""
-    size = len(mapping)
-    n = _header_length(bytes(mapping[:8]), size)
-    spans, metadata = _decode_header(mapping[8 : 8 + n], size - 8 - n)
+    data, spans, metadata = laid_out(mapping)
     out: dict[str, torch.Tensor] = {}
     for sp in spans:
         itemsize = torch.empty(0, dtype=sp.dtype).element_size()
-        at, count = 8 + n + sp.start, (sp.end - sp.start) // itemsize
+        at, count = data + sp.start, (sp.end - sp.start) // itemsize
         if count == 0:
             t = allocate(sp.name, sp.shape, sp.dtype)
         elif at % itemsize:  # no tensor of this dtype can start there: a copy of its own
             t = allocate(sp.name, sp.shape, sp.dtype)
-            byte_view(t)[:] = mapping[at : 8 + n + sp.end]
+            byte_view(t)[:] = mapping[at : data + sp.end]
         else:
             flat = torch.frombuffer(mapping, dtype=sp.dtype, count=count, offset=at)
             stride = torch.empty(sp.shape, dtype=sp.dtype, device="meta").stride()
@@ -266,9 +279,7 @@ def _header_length(head: bytes, size: int) -> int:
     return int(n)
 
 
-def _decode_header(
-    raw: bytes | bytearray | memoryview, data_bytes: int
-) -> tuple[list[_Span], dict[str, str]]:
+def _decode_header(raw: bytes | bytearray | memoryview, data_bytes: int) -> tuple[list[Span], dict[str, str]]:
     """The header's tensors in file order (validated against ``data_bytes``) and its metadata."""
     try:
         header = json.loads(bytes(raw))

@@ -94,6 +94,20 @@ def split(tree: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
     return walk(tree, prefix), tensors
 
 
+def tensor_names(tree: Any) -> dict[str, str]:
+    """The tensor each key of a flat state names (a module's state dict: string keys, a tensor each), by
+    key; empty for any other state."""
+    if not isinstance(tree, dict):
+        return {}
+    names: dict[str, str] = {}
+    for key, leaf in tree.items():
+        name = leaf.get("__tensor__") if isinstance(leaf, dict) and len(leaf) == 1 else None
+        if not isinstance(name, str):
+            return {}
+        names[key] = name
+    return names
+
+
 def join(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     """Inverse of :func:`split`."""
     if isinstance(tree, list):

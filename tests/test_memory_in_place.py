@@ -1,0 +1,173 @@
+"""A module restored from a memory copy is loaded in place, a segment at a time, each only once it is proven."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from rewind.infra.catalog import copies
+from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint.engine import Checkpointer
+from rewind.infra.errors import CorruptCheckpoint, NoRestorableCheckpoint
+from rewind.infra.format import manifest as mf
+from rewind.infra.format import mapped, segments
+from rewind.infra.memory import keeper, place
+from tests.test_memory_tier import _mapped_from, _memory_copies, _saved
+
+SEGMENT = 1 << 20  # a 4 MiB Linear(1024, 1024) is 5 segments, the last a part one
+SENTINEL = 0xA5
+
+
+def _kept(run: str, root: Path, model: torch.nn.Module) -> tuple[Catalog, Path]:
+    """``model`` saved at step 1 and copied into the memory tier; (catalog, the memory copy's directory)."""
+    cat, cfg = Catalog(), place.config()
+    assert cfg is not None
+    ck = Checkpointer(run, states={"model": model}, root=root, catalog=cat)
+    done = keeper.keep(cat, _saved(ck, 1), cfg)
+    assert done is not None
+    ck.close()
+    return cat, done.directory
+
+
+def _damage(path: Path, at: int) -> None:
+    """One byte of a checkpoint file changed; the file replaced, as no checkpoint file is written in place."""
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x10
+    path.unlink()
+    path.write_bytes(bytes(data))
+
+
+def _entry(cat: Catalog, run: str, directory: Path) -> mf.FileEntry:
+    """The memory copy's model file as a restore holds it: its manifest entry with the catalog's segments."""
+    [row] = next(iter(_memory_copies(cat, run).values()))
+    manifest = segments.attach(mf.read(directory), copies.segments_of(cat, row.id, segments.MAX_RECORD))
+    [entry] = [e for e in manifest.files if e.path == "model.safetensors"]
+    assert len(entry.segments) == 5
+    return entry
+
+
+def test_no_byte_of_a_segment_that_fails_reaches_the_module(
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """Each segment's bytes are copied into the module's tensors only once that segment matched the
+    catalog's digest: with segment 2 damaged, none of its bytes are in them, and every byte that is came
+    from a proven segment. Undamaged, the tensors hold the checkpoint bit-exact and nothing stays mapped."""
+    monkeypatch.setattr(segments, "SEGMENT", SEGMENT)
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(1024, 1024)
+    cat, directory = _kept(run_name, tmp_path / "ckpt", model)
+    entry = _entry(cat, run_name, directory)
+    path = directory / "model.safetensors"
+    saved = path.read_bytes()
+    into = {"model.weight": torch.empty(1024, 1024), "model.bias": torch.empty(1024)}
+    assert mapped.verified_into(directory, entry, into)
+    assert torch.equal(into["model.weight"], model.weight) and torch.equal(into["model.bias"], model.bias)
+
+    _damage(path, 2 * SEGMENT + 4321)
+    for t in into.values():
+        t.view(torch.uint8).fill_(SENTINEL)
+    with pytest.raises(CorruptCheckpoint, match="segment 2"):
+        mapped.verified_into(directory, entry, into)
+    weight = into["model.weight"].view(torch.uint8).reshape(-1)
+    start = saved.index(model.weight.detach().numpy().tobytes()[:64])  # where the weight lies in the file
+    lo, hi = 2 * SEGMENT - start, 3 * SEGMENT - start  # segment 2, within the weight
+    assert bool((weight[lo:hi] == SENTINEL).all()), f"seed {seed}"
+    proven = torch.frombuffer(bytearray(saved[start : start + weight.numel()]), dtype=torch.uint8)
+    assert bool(((weight == SENTINEL) | (weight == proven)).all()), f"seed {seed}"
+    assert _mapped_from(memory_root) == []
+
+
+def test_a_module_restored_from_memory_keeps_its_tensors_and_its_optimizer(
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """A restore from memory writes into the module's own parameters (the same objects, at the same
+    addresses, marked written), so an optimizer made before it still steps them."""
+    monkeypatch.setattr(segments, "SEGMENT", SEGMENT)
+    torch.manual_seed(3)
+    model = torch.nn.Linear(1024, 1024)
+    cat, _ = _kept(run_name, tmp_path / "ckpt", model)
+    fresh = torch.nn.Linear(1024, 1024)
+    opt = torch.optim.SGD(fresh.parameters(), lr=0.5)
+    where, version = fresh.weight.data_ptr(), fresh.weight._version
+    ck = Checkpointer(run_name, states={"model": fresh}, root=tmp_path / "ckpt", catalog=cat)
+    got = ck.restore_latest()
+    assert got is not None and got.source == "memory"
+    assert fresh.weight.data_ptr() == where and fresh.weight._version > version
+    assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
+    fresh(torch.ones(1, 1024)).sum().backward()
+    opt.step()
+    assert torch.equal(fresh.weight, model.weight - 0.5)  # d(sum)/dW is all ones
+    ck.close()
+
+
+def test_a_module_whose_tensors_do_not_fit_is_loaded_by_torch_from_the_proven_mapping(
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """A module of another dtype than the checkpoint's is not written in place: torch's load converts."""
+    monkeypatch.setattr(segments, "SEGMENT", SEGMENT)
+    torch.manual_seed(4)
+    model = torch.nn.Linear(1024, 1024)
+    cat, _ = _kept(run_name, tmp_path / "ckpt", model)
+    half = torch.nn.Linear(1024, 1024).to(torch.bfloat16)
+    ck = Checkpointer(run_name, states={"model": half}, root=tmp_path / "ckpt", catalog=cat)
+    got = ck.restore_latest()
+    assert got is not None and got.source == "memory"
+    assert torch.equal(half.weight, model.weight.to(torch.bfloat16))
+    ck.close()
+
+
+def test_a_header_over_two_segments_is_proven_before_it_is_read(
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """1000 tensors make a header longer than a 64 KiB segment: loaded in place bit-exact; with a byte of
+    the header's second segment damaged the memory copy is refused, not the checkpoint condemned."""
+    monkeypatch.setattr(segments, "SEGMENT", 64 << 10)
+    torch.manual_seed(6)
+    model = torch.nn.ParameterDict({f"p{i}": torch.nn.Parameter(torch.randn(1024)) for i in range(1000)})
+    cat, directory = _kept(run_name, tmp_path / "ckpt", model)
+    path = directory / "model.safetensors"
+    assert int.from_bytes(path.read_bytes()[:8], "little") > 64 << 10
+
+    def restored() -> str:
+        fresh = torch.nn.ParameterDict({f"p{i}": torch.nn.Parameter(torch.zeros(1024)) for i in range(1000)})
+        where = fresh["p7"].data_ptr()
+        ck = Checkpointer(run_name, states={"model": fresh}, root=tmp_path / "ckpt", catalog=cat)
+        got = ck.restore_latest()
+        ck.close()
+        assert got is not None and all(torch.equal(fresh[k], model[k]) for k in model)
+        assert fresh["p7"].data_ptr() == where
+        return got.source
+
+    assert restored() == "memory"
+    _damage(path, (64 << 10) + 100)  # inside the header's second segment
+    assert restored() == "local"
+
+
+def test_a_restore_that_wrote_in_place_and_then_found_nothing_never_starts_from_scratch(
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """Segment 3 of the memory copy damaged after segments 0 to 2 may be in the module, and the local copy
+    damaged too: the restore raises rather than hand back a module holding part of a checkpoint as a fresh
+    start. A new process, which no longer tries the refused memory copy, starts from scratch."""
+    monkeypatch.setattr(segments, "SEGMENT", SEGMENT)
+    torch.manual_seed(8)
+    model = torch.nn.Linear(1024, 1024)
+    cat, directory = _kept(run_name, tmp_path / "ckpt", model)
+    _damage(directory / "model.safetensors", 3 * SEGMENT + 99)
+    [local] = [p for p in (tmp_path / "ckpt").rglob("model.safetensors") if memory_root not in p.parents]
+    _damage(local, 3 * SEGMENT + 99)
+    ck = Checkpointer(
+        run_name, states={"model": torch.nn.Linear(1024, 1024)}, root=tmp_path / "ckpt", catalog=cat
+    )
+    with pytest.raises(NoRestorableCheckpoint, match="holds part of a checkpoint"):
+        ck.restore_latest()
+    ck.close()
+    ck = Checkpointer(
+        run_name, states={"model": torch.nn.Linear(1024, 1024)}, root=tmp_path / "ckpt", catalog=cat
+    )
+    assert ck.restore_latest() is None
+    ck.close()
