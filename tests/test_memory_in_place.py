@@ -10,10 +10,11 @@ import torch
 
 from rewind.infra.catalog import copies
 from rewind.infra.catalog.db import Catalog
+from rewind.infra.checkpoint import own_tensors
 from rewind.infra.checkpoint.engine import Checkpointer
 from rewind.infra.errors import CorruptCheckpoint, NoRestorableCheckpoint
 from rewind.infra.format import manifest as mf
-from rewind.infra.format import mapped, segments
+from rewind.infra.format import mapped, segments, tensorfile
 from rewind.infra.memory import keeper, place
 from tests.test_memory_tier import _mapped_from, _memory_copies, _saved
 
@@ -93,9 +94,11 @@ def test_a_module_restored_from_memory_keeps_its_tensors_and_its_optimizer(
     fresh = torch.nn.Linear(1024, 1024)
     opt = torch.optim.SGD(fresh.parameters(), lr=0.5)
     where, version = fresh.weight.data_ptr(), fresh.weight._version
+    loads, in_place = mapped.verified_into, []
+    monkeypatch.setattr(mapped, "verified_into", lambda *a: in_place.append(loads(*a)) or in_place[-1])
     ck = Checkpointer(run_name, states={"model": fresh}, root=tmp_path / "ckpt", catalog=cat)
     got = ck.restore_latest()
-    assert got is not None and got.source == "memory"
+    assert got is not None and got.source == "memory" and in_place == [True]
     assert fresh.weight.data_ptr() == where and fresh.weight._version > version
     assert torch.equal(fresh.weight, model.weight) and torch.equal(fresh.bias, model.bias)
     fresh(torch.ones(1, 1024)).sum().backward()
@@ -131,6 +134,9 @@ def test_a_header_over_two_segments_is_proven_before_it_is_read(
     cat, directory = _kept(run_name, tmp_path / "ckpt", model)
     path = directory / "model.safetensors"
     assert int.from_bytes(path.read_bytes()[:8], "little") > 64 << 10
+    parsed: list[int] = []  # headers parsed from a mapping
+    laid_out = tensorfile.laid_out
+    monkeypatch.setattr(tensorfile, "laid_out", lambda view: (parsed.append(1), laid_out(view))[1])
 
     def restored() -> str:
         fresh = torch.nn.ParameterDict({f"p{i}": torch.nn.Parameter(torch.zeros(1024)) for i in range(1000)})
@@ -142,32 +148,87 @@ def test_a_header_over_two_segments_is_proven_before_it_is_read(
         assert fresh["p7"].data_ptr() == where
         return got.source
 
-    assert restored() == "memory"
+    assert restored() == "memory" and parsed
+    parsed.clear()
     _damage(path, (64 << 10) + 100)  # inside the header's second segment
-    assert restored() == "local"
+    assert restored() == "local" and not parsed  # refused before the header was read
 
 
+@pytest.mark.parametrize("segment", [0, 3])
 def test_a_restore_that_wrote_in_place_and_then_found_nothing_never_starts_from_scratch(
-    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch, segment
 ):  # type: ignore[no-untyped-def]
     """Segment 3 of the memory copy damaged after segments 0 to 2 may be in the module, and the local copy
     damaged too: the restore raises rather than hand back a module holding part of a checkpoint as a fresh
-    start. A new process, which no longer tries the refused memory copy, starts from scratch."""
+    start. Segment 0 damaged (refused before any byte was copied): a fresh start, as without a memory
+    copy. A new process, which no longer tries the refused memory copy, starts from scratch."""
     monkeypatch.setattr(segments, "SEGMENT", SEGMENT)
     torch.manual_seed(8)
     model = torch.nn.Linear(1024, 1024)
     cat, directory = _kept(run_name, tmp_path / "ckpt", model)
-    _damage(directory / "model.safetensors", 3 * SEGMENT + 99)
+    _damage(directory / "model.safetensors", segment * SEGMENT + 99)
     [local] = [p for p in (tmp_path / "ckpt").rglob("model.safetensors") if memory_root not in p.parents]
     _damage(local, 3 * SEGMENT + 99)
-    ck = Checkpointer(
-        run_name, states={"model": torch.nn.Linear(1024, 1024)}, root=tmp_path / "ckpt", catalog=cat
-    )
-    with pytest.raises(NoRestorableCheckpoint, match="holds part of a checkpoint"):
-        ck.restore_latest()
+    fresh = torch.nn.Linear(1024, 1024)
+    initial = fresh.weight.detach().clone()
+    ck = Checkpointer(run_name, states={"model": fresh}, root=tmp_path / "ckpt", catalog=cat)
+    if segment:
+        with pytest.raises(NoRestorableCheckpoint, match="wrote into a module"):
+            ck.restore_latest()
+    else:
+        assert ck.restore_latest() is None and torch.equal(fresh.weight, initial)
     ck.close()
     ck = Checkpointer(
         run_name, states={"model": torch.nn.Linear(1024, 1024)}, root=tmp_path / "ckpt", catalog=cat
     )
     assert ck.restore_latest() is None
     ck.close()
+
+
+class _Tied(torch.nn.Module):
+    """Two linears, the second's weight the first's (an LM head tied to its embedding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(1024, 512), torch.nn.Linear(1024, 512)
+        self.b.weight = self.a.weight
+
+
+def test_tied_weights_take_the_last_keys_bytes_as_torchs_load_leaves_them(
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """A checkpoint of two untied weights restored from memory into a module that ties them holds what
+    torch's own load leaves (the later key's bytes), not a mix of both."""
+    monkeypatch.setattr(segments, "SEGMENT", SEGMENT)
+    torch.manual_seed(9)
+    untied = _Tied()
+    untied.b.weight = torch.nn.Parameter(torch.randn(512, 1024))
+    cat, _ = _kept(run_name, tmp_path / "ckpt", untied)
+    want = _Tied()
+    want.load_state_dict(untied.state_dict())  # torch's own load, from tensors of their own
+    tied = _Tied()
+    loads, in_place = mapped.verified_into, []
+    monkeypatch.setattr(mapped, "verified_into", lambda *a: in_place.append(loads(*a)) or in_place[-1])
+    ck = Checkpointer(run_name, states={"model": tied}, root=tmp_path / "ckpt", catalog=cat)
+    got = ck.restore_latest()
+    ck.close()
+    assert got is not None and got.source == "memory" and in_place == [True]
+    assert tied.a.weight is tied.b.weight and torch.equal(tied.a.weight, untied.b.weight)
+    assert all(
+        torch.equal(a, b) for a, b in zip(tied.state_dict().values(), want.state_dict().values(), strict=True)
+    )
+
+
+def test_tensors_whose_bytes_are_not_their_values_are_never_written_in_place() -> None:
+    """A lazily conjugated or negated tensor (a copy resolves the flag, a byte copy would not) or an
+    inference tensor (torch refuses to write it) makes a module load the usual way."""
+    plain = torch.nn.Linear(4, 4)
+    assert set(own_tensors.targets(plain)) == {"weight", "bias"}
+    conj = torch.nn.Linear(4, 4)
+    conj.register_buffer("rope", torch.polar(torch.ones(4), torch.arange(4.0)).conj())
+    neg = torch.nn.Linear(4, 4)
+    neg.register_buffer("flip", torch.polar(torch.ones(4), torch.arange(4.0)).conj().imag)
+    with torch.inference_mode():
+        frozen = torch.nn.Linear(4, 4)
+    assert neg.flip.is_neg()
+    assert [own_tensors.targets(m) for m in (conj, neg, frozen)] == [{}, {}, {}]

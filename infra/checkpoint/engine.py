@@ -127,7 +127,7 @@ class Checkpointer:
             self._runner = BackgroundRunner(f"rewind-{self.run}", self.exit_timeout_s, priority=priority)
             self.last_saved: SaveResult | None = None  # the newest committed save of this process
             self.skipped: tuple[Skip, ...] = ()  # what the last restore passed over, and why
-            self._part_loaded = False  # a load that may have written into a module in place failed
+            self._part_loaded = False  # a load that wrote into a module's own tensors failed
             self._recover_leftovers()
         except BaseException:
             self._lease.release()  # never held past a construction that failed
@@ -321,8 +321,8 @@ class Checkpointer:
                 raise
             if self._part_loaded:  # never a fresh start from a model that holds part of a checkpoint
                 raise NoRestorableCheckpoint(
-                    f"{exc}; a module holds part of a checkpoint loaded before its copy failed: not starting "
-                    "from scratch with it (start a new process to start over)",
+                    f"{exc}; a load wrote into a module's own tensors before it failed: not starting from "
+                    "scratch with them (start a new process to start over)",
                     exc.skipped,
                 ) from exc
             if p.candidates:
@@ -345,11 +345,25 @@ class Checkpointer:
         return result
 
     def _load(self, directory: Path, manifest: mf.Manifest) -> None:
-        """Read (verifying every byte) and apply; a state the job refuses is a ``StateMismatch``."""
+        """Read (verifying every byte) and apply; a state the job refuses is a ``StateMismatch``. A load that
+        wrote into a module's own tensors and then failed leaves ``_part_loaded`` set until one succeeds."""
         copied = [name for name, s in self._stateful.items() if own_tensors.copies_on_load(s)]
         into = {name: own_tensors.targets(self._stateful[name]) for name in copied}  # type: ignore[arg-type]
-        in_place = any(into.values()) and any(e.segments for e in manifest.files)  # a proven memory copy
-        self._part_loaded = self._part_loaded or in_place  # until a load succeeds
+        before = own_tensors.versions(into)
+        try:
+            self._load_parts(directory, manifest, copied, into)
+        except BaseException:
+            self._part_loaded = self._part_loaded or own_tensors.versions(into) != before
+            raise
+        self._part_loaded = False
+
+    def _load_parts(
+        self,
+        directory: Path,
+        manifest: mf.Manifest,
+        copied: list[str],
+        into: dict[str, dict[str, torch.Tensor]],
+    ) -> None:
         states = payload.read_states(directory, manifest, copied=copied, into=into)
         missing = sorted(set(self._stateful) - set(states))
         if missing:
@@ -367,7 +381,6 @@ class Checkpointer:
                     mapped[name] = states.pop(name)
         if mapped:
             own_tensors.let_go(mapped)  # the mappings' teardown off the restore's path; the rest dropped here
-        self._part_loaded = False
 
     @staticmethod
     def _apply(directory: Path, name: str, stateful: Stateful, state: Any) -> None:

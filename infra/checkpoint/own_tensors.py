@@ -59,8 +59,17 @@ def targets(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def versions(parts: dict[str, dict[str, torch.Tensor]]) -> list[int]:
+    """The version counters of ``targets``' tensors, part by part: any write to them changes one."""
+    return [t._version for by_key in parts.values() for t in by_key.values()]
+
+
 def _plain(t: torch.Tensor) -> bool:
-    return t.device.type == "cpu" and t.layout is torch.strided and t.is_contiguous()
+    """Bytes that are its values, written as torch's own copy would: on the CPU, dense and contiguous, no
+    lazy conjugation or negation (a copy resolves them, a byte copy would not), not an inference tensor
+    (which torch refuses to write outside inference mode)."""
+    dense = t.device.type == "cpu" and t.layout is torch.strided and t.is_contiguous()
+    return dense and not (t.is_conj() or t.is_neg() or t.is_inference())
 
 
 def _torch_own(cls: type, method: str) -> bool:

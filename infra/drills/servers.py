@@ -165,6 +165,7 @@ class SeaweedS3(Spawned):
     data: Path
     ports: dict[str, int] = field(default_factory=lambda: {f: free_port() for f in _PORT_FLAGS})
     proc: subprocess.Popen | None = None
+    served: bool = False  # it answered once: its clients know its ports, a restart must keep them
 
     @property
     def endpoint(self) -> str:
@@ -194,7 +195,29 @@ class SeaweedS3(Spawned):
         )
 
     def start(self, timeout: float = 60) -> None:
+        """Start it and wait until it answers. A first start that finds one of its ports taken (another
+        process bound it between ``free_port`` and the server) tries again on new ports, at most twice."""
         self.data.mkdir(parents=True, exist_ok=True)
+        log = self.data / "weed.log"
+        for tries_left in (2, 1, 0):
+            seen = log.stat().st_size if log.exists() else 0
+            try:
+                self._spawn_weed(timeout)
+            except RewindError:
+                with open(log, "rb") as out:
+                    out.seek(seen)
+                    said = out.read()
+                taken = b"address already in use" in said or b"is not available" in said
+                exited = self.proc is not None and self.proc.poll() is not None
+                if self.served or not (taken and exited) or not tries_left:
+                    raise
+                self.proc = None
+                self.ports = {f: free_port() for f in _PORT_FLAGS}
+                continue
+            self.served = True
+            return
+
+    def _spawn_weed(self, timeout: float) -> None:
         cmd = [
             weed_binary(),
             "mini",

@@ -38,29 +38,36 @@ class Placement:
 def plan(data: int, spans: Sequence[Span], into: Mapping[str, torch.Tensor]) -> tuple[Placement, ...]:
     """Where each tensor of a file goes (``data``: where its tensors' bytes start; ``spans`` in file order);
     empty unless ``into`` has exactly the file's tensors by name, each of its tensor's dtype and shape,
-    contiguous on the CPU, no two of them overlapping unless they are one (tied weights)."""
+    contiguous on the CPU, no two of them overlapping unless they are the same bytes (tied weights: of
+    those only the last in ``into``'s order is copied, as torch's load, copying each in turn, leaves it)."""
     if len(spans) != len(into) or {sp.name for sp in spans} != set(into):
         return ()
-    out: list[Placement] = []
+    last: dict[tuple[int, int], tuple[int, Placement]] = {}  # by destination: (its order in into, where from)
+    order = {name: i for i, name in enumerate(into)}
     for sp in spans:
         t = into[sp.name]
         fits = t.dtype == sp.dtype and list(t.shape) == sp.shape and t.device.type == "cpu"
         if not (fits and t.is_contiguous()):
             return ()
         if sp.end > sp.start:
-            out.append(Placement(data + sp.start, data + sp.end, t.data_ptr()))
-    return tuple(out) if _apart(out) else ()
+            dest = (t.data_ptr(), sp.end - sp.start)
+            if dest not in last or last[dest][0] < order[sp.name]:
+                last[dest] = (order[sp.name], Placement(data + sp.start, data + sp.end, t.data_ptr()))
+    if not _apart(list(last)):
+        return ()
+    return tuple(sorted((p for _, p in last.values()), key=lambda p: p.start))
 
 
-def _apart(placements: Sequence[Placement]) -> bool:
-    """Whether no two destinations overlap unless they are the same bytes."""
-    ranges = sorted({(p.dest, p.dest + p.end - p.start) for p in placements})
+def _apart(destinations: Sequence[tuple[int, int]]) -> bool:
+    """Whether no two destinations (address, length; each once) overlap."""
+    ranges = sorted((at, at + n) for at, n in destinations)
     return all(a_end <= b for (_, a_end), (b, _) in itertools.pairwise(ranges))
 
 
 def copy_proven(placements: Sequence[Placement], lo: int, hi: int, base: int) -> None:
     """The bytes ``lo`` .. ``hi`` of the file mapped at ``base`` (a segment just proven) copied into the
-    tensors that take them (``placements`` in file order)."""
+    tensors that take them (``placements`` in file order, none overlapping another in the file). The caller
+    must hold the mapping (an export of it) until this returns."""
     first = bisect.bisect_right(placements, lo, key=lambda p: p.end)
     for p in placements[first:]:
         if p.start >= hi:

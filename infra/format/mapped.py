@@ -105,7 +105,8 @@ def verified_into(directory: Path, entry: mf.FileEntry, into: Mapping[str, torch
     ``in_place``), each segment proven against the catalog's record before its bytes are copied; False,
     nothing written, where it cannot be (not on a memory filesystem, small, no fitting segment record, the
     tensors do not fit: read it the usual way). ``CorruptCheckpoint`` for a missing or different file and
-    ``OSError`` for an I/O error, as ``verified_mapping``: ``into`` may hold proven bytes of it by then."""
+    ``OSError`` for an I/O error, as ``verified_mapping``: ``into`` may hold proven bytes of it by then
+    (their version counters are bumped before the first byte is copied, as ``copy_`` would bump them)."""
     fits = entry.segments and len(entry.segments) == segments.count(entry.size)
     if not (into and fits and entry.size >= MIN_BYTES and in_memory(directory)):
         return False
@@ -115,12 +116,19 @@ def verified_into(directory: Path, entry: mf.FileEntry, into: Mapping[str, torch
         return False
 
     def unmap() -> None:
-        view.release()
-        whole.close()
+        try:
+            view.release()
+            whole.close()
+        except (
+            BufferError
+        ):  # a worker still holds a piece (the restore was interrupted): unmapped once it lets go
+            pass
 
     view = memoryview(whole)
     try:
         placements = _planned(view, _address(whole), directory, entry, into)
+        if placements:  # from here the tensors may be written: marked so, as a copy_ into them would be
+            torch.autograd.graph.increment_version(list(into.values()))
         wrong = _segment_mismatch(whole, view, directory, entry, placements) if placements else None
     finally:
         dropping.later(unmap)  # the page-table teardown off the restore's path
@@ -149,7 +157,8 @@ def _proven(view: memoryview, base: int, at: int, directory: Path, entry: mf.Fil
     """The segment at ``at`` proven against the catalog's record (``CorruptCheckpoint`` if it differs); where
     it ends."""
     end = min(at + segments.SEGMENT, len(view))
-    err, got = _segment_digest(view, base, at, end)
+    with view[at:end] as piece:
+        err, got = _segment_digest(piece, base + at)
     _check(err, directory, entry)
     if got != entry.segments[at // segments.SEGMENT]:
         raise CorruptCheckpoint(
@@ -217,11 +226,12 @@ def _segment_mismatch(
         out = []
         for i in range(first, min(first + per, len(entry.segments))):
             at, end = i * seg, min(i * seg + seg, size)
-            out.append(_segment_digest(view, base, at, end))
-            if out[-1][1] != entry.segments[i]:
-                break  # the rest are not looked at
-            if placements:
-                in_place.copy_proven(placements, at, end, base)
+            with view[at:end] as piece:  # an export: the mapping cannot be closed under the hash or the copy
+                out.append(_segment_digest(piece, base + at))
+                if out[-1][1] != entry.segments[i]:
+                    break  # the rest are not looked at
+                if placements:
+                    in_place.copy_proven(placements, at, end, base)
         return out
 
     workers = max(1, min(len(firsts), cpus.usable(), MAX_WORKERS))
@@ -241,15 +251,14 @@ def _segment_mismatch(
     return None
 
 
-def _segment_digest(view: memoryview, base: int, at: int, end: int) -> tuple[int, str]:
-    """The bytes ``at`` .. ``end`` of the mapping faulted in and hashed: (errno faulting them in, their
-    xxh3; empty after an error)."""
-    err = _populate(base + at, end - at)
+def _segment_digest(piece: memoryview, address: int) -> tuple[int, str]:
+    """A piece of the mapping (at ``address``) faulted in and hashed: (errno faulting it in, its xxh3;
+    empty after an error)."""
+    err = _populate(address, len(piece))
     if err not in (0, errno.EINVAL, errno.ENOSYS):
         return err, ""
     hasher = Hasher(with_crc=False)
-    with view[at:end] as piece:
-        hasher.update(piece)
+    hasher.update(piece)
     return 0, hasher.result().xxh3
 
 

@@ -122,7 +122,6 @@ def read_tensors(
     ``into``: the caller's own tensors by name, which such a file, proven a segment at a time, is loaded
     straight into where they take every tensor of it (``in_place``): then they are what is returned."""
     if may_map and into and mapped.verified_into(directory, entry, into):
-        torch.autograd.graph.increment_version(list(into.values()))  # written, as a copy_ would mark them
         return dict(into)
     problem: Exception | None = None
     proven = mapped.verified_mapping(directory, entry) if may_map else None
