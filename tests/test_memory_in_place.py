@@ -186,12 +186,15 @@ def test_a_restore_that_wrote_in_place_and_then_found_nothing_never_starts_from_
 
 
 class _Tied(torch.nn.Module):
-    """Two linears, the second's weight the first's (an LM head tied to its embedding)."""
+    """Two linears, ``a``'s weight ``b``'s (an LM head tied to its embedding). ``b`` comes first in the
+    state dict and ``a`` first in the file (its tensors are ordered by name), so the key torch's load
+    copies last (``a.weight``) is the one the file holds first."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b = torch.nn.Linear(1024, 512), torch.nn.Linear(1024, 512)
-        self.b.weight = self.a.weight
+        self.b = torch.nn.Linear(1024, 512)
+        self.a = torch.nn.Linear(1024, 512)
+        self.a.weight = self.b.weight
 
 
 def test_tied_weights_take_the_last_keys_bytes_as_torchs_load_leaves_them(
@@ -202,7 +205,7 @@ def test_tied_weights_take_the_last_keys_bytes_as_torchs_load_leaves_them(
     monkeypatch.setattr(segments, "SEGMENT", SEGMENT)
     torch.manual_seed(9)
     untied = _Tied()
-    untied.b.weight = torch.nn.Parameter(torch.randn(512, 1024))
+    untied.a.weight = torch.nn.Parameter(torch.randn(512, 1024))
     cat, _ = _kept(run_name, tmp_path / "ckpt", untied)
     want = _Tied()
     want.load_state_dict(untied.state_dict())  # torch's own load, from tensors of their own
@@ -213,7 +216,8 @@ def test_tied_weights_take_the_last_keys_bytes_as_torchs_load_leaves_them(
     got = ck.restore_latest()
     ck.close()
     assert got is not None and got.source == "memory" and in_place == [True]
-    assert tied.a.weight is tied.b.weight and torch.equal(tied.a.weight, untied.b.weight)
+    assert list(tied.state_dict())[-2:] == ["a.weight", "a.bias"]
+    assert tied.a.weight is tied.b.weight and torch.equal(tied.a.weight, untied.a.weight)
     assert all(
         torch.equal(a, b) for a, b in zip(tied.state_dict().values(), want.state_dict().values(), strict=True)
     )
@@ -227,8 +231,8 @@ def test_tensors_whose_bytes_are_not_their_values_are_never_written_in_place() -
     conj = torch.nn.Linear(4, 4)
     conj.register_buffer("rope", torch.polar(torch.ones(4), torch.arange(4.0)).conj())
     neg = torch.nn.Linear(4, 4)
-    neg.register_buffer("flip", torch.polar(torch.ones(4), torch.arange(4.0)).conj().imag)
+    neg.register_buffer("flip", torch._neg_view(torch.randn(4)))
     with torch.inference_mode():
         frozen = torch.nn.Linear(4, 4)
-    assert neg.flip.is_neg()
+    assert neg.flip.is_neg() and neg.flip.is_contiguous() and conj.rope.is_contiguous()
     assert [own_tensors.targets(m) for m in (conj, neg, frozen)] == [{}, {}, {}]

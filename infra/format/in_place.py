@@ -19,7 +19,7 @@ import bisect
 import ctypes
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,11 +28,13 @@ from rewind.infra.format.tensorfile import Span
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """One tensor's bytes, ``start`` .. ``end`` from the file's start, go to the address ``dest``."""
+    """One tensor's bytes, ``start`` .. ``end`` from the file's start, go to the address ``dest``: the first
+    byte of ``target``, held here so that it lives as long as anything may copy into it."""
 
     start: int
     end: int
     dest: int
+    target: torch.Tensor = field(compare=False, repr=False)
 
 
 def plan(data: int, spans: Sequence[Span], into: Mapping[str, torch.Tensor]) -> tuple[Placement, ...]:
@@ -52,7 +54,7 @@ def plan(data: int, spans: Sequence[Span], into: Mapping[str, torch.Tensor]) -> 
         if sp.end > sp.start:
             dest = (t.data_ptr(), sp.end - sp.start)
             if dest not in last or last[dest][0] < order[sp.name]:
-                last[dest] = (order[sp.name], Placement(data + sp.start, data + sp.end, t.data_ptr()))
+                last[dest] = (order[sp.name], Placement(data + sp.start, data + sp.end, t.data_ptr(), t))
     if not _apart(list(last)):
         return ()
     return tuple(sorted((p for _, p in last.values()), key=lambda p: p.start))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import logging
 import mmap
 import os
 import sys
@@ -33,6 +34,8 @@ from rewind.infra.format import dropping, in_place, pages, segments, tensorfile
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.digest import CHUNK, Hasher
 from rewind.infra.format.verify import Finding, Problem, entry_mismatch, open_entry
+
+log = logging.getLogger(__name__)
 
 TMPFS_MAGIC, RAMFS_MAGIC = 0x01021994, 0x858458F6
 MIN_BYTES = 1 << 20  # a smaller file is read: mapping it saves nothing worth its page-table cost
@@ -90,12 +93,10 @@ def verified_mapping(directory: Path, entry: mf.FileEntry) -> memoryview | None:
         else:
             wrong = entry_mismatch(entry, len(whole), _populated_hash(whole, view, directory, entry))
     except BaseException:
-        view.release()  # before the close, or the close raises BufferError in the error's place
-        whole.close()
+        _close(whole, view)
         raise
     if wrong is not None:
-        view.release()
-        whole.close()
+        _close(whole, view)
         raise CorruptCheckpoint(str(directory), [wrong])
     return view
 
@@ -106,7 +107,8 @@ def verified_into(directory: Path, entry: mf.FileEntry, into: Mapping[str, torch
     nothing written, where it cannot be (not on a memory filesystem, small, no fitting segment record, the
     tensors do not fit: read it the usual way). ``CorruptCheckpoint`` for a missing or different file and
     ``OSError`` for an I/O error, as ``verified_mapping``: ``into`` may hold proven bytes of it by then
-    (their version counters are bumped before the first byte is copied, as ``copy_`` would bump them)."""
+    (their version counters are bumped once the header is proven and they are to be copied into, before
+    the first byte is, as ``copy_`` would bump them)."""
     fits = entry.segments and len(entry.segments) == segments.count(entry.size)
     if not (into and fits and entry.size >= MIN_BYTES and in_memory(directory)):
         return False
@@ -115,15 +117,6 @@ def verified_into(directory: Path, entry: mf.FileEntry, into: Mapping[str, torch
     if whole is None:
         return False
 
-    def unmap() -> None:
-        try:
-            view.release()
-            whole.close()
-        except (
-            BufferError
-        ):  # a worker still holds a piece (the restore was interrupted): unmapped once it lets go
-            pass
-
     view = memoryview(whole)
     try:
         placements = _planned(view, _address(whole), directory, entry, into)
@@ -131,10 +124,20 @@ def verified_into(directory: Path, entry: mf.FileEntry, into: Mapping[str, torch
             torch.autograd.graph.increment_version(list(into.values()))
         wrong = _segment_mismatch(whole, view, directory, entry, placements) if placements else None
     finally:
-        dropping.later(unmap)  # the page-table teardown off the restore's path
+        dropping.later(lambda: _close(whole, view))  # the page-table teardown off the restore's path
     if wrong is not None:
         raise CorruptCheckpoint(str(directory), [wrong])
     return bool(placements)
+
+
+def _close(whole: mmap.mmap, view: memoryview) -> None:
+    """The view let go, then the mapping closed; where a worker still holds a piece of it (an interrupted
+    restore's, which the interrupt did not wait for), the mapping goes when the last piece does."""
+    view.release()
+    try:
+        whole.close()
+    except BufferError:
+        log.warning("a mapping of a memory copy is still in use: unmapped when its last user lets it go")
 
 
 def _planned(
