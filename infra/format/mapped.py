@@ -80,10 +80,7 @@ def verified_mapping(directory: Path, entry: mf.FileEntry) -> memoryview | None:
 
     The view returned is what keeps the mapping: it must never be released while a tensor made over it
     lives (``torch.frombuffer`` holds the view, not the mapping)."""
-    if entry.size < MIN_BYTES or not in_memory(directory):
-        return None
-    with open_entry(directory, entry) as f:
-        whole = _map(f.fileno(), directory, entry)
+    whole = _opened(directory, entry)
     if whole is None:
         return None
     view = memoryview(whole)
@@ -110,13 +107,9 @@ def verified_into(directory: Path, entry: mf.FileEntry, into: Mapping[str, torch
     (their version counters are bumped once the header is proven and they are to be copied into, before
     the first byte is, as ``copy_`` would bump them)."""
     fits = entry.segments and len(entry.segments) == segments.count(entry.size)
-    if not (into and fits and entry.size >= MIN_BYTES and in_memory(directory)):
-        return False
-    with open_entry(directory, entry) as f:
-        whole = _map(f.fileno(), directory, entry)
+    whole = _opened(directory, entry) if into and fits else None
     if whole is None:
         return False
-
     view = memoryview(whole)
     try:
         placements = _planned(view, _address(whole), directory, entry, into)
@@ -168,6 +161,15 @@ def _proven(view: memoryview, base: int, at: int, directory: Path, entry: mf.Fil
             str(directory), [_segment_finding(entry, at // segments.SEGMENT, at, len(view), got)]
         )
     return end
+
+
+def _opened(directory: Path, entry: mf.FileEntry) -> mmap.mmap | None:
+    """``entry``'s file mapped private; None when it is small, not on a memory filesystem, or cannot be
+    mapped. ``CorruptCheckpoint`` for a missing file or one of another size."""
+    if entry.size < MIN_BYTES or not in_memory(directory):
+        return None
+    with open_entry(directory, entry) as f:
+        return _map(f.fileno(), directory, entry)
 
 
 def _map(fd: int, directory: Path, entry: mf.FileEntry) -> mmap.mmap | None:
