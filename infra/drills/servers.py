@@ -143,13 +143,18 @@ class Spawned:
         self, cmd: list[str], env: dict[str, str], log: Path, ready: Any, what: str, timeout: float,
         cwd: Path | None = None,
     ) -> None:  # fmt: skip
-        """Start ``cmd`` (its output appended to ``log``) and wait, bounded, until ``ready()`` holds."""
+        """Start ``cmd`` (its output appended to ``log``) and wait, bounded, until ``ready()`` holds; one
+        that does not is stopped before the error is raised (its process group never outlives the call)."""
         with open(log, "ab") as out:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd
             )
         proc = self.proc
-        _wait(ready, lambda: proc.poll() is None, timeout, what, log)
+        try:
+            _wait(ready, lambda: proc.poll() is None, timeout, what, log)
+        except BaseException:
+            self.stop(timeout=5)
+            raise
 
     def stop(self, timeout: float = 20) -> None:
         if self.proc is None:
@@ -208,10 +213,8 @@ class SeaweedS3(Spawned):
                     out.seek(seen)
                     said = out.read()
                 taken = b"address already in use" in said or b"is not available" in said
-                exited = self.proc is not None and self.proc.poll() is not None
-                if self.served or not (taken and exited) or not tries_left:
+                if self.served or not taken or not tries_left:
                     raise
-                self.proc = None
                 self.ports = {f: free_port() for f in _PORT_FLAGS}
                 continue
             self.served = True
