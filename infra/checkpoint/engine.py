@@ -35,24 +35,22 @@ from rewind.infra.catalog import commits, leases, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus
 from rewind.infra.catalog.writer_lease import WriterLease
-from rewind.infra.checkpoint import displaced, own_tensors, stall_hash
+from rewind.infra.checkpoint import displaced, stall_hash
 from rewind.infra.checkpoint import priority as persist_priority
 from rewind.infra.checkpoint.background import BackgroundRunner
+from rewind.infra.checkpoint.load_parts import PartLoader
 from rewind.infra.checkpoint.recording import recorded_save
 from rewind.infra.checkpoint.staging import Staged, StagingBuffer
 from rewind.infra.checkpoint.state import Stateful, as_stateful, environment, writer
-from rewind.infra.errors import ConfigError, NoRestorableCheckpoint, StateMismatch
+from rewind.infra.errors import ConfigError, NoRestorableCheckpoint
 from rewind.infra.faults import fault_point
 from rewind.infra.format import chunked, direct, payload, pids, store
 from rewind.infra.format import manifest as mf
-from rewind.infra.format.verify import Finding, Problem
 from rewind.infra.restore import execute as restore_exec
 from rewind.infra.restore import plan as restore_plan
 from rewind.infra.restore.execute import Skip
 
 log = logging.getLogger("rewind.checkpoint")
-# What a state object's load_state_dict raises when it refuses what it is given (shape, type, keys).
-_REFUSALS = (TypeError, ValueError, KeyError, IndexError, AttributeError, RuntimeError, AssertionError)
 S = CheckpointStatus
 
 
@@ -111,6 +109,7 @@ class Checkpointer:
             if name.endswith(".json") or name == "manifest":
                 raise ConfigError(f"state name {name!r} is reserved")
         self._stateful: dict[str, Stateful] = {k: as_stateful(k, v) for k, v in self.states.items()}
+        self._load = PartLoader(self._stateful)  # the restore path's loader
         self._cat: Catalog = self.catalog or Catalog()
         self.catalog = self._cat
         self.root = Path(self.root).expanduser().resolve()
@@ -127,7 +126,6 @@ class Checkpointer:
             self._runner = BackgroundRunner(f"rewind-{self.run}", self.exit_timeout_s, priority=priority)
             self.last_saved: SaveResult | None = None  # the newest committed save of this process
             self.skipped: tuple[Skip, ...] = ()  # what the last restore passed over, and why
-            self._part_loaded = False  # a load that wrote into a module's own tensors failed
             self._recover_leftovers()
         except BaseException:
             self._lease.release()  # never held past a construction that failed
@@ -319,7 +317,7 @@ class Checkpointer:
             self.skipped = exc.skipped
             if target is not None:  # a recovery chose a restore point: starting over would lose the run
                 raise
-            if self._part_loaded:  # never a fresh start from a model that holds part of a checkpoint
+            if self._load.part_loaded:  # never a fresh start from a model that holds part of a checkpoint
                 raise NoRestorableCheckpoint(
                     f"{exc}; a load wrote into a module's own tensors before it failed: not starting from "
                     "scratch with them (start a new process to start over)",
@@ -343,54 +341,6 @@ class Checkpointer:
             done.seconds,
         )
         return result
-
-    def _load(self, directory: Path, manifest: mf.Manifest) -> None:
-        """Read (verifying every byte) and apply; a state the job refuses is a ``StateMismatch``. A load that
-        wrote into a module's own tensors and then failed leaves ``_part_loaded`` set until one succeeds."""
-        copied = [name for name, s in self._stateful.items() if own_tensors.copies_on_load(s)]
-        into = {name: own_tensors.targets(self._stateful[name]) for name in copied}  # type: ignore[arg-type]
-        before = own_tensors.versions(into)
-        try:
-            self._load_parts(directory, manifest, copied, into)
-        except BaseException:
-            self._part_loaded = self._part_loaded or own_tensors.versions(into) != before
-            raise
-        self._part_loaded = False
-
-    def _load_parts(
-        self,
-        directory: Path,
-        manifest: mf.Manifest,
-        copied: list[str],
-        into: dict[str, dict[str, torch.Tensor]],
-    ) -> None:
-        states = payload.read_states(directory, manifest, copied=copied, into=into)
-        missing = sorted(set(self._stateful) - set(states))
-        if missing:
-            raise StateMismatch(
-                str(directory), [Finding(Problem.CONTENT, ",".join(missing), "no such state saved")]
-            )
-        mapped: dict[str, Any] = {}
-        for name, stateful in self._stateful.items():
-            handed = own_tensors.storages(states[name]) if name in copied else frozenset()
-            try:
-                self._apply(directory, name, stateful, states[name])
-            finally:  # loaded or refused part-way: nothing it kept may hold a memory copy's pages
-                if handed:
-                    own_tensors.own_kept(stateful, handed)  # type: ignore[arg-type]
-                    mapped[name] = states.pop(name)
-        if mapped:
-            own_tensors.let_go(mapped)  # the mappings' teardown off the restore's path; the rest dropped here
-
-    @staticmethod
-    def _apply(directory: Path, name: str, stateful: Stateful, state: Any) -> None:
-        try:
-            stateful.load_state_dict(state)
-        except torch.OutOfMemoryError:
-            raise  # this process, not the checkpoint: nothing to judge it by
-        except _REFUSALS as exc:  # the user's object refused it: which side is wrong is decided later
-            detail = f"{type(exc).__name__}: {str(exc)[:300]}"
-            raise StateMismatch(str(directory), [Finding(Problem.CONTENT, name, detail)]) from exc
 
     # -- start-up hygiene -------------------------------------------------------
 
