@@ -248,3 +248,44 @@ def test_a_tensor_without_dense_data_is_a_one_line_error_and_nothing_is_committe
     assert ck2.restore_latest().step == 3
     assert torch.equal(again["t"], torch.full((3,), 2.0))
     ck2.close()
+
+
+class _Growing(torch.nn.Module):
+    """A module that grows a buffer in place (``resize_``), as a cache or a running record of steps does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = torch.nn.Parameter(torch.zeros(8))
+        self.register_buffer("record", torch.arange(4.0))
+
+    def grow(self) -> None:
+        n = self.record.numel()
+        self.record.resize_(n + 4)
+        self.record[n:] = torch.arange(n, n + 4.0)
+
+
+@pytest.mark.parametrize("fmt", ["plain", "chunked"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_save_leaves_the_jobs_tensors_as_they_were(rewind_env, run_name, tmp_path, mode, fmt):
+    """A job's tensors can still be resized in place after a checkpoint of them (a save never marks their
+    storage not resizable, as exporting them to numpy would), and the checkpoint holds the values of the
+    call."""
+    cat, job = Catalog(), _Growing()
+    ck = Checkpointer(
+        run_name, states={"job": job}, root=tmp_path / "ckpt", catalog=cat, mode=mode, format=fmt
+    )
+    for step in (1, 2):
+        job.seen.data.fill_(float(step))
+        ck.save(step)
+        ck.wait()
+        job.grow()  # torch: "Trying to resize storage that is not resizable" after a save that exported it
+        job.seen.data.resize_(8 * (step + 1))  # the parameter's storage grows; the parameter keeps 8
+    ck.close()
+    assert torch.equal(job.record, torch.arange(12.0))
+    again = _Growing()
+    again.record.resize_(8)
+    ck2 = Checkpointer(run_name, states={"job": again}, root=tmp_path / "ckpt", catalog=cat, format=fmt)
+    got = ck2.restore_latest()
+    assert got is not None and got.step == 2
+    assert torch.equal(again.record, torch.arange(8.0)) and torch.equal(again.seen, torch.full((8,), 2.0))
+    ck2.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,6 +105,36 @@ def test_a_module_restored_from_memory_keeps_its_tensors_and_its_optimizer(
     fresh(torch.ones(1, 1024)).sum().backward()
     opt.step()
     assert torch.equal(fresh.weight, model.weight - 0.5)  # d(sum)/dW is all ones
+    ck.close()
+
+
+@pytest.mark.parametrize("flat", ["allocated", "from_numpy"])
+def test_a_rollback_in_the_process_that_saved_keeps_parameters_over_one_flat_buffer(
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch, flat
+):  # type: ignore[no-untyped-def]
+    """Parameters that are views of one flat buffer (as a fused optimizer or a bucketed all-reduce keeps
+    them), saved and then rolled back from memory by the same checkpointer, are loaded into that buffer
+    and stay its views: none is given a copy of its own. Its storage is not resizable when made by
+    ``torch.from_numpy``; a save must not make it so."""
+    monkeypatch.setattr(segments, "SEGMENT", SEGMENT)
+    torch.manual_seed(8)
+    n = 1024 * 1024 + 1024
+    buffer = torch.zeros(n) if flat == "allocated" else torch.from_numpy(np.zeros(n, dtype=np.float32))
+    buffer.copy_(torch.randn(n))
+    model = torch.nn.Linear(1024, 1024)
+    model.weight = torch.nn.Parameter(buffer[: 1024 * 1024].view(1024, 1024))
+    model.bias = torch.nn.Parameter(buffer[1024 * 1024 :])
+    saved = buffer.clone()
+    cat, cfg = Catalog(), place.config()
+    assert cfg is not None
+    ck = Checkpointer(run_name, states={"model": model}, root=tmp_path / "ckpt", catalog=cat)
+    assert keeper.keep(cat, _saved(ck, 1), cfg) is not None
+    buffer.add_(1.0)  # a step taken after the save, e.g. one that went bad
+    got = ck.restore_latest()
+    assert got is not None and got.source == "memory"
+    assert model.weight.data_ptr() == buffer.data_ptr()
+    assert model.bias.data_ptr() == buffer.data_ptr() + 4 * 1024 * 1024
+    assert torch.equal(buffer, saved)
     ck.close()
 
 

@@ -205,7 +205,7 @@ def test_which_state_objects_are_read_over_a_mapping_and_a_module_left_on_one_ge
     whole = bytearray(raw.getvalue())
     given, _ = tensorfile.over(memoryview(whole))
     module = torch.nn.Linear(4, 4, bias=False)
-    handed = own_tensors.storages(given)
+    handed = own_tensors.storages(given, module)
     module.load_state_dict(given, assign=True)  # keeps the tensor it is given, over the buffer
     assert own_tensors.own_kept(module, handed) == 1
     whole[-64:] = bytes(64)  # the buffer changes: the module's weight no longer lies over it

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -63,12 +63,13 @@ class PartLoader:
             )
         mapped: dict[str, Any] = {}
         for name, stateful in self.parts.items():
-            handed = own_tensors.storages(states[name]) if name in copied else frozenset()
+            module = cast(torch.nn.Module, stateful) if name in copied else None  # copies_on_load: a module
+            handed = own_tensors.storages(states[name], module) if module is not None else frozenset()
             try:
                 _apply(directory, name, stateful, states[name])
             finally:  # loaded or refused part-way: nothing it kept may hold a memory copy's pages
-                if handed:
-                    own_tensors.own_kept(stateful, handed)  # type: ignore[arg-type]
+                if module is not None and handed:
+                    own_tensors.own_kept(module, handed)
                     mapped[name] = states.pop(name)
         if mapped:
             own_tensors.let_go(mapped)  # the mappings' teardown off the restore's path; the rest dropped here

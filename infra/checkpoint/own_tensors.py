@@ -76,14 +76,19 @@ def _torch_own(cls: type, method: str) -> bool:
     return str(getattr(getattr(cls, method, None), "__module__", "")).startswith("torch.")
 
 
-def storages(given: Any) -> frozenset[int]:
-    """The storages of the tensors in a state as read that lie over a mapping (``tensorfile.over``: not
-    resizable; every tensor read into memory of its own is), taken before the state is loaded (a
-    swap-tensors load exchanges the given tensors' storages with the module's)."""
+def storages(given: Any, module: torch.nn.Module) -> frozenset[int]:
+    """The storages of the tensors in a state as read for ``module`` that lie over a mapping
+    (``tensorfile.over``: not resizable; every tensor read into memory of its own is), taken before the
+    state is loaded (a swap-tensors load exchanges the given tensors' storages with the module's). The
+    module's own storages are never among them: a state loaded in place holds the module's own tensors,
+    which may not be resizable either (made by ``torch.from_numpy``, or exported to numpy by other code)."""
+    own = {t.untyped_storage().data_ptr() for t in itertools.chain(module.parameters(), module.buffers())}
     return frozenset(
-        t.untyped_storage().data_ptr()
+        ptr
         for t in _tensors(given)
-        if t.numel() and not t.untyped_storage().resizable()  # made over a mapping, not allocated
+        if t.numel()
+        and not t.untyped_storage().resizable()  # made over a mapping, not allocated
+        and (ptr := t.untyped_storage().data_ptr()) not in own
     )
 
 

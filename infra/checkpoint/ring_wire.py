@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rewind.infra.format import manifest as mf
+from rewind.infra.format import tensorfile
 from rewind.infra.format.digest import Hasher, hash_bytes
 
 log = logging.getLogger("rewind.ring")
@@ -37,10 +38,6 @@ class Piece:
     @property
     def last(self) -> bool:
         return self.offset + self.length == self.entry.size
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def pieces(entries: list[mf.FileEntry]) -> list[Piece]:
@@ -60,7 +57,7 @@ class Reader:
         try:
             f = self._file(piece.entry)
             f.seek(piece.offset)
-            if f.readinto(_bytes(out)) != piece.length:
+            if f.readinto(tensorfile.byte_view(out)) != piece.length:
                 raise OSError("shorter than the manifest says")
         except Exception as exc:  # zeros: the receiver's hash refuses them
             if piece.entry.path not in self.failed:
@@ -98,7 +95,7 @@ class Writer:
             if piece.offset == 0:
                 self._start(e)
             assert self._open is not None and self._open[0] == e.path
-            view = _bytes(data)
+            view = tensorfile.byte_view(data)
             self._open[2].update(view)
             self._open[1].write(view)
             if piece.last:

@@ -13,6 +13,7 @@ the file, and a direct writer sends them to the disk from where they are.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import json
 import math
@@ -92,11 +93,17 @@ def allocate(name: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """A CPU tensor's bytes, without a copy (empty for an empty tensor)."""
+    """A CPU tensor's bytes, without a copy (empty for an empty tensor), writable; the view holds the tensor.
+
+    Made over the tensor's address, not through ``Tensor.numpy()``, which marks the storage not resizable for
+    good: a save must leave the job's tensors as they were (a buffer the job grows with ``resize_`` after a
+    checkpoint). The tensor must not be resized while the view is in use."""
     flat = t.detach().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]  # numpy arrays are buffers
+    raw = (ctypes.c_ubyte * (flat.numel() * flat.element_size())).from_address(flat.data_ptr())
+    raw.held = flat  # type: ignore[attr-defined]  # the view holds the array, the array the tensor
+    return memoryview(raw).cast("B")
 
 
 def layout(
