@@ -1,7 +1,10 @@
 """A one-process job whose step raises once (at ``fail_at``, if given), trained through
 ``TrainingSession.train(..., restarts=N)``: the final weights, and how the run went, as JSON lines.
 
-    python -m tests.restart_job RUN OUT_DIR STEPS RESTARTS [FAIL_AT]
+    python -m tests.restart_job RUN OUT_DIR STEPS RESTARTS [FAIL_AT [scaler]]
+
+``scaler``: the step scales its loss with a ``GradScaler`` (checkpointed with the job) and fails after
+``unscale_``, before the optimizer's step, as a gradient-norm check that raises does.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from safetensors.torch import save_file
 from rewind import ResumableLoader, TrainingSession
 
 
-def main(run: str, out: str, steps: int, restarts: int, fail_at: int | None) -> None:
+def main(run: str, out: str, steps: int, restarts: int, fail_at: int | None, scaled: bool = False) -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2048, 16, generator=g)
@@ -25,6 +28,20 @@ def main(run: str, out: str, steps: int, restarts: int, fail_at: int | None) -> 
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     loader = ResumableLoader(dataset, batch_size=16, seed=0)
     failed: list[int] = []
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+    def scaled_step(i: int, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        xb, yb = batch
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        if i == fail_at and not failed:
+            failed.append(i)
+            raise RuntimeError(f"a transient device error at step {i}")
+        scaler.step(opt)
+        scaler.update()
+        return loss.item()
 
     def step(i: int, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         xb, yb = batch
@@ -37,8 +54,11 @@ def main(run: str, out: str, steps: int, restarts: int, fail_at: int | None) -> 
             raise RuntimeError(f"a transient device error at step {i}")
         return loss.item()
 
-    with TrainingSession(run, model=model, optimizer=opt, loader=loader, checkpoint_every=10) as s:
-        last = s.train(step, steps, restarts=restarts)
+    states = {"scaler": scaler} if scaled else None
+    with TrainingSession(
+        run, model=model, optimizer=opt, states=states, loader=loader, checkpoint_every=10
+    ) as s:
+        last = s.train(scaled_step if scaled else step, steps, restarts=restarts)
         print(json.dumps({"last": last, "restarts": s._restarts}), flush=True)
     os.makedirs(out, exist_ok=True)
     save_file(
@@ -53,4 +73,5 @@ if __name__ == "__main__":
         int(sys.argv[3]),
         int(sys.argv[4]),
         int(sys.argv[5]) if len(sys.argv) > 5 else None,
+        sys.argv[6:] == ["scaler"],
     )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
@@ -10,6 +13,7 @@ from rewind.infra.catalog.db import Catalog
 from rewind.infra.checkpoint.engine import Checkpointer
 from rewind.infra.checkpoint.state import RNGState
 from rewind.infra.errors import ConfigError
+from rewind.infra.format import payload, tree
 
 
 def _job(run: str, cat: Catalog, root, seed: int = 0):  # type: ignore[no-untyped-def]
@@ -289,3 +293,134 @@ def test_a_save_leaves_the_jobs_tensors_as_they_were(rewind_env, run_name, tmp_p
     assert got is not None and got.step == 2
     assert torch.equal(again.record, torch.arange(8.0)) and torch.equal(again.seen, torch.full((8,), 2.0))
     ck2.close()
+
+
+@pytest.mark.parametrize("fmt", ["plain", "chunked"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_lazily_conjugated_and_negated_tensors_are_saved_as_their_values(
+    rewind_env, run_name, tmp_path, mode, fmt
+):
+    """A tensor whose bytes are not its values (a lazy ``conj()``, the ``imag`` of one: torch's conjugate and
+    negative bits) is saved as its values, each alone and lying back to back with another in one storage."""
+    cat = Catalog()
+    z = torch.tensor([1 - 2j, 3 + 4j, -5 + 6j, 7 - 8j], dtype=torch.complex64)
+    both = torch.arange(8.0)
+    extras: dict = {"conj": z.conj(), "neg": z.conj().imag, "first": both[:4], "second": both[4:]._neg_view()}
+    expected = {k: v.resolve_conj().resolve_neg().clone() for k, v in extras.items()}
+    ck = Checkpointer(
+        run_name, states={"extras": extras}, root=tmp_path / "ckpt", catalog=cat, mode=mode, format=fmt
+    )
+    ck.save(1)
+    ck.wait()
+    ck.close()
+    again: dict = {}
+    ck2 = Checkpointer(run_name, states={"extras": again}, root=tmp_path / "ckpt", catalog=cat, format=fmt)
+    assert ck2.restore_latest().step == 1
+    assert {k: v.tolist() for k, v in again.items()} == {k: v.tolist() for k, v in expected.items()}
+    ck2.close()
+
+
+def test_two_states_holding_a_tensor_of_one_name_are_refused_at_save(
+    rewind_env, run_name, tmp_path, monkeypatch
+):
+    """State ``model``'s ``ema.weight`` and state ``model.ema``'s ``weight`` would both be the tensor
+    ``model.ema.weight``: the save is a one-line error naming both, nothing is committed. A checkpoint that
+    holds such a pair (saved before the refusal) is passed over for the one before it, never loaded with
+    one state's tensor in the other."""
+    cat = Catalog()
+    model: dict = {"w": torch.zeros(2)}
+    ema: dict = {"weight": torch.ones(2)}
+    ck = Checkpointer(
+        run_name, states={"model": model, "model.ema": ema}, root=tmp_path / "ckpt", catalog=cat
+    )
+    ck.save(1)
+    model["ema.weight"] = torch.full((2,), 7.0)
+    with pytest.raises(
+        ConfigError, match=r"^states 'model' and 'model.ema' both hold a tensor named 'model.ema.weight'"
+    ):
+        ck.save(2)
+    assert [c.step for c in lineage.checkpoints(cat, run_name) if c.status == "committed"] == [1]
+
+    def unchecked(state_dicts):  # type: ignore[no-untyped-def]  # as saves did before the refusal
+        split = {part: tree.split(sd, part) for part, sd in state_dicts.items()}
+        return {p: s[0] for p, s in split.items()}, {p: s[1] for p, s in split.items()}
+
+    monkeypatch.setattr(payload, "split_states", unchecked)
+    ck.save(3)
+    ck.close()
+    monkeypatch.undo()
+    again: dict = {}
+    again_ema: dict = {}
+    ck2 = Checkpointer(
+        run_name, states={"model": again, "model.ema": again_ema}, root=tmp_path / "ckpt", catalog=cat
+    )
+    got = ck2.restore_latest()
+    assert got is not None and got.step == 1 and [s.step for s in got.skipped] == [3]
+    assert torch.equal(again_ema["weight"], torch.ones(2)) and set(again) == {"w"}
+    ck2.close()
+
+
+def test_a_refused_random_state_changes_no_generator() -> None:
+    """An RNG state one generator refuses leaves every generator as it was, not some set and some not."""
+    rng = RNGState()
+    bad = dict(rng.state_dict(), torch=torch.zeros(3, dtype=torch.uint8))  # not a torch generator's state
+    random.seed(11)
+    np.random.seed(11)
+    python, numpy_state = random.getstate(), np.random.get_state()[1].copy()
+    with pytest.raises(RuntimeError):
+        rng.load_state_dict(bad)
+    assert random.getstate() == python and np.array_equal(np.random.get_state()[1], numpy_state)
+
+
+@pytest.mark.parametrize("fmt", ["plain", "chunked"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_tensors_come_back_in_their_layout_as_torch_load_gives_them(
+    rewind_env, run_name, tmp_path, mode, fmt
+):
+    """An optimizer's state of a ``channels_last`` convolution comes back ``channels_last``, like its
+    parameter (a fused optimizer refuses mixed layouts), and a transposed tensor kept in a dict comes back
+    transposed: the strides ``torch.load`` gives, the values bit-exact."""
+    torch.manual_seed(5)
+
+    def job() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        conv = torch.nn.Conv2d(4, 8, 3).to(memory_format=torch.channels_last)
+        return conv, torch.optim.Adam(conv.parameters(), lr=1e-2)
+
+    conv, opt = job()
+    conv(torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    opt.step()
+    extras: dict = {"t": torch.randn(5, 3).t()}
+    states = {"model": conv, "optimizer": opt, "extras": extras}
+    ck = Checkpointer(
+        run_name, states=states, root=tmp_path / "ckpt", catalog=Catalog(), mode=mode, format=fmt
+    )
+    ck.save(1)
+    ck.wait()
+    ck.close()
+    reference = torch.load(_saved_by_torch(tmp_path, states), weights_only=True)
+
+    conv2, opt2 = job()
+    extras2: dict = {}
+    ck2 = Checkpointer(
+        run_name,
+        states={"model": conv2, "optimizer": opt2, "extras": extras2},
+        root=tmp_path / "ckpt",
+        format=fmt,
+    )
+    assert ck2.restore_latest().step == 1
+    ck2.close()
+    for got, want in [
+        (opt2.state[conv2.weight]["exp_avg"], reference["optimizer"]["state"][0]["exp_avg"]),
+        (opt2.state[conv2.weight]["exp_avg_sq"], reference["optimizer"]["state"][0]["exp_avg_sq"]),
+        (extras2["t"], reference["extras"]["t"]),
+    ]:
+        assert got.stride() == want.stride() and torch.equal(got, want)
+    assert opt2.state[conv2.weight]["exp_avg"].stride() == conv2.weight.stride()
+
+
+def _saved_by_torch(tmp_path, states):  # type: ignore[no-untyped-def]
+    path = tmp_path / "torch.pt"
+    torch.save(
+        {k: (v.state_dict() if hasattr(v, "state_dict") else dict(v)) for k, v in states.items()}, path
+    )
+    return path

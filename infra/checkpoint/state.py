@@ -38,22 +38,29 @@ class RNGState:
             "numpy": np.random.get_state(),
             "torch": torch.get_rng_state(),
         }
-        if torch.cuda.is_available():
+        if torch.cuda.is_available() and torch.cuda.is_initialized():  # never starts CUDA in a CPU job
             state["cuda"] = torch.cuda.get_rng_state_all()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        # Generator.set_state reads from the start of the storage, ignoring a view's
-        # offset, and restored tensors are views of one read buffer: hand it a copy.
-        torch.set_rng_state(state["torch"].clone())
-        cuda = state.get("cuda")
-        if cuda is not None and torch.cuda.is_available():
-            if len(cuda) != torch.cuda.device_count():
-                raise ConfigError(
-                    f"checkpoint has RNG state for {len(cuda)} CUDA devices, this process sees {torch.cuda.device_count()}"
-                )
+        """Every generator set, or none: a state refused (another count of CUDA devices) changes nothing."""
+        cuda = state.get("cuda") if torch.cuda.is_available() else None
+        if cuda is not None and len(cuda) != torch.cuda.device_count():
+            raise ConfigError(
+                f"checkpoint has RNG state for {len(cuda)} CUDA devices, this process sees {torch.cuda.device_count()}"
+            )
+        python, numpy_state = random.getstate(), np.random.get_state()
+        try:
+            random.setstate(state["python"])
+            np.random.set_state(state["numpy"])
+            # Generator.set_state reads from the start of the storage, ignoring a view's
+            # offset, and restored tensors are views of one read buffer: hand it a copy.
+            torch.set_rng_state(state["torch"].clone())
+        except BaseException:
+            random.setstate(python)
+            np.random.set_state(numpy_state)
+            raise
+        if cuda is not None:
             torch.cuda.set_rng_state_all([c.clone() for c in cuda])
 
 

@@ -43,17 +43,33 @@ DCP_METADATA = ".metadata"  # present only in sharded (DCP) checkpoints
 _DECODE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, binascii.Error, RecursionError)
 
 
+def _refuse_twice(directory: Path, path: str, tensors: Mapping[str, Any], got: Mapping[str, Any]) -> None:
+    """A file naming a tensor another file named too (a checkpoint saved before ``split_states`` refused it):
+    which one a part should get cannot be told."""
+    twice = sorted(set(tensors) & set(got))
+    if twice:
+        raise _unloadable(directory, path, f"tensor {twice[0]!r} is in another file too")
+
+
 def tensor_file(part: str) -> str:
     """The plain format's file of ``part``'s tensors."""
     return f"{part}.safetensors"
 
 
 def split_states(state_dicts: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, torch.Tensor]]]:
-    """``{part: state_dict}`` -> (JSON trees per part, tensors per part)."""
+    """``{part: state_dict}`` -> (JSON trees per part, tensors per part). Two parts' tensors of one name (part
+    ``model``'s ``ema.weight`` and part ``model.ema``'s ``weight``) are a ``ConfigError``: a restore finds
+    each tensor by its name."""
     trees: dict[str, Any] = {}
     tensors: dict[str, dict[str, torch.Tensor]] = {}
+    owner: dict[str, str] = {}
     for part, sd in state_dicts.items():
-        trees[part], tensors[part] = tree.split(sd, part)
+        trees[part], tensors[part] = tree.split(sd, part, strides=True)
+        for name in tensors[part]:
+            if owner.setdefault(name, part) != part:
+                raise ConfigError(
+                    f"states {owner[name]!r} and {part!r} both hold a tensor named {name!r}: rename one of them"
+                )
     return trees, tensors
 
 
@@ -183,15 +199,19 @@ def read_states(
     targets = _by_name(trees, into or {})
     for path, entry in entries.items():
         if path.endswith(".safetensors"):
-            tensors.update(read_tensors(directory, entry, may_map=path in mappable, into=targets.get(path)))
+            got = read_tensors(directory, entry, may_map=path in mappable, into=targets.get(path))
+            _refuse_twice(directory, path, tensors, got)
+            tensors.update(got)
     if chunked.INDEX_FILE in entries:
         index = read_json(directory, entries[chunked.INDEX_FILE])
         try:
-            tensors.update(chunked.read_tensors(directory, entries, index))
+            got = chunked.read_tensors(directory, entries, index)
         except MalformedFile as exc:  # the index matched the manifest: the writer made it so
             raise _unloadable(directory, chunked.INDEX_FILE, str(exc)) from exc
+        _refuse_twice(directory, chunked.INDEX_FILE, tensors, got)
+        tensors.update(got)
     try:
-        return {str(part): tree.join(t, tensors) for part, t in trees.items()}
+        return {str(part): tree.join(t, tensors, layouts=part not in copied) for part, t in trees.items()}
     except _DECODE_ERRORS as exc:
         raise _unloadable(directory, STATE_FILE, f"{type(exc).__name__}: {str(exc)[:300]}") from exc
 

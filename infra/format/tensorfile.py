@@ -97,8 +97,10 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
     Made over the tensor's address, not through ``Tensor.numpy()``, which marks the storage not resizable for
     good: a save must leave the job's tensors as they were (a buffer the job grows with ``resize_`` after a
-    checkpoint). The tensor must not be resized while the view is in use."""
-    flat = t.detach().reshape(-1)
+    checkpoint). The tensor must not be resized while the view is in use. A lazily conjugated or negated
+    tensor (``conj()``, the ``imag`` of one) gives the bytes of its values, a copy: read them, never write
+    into them (every tensor read into is one of Rewind's own)."""
+    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     raw = (ctypes.c_ubyte * (flat.numel() * flat.element_size())).from_address(flat.data_ptr())
@@ -140,9 +142,9 @@ def write(
     out.write(head)
     run: list[torch.Tensor] = []  # tensors that lie back to back in one storage: written as one span
     for name in order:
-        t = tensors[name]
+        t = tensors[name].detach().resolve_conj().resolve_neg()  # a lazy conjugate's values, not its bytes
         if t.device.type != "cpu" or not t.is_contiguous():
-            t = t.detach().to("cpu").contiguous()
+            t = t.to("cpu").contiguous()
         if t.numel() == 0:
             continue
         if run and not _follows(run[-1], t):

@@ -3,6 +3,9 @@
 Non-tensor state (RNG, scheduler, data position, optimizer hyper-parameters) goes
 to JSON so that loading never unpickles anything. Types JSON lacks (tuples,
 non-string keys, bytes, io.BytesIO, numpy arrays) are tagged so they come back exactly.
+A tensor laid out densely in another order than row-major (``channels_last``, a transpose) is saved
+row-major with its strides (``__strided__``, where asked), and comes back in its layout, as ``torch.load``
+gives it: an optimizer's state then matches its parameter's (a fused optimizer refuses mixed layouts).
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import torch
 
 from rewind.infra.errors import ConfigError
 
-_TAGS = ("__tensor__", "__tuple__", "__dict__", "__bytes__", "__bytesio__", "__ndarray__", "__npscalar__")
+_TAGS = (
+    "__tensor__", "__strided__", "__tuple__", "__dict__", "__bytes__", "__bytesio__", "__ndarray__", "__npscalar__"
+)  # fmt: skip
+_MAX_STRIDE = 1 << 62
 
 
 def _refuse_dataless(t: torch.Tensor, path: str) -> None:
@@ -57,8 +63,27 @@ def _numpy(obj: np.ndarray | np.generic, path: str) -> dict[str, Any]:
     return {"__ndarray__": data} if isinstance(obj, np.ndarray) else {"__npscalar__": data}
 
 
-def split(tree: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
-    """Return (json_tree, tensors); tensors are named ``prefix/<path>``."""
+def dense_order(shape: list[int] | torch.Size, stride: list[int] | tuple[int, ...]) -> bool:
+    """Whether ``stride`` lays ``shape`` out densely (every element once, no gaps), in whatever order of its
+    dimensions; dimensions of size 1 take any stride."""
+    if len(stride) != len(shape) or not all(type(s) is int and 0 <= s < _MAX_STRIDE for s in stride):
+        return False
+    need = 1
+    for st, n in sorted((st, n) for st, n in zip(stride, shape, strict=True) if n != 1):
+        if st != need:
+            return False
+        need *= n
+    return True
+
+
+def _strided(t: torch.Tensor) -> bool:
+    """A tensor whose layout a restore must give back: dense in another order than row-major."""
+    return t.numel() > 1 and not t.is_contiguous() and dense_order(t.shape, t.stride())
+
+
+def split(tree: Any, prefix: str, *, strides: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Return (json_tree, tensors); tensors are named ``prefix/<path>``. ``strides``: a tensor dense in
+    another order than row-major is tagged with its strides, to come back in its layout (``join``)."""
     tensors: dict[str, torch.Tensor] = {}
 
     def walk(obj: Any, path: str) -> Any:
@@ -69,6 +94,8 @@ def split(tree: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
                     f"two tensors in the state are both named {path!r}: rename one of their keys"
                 )
             tensors[path] = obj
+            if strides and _strided(obj):
+                return {"__strided__": [path, list(obj.stride())]}
             return {"__tensor__": path}
         if obj is None or isinstance(obj, bool | int | float | str):
             return obj
@@ -108,10 +135,11 @@ def tensor_names(tree: Any) -> dict[str, str]:
     return names
 
 
-def join(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of :func:`split`."""
+def join(tree: Any, tensors: Mapping[str, torch.Tensor], *, layouts: bool = True) -> Any:
+    """Inverse of :func:`split`. ``layouts``: a ``__strided__`` tensor is given back in its saved layout (a
+    copy); False: as read, row-major (for a state object that copies what it is given into its own)."""
     if isinstance(tree, list):
-        return [join(v, tensors) for v in tree]
+        return [join(v, tensors, layouts=layouts) for v in tree]
     if not isinstance(tree, dict):
         return tree
     if len(tree) == 1:
@@ -120,10 +148,12 @@ def join(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             if value not in tensors:
                 raise KeyError(f"tensor {value!r} is named in the state but missing from the data file")
             return tensors[value]
+        if tag == "__strided__":
+            return _laid_out(value, tensors, layouts)
         if tag == "__tuple__":
-            return tuple(join(v, tensors) for v in value)
+            return tuple(join(v, tensors, layouts=layouts) for v in value)
         if tag == "__dict__":
-            return {join(k, tensors): join(v, tensors) for k, v in value}
+            return {join(k, tensors, layouts=layouts): join(v, tensors, layouts=layouts) for k, v in value}
         if tag == "__bytes__":
             return base64.b64decode(value)
         if tag == "__bytesio__":
@@ -134,4 +164,20 @@ def join(tree: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             raw = base64.b64decode(value["data"])
             arr = np.frombuffer(raw, dtype=np.dtype(value["dtype"])).reshape(value["shape"]).copy()
             return arr if tag == "__ndarray__" else arr[()]
-    return {k: join(v, tensors) for k, v in tree.items()}
+    return {k: join(v, tensors, layouts=layouts) for k, v in tree.items()}
+
+
+def _laid_out(value: Any, tensors: Mapping[str, torch.Tensor], layouts: bool) -> torch.Tensor:
+    """A ``__strided__`` tensor (``[name, strides]``, read row-major) copied into its saved layout (as read
+    where not ``layouts``)."""
+    if not (isinstance(value, list) and len(value) == 2 and isinstance(value[1], list)):
+        raise ValueError(f"malformed strided tensor {str(value)[:100]}")
+    name, stride = value
+    if name not in tensors:
+        raise KeyError(f"tensor {name!r} is named in the state but missing from the data file")
+    t = tensors[name]
+    if not dense_order(t.shape, stride):
+        raise ValueError(f"tensor {name!r}: strides {stride[:8]} do not lay out its shape {list(t.shape)}")
+    if not layouts:
+        return t
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)

@@ -295,10 +295,8 @@ class TrainingSession:
         if got is None:
             return None
         self.start_step, self.restored_checkpoint_id = got.step, got.checkpoint_id
-        for part in (
-            p for p in self.parts.values() if hasattr(p, "zero_grad")
-        ):  # the failed step's gradients
-            part.zero_grad(set_to_none=True)
+        for part in self.parts.values():
+            _undo_step(part)
         self.watch = LossWatch(spike_factor=self.watch.spike_factor)
         self._after_restore()  # the losses before the restore point (not the undone steps'); the bad window
         return got.step
@@ -398,3 +396,13 @@ class TrainingSession:
         """Tell the supervisor what the job applied (e.g. ``lr=...``, ``global_batch=...``)."""
         if self._writer is not None:
             self._writer.note(applied=facts)
+
+
+def _undo_step(part: Any) -> None:
+    """What a failed step left in ``part`` outside its checkpointed state: its gradients, and a
+    ``GradScaler``'s record of the optimizers it unscaled since its last ``update()`` (its
+    ``load_state_dict`` keeps that record, and the retried step's ``unscale_`` would be refused)."""
+    if hasattr(part, "zero_grad"):
+        part.zero_grad(set_to_none=True)
+    if isinstance(part, torch.amp.GradScaler):
+        part._per_optimizer_states.clear()  # a defaultdict: each optimizer's record starts afresh
