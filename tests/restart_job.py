@@ -1,10 +1,11 @@
 """A one-process job whose step raises once (at ``fail_at``, if given), trained through
 ``TrainingSession.train(..., restarts=N)``: the final weights, and how the run went, as JSON lines.
 
-    python -m tests.restart_job RUN OUT_DIR STEPS RESTARTS [FAIL_AT [scaler]]
+    python -m tests.restart_job RUN OUT_DIR STEPS RESTARTS [FAIL_AT [scaler|scaler-off]]
 
 ``scaler``: the step scales its loss with a ``GradScaler`` (checkpointed with the job) and fails after
-``unscale_``, before the optimizer's step, as a gradient-norm check that raises does.
+``unscale_``, before the optimizer's step, as a gradient-norm check that raises does; ``scaler-off``: the
+same with the scaler disabled (``enabled=False``, as a job run without mixed precision makes it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from safetensors.torch import save_file
 from rewind import ResumableLoader, TrainingSession
 
 
-def main(run: str, out: str, steps: int, restarts: int, fail_at: int | None, scaled: bool = False) -> None:
+def main(run: str, out: str, steps: int, restarts: int, fail_at: int | None, scaled: str = "") -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2048, 16, generator=g)
@@ -28,7 +29,7 @@ def main(run: str, out: str, steps: int, restarts: int, fail_at: int | None, sca
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     loader = ResumableLoader(dataset, batch_size=16, seed=0)
     failed: list[int] = []
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, enabled=scaled == "scaler")
 
     def scaled_step(i: int, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
         xb, yb = batch
@@ -73,5 +74,5 @@ if __name__ == "__main__":
         int(sys.argv[3]),
         int(sys.argv[4]),
         int(sys.argv[5]) if len(sys.argv) > 5 else None,
-        sys.argv[6:] == ["scaler"],
+        sys.argv[6] if len(sys.argv) > 6 else "",
     )

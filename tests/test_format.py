@@ -424,3 +424,21 @@ def test_the_crc32c_a_save_records_is_the_one_s3_computes_for_any_piece_and_alig
     h.update(data[:1000])
     h.update(data[1000:])
     assert h.result().crc32c == digest.crc32c_b64(_crc32c_by_the_book(bytes(data)))
+
+
+def test_a_tensors_byte_view_is_its_values_in_order_whatever_its_layout() -> None:
+    """``byte_view`` of a strided, expanded, transposed or conjugated tensor gives the bytes of its values in
+    order (a copy's), never the memory around it; a tensor on another device is a ``ValueError``."""
+    base = torch.arange(12, dtype=torch.float32)
+    z = torch.tensor([1 - 2j, 3 + 4j], dtype=torch.complex64)
+    for t in (
+        base[::2],
+        base.reshape(3, 4)[:, ::2],
+        torch.ones(1).expand(5),
+        base.reshape(3, 4).t(),
+        z.conj(),
+    ):
+        want = t.resolve_conj().contiguous()
+        assert bytes(tensorfile.byte_view(t)) == bytes(tensorfile.byte_view(want)) == want.numpy().tobytes()
+    with pytest.raises(ValueError, match="cannot be viewed from the CPU"):
+        tensorfile.byte_view(torch.ones(2, device="meta"))

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.trainproc import REPO, assert_same_weights
 
 
@@ -42,13 +44,17 @@ def test_without_restarts_left_or_a_checkpoint_to_go_back_to_the_error_ends_the_
     assert too_early.returncode != 0 and "a transient device error at step 5" in too_early.stderr
 
 
-def test_a_step_that_fails_after_its_grad_scaler_unscaled_is_undone_and_retried(tmp_path: Path) -> None:
+@pytest.mark.parametrize("scaler", ["scaler", "scaler-off"])
+def test_a_step_that_fails_after_its_grad_scaler_unscaled_is_undone_and_retried(
+    tmp_path: Path, scaler: str
+) -> None:
     """A step that raised after ``GradScaler.unscale_`` (a gradient-norm check) is retried from the restored
     checkpoint: the scaler's record of that unscale is undone with the step (torch would refuse the retried
-    step's ``unscale_`` for ever), and the run ends bit-exact with one that never failed."""
-    plain = _job(tmp_path / "plain", "40", "0", "-1", "scaler")
+    step's ``unscale_`` for ever), and the run ends bit-exact with one that never failed. A disabled scaler
+    (no mixed precision) keeps no record: the restart is the same."""
+    plain = _job(tmp_path / "plain", "40", "0", "-1", scaler)
     assert plain.returncode == 0, plain.stderr[-2000:]
-    hurt = _job(tmp_path / "hurt", "40", "1", "25", "scaler")
+    hurt = _job(tmp_path / "hurt", "40", "1", "25", scaler)
     assert hurt.returncode == 0, hurt.stderr[-2000:]
     (restart,) = json.loads(hurt.stdout.strip().splitlines()[-1])["restarts"]
     assert restart["restored_step"] == 20, restart

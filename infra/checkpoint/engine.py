@@ -44,7 +44,7 @@ from rewind.infra.checkpoint.staging import Staged, StagingBuffer
 from rewind.infra.checkpoint.state import Stateful, as_stateful, environment, writer
 from rewind.infra.errors import ConfigError, NoRestorableCheckpoint
 from rewind.infra.faults import fault_point
-from rewind.infra.format import chunked, direct, payload, pids, store
+from rewind.infra.format import chunked, direct, payload, pids, store, tree
 from rewind.infra.format import manifest as mf
 from rewind.infra.restore import execute as restore_exec
 from rewind.infra.restore import plan as restore_plan
@@ -220,7 +220,7 @@ class Checkpointer:
         ) as (ck_id, final, displace):
             staged.ready()
             done = store.write_checkpoint(
-                self.run_dir, self._draft(step, env, metrics), self._files(trees, staged, prehashed),
+                self.run_dir, self._draft(step, env, metrics, trees), self._files(trees, staged, prehashed),
                 displace=displace, streams=store.WRITE_STREAMS,
             )  # fmt: skip
             manifest = done.manifest
@@ -254,8 +254,10 @@ class Checkpointer:
         )
         return result
 
-    def _draft(self, step: int, env: dict[str, str], metrics: dict[str, float]) -> mf.Manifest:
-        """The manifest of a save of ``step``, all but its files."""
+    def _draft(
+        self, step: int, env: dict[str, str], metrics: dict[str, float], trees: dict[str, Any]
+    ) -> mf.Manifest:
+        """The manifest of a save of ``step`` (its states' JSON ``trees``), all but its files."""
         return mf.Manifest(
             run=self.run,
             step=step,
@@ -267,6 +269,7 @@ class Checkpointer:
             layout=self.layout,
             environment=env,
             metrics=metrics,
+            layouts=tree.gives_layouts(trees),
         )
 
     def _files(

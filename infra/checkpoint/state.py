@@ -49,19 +49,24 @@ class RNGState:
             raise ConfigError(
                 f"checkpoint has RNG state for {len(cuda)} CUDA devices, this process sees {torch.cuda.device_count()}"
             )
-        python, numpy_state = random.getstate(), np.random.get_state()
+        # Generator.set_state reads from the start of the storage, ignoring a view's
+        # offset, and restored tensors are views of one read buffer: hand it copies.
+        given = state["torch"].clone(), None if cuda is None else [c.clone() for c in cuda]
+        was = random.getstate(), np.random.get_state(), torch.get_rng_state()
+        was_cuda = None if cuda is None else torch.cuda.get_rng_state_all()
         try:
             random.setstate(state["python"])
             np.random.set_state(state["numpy"])
-            # Generator.set_state reads from the start of the storage, ignoring a view's
-            # offset, and restored tensors are views of one read buffer: hand it a copy.
-            torch.set_rng_state(state["torch"].clone())
+            torch.set_rng_state(given[0])
+            if given[1] is not None:
+                torch.cuda.set_rng_state_all(given[1])
         except BaseException:
-            random.setstate(python)
-            np.random.set_state(numpy_state)
+            random.setstate(was[0])
+            np.random.set_state(was[1])
+            torch.set_rng_state(was[2])
+            if was_cuda is not None:
+                torch.cuda.set_rng_state_all(was_cuda)
             raise
-        if cuda is not None:
-            torch.cuda.set_rng_state_all([c.clone() for c in cuda])
 
 
 class DictState:

@@ -179,6 +179,8 @@ def _allocate(states: dict[str, Any]) -> tuple[dict[str, torch.Tensor], Pieces]:
     pieces: Pieces = []
     for ts in states.values():
         for name, info in ts.items():
+            if str(name) in out:  # two states naming one tensor (saved before a save refused it)
+                raise MalformedFile(f"tensor {str(name)[:200]!r} is in two states of the index")
             dtype, shape, refs = _spec(str(name), info)
             t = tensorfile.allocate(str(name), shape, dtype)
             view = tensorfile.byte_view(t)

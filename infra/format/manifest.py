@@ -33,7 +33,8 @@ MAX_BYTES = 64 << 20  # a manifest larger than this is refused unread: no real o
 NAME_MAX = 255  # bytes in one path component on every filesystem Rewind writes to
 FORMAT = "rewind.checkpoint/3"
 PLACED_FORMAT = "rewind.checkpoint/4"  # with ``placement``: files spread over hosts' disks
-READABLE_FORMATS = ("rewind.checkpoint/1", "rewind.checkpoint/2", FORMAT, PLACED_FORMAT)
+LAID_OUT_FORMAT = "rewind.checkpoint/5"  # its state.json gives tensors' layouts (``tree``'s ``__strided__``)
+READABLE_FORMATS = ("rewind.checkpoint/1", "rewind.checkpoint/2", FORMAT, PLACED_FORMAT, LAID_OUT_FORMAT)
 
 
 class ManifestError(MalformedFile):
@@ -74,6 +75,8 @@ class Manifest:
     # Files on one disk only: path -> disk id (``local_tier``); the rest are on every disk's copy.
     placement: dict[str, str] = field(default_factory=dict)
     disks: dict[str, str] = field(default_factory=dict)  # disk id -> the host it belongs to
+    # Its state.json gives tensors' layouts: an older Rewind, which would load them as dicts, refuses it.
+    layouts: bool = False
 
     @property
     def total_bytes(self) -> int:
@@ -93,7 +96,7 @@ class Manifest:
         placed = {"placement": self.placement, "disks": self.disks} if self.placement else {}
         return {
             **placed,
-            "format": PLACED_FORMAT if self.placement else FORMAT,
+            "format": PLACED_FORMAT if self.placement else LAID_OUT_FORMAT if self.layouts else FORMAT,
             "digest": DIGEST_ALGORITHM,
             "run": self.run,
             "step": self.step,
@@ -156,7 +159,7 @@ def parse_body(raw: bytes) -> dict[str, Any]:
         raise ManifestError(f"manifest is not valid JSON ({str(exc)[:200]})") from exc
     found = body.get("format") if isinstance(body, dict) else None
     version = str(found).removeprefix("rewind.checkpoint/")
-    newest = int(PLACED_FORMAT.rsplit("/", 1)[1])
+    newest = max(int(f.rsplit("/", 1)[1]) for f in READABLE_FORMATS)
     if found not in READABLE_FORMATS and version.isdigit() and int(version) > newest:
         raise ManifestTooNew(f"manifest format is {found!r}, newer than this Rewind reads: upgrade it")
     if found not in READABLE_FORMATS:
@@ -195,6 +198,7 @@ def parse(raw: bytes) -> Manifest:
             metrics=dict(body.get("metrics") or {}),
             parent_digest=None if parent_digest is None else str(parent_digest),
             writer={str(k): str(v) for k, v in dict(body.get("writer") or {}).items()},
+            layouts=body.get("format") == LAID_OUT_FORMAT,
             **_placement(body, seen),
         )
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:

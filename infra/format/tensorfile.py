@@ -97,10 +97,13 @@ def byte_view(t: torch.Tensor) -> memoryview:
 
     Made over the tensor's address, not through ``Tensor.numpy()``, which marks the storage not resizable for
     good: a save must leave the job's tensors as they were (a buffer the job grows with ``resize_`` after a
-    checkpoint). The tensor must not be resized while the view is in use. A lazily conjugated or negated
-    tensor (``conj()``, the ``imag`` of one) gives the bytes of its values, a copy: read them, never write
-    into them (every tensor read into is one of Rewind's own)."""
-    flat = t.detach().resolve_conj().resolve_neg().reshape(-1)
+    checkpoint). The tensor must not be resized while the view is in use. A tensor whose bytes are not its
+    values in order (lazily conjugated or negated: ``conj()``, the ``imag`` of one; not contiguous) gives
+    a copy's: read them, never write into them (every tensor read into is one of Rewind's own, contiguous).
+    ``ValueError`` for a tensor not in the CPU's memory."""
+    if t.device.type != "cpu":
+        raise ValueError(f"the bytes of a tensor on {t.device} cannot be viewed from the CPU")
+    flat = t.detach().resolve_conj().resolve_neg().contiguous().view(-1)
     if flat.numel() == 0:
         return memoryview(b"")
     raw = (ctypes.c_ubyte * (flat.numel() * flat.element_size())).from_address(flat.data_ptr())

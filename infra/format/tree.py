@@ -77,8 +77,22 @@ def dense_order(shape: list[int] | torch.Size, stride: list[int] | tuple[int, ..
 
 
 def _strided(t: torch.Tensor) -> bool:
-    """A tensor whose layout a restore must give back: dense in another order than row-major."""
-    return t.numel() > 1 and not t.is_contiguous() and dense_order(t.shape, t.stride())
+    """A tensor whose layout a restore must give back: dense, with other strides than row-major's (those of
+    its dimensions of size 1 included: torch's ``is_contiguous`` ignores them, a fused optimizer may not)."""
+    row_major, step = [], 1
+    for n in reversed(t.shape):
+        row_major.append(step)
+        step *= max(n, 1)
+    return t.numel() > 1 and t.stride() != tuple(reversed(row_major)) and dense_order(t.shape, t.stride())
+
+
+def gives_layouts(trees: Any) -> bool:
+    """Whether JSON trees made by ``split`` give any tensor's layout (``__strided__``)."""
+    if isinstance(trees, list):
+        return any(gives_layouts(v) for v in trees)
+    if not isinstance(trees, dict):
+        return False
+    return "__strided__" in trees or any(gives_layouts(v) for v in trees.values())
 
 
 def split(tree: Any, prefix: str, *, strides: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -32,6 +32,7 @@ import torch
 import xxhash
 
 from rewind.infra.errors import ConfigError, MalformedFile
+from rewind.infra.format import tensorfile
 from rewind.infra.format.digest import hash_bytes
 
 log = logging.getLogger("rewind.kv")
@@ -63,7 +64,7 @@ def encode(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> byte
     parts = [_HEADER.pack(len(header)), header]
     for k, v in zip(keys, values, strict=True):
         for t in (k, v):
-            parts.append(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+            parts.append(bytes(tensorfile.byte_view(t.detach().to("cpu"))))  # leaves the cache's tensors be
     return b"".join(parts)
 
 

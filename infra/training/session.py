@@ -404,5 +404,5 @@ def _undo_step(part: Any) -> None:
     ``load_state_dict`` keeps that record, and the retried step's ``unscale_`` would be refused)."""
     if hasattr(part, "zero_grad"):
         part.zero_grad(set_to_none=True)
-    if isinstance(part, torch.amp.GradScaler):
+    if isinstance(part, torch.amp.GradScaler) and part.is_enabled():  # a disabled one keeps no record
         part._per_optimizer_states.clear()  # a defaultdict: each optimizer's record starts afresh
