@@ -138,6 +138,37 @@ def test_a_rollback_in_the_process_that_saved_keeps_parameters_over_one_flat_buf
     ck.close()
 
 
+def test_a_module_saved_with_a_layout_is_still_loaded_in_place(
+    rewind_env, run_name, tmp_path, memory_root, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """A channels-last 1x1 convolution's weight is saved with its layout (its size-1 dimensions' strides are
+    not row-major's) and an expanded buffer without one; restored from memory, the module is still loaded
+    in place, bit-exact, its weight keeping its strides."""
+    monkeypatch.setattr(segments, "SEGMENT", SEGMENT)
+    torch.manual_seed(9)
+
+    def module() -> torch.nn.Module:
+        m = torch.nn.Conv2d(1024, 1024, 1).to(memory_format=torch.channels_last)
+        m.register_buffer("pos", torch.arange(1024.0).expand(1, -1))
+        return m
+
+    model = module()
+    cat, directory = _kept(run_name, tmp_path / "ckpt", model)
+    assert "__strided__" in (directory / "state.json").read_text()
+    fresh = module()
+    with torch.no_grad():
+        fresh.weight.zero_()
+    strides = fresh.weight.stride()
+    loads, in_place = mapped.verified_into, []
+    monkeypatch.setattr(mapped, "verified_into", lambda *a: in_place.append(loads(*a)) or in_place[-1])
+    ck = Checkpointer(run_name, states={"model": fresh}, root=tmp_path / "ckpt", catalog=cat)
+    got = ck.restore_latest()
+    assert got is not None and got.source == "memory" and in_place == [True]
+    assert torch.equal(fresh.weight, model.weight) and fresh.weight.stride() == strides
+    assert torch.equal(fresh.pos, model.pos)
+    ck.close()
+
+
 def test_a_module_whose_tensors_do_not_fit_is_loaded_by_torch_from_the_proven_mapping(
     rewind_env, run_name, tmp_path, memory_root, monkeypatch
 ):  # type: ignore[no-untyped-def]

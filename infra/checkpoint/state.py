@@ -53,7 +53,10 @@ class RNGState:
         # offset, and restored tensors are views of one read buffer: hand it copies.
         given = state["torch"].clone(), None if cuda is None else [c.clone() for c in cuda]
         was = random.getstate(), np.random.get_state(), torch.get_rng_state()
-        was_cuda = None if cuda is None else torch.cuda.get_rng_state_all()
+        # the CUDA generators as they are, where CUDA has started (asking would start it; setting waits for it)
+        was_cuda = (
+            torch.cuda.get_rng_state_all() if cuda is not None and torch.cuda.is_initialized() else None
+        )
         try:
             random.setstate(state["python"])
             np.random.set_state(state["numpy"])

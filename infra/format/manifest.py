@@ -13,7 +13,9 @@ alone, exactly, even where two timelines share a step). Format 4 adds ``placemen
 whose ranks wrote to their own hosts' disks names the disk of each file that lies on one disk only
 (``placement``, path -> disk id) and the host of each disk (``disks``); every other file is on every
 disk's copy. Only such checkpoints are written as format 4 (an older Rewind refuses them as too new
-rather than calling a partial copy damaged). Formats 1 to 3 are still read.
+rather than calling a partial copy damaged). Format 5: its ``state.json`` gives some tensors' layouts
+(``tree``'s ``__strided__``), which an older Rewind would load as dicts; only such checkpoints are written
+as format 5 (``placement`` is read in it too). Formats 1 to 3 are still read.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ class Manifest:
         placed = {"placement": self.placement, "disks": self.disks} if self.placement else {}
         return {
             **placed,
-            "format": PLACED_FORMAT if self.placement else LAID_OUT_FORMAT if self.layouts else FORMAT,
+            "format": LAID_OUT_FORMAT if self.layouts else PLACED_FORMAT if self.placement else FORMAT,
             "digest": DIGEST_ALGORITHM,
             "run": self.run,
             "step": self.step,

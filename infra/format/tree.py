@@ -76,14 +76,28 @@ def dense_order(shape: list[int] | torch.Size, stride: list[int] | tuple[int, ..
     return True
 
 
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 def _strided(t: torch.Tensor) -> bool:
-    """A tensor whose layout a restore must give back: dense, with other strides than row-major's (those of
-    its dimensions of size 1 included: torch's ``is_contiguous`` ignores them, a fused optimizer may not)."""
-    row_major, step = [], 1
-    for n in reversed(t.shape):
-        row_major.append(step)
+    """A tensor whose layout a restore must give back: dense in another order than row-major, or channels
+    last with other strides than row-major's only where a dimension is of size 1 (a 1x1 convolution's:
+    torch's ``is_contiguous`` takes it for row-major, a fused optimizer may not). An expanded dimension of
+    size 1 alone (a buffer made by ``expand``) is row-major enough."""
+    if t.numel() <= 1 or not dense_order(t.shape, t.stride()):
+        return False
+    if not t.is_contiguous():
+        return True
+    last = _CHANNELS_LAST.get(t.dim())
+    return last is not None and t.is_contiguous(memory_format=last) and t.stride() != _row_major(t.shape)
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
         step *= max(n, 1)
-    return t.numel() > 1 and t.stride() != tuple(reversed(row_major)) and dense_order(t.shape, t.stride())
+    return tuple(reversed(out))
 
 
 def gives_layouts(trees: Any) -> bool:
@@ -135,14 +149,25 @@ def split(tree: Any, prefix: str, *, strides: bool = False) -> tuple[Any, dict[s
     return walk(tree, prefix), tensors
 
 
+def _leaf_name(leaf: Any) -> Any:
+    """The name of the tensor a JSON leaf stands for (laid out or not); None for any other leaf."""
+    if not (isinstance(leaf, dict) and len(leaf) == 1):
+        return None
+    if "__strided__" in leaf:
+        value = leaf["__strided__"]
+        return value[0] if isinstance(value, list) and value else None
+    return leaf.get("__tensor__")
+
+
 def tensor_names(tree: Any) -> dict[str, str]:
     """The tensor each key of a flat state names (a module's state dict: string keys, a tensor each), by
-    key; empty for any other state."""
+    key; empty for any other state. A tensor saved with its layout is named too: a module is loaded into
+    its own tensors, whatever the layout it was saved in (``in_place`` takes only contiguous ones)."""
     if not isinstance(tree, dict):
         return {}
     names: dict[str, str] = {}
     for key, leaf in tree.items():
-        name = leaf.get("__tensor__") if isinstance(leaf, dict) and len(leaf) == 1 else None
+        name = _leaf_name(leaf)
         if not isinstance(name, str):
             return {}
         names[key] = name
