@@ -84,12 +84,13 @@ def _strided(t: torch.Tensor) -> bool:
     last with other strides than row-major's only where a dimension is of size 1 (a 1x1 convolution's:
     torch's ``is_contiguous`` takes it for row-major, a fused optimizer may not). An expanded dimension of
     size 1 alone (a buffer made by ``expand``) is row-major enough."""
-    if t.numel() <= 1 or not dense_order(t.shape, t.stride()):
+    if t.numel() <= 1:
         return False
-    if not t.is_contiguous():
-        return True
-    last = _CHANNELS_LAST.get(t.dim())
-    return last is not None and t.is_contiguous(memory_format=last) and t.stride() != _row_major(t.shape)
+    if t.is_contiguous():  # the common case, decided without Python's arithmetic (a save's stall runs this)
+        last = _CHANNELS_LAST.get(t.dim())
+        if last is None or not t.is_contiguous(memory_format=last) or t.stride() == _row_major(t.shape):
+            return False
+    return dense_order(t.shape, t.stride())
 
 
 def _row_major(shape: torch.Size) -> tuple[int, ...]:
