@@ -20,6 +20,8 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from rewind.infra.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -80,3 +82,13 @@ def _restore(session: TrainingSession, exc: Exception, count: int) -> int:
         count=count, after_step=after, restored_step=step, error=f"{type(exc).__name__}: {exc}"
     )
     return step
+
+
+def undo_step(part: Any) -> None:
+    """What a failed step left in ``part`` outside its checkpointed state: its gradients, and a
+    ``GradScaler``'s record of the optimizers it unscaled since its last ``update()`` (its
+    ``load_state_dict`` keeps that record, and the retried step's ``unscale_`` would be refused)."""
+    if hasattr(part, "zero_grad"):
+        part.zero_grad(set_to_none=True)
+    if isinstance(part, torch.amp.GradScaler) and part.is_enabled():  # a disabled one keeps no record
+        part._per_optimizer_states.clear()  # a defaultdict: each optimizer's record starts afresh

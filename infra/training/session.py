@@ -40,7 +40,7 @@ from rewind.infra.errors import ConfigError, RewindError, is_transient
 from rewind.infra.format import payload
 from rewind.infra.health.layout import Layout, ModelShape
 from rewind.infra.health.signals import LossWatch
-from rewind.infra.training import after_restore, comeback, group
+from rewind.infra.training import after_restore, comeback, group, restart
 from rewind.infra.training.after_restore import position_of
 from rewind.infra.training.data import SkippableLoader, StatefulLoader
 from rewind.infra.training.handoff import Handoff
@@ -282,8 +282,6 @@ class TrainingSession:
         returned loss reported (saves when due); the last step run. ``restarts``: an exception a step raises
         restores the newest checkpoint in this process and the loop goes on from it, at most this many
         times (one process only; :mod:`rewind.infra.training.restart` says what it does and does not)."""
-        from rewind.infra.training import restart
-
         return restart.run(self, step, total, restarts)
 
     def restart_from_newest(self) -> int | None:
@@ -296,7 +294,7 @@ class TrainingSession:
             return None
         self.start_step, self.restored_checkpoint_id = got.step, got.checkpoint_id
         for part in self.parts.values():
-            _undo_step(part)
+            restart.undo_step(part)
         self.watch = LossWatch(spike_factor=self.watch.spike_factor)
         self._after_restore()  # the losses before the restore point (not the undone steps'); the bad window
         return got.step
@@ -396,13 +394,3 @@ class TrainingSession:
         """Tell the supervisor what the job applied (e.g. ``lr=...``, ``global_batch=...``)."""
         if self._writer is not None:
             self._writer.note(applied=facts)
-
-
-def _undo_step(part: Any) -> None:
-    """What a failed step left in ``part`` outside its checkpointed state: its gradients, and a
-    ``GradScaler``'s record of the optimizers it unscaled since its last ``update()`` (its
-    ``load_state_dict`` keeps that record, and the retried step's ``unscale_`` would be refused)."""
-    if hasattr(part, "zero_grad"):
-        part.zero_grad(set_to_none=True)
-    if isinstance(part, torch.amp.GradScaler) and part.is_enabled():  # a disabled one keeps no record
-        part._per_optimizer_states.clear()  # a defaultdict: each optimizer's record starts afresh
