@@ -5,9 +5,10 @@ set of tensors keeps its shapes and dtypes, so the extra memory is bounded by on
 copy of the state (and a page per part). Each part's tensors lie as they will in its
 file (``tensorfile.file_order``, back to back, from a page boundary), so the direct
 writer sends them to the disk from the buffer itself, without copying them again.
-For CUDA tensors the copies run on a side stream: the CPU does not wait for them;
-the training stream waits (on the GPU) before its next kernel, and the writer waits
-for the copy-done event before reading the buffer.
+For CUDA tensors the copies run on a side stream of their device: the CPU does not
+wait for them; the training stream waits (on the GPU) before its next kernel, and the
+writer waits for the copy-done event before reading the buffer. Tensors on several
+devices are copied in the stall.
 """
 
 from __future__ import annotations
@@ -139,28 +140,44 @@ class StagingBuffer:
         return value
 
     def stage(self, parts: Parts) -> Staged:
-        """Copy ``parts`` into the buffer; the previous ``Staged`` must no longer be in use."""
+        """Copy ``parts`` into the buffer; the previous ``Staged`` must no longer be in use. CUDA tensors on
+        one device are copied on a side stream of that device (not the current device's: a model placed on
+        ``cuda:1`` without ``set_device``); tensors on several devices (a model spread over GPUs in one
+        process) are copied in the stall, since one event cannot say when copies on two devices landed."""
         self._ensure(parts)
-        on_gpu = any(t.is_cuda for ts in parts.values() for t in ts.values())
-        event = None
-        if on_gpu and self._stream is None:
-            self._stream = torch.cuda.Stream()
-        out: dict[str, dict[str, torch.Tensor]] = {}
+        devices = {t.device for ts in parts.values() for t in ts.values() if t.is_cuda}
+        if len(devices) > 1:
+            return self._stage_blocking(parts)
+        on_gpu = bool(devices)
+        if on_gpu and (self._stream is None or self._stream.device != next(iter(devices))):
+            self._stream = torch.cuda.Stream(device=next(iter(devices)))
         ctx = torch.cuda.stream(self._stream) if on_gpu else contextlib.nullcontext()
         if on_gpu and self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream())  # see the latest values
-        with ctx, torch.no_grad():
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))  # the latest values
+        with ctx:
+            out = self._copy(parts, behind=True)
+        event = None
+        if on_gpu and self._stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._stream)
+            # no in-place update before the copy is done
+            torch.cuda.current_stream(self._stream.device).wait_event(event)
+        return Staged(out, event)
+
+    def _stage_blocking(self, parts: Parts) -> Staged:
+        return Staged(self._copy(parts, behind=False), None)  # every copy done when it returns
+
+    def _copy(self, parts: Parts, *, behind: bool) -> dict[str, dict[str, torch.Tensor]]:
+        """``parts`` copied into their places; ``behind``: CUDA copies queued (on the current stream)."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        with torch.no_grad():
             for part, tensors in parts.items():
                 staged = self._views[part]
                 for name, t in tensors.items():
                     if t.numel():
-                        staged[name].copy_(t.detach(), non_blocking=t.is_cuda)
+                        staged[name].copy_(t.detach(), non_blocking=behind and t.is_cuda)
                 out[part] = dict(staged)
-        if on_gpu:
-            event = torch.cuda.Event()
-            event.record(self._stream)
-            torch.cuda.current_stream().wait_event(event)  # no in-place update before the copy is done
-        return Staged(out, event)
+        return out
 
 
 def _unpin_freed() -> None:
