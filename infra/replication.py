@@ -102,12 +102,16 @@ def replicate(
     """Copy one checkpoint to ``tier`` and register the verified copy (``streams`` files placed at once).
 
     Each candidate name is taken if it is free or holds this very checkpoint intact;
-    one holding another timeline's checkpoint, or a damaged copy, is passed over.
+    one holding another timeline's checkpoint, or a damaged copy, is passed over, and so is one the
+    catalog still lists for another checkpoint (garbage collection may be deleting it).
     """
     run = lineage.get_run_by_id(cat, ck.run_id).name
     digest = str(ck.manifest_digest)
     passed: list[str] = []
     for key in transfer.candidate_keys(run, ck.step, digest):
+        if copies.key_taken(cat, ck.id, tier.name, tier.uri, key):
+            passed.append(f"{key} is another checkpoint's copy in the catalog (reclaimed, or to be)")
+            continue
         held = transfer.holds(tier, key, digest)
         if held is False:
             passed.append(f"{key} holds another checkpoint of step {ck.step} (another timeline)")

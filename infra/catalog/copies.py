@@ -370,6 +370,28 @@ def location_in_use(cat: Catalog, replica_id: int) -> bool:
     return any(_effective_key(k, r, st) == mine for k, st, r in others)
 
 
+def key_taken(cat: Catalog, checkpoint_id: int, tier: str, uri: str, key: str) -> bool:
+    """Does another checkpoint's copy, not deleted yet, lie at ``key`` on this tier (wanted or not)?
+
+    A replication must not write there: a dead copy's bytes are reclaimed before its row is marked deleted
+    (``retention._delete_one``), and a reclaim that listed the key would delete files a new copy put
+    there (even ones it found already in place and kept) after that copy was registered verified."""
+    with cat.session() as s:
+        rows = s.execute(
+            select(Replica.key, Checkpoint.step, Run.name)
+            .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
+            .join(Run, Run.id == Checkpoint.run_id)
+            .where(
+                Replica.tier == tier,
+                Replica.uri == uri,
+                Replica.checkpoint_id != checkpoint_id,
+                Replica.status != R.DELETED.value,
+                or_(Replica.key == key, Replica.key.is_(None)),
+            )
+        ).all()
+    return any(_effective_key(k, r, st) == key for k, st, r in rows)
+
+
 def every_copy(cat: Catalog, run: str | None = None) -> list[tuple[Replica, Checkpoint, str]]:
     """Every copy row not let go on purpose, with its checkpoint and run name: what a catalog check compares."""
     with cat.session() as s:
