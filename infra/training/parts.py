@@ -2,9 +2,13 @@
 
 ``get_model_state_dict``/``set_model_state_dict`` see through DDP and FSDP2
 wrappers and keep sharded tensors sharded, so a checkpoint saved by W ranks
-loads into W' ranks. Optimizer state is initialised (a zero-learning-rate step)
-only when a state dict is asked for, which the session does only when there is
-a checkpoint to load into it: a fresh run is not perturbed.
+loads into W' ranks. DCP gives an optimizer without state its state (a
+zero-learning-rate step: Adam's step count then starts at 1) when a state dict
+is asked for: at a restore, which loads the saved state over it, and at a save
+before the optimizer's first step, after which the session lets that state go
+again (``forget``) and records the optimizer as fresh (``FRESH`` in the rank's
+state), so that neither the run nor a run resumed from that checkpoint differs
+from one never saved.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class ModelPart:
 
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+FRESH = "fresh_optimizers"  # in a rank's saved state: the parts saved before their optimizer's first step
 
 
 class OptimizerPart:
@@ -53,6 +58,17 @@ class OptimizerPart:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         nested = isinstance(state.get("state"), dict) or isinstance(state.get("param_groups"), list)
         set_optimizer_state_dict(self.model, self.optimizer, state, options=None if nested else FLAT)
+
+    def fresh(self) -> bool:
+        """Whether the optimizer has taken no step (DCP's state dict would take one with lr 0): no state,
+        and no gradient on any of its parameters."""
+        return not self.optimizer.state and all(
+            p.grad is None for g in self.optimizer.param_groups for p in g["params"]
+        )
+
+    def forget(self) -> None:
+        """The optimizer as it was before its first step: the state DCP gave it let go."""
+        self.optimizer.state.clear()
 
 
 def job_layout(given: Layout | None, handed: Layout | None, model: Any, world: int) -> Layout | None:

@@ -44,7 +44,7 @@ from rewind.infra.training import after_restore, comeback, group, restart
 from rewind.infra.training.after_restore import position_of
 from rewind.infra.training.data import SkippableLoader, StatefulLoader
 from rewind.infra.training.handoff import Handoff
-from rewind.infra.training.parts import ModelPart, OptimizerPart, RankRNG, job_layout, shape_of
+from rewind.infra.training.parts import FRESH, ModelPart, OptimizerPart, RankRNG, job_layout, shape_of
 from rewind.infra.training.progress import LAUNCH_ENV, ProgressWriter
 
 log = logging.getLogger("rewind.session")
@@ -272,6 +272,8 @@ class TrainingSession:
         step, tree, mine = restored
         for name, part in self.parts.items():
             part.load_state_dict(tree[name])
+            if isinstance(part, OptimizerPart) and name in mine.get(FRESH, ()):
+                part.forget()  # saved before its first step: as fresh as it was
         RankRNG().load_state_dict(mine["rng"])
         return step
 
@@ -385,8 +387,14 @@ class TrainingSession:
         if isinstance(self._ckpt, Checkpointer):
             self._ckpt.save(step, metrics=metrics)
         elif isinstance(self._ckpt, ShardedCheckpointer):
-            tree = self._tree()
-            self._ckpt.save(step, tree, {"rng": RankRNG().state_dict()}, metrics=dict(metrics or {}))
+            fresh = [
+                name for name, part in self.parts.items() if isinstance(part, OptimizerPart) and part.fresh()
+            ]
+            tree = self._tree()  # gives a fresh optimizer state by a zero-lr step (DCP), undone once saved
+            mine = {"rng": RankRNG().state_dict(), FRESH: fresh}
+            self._ckpt.save(step, tree, mine, metrics=dict(metrics or {}))
+            for name in fresh:
+                self.parts[name].forget()
         else:
             raise ConfigError("save() outside the session's `with` block")
 

@@ -1,0 +1,65 @@
+"""A 2-rank DDP job with Adam whose session saves before the optimizer's first step:
+``python -m tests.fresh_optimizer_job RUN OUT STEPS SAVE_FIRST`` under torchrun. The same job is trained first
+without a session (the reference), then under the session (saving at step 0 when SAVE_FIRST is 1, or resuming
+from the run's newest checkpoint); rank 0 writes both models' weights and the session's start step."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from rewind.infra.training.session import TrainingSession
+
+
+def _job() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
+    return model, torch.optim.Adam(model.parameters(), lr=0.05)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> float:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    x = torch.randn(8, 16, generator=g)
+    loss = model(x).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def main(run: str, out: str, steps: int, save_first: bool) -> None:
+    dist.init_process_group("gloo")
+    plain, plain_opt = _job()
+    for step in range(1, steps + 1):
+        _step(plain, plain_opt, step)
+    model, opt = _job()
+    with TrainingSession(run, model=model, optimizer=opt) as s:
+        start = s.start_step
+        if save_first and start == 0:
+            s.save(0)
+        for step in s.steps(steps):
+            s.report(step, _step(model, opt, step))
+    if dist.get_rank() == 0:
+        os.makedirs(out, exist_ok=True)
+        save_file(
+            {k: v.contiguous() for k, v in plain.module.state_dict().items()}, f"{out}/plain.safetensors"
+        )
+        save_file(
+            {k: v.contiguous() for k, v in model.module.state_dict().items()}, f"{out}/session.safetensors"
+        )
+        with open(f"{out}/start.json", "w") as f:
+            json.dump({"start": start, "restored": s.restored_checkpoint_id is not None}, f)
+    del plain, plain_opt, model, opt, s  # the DDP models' reducers freed while the group still exists
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1")
