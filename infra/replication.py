@@ -102,16 +102,14 @@ def replicate(
     """Copy one checkpoint to ``tier`` and register the verified copy (``streams`` files placed at once).
 
     Each candidate name is taken if it is free or holds this very checkpoint intact;
-    one holding another timeline's checkpoint, or a damaged copy, is passed over, and so is one the
-    catalog still lists for another checkpoint (garbage collection may be deleting it).
+    one holding another timeline's checkpoint, or a damaged copy, is passed over, and so is a free one
+    the catalog still lists for another checkpoint's copy (garbage collection may be deleting it: a copy
+    already there, proven, is registered where it lies, e.g. one its hosts sent themselves).
     """
     run = lineage.get_run_by_id(cat, ck.run_id).name
     digest = str(ck.manifest_digest)
     passed: list[str] = []
     for key in transfer.candidate_keys(run, ck.step, digest):
-        if copies.key_taken(cat, ck.id, tier.name, tier.uri, key):
-            passed.append(f"{key} is another checkpoint's copy in the catalog (reclaimed, or to be)")
-            continue
         held = transfer.holds(tier, key, digest)
         if held is False:
             passed.append(f"{key} holds another checkpoint of step {ck.step} (another timeline)")
@@ -128,6 +126,9 @@ def replicate(
             passed.append(
                 f"{key} holds a damaged copy ({'; '.join(str(f) for f in report.findings if f.fatal)})"
             )
+            continue
+        if copies.key_taken(cat, ck.id, tier.name, tier.uri, key):  # no manifest, but gc may be reclaiming it
+            passed.append(f"{key} is another checkpoint's copy in the catalog (reclaimed, or to be)")
             continue
         for why in passed:
             log.warning("%s: %s; this copy goes to %s", tier.uri, why, key)

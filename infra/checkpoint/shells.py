@@ -99,7 +99,7 @@ class ShellStager:
         if len(devices) > 1:  # one side stream per rank's device; tensors on several: copy in the stall
             return self._stage_blocking(tensors)
         on_gpu = bool(devices)
-        if on_gpu and self._stream is None:
+        if on_gpu and (self._stream is None or self._stream.device != next(iter(devices))):
             self._stream = torch.cuda.Stream(device=next(iter(devices)))
         if on_gpu and self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))  # the latest values
