@@ -152,6 +152,27 @@ def test_a_step_saved_again_on_another_timeline_moves_every_disks_old_copy_aside
     assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
 
 
+def test_a_step_saved_again_that_fails_at_rank_0_leaves_every_disks_old_copy_restorable(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 2 saved again, disk b's copy renamed in (its old one moved aside), then rank 0's own commit fails:
+    every disk's old copy is back where it was and its rows with it, and the old step 2 restores bit-exact
+    (before, disk b's old copy stayed aside and the restore fell back to step 1)."""
+    work = saved
+    cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
+    (old,) = lineage.checkpoints(cat, RUN, step=2)
+    monkeypatch.setenv("REWIND_FAULT", "eio:save.before_rename@2%0")
+    _job("save", work, "a,a,b,b", ok=False)
+    monkeypatch.delenv("REWIND_FAULT")
+    assert [c.status for c in lineage.checkpoints(cat, RUN, step=2) if c.id == old.id] == ["committed"]
+    for r in (r for r in lineage.replicas_of(cat, old.id) if r.tier == "local"):
+        assert "/.quarantine/" not in r.uri and Path(r.uri).name == "step-2", r.uri
+        assert manifest_digest((Path(r.uri) / mf.MANIFEST_NAME).read_bytes()) == old.manifest_digest, r.uri
+    _job("load", work, "a,a,b,b")
+    assert json.loads((work / "sources.json").read_text())["step"] == 2
+    assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
+
+
 def test_a_disk_holding_another_checkpoint_at_the_step_a_restore_completes_moves_it_and_its_rows_aside(
     saved: Path,
 ) -> None:

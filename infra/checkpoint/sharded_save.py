@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import shutil
 from collections.abc import Callable, Sequence
@@ -33,6 +34,8 @@ from rewind.infra.format.local_tier import LocalTier
 RANK_STATE = "rank-{rank}.json"
 RANK_FILE = re.compile(r"rank-(\d+)\.json")
 OWN_VALUES = "__own_values__"  # in a rank's state file: its own state tree's non-tensor values (ranks > 0)
+
+log = logging.getLogger(__name__)
 
 
 def rank_state_file(rank: int) -> str:
@@ -189,7 +192,7 @@ def _close_spread(
     dist.broadcast_object_list(outcome, src=0, group=group)
     kind, digest = outcome[0]
     if kind == "error":
-        spread.undo(Path(mine[1]) if mine[1] else None)
+        spread.undo(Path(mine[1]) if mine[1] else None, mine[2])
         raise RankFailed(f"sharded save of step {facts.step} failed: {digest}")
     return str(digest)
 
@@ -214,8 +217,8 @@ def _finish_spread(
 ) -> tuple[str, str]:
     """Rank 0, once every other disk's copy is renamed in: its own copy and the catalog's commit."""
     final: Path | None = None
+    aside = [(moved, disks.of_rank[r]) for r, (_, _, moved) in enumerate(reports) if moved]
     try:
-        aside = [(moved, disks.of_rank[r]) for r, (_, _, moved) in enumerate(reports) if moved]
         if lead is not None and aside:  # the rows follow the bytes, before any row may name the new ones
             lead.aside(aside)
         errors = [e for e, _, _ in reports if e]
@@ -232,7 +235,21 @@ def _finish_spread(
             _remove_written(tmp, step, prepared.raw)
         else:  # renamed, then the catalog's commit failed
             shutil.rmtree(final, ignore_errors=True)
+        _rows_back(lead, aside)
         return "error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankFailed) else str(exc)
+
+
+def _rows_back(lead: LeadHooks | None, aside: Sequence[tuple[spread.Moved, LocalTier]]) -> None:
+    """The save failed: the rows of other disks' copies moved aside follow them back, as their leaders put
+    them back once told (``spread.undo``); where the catalog cannot be told, the rows keep naming where the
+    copies were moved (a restore then finds those disks' shares elsewhere or refuses to go past them)."""
+    back = [(spread.Moved(m.new, m.old), disk) for m, disk in aside if m.new is not None]
+    if lead is None or not back:
+        return
+    try:
+        lead.aside(back)
+    except Exception as exc:
+        log.warning("rows of copies put back at their step not recorded: %s", exc)
 
 
 def _displace(lead: LeadHooks | None) -> Callable[[Path], None] | None:

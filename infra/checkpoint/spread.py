@@ -14,6 +14,8 @@ loading."""
 
 from __future__ import annotations
 
+import logging
+import os
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,6 +27,8 @@ import torch.distributed as dist
 from rewind.infra.format import local_tier, payload, store
 from rewind.infra.format import manifest as mf
 from rewind.infra.format.local_tier import LocalTier
+
+log = logging.getLogger(__name__)
 
 SHARED_STATE = "state.json"  # the state tree's non-tensor values, written by rank 0
 COMMON = (payload.DCP_METADATA, SHARED_STATE)  # on every disk's copy: every rank reads them
@@ -111,8 +115,18 @@ class Moved:
     new: str | None
 
 
-def undo(path: Path | None) -> None:
-    """Remove a disk's copy the catalog will never name (rank 0 failed to commit after it was renamed). A copy
-    it displaced stays aside, its rows following it (rank 0 records that): still its checkpoint's copy."""
+def undo(path: Path | None, moved: Moved | None = None) -> None:
+    """Remove a disk's copy the catalog will never name (rank 0 failed to commit after it was renamed), and put
+    back the copy it displaced (``moved``): the step's committed checkpoint stays whole on every disk (rank 0
+    moves its rows back). A copy that cannot be put back stays aside, its rows naming it there."""
     if path is not None:
         shutil.rmtree(path, ignore_errors=True)
+    if moved is None or moved.new is None:
+        return
+    try:
+        os.rename(moved.new, moved.old)  # refused where something is at the step: the copy stays aside
+        store.fsync_dir(Path(moved.old).parent)
+    except OSError as exc:
+        log.warning(
+            "a copy moved aside at %s could not be put back (%s): it stays at %s", moved.old, exc, moved.new
+        )
