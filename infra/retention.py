@@ -279,8 +279,13 @@ def _delete_copies(cat: Catalog, run: str, r: Removal) -> None:
 
 
 def doomed(cat: Catalog, ref: CopyRef) -> bool:
-    """Does this copy hold bytes of its own to delete (not missing, not where a wanted copy lies)?"""
-    return ref.status != R.MISSING.value and not copies.location_in_use(cat, ref.replica_id)
+    """Does this copy hold bytes of its own to delete (not missing, not let go since the plan, not where a
+    wanted copy lies)? A row let go since (another gc finished it) may name a key a new copy holds now."""
+    return (
+        ref.status != R.MISSING.value
+        and copies.listed(cat, ref.replica_id)
+        and not copies.location_in_use(cat, ref.replica_id)
+    )
 
 
 def _delete_one(cat: Catalog, run: str, step: int, ref: CopyRef) -> None:

@@ -88,3 +88,46 @@ def test_a_copy_replicated_while_gc_reclaims_its_key_keeps_its_bytes(cat, run_na
     got = execute.execute(cat, plan.plan(cat, run_name, root=root, tiers=(tier.name,)), loader)
     assert got.step == 5 and got.source == tier.name
     assert all(torch.equal(into.state_dict()[k], v) for k, v in wanted.items())
+
+
+def test_a_stale_gc_plan_leaves_a_key_another_gc_reclaimed_to_the_copy_sent_there_since(
+    cat, run_name, tmp_path, monkeypatch
+):  # type: ignore[no-untyped-def]
+    """Two gcs planned the same reclaim (`rewind gc` and the scheduled retention); the first finished it and
+    let the row go, the key is free, and the step's new checkpoint is sent there: the second, acting on its
+    older plan, must leave that key alone (before, it deleted the manifest it found, listed the key and
+    deleted the new copy's files while the copy was sent and registered verified)."""
+    root, shared = tmp_path / "ckpt", tmp_path / "shared"
+    shared.mkdir()
+    tier = FileTier(str(shared))
+    model = torch.nn.Linear(128, 128)
+    ck = Checkpointer(run_name, states={"model": model}, root=root, catalog=cat)
+    ck.save(5)
+    assert ck.last_saved is not None
+    replicate(cat, _row(cat, ck.last_saved.checkpoint_id), tier)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    ck.save(5)
+    assert ck.last_saved is not None
+    new = _row(cat, ck.last_saved.checkpoint_id)
+    ck.close()
+    policy = retention.Policy(grace_s=0)
+    first, second = (retention.plan(cat, run_name, policy, root=root) for _ in range(2))
+    retention.execute(cat, first, policy)
+
+    listing = FileTier.list
+    sent: list[str] = []
+
+    def listed_while_replicating(self: FileTier, prefix: str) -> Iterator[ObjectInfo]:
+        if prefix == f"{run_name}/step-5/" and not sent:  # the stale gc at the key, the new copy sent now
+            sent.append(replicate(cat, new, tier).key)
+        return listing(self, prefix)
+
+    monkeypatch.setattr(FileTier, "list", listed_while_replicating)
+    retention.execute(cat, second, policy)
+    monkeypatch.undo()
+    if not sent:  # the stale gc left the key alone: the new copy sent now
+        sent.append(replicate(cat, new, tier).key)
+    assert sent == [f"{run_name}/step-5"]  # the key was free: the first gc let the old copy go
+    report = check_remote(tier, sent[0], str(new.manifest_digest), deep=True, keyring=kr.from_env())
+    assert report.verdict is Verdict.VERIFIED, [str(f) for f in report.findings]

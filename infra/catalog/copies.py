@@ -318,6 +318,13 @@ def reuse_sources(cat: Catalog, ck: Checkpoint, tier: str, uri: str, limit: int 
     return [(_effective_key(key, run, step), str(digest)) for key, step, digest, run in rows]
 
 
+def listed(cat: Catalog, replica_id: int) -> bool:
+    """Whether the copy's row is still listed (not let go: ``mark_deleted``)."""
+    with cat.session() as s:
+        status = s.scalar(select(Replica.status).where(Replica.id == replica_id))
+    return status is not None and status != R.DELETED.value
+
+
 def mark_deleted(cat: Catalog, replica_id: int) -> None:
     record(cat, replica_id, R.DELETED, "removed by retention")
 
