@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rewind.infra import retention
-from rewind.infra.catalog import commits, lineage, moved_copies
+from rewind.infra.catalog import commits, copies, lineage, moved_copies
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import CheckpointStatus as S
 from rewind.infra.checkpoint import displaced
@@ -290,3 +290,27 @@ def test_a_pin_on_the_step_moves_to_the_checkpoint_that_replaces_it(cat, run_nam
     ck.save(5)
     pins = {str(c.status): c.pinned for c in lineage.checkpoints(cat, run_name, 5)}
     assert pins == {"superseded": False, "committed": True}
+
+
+def test_a_gc_plan_made_before_the_step_was_saved_again_leaves_the_new_checkpoint_alone(
+    cat, run_name, tmp_path
+):  # type: ignore[no-untyped-def]
+    """A gc planned to reclaim a condemned checkpoint's copy at step 5; the step is saved again (the old copy
+    moved aside, its row following it) before the plan is carried out: the new checkpoint at step 5 stays
+    (before, the plan's path, step-5, was deleted: the new committed checkpoint's directory)."""
+    root = tmp_path / "ckpt"
+    model, ck = _job(run_name, cat, root, seed=0)
+    ck.save(3)
+    ck.save(5)
+    assert ck.last_saved is not None
+    assert copies.condemn(cat, ck.last_saved.checkpoint_id, "its state does not load")
+    policy = retention.Policy(grace_s=0)
+    plan = retention.plan(cat, run_name, policy, root=root)
+    assert [r.step for r in plan.reclaim] == [5]
+    _change(model)
+    ck.save(5)
+    at_five = _state(model)
+    ck.close()
+    retention.execute(cat, plan, policy)
+    step, restored = _restores(cat, run_name, root)
+    assert step == 5 and _same(restored, at_five)

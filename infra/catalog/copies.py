@@ -318,11 +318,15 @@ def reuse_sources(cat: Catalog, ck: Checkpoint, tier: str, uri: str, limit: int 
     return [(_effective_key(key, run, step), str(digest)) for key, step, digest, run in rows]
 
 
-def listed(cat: Catalog, replica_id: int) -> bool:
-    """Whether the copy's row is still listed (not let go: ``mark_deleted``)."""
+def listed_at(cat: Catalog, replica_id: int) -> tuple[str, str | None] | None:
+    """Where the copy's row says it lies now (its uri and key); None once it is let go (``mark_deleted``)."""
     with cat.session() as s:
-        status = s.scalar(select(Replica.status).where(Replica.id == replica_id))
-    return status is not None and status != R.DELETED.value
+        row = s.execute(
+            select(Replica.uri, Replica.key).where(
+                Replica.id == replica_id, Replica.status != R.DELETED.value
+            )
+        ).first()
+    return None if row is None else (row[0], row[1])
 
 
 def mark_deleted(cat: Catalog, replica_id: int) -> None:
