@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from rewind.infra.checkpoint import spread
 from rewind.infra.checkpoint.spread import SHARED_STATE, Disks
 from rewind.infra.checkpoint.state import environment, writer
-from rewind.infra.errors import ConfigError, RankFailed
+from rewind.infra.errors import ConfigError, Fenced, RankFailed
 from rewind.infra.faults import fault_point
 from rewind.infra.format import dcp_packs, packs, payload, store, tree
 from rewind.infra.format import manifest as mf
@@ -190,9 +190,9 @@ def _close_spread(
     dist.all_gather_object(reports, mine, group=group)
     outcome: list[Any] = [_finish_spread(tmp, value, reports, disks, lead, facts.step) if rank == 0 else None]
     dist.broadcast_object_list(outcome, src=0, group=group)
-    kind, digest = outcome[0]
+    kind, digest, put_back = outcome[0]
     if kind == "error":
-        spread.undo(Path(mine[1]) if mine[1] else None, mine[2])
+        spread.undo(Path(mine[1]) if mine[1] else None, value.raw, mine[2] if put_back else None)
         raise RankFailed(f"sharded save of step {facts.step} failed: {digest}")
     return str(digest)
 
@@ -214,13 +214,16 @@ def _prepare_spread(tmp: Path, gathered: list[Any], facts: _Facts, disks: Disks)
 
 def _finish_spread(
     tmp: Path, prepared: spread.Prepared, reports: list[Any], disks: Disks, lead: LeadHooks | None, step: int
-) -> tuple[str, str]:
-    """Rank 0, once every other disk's copy is renamed in: its own copy and the catalog's commit."""
+) -> tuple[str, str, bool]:
+    """Rank 0, once every other disk's copy is renamed in: its own copy and the catalog's commit; the outcome,
+    its digest or why not, and (failed) whether the other disks put back the copies they moved aside."""
     final: Path | None = None
     aside = [(moved, disks.of_rank[r]) for r, (_, _, moved) in enumerate(reports) if moved]
+    rows_aside = False
     try:
         if lead is not None and aside:  # the rows follow the bytes, before any row may name the new ones
             lead.aside(aside)
+            rows_aside = True
         errors = [e for e, _, _ in reports if e]
         if errors:
             raise RankFailed("; ".join(errors))
@@ -229,27 +232,31 @@ def _finish_spread(
         if lead is not None:
             also = [(path, disks.of_rank[r]) for r, (_, path, _) in enumerate(reports) if path]
             lead.commit(final, done.digest, also)
-        return "ok", done.digest
+        return "ok", done.digest, False
     except Exception as exc:
         if final is None:
             _remove_written(tmp, step, prepared.raw)
         else:  # renamed, then the catalog's commit failed
-            shutil.rmtree(final, ignore_errors=True)
-        _rows_back(lead, aside)
-        return "error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankFailed) else str(exc)
+            _remove_own(final, manifest_digest(prepared.raw))
+        # fenced off: the run is another writer's, whose copies may lie at the step now; nothing is put back
+        put_back = not isinstance(exc, Fenced) and (not rows_aside or _rows_back(lead, aside))
+        why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, RankFailed) else str(exc)
+        return "error", why, put_back
 
 
-def _rows_back(lead: LeadHooks | None, aside: Sequence[tuple[spread.Moved, LocalTier]]) -> None:
-    """The save failed: the rows of other disks' copies moved aside follow them back, as their leaders put
-    them back once told (``spread.undo``); where the catalog cannot be told, the rows keep naming where the
-    copies were moved (a restore then finds those disks' shares elsewhere or refuses to go past them)."""
+def _rows_back(lead: LeadHooks | None, aside: Sequence[tuple[spread.Moved, LocalTier]]) -> bool:
+    """The save failed: the rows of other disks' copies moved aside follow them back, before their leaders
+    put the copies back (``spread.undo``); False where the catalog could not be told: the copies then stay
+    aside with their rows."""
     back = [(spread.Moved(m.new, m.old), disk) for m, disk in aside if m.new is not None]
     if lead is None or not back:
-        return
+        return True
     try:
         lead.aside(back)
     except Exception as exc:
-        log.warning("rows of copies put back at their step not recorded: %s", exc)
+        log.warning("the copies moved aside stay there: their rows could not be moved back (%s)", exc)
+        return False
+    return True
 
 
 def _displace(lead: LeadHooks | None) -> Callable[[Path], None] | None:

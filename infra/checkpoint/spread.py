@@ -14,6 +14,7 @@ loading."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -115,12 +116,16 @@ class Moved:
     new: str | None
 
 
-def undo(path: Path | None, moved: Moved | None = None) -> None:
-    """Remove a disk's copy the catalog will never name (rank 0 failed to commit after it was renamed), and put
-    back the copy it displaced (``moved``): the step's committed checkpoint stays whole on every disk (rank 0
-    moves its rows back). A copy that cannot be put back stays aside, its rows naming it there."""
+def undo(path: Path | None, raw: bytes, moved: Moved | None = None) -> None:
+    """Remove a disk's copy the catalog will never name (rank 0 failed to commit after it was renamed), if the
+    step's directory still holds it (manifest bytes ``raw``: never a copy another writer renamed in since),
+    and put back the copy it displaced (``moved``, once rank 0 moved its rows back): the step's committed
+    checkpoint stays whole on every disk. A copy that cannot be put back stays aside (its rows naming the
+    step's directory: the next restore of it then finds that disk's share missing there)."""
     if path is not None:
-        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            if (path / mf.MANIFEST_NAME).read_bytes() == raw:
+                shutil.rmtree(path, ignore_errors=True)
     if moved is None or moved.new is None:
         return
     try:
