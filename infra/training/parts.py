@@ -13,7 +13,9 @@ from one never saved.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -60,15 +62,46 @@ class OptimizerPart:
         set_optimizer_state_dict(self.model, self.optimizer, state, options=None if nested else FLAT)
 
     def fresh(self) -> bool:
-        """Whether the optimizer has taken no step (DCP's state dict would take one with lr 0): no state,
-        and no gradient on any of its parameters."""
-        return not self.optimizer.state and all(
-            p.grad is None for g in self.optimizer.param_groups for p in g["params"]
+        """Whether the optimizer has taken no step (DCP's state dict would take one with lr 0): no state, a
+        parameter to train, and no gradient on any (one with nothing to train, a frozen stage's, is never
+        fresh: no step would give it state, and its rank's record must not wipe a resharded restore's)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return (
+            not self.optimizer.state
+            and any(p.requires_grad for p in params)
+            and all(p.grad is None for p in params)
         )
 
     def forget(self) -> None:
         """The optimizer as it was before its first step: the state DCP gave it let go."""
         self.optimizer.state.clear()
+
+
+@contextlib.contextmanager
+def fresh_kept(parts: Mapping[str, Any]) -> Iterator[list[str]]:
+    """The names of the optimizer parts that have taken no step; inside, their state dicts may be asked for
+    (DCP gives them state by a zero-lr step), and that state is let go on the way out, whatever happened."""
+    fresh = [name for name, part in parts.items() if isinstance(part, OptimizerPart) and part.fresh()]
+    try:
+        yield fresh
+    finally:
+        for name in fresh:
+            parts[name].forget()
+
+
+def rank_state(fresh: list[str]) -> dict[str, Any]:
+    """This rank's own state as a sharded save keeps it: its generators, and the optimizers saved fresh."""
+    return {"rng": RankRNG().state_dict(), FRESH: fresh}
+
+
+def load_rank_state(parts: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """A rank's own state restored, once its parts are loaded: its generators, and each optimizer saved before
+    its first step as fresh as it was (an older checkpoint records none)."""
+    for name in mine.get(FRESH, ()):
+        part = parts.get(name)
+        if isinstance(part, OptimizerPart):
+            part.forget()
+    RankRNG().load_state_dict(mine["rng"])
 
 
 def job_layout(given: Layout | None, handed: Layout | None, model: Any, world: int) -> Layout | None:

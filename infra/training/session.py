@@ -41,10 +41,10 @@ from rewind.infra.format import payload
 from rewind.infra.health.layout import Layout, ModelShape
 from rewind.infra.health.signals import LossWatch
 from rewind.infra.training import after_restore, comeback, group, restart
+from rewind.infra.training import parts as job_parts
 from rewind.infra.training.after_restore import position_of
 from rewind.infra.training.data import SkippableLoader, StatefulLoader
 from rewind.infra.training.handoff import Handoff
-from rewind.infra.training.parts import FRESH, ModelPart, OptimizerPart, RankRNG, job_layout, shape_of
 from rewind.infra.training.progress import LAUNCH_ENV, ProgressWriter
 
 log = logging.getLogger("rewind.session")
@@ -97,7 +97,7 @@ class TrainingSession:
         self.root = Path(root or config.checkpoint_root())
         self.catalog: Catalog | None = catalog or self._open_catalog()
         self.parts = self._parts(model, optimizer, dict(states or {}))
-        self.layout, self.model_shape = layout, model_shape or shape_of(model)
+        self.layout, self.model_shape = layout, model_shape or job_parts.shape_of(model)
         self.spike_factor = spike_factor
         self.watch = LossWatch(spike_factor=float("inf"))
         self.heartbeat_s = heartbeat_s
@@ -127,11 +127,11 @@ class TrainingSession:
             raise ConfigError("'rng' is the session's own state (every generator, per rank)")
         parts: dict[str, Any] = {}
         if model is not None:
-            parts["model"] = ModelPart(model) if self.distributed else model
+            parts["model"] = job_parts.ModelPart(model) if self.distributed else model
         if optimizer is not None:
             if model is None:
                 raise ConfigError("an optimizer needs its model")
-            parts["optimizer"] = OptimizerPart(model, optimizer) if self.distributed else optimizer
+            parts["optimizer"] = job_parts.OptimizerPart(model, optimizer) if self.distributed else optimizer
         if self.loader is not None and "data" not in states and hasattr(self.loader, "state_dict"):
             parts[per_rank_part(self.rank) if self.per_rank_data else "data"] = self.loader
         return {**parts, **states}
@@ -257,7 +257,7 @@ class TrainingSession:
                 self.read_from = assemble.read_from([], got.bytes_read, got.source, got.fetched)
             return got.step if got is not None else 0
         sck = ShardedCheckpointer(
-            self.run, root=self.root, catalog=self.catalog, mode=self.mode, layout=job_layout(
+            self.run, root=self.root, catalog=self.catalog, mode=self.mode, layout=job_parts.job_layout(
                 self.layout, self.handoff.layout, self.parts.get("model"), dist.get_world_size()
             ),
             model_shape=self.model_shape, per_rank_data=self.per_rank_data, format=self.format,
@@ -272,9 +272,7 @@ class TrainingSession:
         step, tree, mine = restored
         for name, part in self.parts.items():
             part.load_state_dict(tree[name])
-            if isinstance(part, OptimizerPart) and name in mine.get(FRESH, ()):
-                part.forget()  # saved before its first step: as fresh as it was
-        RankRNG().load_state_dict(mine["rng"])
+        job_parts.load_rank_state(self.parts, mine)
         return step
 
     # -- the loop -----------------------------------------------------------------------
@@ -371,9 +369,10 @@ class TrainingSession:
         self._prepared = True  # decided once, the same on every rank
         if not isinstance(self._ckpt, ShardedCheckpointer) or self._ckpt.mode is not SaveMode.ASYNC:
             return
-        if self.start_step > 0:  # restored: DCP's optimizer state_dict would step an optimizer without state
+        if self.start_step > 0:  # restored (maybe a fresh optimizer: its zero-lr step undone once asked)
             try:
-                state = self._tree()
+                with job_parts.fresh_kept(self.parts):
+                    state = self._tree()
             except Exception as exc:  # the save that needs it says why, on every rank
                 log.warning("staging shells not prepared: %s", exc)
                 return
@@ -387,14 +386,10 @@ class TrainingSession:
         if isinstance(self._ckpt, Checkpointer):
             self._ckpt.save(step, metrics=metrics)
         elif isinstance(self._ckpt, ShardedCheckpointer):
-            fresh = [
-                name for name, part in self.parts.items() if isinstance(part, OptimizerPart) and part.fresh()
-            ]
-            tree = self._tree()  # gives a fresh optimizer state by a zero-lr step (DCP), undone once saved
-            mine = {"rng": RankRNG().state_dict(), FRESH: fresh}
-            self._ckpt.save(step, tree, mine, metrics=dict(metrics or {}))
-            for name in fresh:
-                self.parts[name].forget()
+            with job_parts.fresh_kept(
+                self.parts
+            ) as fresh:  # a fresh optimizer's zero-lr step undone once saved
+                self._ckpt.save(step, self._tree(), job_parts.rank_state(fresh), metrics=dict(metrics or {}))
         else:
             raise ConfigError("save() outside the session's `with` block")
 
