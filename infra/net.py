@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import socket
 import stat
 import tempfile
@@ -16,10 +17,38 @@ LOOPBACK = "127.0.0.1"
 
 
 def free_port() -> int:
-    """A port free right now on 127.0.0.1; the caller binds it soon after."""
+    """A port free right now on 127.0.0.1, for a server the caller (or a process it starts) binds soon after.
+
+    Taken below the kernel's ephemeral range (``ip_local_port_range``) where there is room: a port from
+    that range, free a moment ago, is the kind the kernel hands the next connection's local end or another
+    ``bind(0)`` meanwhile (a relaunched torchrun whose rendezvous port a memory agent's catalog connection
+    had taken failed to start). Inside the range only where nothing lies below it."""
+    low = _ephemeral_low()
+    below = [p for p in range(max(1024, low - EPHEMERAL_SPAN), low) if p not in TORCH_PORTS]
+    for port in random.sample(below, min(PORT_TRIES, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+EPHEMERAL_SPAN = 12288  # ports taken from just below the ephemeral range (20480-32767 by Linux's default)
+PORT_TRIES = 64
+TORCH_PORTS = range(29400, 30000)  # torch's default rendezvous and master ports, and Slurm launches' (29400+)
+_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 SOCKET_PATH_MAX = 95  # 107 usable bytes in sun_path, less HAProxy's ".<pid>.tmp" while it binds (12 at most)
