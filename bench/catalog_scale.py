@@ -14,7 +14,7 @@ tiers, incidents, pins and leases. Then it measures the real code paths, median 
   ``rewind ckpt list RUN`` once as a subprocess (everything included);
 - a restore plan (``rewind.infra.restore.plan.plan``) for a 990-checkpoint run and for the 10,900 one;
 - a retention plan (``rewind.infra.retention.plan``) for a run that was rolled back once, and the check
-  retention makes before deleting each copy (``copies.location_in_use``, a shared copy);
+  retention makes before deleting each copy (``locations.location_in_use``, a shared copy);
 - the scrub's list of what to check in the 10,900-checkpoint run (``rewind.tasks.verify.list_checkpoints``).
 
 Each figure comes with the number of SQL statements it issued. Writes ``catalog_list_s_100k``
@@ -145,7 +145,7 @@ def _planned(retention: Any, cat: Catalog, run: str, work: Path) -> Any:
 
 def measure(url: str, shape: Shape, repeat: int, work: Path) -> dict[str, Any]:
     from rewind.infra import retention
-    from rewind.infra.catalog import copies
+    from rewind.infra.catalog import locations
     from rewind.infra.restore import plan
     from rewind.tasks.verify import list_checkpoints
 
@@ -168,7 +168,7 @@ def measure(url: str, shape: Shape, repeat: int, work: Path) -> dict[str, Any]:
         "scrub_list_big": timed(lambda: list_checkpoints.fn(big), repeat),
         "restore_plan": timed(lambda: plan.plan(cat, small, root=work), repeat),
         "restore_plan_big": timed(lambda: plan.plan(cat, big, root=work), repeat),
-        "gc_copy_in_use_check": timed(lambda: copies.location_in_use(cat, dead_copy), repeat),
+        "gc_copy_in_use_check": timed(lambda: locations.location_in_use(cat, dead_copy), repeat),
         # planning only: the proof of what is kept reads keep_last checkpoints' bytes, and these rows have none
         "gc_plan": timed(lambda: _planned(retention, cat, forked, work), repeat),
     }

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rewind.infra import config
-from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog import copies, lineage, locations
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint
 from rewind.infra.catalog.models import ReplicaStatus as R
@@ -127,7 +127,9 @@ def replicate(
                 f"{key} holds a damaged copy ({'; '.join(str(f) for f in report.findings if f.fatal)})"
             )
             continue
-        if copies.key_taken(cat, ck.id, tier.name, tier.uri, key):  # no manifest, but gc may be reclaiming it
+        if locations.key_taken(
+            cat, ck.id, tier.name, tier.uri, key
+        ):  # no manifest, but gc may be reclaiming it
             passed.append(f"{key} is another checkpoint's copy in the catalog (reclaimed, or to be)")
             continue
         for why in passed:

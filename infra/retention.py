@@ -34,7 +34,7 @@ from typing import NamedTuple
 from sqlalchemy import exists, select
 
 from rewind.infra import config, progress
-from rewind.infra.catalog import copies, disks, leases, lineage, serving
+from rewind.infra.catalog import copies, disks, leases, lineage, locations, serving
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint, CheckpointStatus, Replica, utcnow
 from rewind.infra.catalog.models import ReplicaStatus as R
@@ -280,13 +280,13 @@ def _delete_copies(cat: Catalog, run: str, r: Removal) -> None:
 
 def doomed(cat: Catalog, ref: CopyRef) -> bool:
     """Does this copy hold bytes of its own to delete (not missing, not where a wanted copy lies)?"""
-    return ref.status != R.MISSING.value and not copies.location_in_use(cat, ref.replica_id)
+    return ref.status != R.MISSING.value and not locations.location_in_use(cat, ref.replica_id)
 
 
 def _delete_one(cat: Catalog, run: str, step: int, ref: CopyRef) -> None:
     if disks.elsewhere(ref.tier, ref.tier_id, ref.uri):  # another disk's: its own gc reclaims it (dead)
         return
-    if copies.listed_at(cat, ref.replica_id) != (ref.uri, ref.key):
+    if locations.listed_at(cat, ref.replica_id) != (ref.uri, ref.key):
         return  # let go since the plan (another gc finished it: a new copy may lie there now), or moved (a
         # step saved again put it aside: a new checkpoint lies where it was): the next plan's, if anyone's
     if doomed(cat, ref):

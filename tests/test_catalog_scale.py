@@ -18,7 +18,7 @@ from bench.catalog_scale import Statements, database
 from bench.synthetic_catalog import Shape, build, fork_run, run_name
 from rewind.flows.cli import main
 from rewind.infra import retention
-from rewind.infra.catalog import copies, lineage, overview
+from rewind.infra.catalog import copies, lineage, locations, overview
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint, Replica, aware
 from rewind.infra.restore import plan
@@ -223,9 +223,9 @@ def test_a_dead_copy_whose_key_a_live_checkpoint_took_is_still_in_use(scale):
     shared = [i for i, tier in superseded if tier == "shared"]
     local = [i for i, tier in superseded if tier == "local"]
     assert shared and local and corrupt_shared is not None
-    assert all(copies.location_in_use(cat, i) for i in shared)  # the live chain's copy at the same step
-    assert not any(copies.location_in_use(cat, i) for i in local)  # its own directory
-    assert not copies.location_in_use(cat, corrupt_shared)  # nobody else's key
+    assert all(locations.location_in_use(cat, i) for i in shared)  # the live chain's copy at the same step
+    assert not any(locations.location_in_use(cat, i) for i in local)  # its own directory
+    assert not locations.location_in_use(cat, corrupt_shared)  # nobody else's key
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from rewind.flows.cli import main as rewind
-from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog import copies, lineage, locations
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint, Replica
 from rewind.infra.catalog.models import ReplicaStatus as R
@@ -103,7 +103,7 @@ class Setup:
             directory = Path(rep.uri)
             manifest = require(check_copy(directory, ck.manifest_digest, deep=False))
         else:
-            key = copies.effective_key(rep, self.run, ck.step)
+            key = locations.effective_key(rep, self.run, ck.step)
             scratch = self.tmp / "scratch" / uuid.uuid4().hex[:8] / self.run
             pulled = fetch.pull(
                 open_tier(rep.uri), key, str(ck.manifest_digest), scratch, keyring=kr.from_env()

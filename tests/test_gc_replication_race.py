@@ -14,6 +14,7 @@ key, the moment the race needs.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -44,23 +45,32 @@ def _row(cat: Catalog, checkpoint_id: int) -> Checkpoint:
     return lineage.get_checkpoint(cat, checkpoint_id)
 
 
-def test_a_copy_replicated_while_gc_reclaims_its_key_keeps_its_bytes(cat, run_name, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+def _step_saved_again(
+    cat: Catalog, run: str, tmp_path: Path
+) -> tuple[Path, FileTier, Checkpoint, dict[str, torch.Tensor]]:
+    """Step 5 saved and replicated to a shared tier at the step's key, then saved again (the first checkpoint
+    superseded, its copy left to reclaim): the checkpoint root, the tier, the new checkpoint's row, its state."""
     root, shared = tmp_path / "ckpt", tmp_path / "shared"
     shared.mkdir()
     tier = FileTier(str(shared))
     model = torch.nn.Linear(128, 128)
-    ck = Checkpointer(run_name, states={"model": model}, root=root, catalog=cat)
+    ck = Checkpointer(run, states={"model": model}, root=root, catalog=cat)
     ck.save(5)
     assert ck.last_saved is not None
     old = _row(cat, ck.last_saved.checkpoint_id)
-    assert replicate(cat, old, tier).key == f"{run_name}/step-5"
+    assert replicate(cat, old, tier).key == f"{run}/step-5"
     with torch.no_grad():
         model.weight.add_(1.0)
-    ck.save(5)  # the step saved again: the first checkpoint is superseded, its copy left to reclaim
+    ck.save(5)
     assert ck.last_saved is not None
     new = _row(cat, ck.last_saved.checkpoint_id)
     wanted = {k: v.clone() for k, v in model.state_dict().items()}
     ck.close()
+    return root, tier, new, wanted
+
+
+def test_a_copy_replicated_while_gc_reclaims_its_key_keeps_its_bytes(cat, run_name, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    root, tier, new, wanted = _step_saved_again(cat, run_name, tmp_path)
 
     listing = FileTier.list
     raced: list[str] = []
@@ -97,20 +107,7 @@ def test_a_stale_gc_plan_leaves_a_key_another_gc_reclaimed_to_the_copy_sent_ther
     let the row go, the key is free, and the step's new checkpoint is sent there: the second, acting on its
     older plan, must leave that key alone (before, it deleted the manifest it found, listed the key and
     deleted the new copy's files while the copy was sent and registered verified)."""
-    root, shared = tmp_path / "ckpt", tmp_path / "shared"
-    shared.mkdir()
-    tier = FileTier(str(shared))
-    model = torch.nn.Linear(128, 128)
-    ck = Checkpointer(run_name, states={"model": model}, root=root, catalog=cat)
-    ck.save(5)
-    assert ck.last_saved is not None
-    replicate(cat, _row(cat, ck.last_saved.checkpoint_id), tier)
-    with torch.no_grad():
-        model.weight.add_(1.0)
-    ck.save(5)
-    assert ck.last_saved is not None
-    new = _row(cat, ck.last_saved.checkpoint_id)
-    ck.close()
+    root, tier, new, _ = _step_saved_again(cat, run_name, tmp_path)
     policy = retention.Policy(grace_s=0)
     first, second = (retention.plan(cat, run_name, policy, root=root) for _ in range(2))
     retention.execute(cat, first, policy)

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 
 from sqlalchemy import Select, and_, case, func, or_, select, update
 
-from rewind.infra.catalog import disks, lineage
+from rewind.infra.catalog import disks, lineage, locations
 from rewind.infra.catalog.db import Catalog, changed, chunks
 from rewind.infra.catalog.models import Checkpoint, Replica, Run, utcnow
 from rewind.infra.catalog.models import CheckpointStatus as S
@@ -315,92 +315,11 @@ def reuse_sources(cat: Catalog, ck: Checkpoint, tier: str, uri: str, limit: int 
             .order_by(parent_first, Checkpoint.id.desc())
             .limit(limit)
         ).all()
-    return [(_effective_key(key, run, step), str(digest)) for key, step, digest, run in rows]
-
-
-def listed_at(cat: Catalog, replica_id: int) -> tuple[str, str | None] | None:
-    """Where the copy's row says it lies now (its uri and key); None once it is let go (``mark_deleted``)."""
-    with cat.session() as s:
-        row = s.execute(
-            select(Replica.uri, Replica.key).where(
-                Replica.id == replica_id, Replica.status != R.DELETED.value
-            )
-        ).first()
-    return None if row is None else (row[0], row[1])
+    return [(locations.key_of(key, run, step), str(digest)) for key, step, digest, run in rows]
 
 
 def mark_deleted(cat: Catalog, replica_id: int) -> None:
     record(cat, replica_id, R.DELETED, "removed by retention")
-
-
-def _effective_key(key: str | None, run: str, step: int) -> str:
-    return key if key is not None else f"{run}/step-{step}"  # rows from before keys were recorded
-
-
-def location_in_use(cat: Catalog, replica_id: int) -> bool:
-    """Is where this copy lies also where a copy of another, still wanted checkpoint lies?
-
-    A dead row may still name a directory or key that a newer save of the same step
-    has taken over; deleting "its" bytes would delete the new checkpoint. A local copy's
-    directory is shared only with copies on the same disk (another host's disk may hold a
-    live copy at the same path: that one does not keep this one's bytes).
-    """
-    wanted = [S.WRITING.value, S.COMMITTED.value, S.VERIFIED.value, S.CORRUPT.value]
-    with cat.session() as s:
-        me = s.execute(
-            select(Replica, Checkpoint.step, Run.name)
-            .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
-            .join(Run, Run.id == Checkpoint.run_id)
-            .where(Replica.id == replica_id)
-        ).first()
-        if me is None:
-            return False
-        rep, step, run = me
-        mine = _effective_key(rep.key, run, step)
-        q = (
-            select(Replica.key, Checkpoint.step, Run.name)
-            .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
-            .join(Run, Run.id == Checkpoint.run_id)
-            .where(
-                Replica.tier == rep.tier,
-                Replica.uri == rep.uri,
-                Replica.checkpoint_id != rep.checkpoint_id,
-                Replica.status != R.DELETED.value,
-                Checkpoint.status.in_(wanted),
-            )
-        )
-        if (
-            rep.tier not in disks.DIRECTORY_TIERS
-        ):  # a tier root holds every copy on it: only the same key (or none recorded) can clash
-            q = q.where(or_(Replica.key == mine, Replica.key.is_(None)))
-        elif rep.tier_id is not None:  # node-local paths repeat across hosts: only this disk's (or unknown)
-            q = q.where(or_(Replica.tier_id == rep.tier_id, Replica.tier_id.is_(None)))
-        others = s.execute(q).all()
-    if rep.tier in disks.DIRECTORY_TIERS:
-        return bool(others)
-    return any(_effective_key(k, r, st) == mine for k, st, r in others)
-
-
-def key_taken(cat: Catalog, checkpoint_id: int, tier: str, uri: str, key: str) -> bool:
-    """Does another checkpoint's copy, not deleted yet, lie at ``key`` on this tier (wanted or not)?
-
-    A replication must not write there: a dead copy's bytes are reclaimed before its row is marked deleted
-    (``retention._delete_one``), and a reclaim that listed the key would delete files a new copy put
-    there (even ones it found already in place and kept) after that copy was registered verified."""
-    with cat.session() as s:
-        rows = s.execute(
-            select(Replica.key, Checkpoint.step, Run.name)
-            .join(Checkpoint, Checkpoint.id == Replica.checkpoint_id)
-            .join(Run, Run.id == Checkpoint.run_id)
-            .where(
-                Replica.tier == tier,
-                Replica.uri == uri,
-                Replica.checkpoint_id != checkpoint_id,
-                Replica.status != R.DELETED.value,
-                or_(Replica.key == key, Replica.key.is_(None)),
-            )
-        ).all()
-    return any(_effective_key(k, r, st) == key for k, st, r in rows)
 
 
 def every_copy(cat: Catalog, run: str | None = None) -> list[tuple[Replica, Checkpoint, str]]:
@@ -415,8 +334,3 @@ def every_copy(cat: Catalog, run: str | None = None) -> list[tuple[Replica, Chec
         if run is not None:
             q = q.where(Run.name == run)
         return [(r, c, n) for r, c, n in s.execute(q.order_by(Replica.id)).all()]
-
-
-def effective_key(rep: Replica, run: str, step: int) -> str:
-    """Where a shared or off-site copy lies below its tier root."""
-    return _effective_key(rep.key, run, step)

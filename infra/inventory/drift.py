@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rewind.infra import config
-from rewind.infra.catalog import copies, disks
+from rewind.infra.catalog import copies, disks, locations
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint, Replica
 from rewind.infra.catalog.models import ReplicaStatus as R
@@ -71,7 +71,7 @@ def _report(rep: Replica, ck: Checkpoint, run: str, deep: bool, ring: kr.Keyring
     digest = str(ck.manifest_digest)
     if rep.tier == LOCAL:
         return rep.uri, check_copy(Path(rep.uri), digest, deep=deep, keyring=ring)
-    key = copies.effective_key(rep, run, ck.step)
+    key = locations.effective_key(rep, run, ck.step)
     return f"{rep.uri}/{key}", transfer.check_remote(open_tier(rep.uri), key, digest, deep=deep, keyring=ring)
 
 
@@ -113,7 +113,7 @@ def storage_against_rows(cat: Catalog, uri: str, kind: str, *, run: str | None) 
         if rep.tier == kind == LOCAL:
             named.add(str(Path(rep.uri).resolve()))
         elif rep.tier == kind and rep.uri == tier.uri:
-            named.add(copies.effective_key(rep, name, ck.step))
+            named.add(locations.effective_key(rep, name, ck.step))
     for place in places(tier, run):
         seen = str((Path(tier.uri) / place.key).resolve()) if kind == LOCAL else place.key
         if seen not in named:
