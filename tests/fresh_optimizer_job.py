@@ -1,7 +1,8 @@
 """A 2-rank DDP job with Adam whose session saves before the optimizer's first step:
 ``python -m tests.fresh_optimizer_job RUN OUT STEPS SAVE_FIRST`` under torchrun. The same job is trained first
-without a session (the reference), then under the session (saving at step 0 when SAVE_FIRST is 1, or resuming
-from the run's newest checkpoint); rank 0 writes both models' weights and the session's start step."""
+without a session (the reference), then under the session (saving at step 0 when SAVE_FIRST is 1, or ``grads``:
+at step 0 with gradients already computed, as a job accumulating them would; otherwise resuming from the run's
+newest checkpoint); rank 0 writes both models' weights and the session's start step."""
 
 from __future__ import annotations
 
@@ -33,7 +34,12 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> floa
     return loss.item()
 
 
-def main(run: str, out: str, steps: int, save_first: bool) -> None:
+def _grads(model: torch.nn.Module) -> None:
+    """Gradients of a batch the first step's ``zero_grad`` throws away: the run's training is unchanged."""
+    model(torch.randn(8, 16, generator=torch.Generator().manual_seed(7))).pow(2).mean().backward()
+
+
+def main(run: str, out: str, steps: int, save_first: str) -> None:
     dist.init_process_group("gloo")
     plain, plain_opt = _job()
     for step in range(1, steps + 1):
@@ -41,7 +47,9 @@ def main(run: str, out: str, steps: int, save_first: bool) -> None:
     model, opt = _job()
     with TrainingSession(run, model=model, optimizer=opt) as s:
         start = s.start_step
-        if save_first and start == 0:
+        if save_first != "0" and start == 0:
+            if save_first == "grads":
+                _grads(model)
             s.save(0)
         for step in s.steps(steps):
             s.report(step, _step(model, opt, step))
@@ -62,4 +70,4 @@ def main(run: str, out: str, steps: int, save_first: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1")
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 STEPS = 6
 
 
-def _ranks(home: Path, out: str, save_first: bool) -> dict[str, object]:
+def _ranks(home: Path, out: str, save_first: str) -> dict[str, object]:
     from tests.torchrun_support import torchrun
 
     env = {**os.environ, "REWIND_HOME": str(home), "REWIND_CATALOG_URL": "", "REWIND_CHECKPOINT_ROOT": "",
@@ -31,7 +31,7 @@ def _ranks(home: Path, out: str, save_first: bool) -> dict[str, object]:
         "job",
         str(home / out),
         str(STEPS),
-        str(int(save_first)),
+        save_first,
     ]
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=150)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -48,7 +48,18 @@ def _same(home: Path, out: str) -> bool:
 
 def test_a_save_before_the_first_step_perturbs_neither_the_run_nor_its_resume(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    assert _ranks(home, "saved", save_first=True) == {"start": 0, "restored": False}
+    assert _ranks(home, "saved", save_first="1") == {"start": 0, "restored": False}
     assert _same(home, "saved"), "the save before the first step changed the run's training"
-    assert _ranks(home, "resumed", save_first=False) == {"start": 0, "restored": True}
+    assert _ranks(home, "resumed", save_first="0") == {"start": 0, "restored": True}
+    assert _same(home, "resumed"), "the run resumed from the step-0 checkpoint trained differently"
+
+
+def test_a_save_before_the_first_step_with_gradients_computed_resumes(tmp_path: Path) -> None:
+    """Gradients already computed (a job accumulating them over micro-batches) keep DCP from giving the
+    optimizer its state at the save: the checkpoint then lacked the optimizer's state that a fresh job's
+    restore asks for, and the resume refused its only checkpoint."""
+    home = tmp_path / "home"
+    assert _ranks(home, "saved", save_first="grads") == {"start": 0, "restored": False}
+    assert _same(home, "saved"), "the save with gradients computed changed the run's training"
+    assert _ranks(home, "resumed", save_first="0") == {"start": 0, "restored": True}
     assert _same(home, "resumed"), "the run resumed from the step-0 checkpoint trained differently"

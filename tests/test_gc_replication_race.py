@@ -24,8 +24,10 @@ from rewind.infra.catalog import copies, lineage
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import Checkpoint
 from rewind.infra.catalog.models import ReplicaStatus as R
+from rewind.infra.checkpoint import share_push
 from rewind.infra.checkpoint.engine import Checkpointer
 from rewind.infra.format import keyring as kr
+from rewind.infra.format import store
 from rewind.infra.format.verify import Verdict
 from rewind.infra.replication import replicate
 from rewind.infra.restore import execute, plan
@@ -86,6 +88,39 @@ def test_a_copy_replicated_while_gc_reclaims_its_key_keeps_its_bytes(cat, run_na
     monkeypatch.undo()
     assert raced, "the reclaim never listed the superseded copy's key"
 
+    _kept_on_the_tier(cat, run_name, root, tier, new, wanted)
+
+
+def test_a_share_pushed_while_gc_reclaims_its_key_keeps_its_bytes(cat, run_name, tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """The same race for a host's share sent after a commit on hosts' own disks (``share_push``): rank 0 asks
+    the catalog whether the step's own key is another checkpoint's copy, and every host then sends its share
+    to the step's other key (before, each host saw only that the key held no manifest)."""
+    root, tier, new, wanted = _step_saved_again(cat, run_name, tmp_path)
+
+    listing = FileTier.list
+    raced: list[str] = []
+
+    def listed_while_pushing(self: FileTier, prefix: str) -> Iterator[ObjectInfo]:
+        if prefix == f"{run_name}/step-5/" and not raced:  # the reclaim, its manifest already deleted
+            avoid = share_push.step_key_taken(cat, new.id, run_name, 5, tier)
+            share = share_push.Share(run_name, 5, store.step_dir(root / run_name, 5), "disk0", with_common=True,
+                                     avoid_step_key=avoid)  # fmt: skip
+            raced.append(share_push.push(share, tier, cat).key)
+        return listing(self, prefix)
+
+    monkeypatch.setattr(FileTier, "list", listed_while_pushing)
+    policy = retention.Policy(grace_s=0)
+    retention.execute(cat, retention.plan(cat, run_name, policy, root=root), policy)
+    monkeypatch.undo()
+    assert raced and raced[0] != f"{run_name}/step-5", raced
+    _kept_on_the_tier(cat, run_name, root, tier, new, wanted)
+
+
+def _kept_on_the_tier(
+    cat: Catalog, run: str, root: Path, tier: FileTier, new: Checkpoint, wanted: dict[str, torch.Tensor]
+) -> None:
+    """The new checkpoint's one copy on the tier is registered verified, every byte there, and restores from
+    the tier alone, bit-exact."""
     on_tier = [r for r in copies.copies_of(cat, [new.id])[new.id] if r.tier == tier.name]
     assert [r.status for r in on_tier] == [R.VERIFIED.value]
     report = check_remote(
@@ -94,8 +129,8 @@ def test_a_copy_replicated_while_gc_reclaims_its_key_keeps_its_bytes(cat, run_na
     assert report.verdict is Verdict.VERIFIED, [str(f) for f in report.findings]
 
     into = torch.nn.Linear(128, 128)  # restored from the tier alone, bit-exact
-    loader = Checkpointer(run_name, states={"model": into}, root=root, catalog=cat)._load
-    got = execute.execute(cat, plan.plan(cat, run_name, root=root, tiers=(tier.name,)), loader)
+    loader = Checkpointer(run, states={"model": into}, root=root, catalog=cat)._load
+    got = execute.execute(cat, plan.plan(cat, run, root=root, tiers=(tier.name,)), loader)
     assert got.step == 5 and got.source == tier.name
     assert all(torch.equal(into.state_dict()[k], v) for k, v in wanted.items())
 

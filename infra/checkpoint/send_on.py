@@ -94,7 +94,7 @@ class SendOn:
     ) -> None:
         """Collective after the commit of ``step`` (``lead``, ``checkpoint_id``, ``digest``: rank 0's catalog,
         row and manifest digest)."""
-        self._pushed(step, group)
+        self._pushed(step, group, lead, checkpoint_id)
         if not self.ring:
             return
         if self._ask and self._agents_pass(step, group):  # each node's first rank only tells its own
@@ -165,14 +165,25 @@ class SendOn:
         except Exception as exc:
             log.warning("%s step %d: the peer ring's copies not recorded: %s", self.run, step, exc)
 
-    def _pushed(self, step: int, group: dist.ProcessGroup | None) -> None:
-        """The checkpoint goes to the shared tier if every host's sender is free."""
-        if not self.push or not share_push.decide(self.pusher is None or self.pusher.idle, group=group):
+    def _pushed(
+        self, step: int, group: dist.ProcessGroup | None, lead: Catalog | None, checkpoint_id: int | None
+    ) -> None:
+        """The checkpoint goes to the shared tier if every host's sender is free; to the step's other key
+        when rank 0's catalog lists the step's own key for another checkpoint's copy."""
+        if not self.push:
             return
-        if self.pusher is not None:
+        taken = (
+            self.pusher is not None
+            and lead is not None
+            and checkpoint_id is not None
+            and self.pusher.step_key_taken(lead, checkpoint_id, self.run, step)
+        )
+        go, avoid = share_push.decide(self.pusher is None or self.pusher.idle, taken, group=group)
+        if go and self.pusher is not None:
             disk = self.disks.of_rank[self.rank].id
             directory = store.step_dir(self.run_dir, step)
-            self.pusher.submit(share_push.Share(self.run, step, directory, disk, with_common=self.rank == 0))
+            self.pusher.submit(share_push.Share(self.run, step, directory, disk, with_common=self.rank == 0,
+                                                avoid_step_key=avoid))  # fmt: skip
 
     def settle(self) -> None:
         """Wait (bounded) for the host's memory agent to finish passing the last commit told: before a load

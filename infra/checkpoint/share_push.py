@@ -31,8 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from sqlalchemy.exc import SQLAlchemyError
 
-from rewind.infra.catalog import copies, lineage
+from rewind.infra.catalog import copies, lineage, locations
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.format import manifest as mf
@@ -55,6 +56,7 @@ class Share:
     directory: Path
     disk: str  # this disk's id, as the manifest's placement names it
     with_common: bool  # also the files every disk holds (rank 0's disk sends those)
+    avoid_step_key: bool = False  # the step's own key is another checkpoint's copy (``step_key_taken``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +68,27 @@ class Pushed:
     complete: bool
 
 
-def _key(tier: Tier, run: str, step: int, digest: str) -> tuple[str, bool]:
+def _key(tier: Tier, share: Share, digest: str) -> tuple[str, bool]:
     """Where this checkpoint's copy goes on the tier (another timeline's step is passed over), and whether
     its manifest is there already."""
-    for key in transfer.candidate_keys(run, step, digest):
+    keys = transfer.candidate_keys(share.run, share.step, digest)
+    for key in keys[1:] if share.avoid_step_key else keys:
         held = transfer.holds(tier, key, digest)
         if held is not False:
             return key, bool(held)
-    raise OSError(f"both names for {run} step {step} on {tier.uri} hold other checkpoints")
+    raise OSError(f"the names for {share.run} step {share.step} on {tier.uri} hold other checkpoints")
+
+
+def step_key_taken(cat: Catalog, checkpoint_id: int, run: str, step: int, tier: Tier) -> bool:
+    """Whether the step's own key on ``tier`` is another checkpoint's copy in the catalog (a superseded
+    step's, reclaimed or to be: its manifest may be gone while its files are still being deleted), so that
+    every host sends this checkpoint to its other key (``locations.key_taken``). Asked by whoever has the
+    catalog, for every host; True when the catalog cannot say."""
+    try:
+        return locations.key_taken(cat, checkpoint_id, tier.name, tier.uri, transfer.copy_key(run, step))
+    except SQLAlchemyError as exc:
+        log.warning("%s step %d: the catalog could not say whether %s is free: %s", run, step, tier.uri, exc)
+        return True
 
 
 def _mark(key: str, digest: str, disk: str) -> str:
@@ -100,7 +115,7 @@ def push(share: Share, tier: Tier, catalog: Catalog | None) -> Pushed:
     raw = (share.directory / mf.MANIFEST_NAME).read_bytes()
     digest = manifest_digest(raw)
     manifest = mf.parse(raw)
-    key, there = _key(tier, share.run, share.step, digest)
+    key, there = _key(tier, share, digest)
     sent = 0
     if not there:
         mine = [
@@ -161,11 +176,13 @@ def register(cat: Catalog, run: str, step: int, raw: bytes, tier: Tier, key: str
         copies.settle(cat, ck.id)
 
 
-def decide(ready: bool, group: dist.ProcessGroup | None = None) -> bool:
-    """Collective: send this checkpoint only if every rank's sender is free (``ready``; a rank with none is)."""
+def decide(ready: bool, taken: bool = False, group: dist.ProcessGroup | None = None) -> tuple[bool, bool]:
+    """Collective: whether to send this checkpoint (only if every rank's sender is free: ``ready``; a rank
+    with none is), and whether every host avoids the step's own key (a rank with the catalog found it
+    another checkpoint's: ``taken``)."""
     every: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, ready, group=group)
-    return all(every)
+    dist.all_gather_object(every, (ready, taken), group=group)
+    return all(r for r, _ in every), any(t for _, t in every)
 
 
 class SharePusher:
@@ -173,6 +190,7 @@ class SharePusher:
 
     def __init__(self, uri: str, catalog: Catalog | None) -> None:
         self.uri, self.catalog = uri, catalog
+        self._tier: Tier | None = None  # opened once, for the catalog's question about its keys
         self._lock = threading.Condition()
         self._waiting: Share | None = None
         self._thread: threading.Thread | None = None  # None whenever no worker is running
@@ -181,6 +199,16 @@ class SharePusher:
     def from_env(cls, catalog: Catalog | None) -> SharePusher | None:
         uri = os.environ.get(SHARED_ENV, "").strip()
         return cls(uri, catalog) if uri else None
+
+    def step_key_taken(self, cat: Catalog, checkpoint_id: int, run: str, step: int) -> bool:
+        """:func:`step_key_taken` on this sender's tier; True when the tier cannot be opened (the push says
+        why). Never raises: every rank's collective decision follows."""
+        try:
+            if self._tier is None:
+                self._tier = open_tier(self.uri)
+        except Exception:  # the push opens it again and logs why it cannot
+            return True
+        return step_key_taken(cat, checkpoint_id, run, step, self._tier)
 
     @property
     def idle(self) -> bool:

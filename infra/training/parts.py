@@ -62,15 +62,14 @@ class OptimizerPart:
         set_optimizer_state_dict(self.model, self.optimizer, state, options=None if nested else FLAT)
 
     def fresh(self) -> bool:
-        """Whether the optimizer has taken no step (DCP's state dict would take one with lr 0): no state, a
-        parameter to train, and no gradient on any (one with nothing to train, a frozen stage's, is never
-        fresh: no step would give it state, and its rank's record must not wipe a resharded restore's)."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        return (
-            not self.optimizer.state
-            and any(p.requires_grad for p in params)
-            and all(p.grad is None for p in params)
-        )
+        """Whether the optimizer has no state and a parameter to train (DCP's state dict would give it state by
+        a zero-lr step); gradients already computed do not matter (``fresh_kept`` sets them aside). One with
+        nothing to train, a frozen stage's, is never fresh: no step would give it state, and its rank's
+        record must not wipe a resharded restore's."""
+        return not self.optimizer.state and any(p.requires_grad for p in self.params())
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def forget(self) -> None:
         """The optimizer as it was before its first step: the state DCP gave it let go."""
@@ -80,13 +79,22 @@ class OptimizerPart:
 @contextlib.contextmanager
 def fresh_kept(parts: Mapping[str, Any]) -> Iterator[list[str]]:
     """The names of the optimizer parts that have taken no step; inside, their state dicts may be asked for
-    (DCP gives them state by a zero-lr step), and that state is let go on the way out, whatever happened."""
+    (DCP gives them state by a zero-lr step), and that state is let go on the way out, whatever happened.
+
+    Their parameters' gradients are set aside inside and put back after: DCP takes no step where one has a
+    gradient (a job accumulating them saved between micro-batches), and the checkpoint would then lack the
+    optimizer state that a fresh job's restore asks for."""
     fresh = [name for name, part in parts.items() if isinstance(part, OptimizerPart) and part.fresh()]
+    grads = {id(p): (p, p.grad) for name in fresh for p in parts[name].params()}
     try:
+        for p, _ in grads.values():
+            p.grad = None
         yield fresh
     finally:
         for name in fresh:
             parts[name].forget()
+        for p, grad in grads.values():
+            p.grad = grad
 
 
 def rank_state(fresh: list[str]) -> dict[str, Any]:
