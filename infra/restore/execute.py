@@ -37,7 +37,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from rewind.infra.catalog import copies, leases, moved_copies
+from rewind.infra.catalog import copies, disks, leases, moved_copies
 from rewind.infra.catalog.db import Catalog
 from rewind.infra.catalog.models import ReplicaStatus as R
 from rewind.infra.errors import (
@@ -235,7 +235,8 @@ def _try(
                 # a download hashed every byte; a quick open proved the manifest; a load that read some
                 # files from a nearer copy (this node's memory) did not prove the local copy's
                 copies.record(cat, opened.local_replica_id, R.VERIFIED, None, uri=str(opened.directory))
-                copies.settle(cat, cand.checkpoint_id)
+                if opened.fetched or copy.tier not in disks.VOLATILE_TIERS:  # a memory copy proves nothing
+                    copies.settle(cat, cand.checkpoint_id)  # (settle leaves it out): no run lock taken
             return opened, value, copy
         _drop(opened)
         detail = _failed_copy(cat, plan, copy, opened, verdict, findings)
