@@ -173,6 +173,29 @@ def test_a_step_saved_again_that_fails_at_rank_0_leaves_every_disks_old_copy_res
     assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
 
 
+def test_rank_0_killed_after_another_disk_committed_a_step_saved_again_leaves_the_old_step_restorable(
+    saved: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Step 2 saved again: disk b's copy renamed in (its old one moved aside, its row with it), then rank 0 is
+    SIGKILLed before its own rename, so no disk hears the outcome and disk b's old copy stays aside. The old
+    step 2 is still the newest committed checkpoint: its restore puts disk b's copy back from beside it (its
+    row following) and loads it bit-exact (before, disk b's share was nowhere the restore looked, and the
+    restore fell back to step 1: step 2's progress lost)."""
+    work = saved
+    cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
+    (old,) = lineage.checkpoints(cat, RUN, step=2)
+    monkeypatch.setenv("REWIND_FAULT", "kill:save.before_rename@2%0")
+    _job("save", work, "a,a,b,b", ok=False)
+    monkeypatch.delenv("REWIND_FAULT")
+    assert [c.status for c in lineage.checkpoints(cat, RUN, step=2) if c.id == old.id] == ["committed"]
+    _job("load", work, "a,a,b,b")
+    assert json.loads((work / "sources.json").read_text())["step"] == 2
+    assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
+    for r in (r for r in lineage.replicas_of(cat, old.id) if r.tier == "local"):  # the rows name the copies
+        assert r.status != ReplicaStatus.DELETED.value and Path(r.uri).name == "step-2", r.uri
+        assert manifest_digest((Path(r.uri) / mf.MANIFEST_NAME).read_bytes()) == old.manifest_digest, r.uri
+
+
 def test_a_disk_holding_another_checkpoint_at_the_step_a_restore_completes_moves_it_and_its_rows_aside(
     saved: Path,
 ) -> None:

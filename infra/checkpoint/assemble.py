@@ -6,7 +6,9 @@ as a byte tensor, and every rank lacking it keeps it only once its bytes hash to
 (nothing received is unpickled). A disk with no copy yet (a spare host) gets a whole one, manifest
 last; a copy of another checkpoint at the step (a timeline replayed while the host was away), or one left
 with its manifest alone (not rank 0's, which its plan proved), is moved aside first and rank 0 told, so
-that the catalog's rows follow it. A file on no disk at hand (its host is gone) is fetched by rank 0 from another tier's copy of the
+that the catalog's rows follow it. A disk whose copy of this checkpoint was moved aside by a save of the step
+again that never told it its outcome (rank 0 killed before every disk heard) has it put back first (its rows
+following). A file on no disk at hand (its host is gone) is fetched by rank 0 from another tier's copy of the
 checkpoint (``Remote``: the shared tier's, nearest first), held to its entry, and sent on from there:
 each file comes from the nearest place that has it: this disk, this node's memory (a ring copy of a peer's
 share, ``ring_held``, hashed as it is taken), a peer's disk, another tier. When a file is on no disk, in
@@ -186,6 +188,7 @@ def complete(
     *,
     refused: Refused | None = None,
     displaced: Displaced | None = None,
+    put_back: Displaced | None = None,
     group: Any = None,
 ) -> Completed:
     """Collective: this rank's disk's copy of the checkpoint whose manifest bytes are ``raw``, completed
@@ -194,7 +197,8 @@ def complete(
     ``directory``: this rank's copy (rank 0: the one its restore plan chose; the others: their root's).
     ``remote`` (rank 0): fetches a file no disk at hand holds. ``refused`` (rank 0): told of each memory tier's
     ring copies refused (memory tier id, their directories), before anything else can fail; ``displaced``
-    (rank 0): of each disk's copy of another checkpoint moved aside from ``directory``. ``group``: where the
+    (rank 0): of each disk's copy of another checkpoint moved aside from ``directory``; ``put_back`` (rank 0):
+    of each disk's copy of this checkpoint moved back there from aside, after those. ``group``: where the
     files' bytes travel (a gloo group of every rank: NCCL carries no CPU tensors; None: the default group). A file sent that is not the manifest's (or
     not readable by its sender) fails the restore on every rank, judging no copy: ``OSError``."""
     rank = dist.get_rank()
@@ -211,10 +215,12 @@ def complete(
     near = {p: str(d) for p, d in memory.files.items() if str(d) not in bad and p not in dropped}
     dist.all_gather_object(
         every,
-        (None if held is None else (held | set(taken)), memory.tier_id, bad, near, ready.moved, ready.error),
-    )
+        (None if held is None else (held | set(taken)), memory.tier_id, bad, near, ready.moved, ready.error,
+         ready.back),
+    )  # fmt: skip
     _tell_refused(every, refused)
     _tell_displaced([(x[4], disks.of_rank[r]) for r, x in enumerate(every) if x[4]], displaced)
+    _tell_displaced([(x[6], disks.of_rank[r]) for r, x in enumerate(every) if x[6]], put_back)
     unready = [x[5] for x in every if x[5]]
     if unready:  # every rank fails together, none left waiting in a collective
         if fresh:
@@ -243,28 +249,56 @@ def complete(
 @dataclass(frozen=True, slots=True)
 class _Ready:
     """A disk's leader ready to complete its copy: what it moved aside, the files it holds (None: not a
-    leader), where the copy is made (a fresh temporary directory, or the copy itself); or why not."""
+    leader), where the copy is made (a fresh temporary directory, or the copy itself), this checkpoint's copy
+    it put back from aside; or why not."""
 
     target: Path
     held: set[str] | None = None
     moved: Moved | None = None
     error: str | None = None
+    back: Moved | None = None
 
 
 def _ready(directory: Path, raw: bytes, manifest: mf.Manifest, rank: int) -> _Ready:
     """A leader's copy readied: another checkpoint's under the same step moved aside, and (a disk other than
-    rank 0's, whose copy its plan proved) one left with its manifest alone, to be made again. Never raises:
-    an error is told to every rank."""
-    moved = None
+    rank 0's, whose copy its plan proved) one left with its manifest alone, to be made again; then, where no
+    copy of this checkpoint is left there, its copy put back from aside. Never raises: an error is told to
+    every rank."""
+    moved = back = None
     try:
         other = directory.exists() and not _same_checkpoint(directory, raw)
         held = set() if other else _held(directory, manifest)
         if other or (not held and directory.exists() and rank != 0):
             moved = Moved(str(directory), str(store.quarantine(directory, "displaced")))
+        if not held and (back := _put_back(directory, raw, manifest, moved)) is not None:
+            held = _held(directory, manifest)
         target = store.temp_dir(directory.parent, manifest.step) if not held else directory
-        return _Ready(target, held, moved)
+        return _Ready(target, held, moved, back=back)
     except OSError as exc:
-        return _Ready(directory, None, moved, f"rank {rank}: {type(exc).__name__}: {exc}")
+        return _Ready(directory, None, moved, f"rank {rank}: {type(exc).__name__}: {exc}", back)
+
+
+PUT_BACK = ("superseded", "displaced")  # why a copy lies aside that may be put back (never "corrupt")
+
+
+def _put_back(directory: Path, raw: bytes, manifest: mf.Manifest, just: Moved | None) -> Moved | None:
+    """This checkpoint's copy (manifest bytes ``raw``) moved back to ``directory`` from aside, where nothing
+    lies there: a save of the step again moved it aside and was cut short before this disk heard it failed
+    (``spread.undo`` never ran). Only a copy holding some of its files, never the one just moved aside
+    (``just``); its files are proven as they are read, like the copy's own."""
+    if directory.exists():
+        return None
+    aside = directory.parent / store.QUARANTINE
+    for reason in PUT_BACK:
+        for candidate in sorted(aside.glob(f"{directory.name}-{reason}-*")):
+            if just is not None and str(candidate) == just.new:
+                continue
+            if _same_checkpoint(candidate, raw) and _held(candidate, manifest):
+                candidate.rename(directory)
+                store.fsync_dir(directory.parent)
+                log.info("%s put back from %s: a save of the step again did not commit", directory, candidate)
+                return Moved(str(candidate), str(directory))
+    return None
 
 
 def _tell_displaced(moved: list[tuple[Moved, LocalTier]], displaced: Displaced | None) -> None:

@@ -95,7 +95,8 @@ class ShardedRestoring:
                 leads = self._lead is not None
                 done = assemble.complete(here, raw, manifest, self.disks, remote, group=self._files_group,
                                          refused=self._lead_refused if leads else None,
-                                         displaced=self._displaced(raw) if leads else None)  # fmt: skip
+                                         displaced=self._displaced(raw) if leads else None,
+                                         put_back=self._put_back if leads else None)  # fmt: skip
                 directory, self.sources = done.directory, done.sources
                 reads, tier_id = Nearest(directory, done.nearer), done.tier_id  # this node's memory first
             into = state() if callable(state) else state
@@ -123,7 +124,10 @@ class ShardedRestoring:
         return mine if not failed else None
 
     def _lead_aside(
-        self, moved: Sequence[tuple[spread.Moved, LocalTier]], staying: str | None = None
+        self,
+        moved: Sequence[tuple[spread.Moved, LocalTier]],
+        staying: str | None = None,
+        reason: str = "moved aside for another checkpoint",
     ) -> None:
         """Copies disks moved aside (a step saved again, a restore completing a disk that held another
         checkpoint there), or found nothing where a save put its own: the rows naming them follow them, or
@@ -131,11 +135,15 @@ class ShardedRestoring:
         checkpoint whose manifest digest is ``staying`` (made there now) stay."""
         if self._lead is not None:
             moves = [(m.old, m.new, disk) for m, disk in moved]
-            moved_copies.followed(self._lead[0], moves, "moved aside for another checkpoint", staying=staying)
+            moved_copies.followed(self._lead[0], moves, reason, staying=staying)
 
     def _displaced(self, raw: bytes) -> assemble.Displaced:
         """Rank 0's record of copies moved aside while disks complete the checkpoint whose manifest is ``raw``."""
         return lambda moved: self._lead_aside(moved, manifest_digest(raw))
+
+    def _put_back(self, moved: Sequence[tuple[spread.Moved, LocalTier]]) -> None:
+        """Rank 0's record of copies of the checkpoint being restored that disks put back from aside."""
+        self._lead_aside(moved, reason="put back: a save of its step again did not commit")
 
     def _lead_refused(self, tier_id: str, copies: tuple[str, ...]) -> None:
         """Ring copies a node's memory refused at this restore: no recovery counts on them again."""
