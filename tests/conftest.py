@@ -145,12 +145,14 @@ SLOW_FILES_FIRST = [
     "test_flows.py",  # ~330
     "test_slurm.py",  # ~300 (three host faults on the session's one Slurm cluster)
     "test_serving.py",  # ~300
+    "test_spread.py",  # ~250 (4 ranks on 2 disks, each test saving its own: saved again, killed, restored)
     "test_protect_any_job.py",  # ~215
     "test_sharded.py",  # ~205
     "test_resume.py",  # ~200
     "test_tiers.py",  # ~185
     "test_integrity_flows.py",  # ~165
     "test_integrity_tiers.py",  # ~150
+    "test_host_agent.py",  # ~150 (2-host jobs whose hosts' memory agents meet, late or never)
     "test_elastic.py",  # ~130
     "test_corruption.py",  # ~130
     "test_hf_example.py",  # ~105
@@ -165,7 +167,6 @@ SLOW_FILES_FIRST = [
     "test_sharded_async.py",  # ~60
     "test_gc_kill.py",  # ~55 (4 gc kills ~20)
     "test_catalog_races.py",  # ~55
-    "test_spread.py",  # ~45 alone (4 ranks on 2 disks: saved, restored twice)
     "test_stateful_loader.py",  # ~60 (four 2-rank torchrun launches, two single-process jobs)
     "test_watch_beside.py",  # ~45
     "test_memory_tier.py",  # ~45 (a torchrun job killed, recovered from memory)
@@ -174,6 +175,9 @@ SLOW_FILES_FIRST = [
     "test_group_smoke.py",  # ~40
     "test_progress.py",  # ~40
     "test_incremental.py",  # ~20 alone, ~35 loaded
+    "test_fresh_optimizer.py",  # ~35 (a 2-rank job saved before its first step, then resumed)
+    "test_chunked_sharded.py",  # ~30
+    "test_hostile_storage.py",  # ~30
     "test_conversation.py",  # ~25
 ]
 

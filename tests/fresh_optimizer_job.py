@@ -34,9 +34,11 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> floa
     return loss.item()
 
 
-def _grads(model: torch.nn.Module) -> None:
-    """Gradients of a batch the first step's ``zero_grad`` throws away: the run's training is unchanged."""
+def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Gradients of a batch the first step's ``zero_grad`` throws away (the run's training is unchanged), and
+    a copy of them."""
     model(torch.randn(8, 16, generator=torch.Generator().manual_seed(7))).pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
 
 def main(run: str, out: str, steps: int, save_first: str) -> None:
@@ -48,9 +50,10 @@ def main(run: str, out: str, steps: int, save_first: str) -> None:
     with TrainingSession(run, model=model, optimizer=opt) as s:
         start = s.start_step
         if save_first != "0" and start == 0:
-            if save_first == "grads":
-                _grads(model)
+            kept = _grads(model) if save_first == "grads" else []
             s.save(0)
+            for p, g in zip(model.parameters(), kept, strict=bool(kept)):  # an accumulating job's gradients
+                assert p.grad is not None and torch.equal(p.grad, g), "the save changed the gradients"
         for step in s.steps(steps):
             s.report(step, _step(model, opt, step))
     if dist.get_rank() == 0:

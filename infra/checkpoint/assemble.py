@@ -19,6 +19,7 @@ reads those from memory first (this host's own share, where its leader kept it, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import stat
@@ -278,7 +279,9 @@ def _ready(directory: Path, raw: bytes, manifest: mf.Manifest, rank: int) -> _Re
         return _Ready(directory, None, moved, f"rank {rank}: {type(exc).__name__}: {exc}", back)
 
 
-PUT_BACK = ("superseded", "displaced")  # why a copy lies aside that may be put back (never "corrupt")
+PUT_BACK = (
+    "superseded"  # why a copy lies aside that may be put back: a save of its step again (retention keeps it)
+)
 
 
 def _put_back(directory: Path, raw: bytes, manifest: mf.Manifest, just: Moved | None) -> Moved | None:
@@ -289,15 +292,15 @@ def _put_back(directory: Path, raw: bytes, manifest: mf.Manifest, just: Moved | 
     if directory.exists():
         return None
     aside = directory.parent / store.QUARANTINE
-    for reason in PUT_BACK:
-        for candidate in sorted(aside.glob(f"{directory.name}-{reason}-*")):
-            if just is not None and str(candidate) == just.new:
-                continue
-            if _same_checkpoint(candidate, raw) and _held(candidate, manifest):
-                candidate.rename(directory)
+    for candidate in sorted(aside.glob(f"{directory.name}-{PUT_BACK}-*")):
+        if just is not None and str(candidate) == just.new:
+            continue
+        if _same_checkpoint(candidate, raw) and _held(candidate, manifest):
+            candidate.rename(directory)
+            with contextlib.suppress(OSError):  # renamed: rank 0 must hear of it all the same
                 store.fsync_dir(directory.parent)
-                log.info("%s put back from %s: a save of the step again did not commit", directory, candidate)
-                return Moved(str(candidate), str(directory))
+            log.info("%s put back from %s: a save of the step again did not commit", directory, candidate)
+            return Moved(str(candidate), str(directory))
     return None
 
 

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from sqlalchemy.exc import SQLAlchemyError
 
 from rewind.infra.catalog import copies, lineage, locations
 from rewind.infra.catalog.db import Catalog
@@ -83,10 +82,11 @@ def step_key_taken(cat: Catalog, checkpoint_id: int, run: str, step: int, tier: 
     """Whether the step's own key on ``tier`` is another checkpoint's copy in the catalog (a superseded
     step's, reclaimed or to be: its manifest may be gone while its files are still being deleted), so that
     every host sends this checkpoint to its other key (``locations.key_taken``). Asked by whoever has the
-    catalog, for every host; True when the catalog cannot say."""
+    catalog, for every host; True when the catalog cannot say. Never raises: every rank's collective
+    decision follows."""
     try:
         return locations.key_taken(cat, checkpoint_id, tier.name, tier.uri, transfer.copy_key(run, step))
-    except SQLAlchemyError as exc:
+    except Exception as exc:  # CatalogUnavailable, a missing schema, a driver's error: the other key is safe
         log.warning("%s step %d: the catalog could not say whether %s is free: %s", run, step, tier.uri, exc)
         return True
 

@@ -53,6 +53,11 @@ class OptimizerPart:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
+        self.stepped = False  # a step taken since: a stateless optimizer (SGD without momentum) is not fresh
+        self._hook = optimizer.register_step_post_hook(self._step_taken)
+
+    def _step_taken(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.stepped = True
 
     def state_dict(self) -> dict[str, Any]:
         return get_optimizer_state_dict(self.model, self.optimizer, options=FLAT)
@@ -62,18 +67,20 @@ class OptimizerPart:
         set_optimizer_state_dict(self.model, self.optimizer, state, options=None if nested else FLAT)
 
     def fresh(self) -> bool:
-        """Whether the optimizer has no state and a parameter to train (DCP's state dict would give it state by
-        a zero-lr step); gradients already computed do not matter (``fresh_kept`` sets them aside). One with
-        nothing to train, a frozen stage's, is never fresh: no step would give it state, and its rank's
-        record must not wipe a resharded restore's."""
-        return not self.optimizer.state and any(p.requires_grad for p in self.params())
+        """Whether the optimizer has no state, has taken no step here and has a parameter to train (DCP's state
+        dict would give it state by a zero-lr step); gradients already computed do not matter (``fresh_kept``
+        sets them aside). One with nothing to train, a frozen stage's, is never fresh: no step would give it
+        state, and its rank's record must not wipe a resharded restore's; nor is a stateless one once it
+        stepped (its gradients are then never set aside, nor a copy of them made at each save)."""
+        return not (self.optimizer.state or self.stepped) and any(p.requires_grad for p in self.params())
 
     def params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def forget(self) -> None:
-        """The optimizer as it was before its first step: the state DCP gave it let go."""
+        """The optimizer as it was before its first step: the state DCP gave it (by a step) let go."""
         self.optimizer.state.clear()
+        self.stepped = False
 
 
 @contextlib.contextmanager
