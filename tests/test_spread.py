@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from rewind.infra.catalog import copies, lineage, moved_copies
 from rewind.infra.catalog.db import Catalog
-from rewind.infra.catalog.models import ReplicaStatus
+from rewind.infra.catalog.models import Checkpoint, ReplicaStatus
 from rewind.infra.checkpoint.engine import Checkpointer
 from rewind.infra.format import local_tier
 from rewind.infra.format import manifest as mf
@@ -152,6 +152,20 @@ def test_a_step_saved_again_on_another_timeline_moves_every_disks_old_copy_aside
     assert _equal(work / "loaded.safetensors", work / "expected.safetensors")
 
 
+def _saved_again_failing(
+    work: Path, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Catalog, Checkpoint]:
+    """Steps 1-2 saved again with ``fault`` (``REWIND_FAULT``) failing the job at step 2: the catalog, and the
+    old step 2's row, still the step's committed checkpoint."""
+    cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
+    (old,) = lineage.checkpoints(cat, RUN, step=2)
+    monkeypatch.setenv("REWIND_FAULT", fault)
+    _job("save", work, "a,a,b,b", ok=False)
+    monkeypatch.delenv("REWIND_FAULT")
+    assert [c.status for c in lineage.checkpoints(cat, RUN, step=2) if c.id == old.id] == ["committed"]
+    return cat, old
+
+
 def test_a_step_saved_again_that_fails_at_rank_0_leaves_every_disks_old_copy_restorable(
     saved: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -159,12 +173,7 @@ def test_a_step_saved_again_that_fails_at_rank_0_leaves_every_disks_old_copy_res
     every disk's old copy is back where it was and its rows with it, and the old step 2 restores bit-exact
     (before, disk b's old copy stayed aside and the restore fell back to step 1)."""
     work = saved
-    cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
-    (old,) = lineage.checkpoints(cat, RUN, step=2)
-    monkeypatch.setenv("REWIND_FAULT", "eio:save.before_rename@2%0")
-    _job("save", work, "a,a,b,b", ok=False)
-    monkeypatch.delenv("REWIND_FAULT")
-    assert [c.status for c in lineage.checkpoints(cat, RUN, step=2) if c.id == old.id] == ["committed"]
+    cat, old = _saved_again_failing(work, "eio:save.before_rename@2%0", monkeypatch)
     for r in (r for r in lineage.replicas_of(cat, old.id) if r.tier == "local"):
         assert "/.quarantine/" not in r.uri and Path(r.uri).name == "step-2", r.uri
         assert manifest_digest((Path(r.uri) / mf.MANIFEST_NAME).read_bytes()) == old.manifest_digest, r.uri
@@ -182,12 +191,7 @@ def test_rank_0_killed_after_another_disk_committed_a_step_saved_again_leaves_th
     row following) and loads it bit-exact (before, disk b's share was nowhere the restore looked, and the
     restore fell back to step 1: step 2's progress lost)."""
     work = saved
-    cat = Catalog(f"sqlite:///{work / 'catalog.db'}")
-    (old,) = lineage.checkpoints(cat, RUN, step=2)
-    monkeypatch.setenv("REWIND_FAULT", "kill:save.before_rename@2%0")
-    _job("save", work, "a,a,b,b", ok=False)
-    monkeypatch.delenv("REWIND_FAULT")
-    assert [c.status for c in lineage.checkpoints(cat, RUN, step=2) if c.id == old.id] == ["committed"]
+    cat, old = _saved_again_failing(work, "kill:save.before_rename@2%0", monkeypatch)
     _job("load", work, "a,a,b,b")
     assert json.loads((work / "sources.json").read_text())["step"] == 2
     assert _equal(work / "loaded.safetensors", work / "expected.safetensors")

@@ -219,9 +219,7 @@ def complete(
         (None if held is None else (held | set(taken)), memory.tier_id, bad, near, ready.moved, ready.error,
          ready.back),
     )  # fmt: skip
-    _tell_refused(every, refused)
-    _tell_displaced([(x[4], disks.of_rank[r]) for r, x in enumerate(every) if x[4]], displaced)
-    _tell_displaced([(x[6], disks.of_rank[r]) for r, x in enumerate(every) if x[6]], put_back)
+    _tell(every, disks, refused, displaced, put_back)
     unready = [x[5] for x in every if x[5]]
     if unready:  # every rank fails together, none left waiting in a collective
         if fresh:
@@ -302,6 +300,20 @@ def _put_back(directory: Path, raw: bytes, manifest: mf.Manifest, just: Moved | 
             log.info("%s put back from %s: a save of the step again did not commit", directory, candidate)
             return Moved(str(candidate), str(directory))
     return None
+
+
+def _tell(
+    every: list[Any],
+    disks: Disks,
+    refused: Refused | None,
+    displaced: Displaced | None,
+    put_back: Displaced | None,
+) -> None:
+    """Rank 0 told what every disk's leader did readying its copy: ring copies refused, copies of other
+    checkpoints moved aside, then this checkpoint's copies put back (each record's failure logged)."""
+    _tell_refused(every, refused)
+    _tell_displaced([(x[4], disks.of_rank[r]) for r, x in enumerate(every) if x[4]], displaced)
+    _tell_displaced([(x[6], disks.of_rank[r]) for r, x in enumerate(every) if x[6]], put_back)
 
 
 def _tell_displaced(moved: list[tuple[Moved, LocalTier]], displaced: Displaced | None) -> None:
