@@ -40,6 +40,16 @@ def _error(code: str, message: str) -> bytes:
     return f"{head}<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
 
 
+def _client(endpoint: str) -> Any:
+    """A client of the test's S3 server itself (what a proxy looks up there)."""
+    import boto3
+
+    return boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+        region_name="us-east-1",
+    )  # fmt: skip
+
+
 class ChecksumlessS3:
     """A real HTTP proxy on loopback in front of the test's S3 server that answers as a server keeping no
     CRC32C does (older Ceph RGW, GCS's XML API): every ``x-amz-checksum-*`` header and ``<Checksum...>``
@@ -57,7 +67,15 @@ class ChecksumlessS3:
     does (400 BadDigest). ``loses``: the upload in parts is found gone (404 NoSuchUpload) once, at the first
     look at its parts (``"parts"``: another sender completed or aborted it meanwhile), or at its first
     completion (``"completion"``: passed on, its answer replaced, as when the reply to a completion that
-    succeeded is lost and its retry finds the upload gone)."""
+    succeeded is lost and its retry finds the upload gone); ``"copy"``: a server-side copy passed on, its
+    answer replaced by 412 PreconditionFailed once, as the retry of a copy whose answer was lost (or another
+    sender's copy landing first) finds its target there. ``composite``: as MinIO from its checksums (2023)
+    to its full-object ones (2025), which keeps a checksum of its parts' checksums whatever was asked, a
+    completion naming the whole object's CRC32C (``x-amz-checksum-crc32c``) is answered 400
+    XAmzContentChecksumMismatch (counted in ``refused``). ``cuts``: the first ``cuts`` GETs of a range
+    past the object's first byte have their connection closed halfway through the body (a reset
+    mid-download; counted down in ``cuts``). ``missing_delete``: as GCS's XML API, a DELETE of a key that
+    is not there is answered 404 NoSuchKey."""
 
     NOT_IMPLEMENTED = _error(
         "NotImplemented", "A header you provided implies functionality that is not implemented"
@@ -69,6 +87,14 @@ class ChecksumlessS3:
         "Checksum Type mismatch occurred, expected checksum Type: null, actual checksum Type: crc32c",
     )
     NO_SUCH_UPLOAD = _error("NoSuchUpload", "The specified upload does not exist.")
+    NO_SUCH_KEY = _error("NoSuchKey", "The specified key does not exist.")
+    PRECONDITION_FAILED = _error(
+        "PreconditionFailed", "At least one of the pre-conditions you specified did not hold"
+    )
+    CHECKSUM_MISMATCH = _error(
+        "XAmzContentChecksumMismatch",
+        "The provided 'x-amz-checksum' header does not match what was computed.",
+    )
     MD5_REQUIRED = _error(
         "InvalidRequest", "Content-MD5 OR x-amz-checksum- HTTP header is required for Put Object requests"
     )
@@ -82,6 +108,9 @@ class ChecksumlessS3:
         unlisted: bool = False,
         strict: bool = False,
         loses: str = "",
+        composite: bool = False,
+        cuts: int = 0,
+        missing_delete: bool = False,
     ) -> None:
         import http.client
         import re
@@ -89,10 +118,15 @@ class ChecksumlessS3:
         from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
         from urllib.parse import urlsplit
 
+        from botocore.exceptions import ClientError
+
         target = urlsplit(upstream)
         proxy = self
         self.refused = 0
         self.to_lose = 1 if loses else 0
+        self.cuts = cuts
+        self._claims = threading.Lock()
+        looker = _client(upstream) if missing_delete else None
         begun_bare: set[str] = set()  # uploads begun without a checksum (``strict``)
         upload_id = re.compile(rb"<UploadId>([^<]+)</UploadId>")
 
@@ -124,6 +158,15 @@ class ChecksumlessS3:
                     self._answer(404, "Not Found", proxy.NO_SUCH_UPLOAD)
                     return
                 lost_reply = names_upload and loses == "completion" and self.command == "POST"
+                copies = "x-amz-copy-source" in [k.lower() for k in self.headers] and self.command == "PUT"
+                lost_copy = loses == "copy" and copies and proxy.claim()  # one of the copies in flight
+                if composite and self._completes_with_whole_checksum(query):
+                    proxy.refused += 1
+                    self._answer(400, "Bad Request", proxy.CHECKSUM_MISMATCH)
+                    return
+                if missing_delete and self.command == "DELETE" and not query and self._upstream_lacks():
+                    self._answer(404, "Not Found", proxy.NO_SUCH_KEY)
+                    return
                 if strict and self._goes_on_bare_with_checksum(query, body):
                     completes = self.command == "POST"
                     self._answer(400, "Bad Request", proxy.BAD_DIGEST if completes else proxy.TYPE_MISMATCH)
@@ -152,6 +195,9 @@ class ChecksumlessS3:
                         proxy.to_lose -= 1
                         self._answer(404, "Not Found", proxy.NO_SUCH_UPLOAD)
                         return
+                    if lost_copy and answer.status == 200:
+                        self._answer(412, "Precondition Failed", proxy.PRECONDITION_FAILED)
+                        return
                     if unlisted and answer.status == 404:
                         self._denied()
                         return
@@ -169,9 +215,36 @@ class ChecksumlessS3:
                     length = answer.getheader("Content-Length", "0") if self.command == "HEAD" else len(data)
                     self.send_header("Content-Length", str(length))
                     self.end_headers()
+                    if self._cut(answer.status):
+                        self.wfile.write(data[: len(data) // 2])  # then the connection goes
+                        self.close_connection = True
+                        return
                     self.wfile.write(data)
                 finally:
                     conn.close()
+
+            def _completes_with_whole_checksum(self, query: str) -> bool:
+                names = [k.lower() for k in self.headers]
+                return self.command == "POST" and "uploadId=" in query and "x-amz-checksum-crc32c" in names
+
+            def _upstream_lacks(self) -> bool:
+                """Whether the object this request names (path style) is not there: a HEAD of it, upstream."""
+                from urllib.parse import unquote
+
+                bucket, _, key = unquote(self.path.split("?")[0]).lstrip("/").partition("/")
+                assert looker is not None
+                try:
+                    looker.head_object(Bucket=bucket, Key=key)
+                except ClientError as exc:
+                    return exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404
+                return False
+
+            def _cut(self, status: int) -> bool:
+                """Whether this answer's body is cut short (``cuts``): a range's past the first byte."""
+                later = self.command == "GET" and not self.headers.get("Range", "bytes=0-").startswith(
+                    "bytes=0-"
+                )
+                return status == 206 and later and proxy.claim("cuts")
 
             def _goes_on_bare_with_checksum(self, query: str, body: bytes) -> bool:
                 """A part or completion with a checksum, of an upload begun without one."""
@@ -206,6 +279,15 @@ class ChecksumlessS3:
         self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()
+
+    def claim(self, what: str = "to_lose") -> bool:
+        """Whether a request in flight takes one of the faults still to make (``to_lose``, ``cuts``), counted
+        down under a lock: requests in flight together take one each."""
+        with self._claims:
+            if getattr(self, what) <= 0:
+                return False
+            setattr(self, what, getattr(self, what) - 1)
+            return True
 
     def close(self) -> None:
         self._server.shutdown()

@@ -317,6 +317,36 @@ def test_a_call_the_server_does_not_implement_is_bad_input_not_an_outage():
     assert isinstance(got, TierConfigError) and "does not implement" in str(got)
 
 
+def test_an_archived_object_is_said_to_be_archived_not_a_refusal_of_the_credentials():
+    """S3 answers a GET of an object a lifecycle rule moved to an archive class (Glacier, Deep Archive) 403
+    InvalidObjectState: the restore's error says it is archived and what to do, and the copy is unreadable
+    for now (never corrupt), not 'S3 refused the credentials'."""
+    from botocore.exceptions import ClientError
+
+    from rewind.infra.tiers.base import UNREADABLE_ERRORS, TierConfigError
+    from rewind.infra.tiers.s3_errors import tier_error
+
+    response = {
+        "Error": {
+            "Code": "InvalidObjectState",
+            "Message": "The operation is not valid for the object's storage class",
+        },
+        "ResponseMetadata": {"HTTPStatusCode": 403},
+    }
+    got = tier_error(ClientError(response, "GetObject"), "b", "http://127.0.0.1:1", "k")  # type: ignore[arg-type]
+    assert isinstance(got, TierConfigError) and isinstance(got, UNREADABLE_ERRORS)
+    assert "archived" in str(got) and "RestoreObject" in str(got) and "credentials" not in str(got)
+
+
+def test_a_part_size_no_server_takes_is_refused_in_one_line():
+    """S3 takes parts of 5 MiB to 5 GiB: a part size outside is bad input at once, not a failure per upload."""
+    from rewind.infra.tiers.base import TierConfigError
+
+    for size in (4 << 20, (5 << 30) + 1):
+        with pytest.raises(TierConfigError, match="at least 5 MiB and at most 5 GiB"):
+            S3Tier(f"s3://{BUCKET}/p", part_size=size, client=object())
+
+
 def test_a_server_keeping_no_checksums_has_copies_read_back_not_taken_on_their_size(
     s3_env, rewind_env, run_name, tmp_path, monkeypatch, capsys
 ):
@@ -507,6 +537,126 @@ def test_an_unfinished_upload_that_went_meanwhile_is_no_error(
         assert proxy.to_lose == 0  # the upload was looked at, and had gone
         with tier.open("big.bin") as body:
             assert digest.hash_bytes(body.read()).xxh3 == digest.hash_bytes(data).xxh3
+    finally:
+        proxy.close()
+
+
+def _random_file(tmp_path: Path, mib: int) -> tuple[Path, bytes]:
+    """A file of ``mib`` MiB of seeded random bytes (the seed printed)."""
+    import random
+
+    seed = random.randrange(1 << 30)
+    print(f"seed {seed}")
+    data = random.Random(seed).randbytes(mib << 20)
+    src = tmp_path / "big.bin"
+    src.write_bytes(data)
+    return src, data
+
+
+def test_a_server_keeping_only_its_parts_checksums_still_gets_files_sent_in_parts(
+    s3_env, run_name, tmp_path, monkeypatch
+):
+    """MinIO from its checksums (2023) to its full-object ones (2025) takes each part with its CRC32C, but
+    answers a completion naming the whole file's CRC32C 400 XAmzContentChecksumMismatch: it holds that to a
+    checksum of its parts' checksums (a real proxy answering so, in front of the test's S3). The upload is
+    aborted and the file sent bare, then read back, landing whole; the next file goes bare at once (the
+    refusal met once a process); no upload is left behind. Before: every file larger than one part failed
+    to replicate there, as a configuration error, at every try."""
+    from rewind.infra.format import digest
+    from rewind.infra.tiers import s3, s3_multipart
+    from tests.s3_support import ChecksumlessS3
+
+    src, data = _random_file(tmp_path, 11)
+    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, composite=True)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        tier = S3Tier(f"s3://{BUCKET}/composite-{run_name}", part_size=5 << 20)
+        crc = digest.hash_bytes(data).crc32c
+        assert tier.put("big.bin", src, crc32c=crc) == len(data)
+        assert proxy.refused == 1 and tier.refused == {"full-object"}
+        assert tier.put("again.bin", src, crc32c=crc) == len(data)
+        assert proxy.refused == 1  # not asked again
+        for key in ("big.bin", "again.bin"):
+            with tier.open(key) as body:
+                assert digest.hash_bytes(body.read()).xxh3 == digest.hash_bytes(data).xxh3, key
+        assert s3_multipart.uploads(tier, tier._key("")) == ()
+    finally:
+        s3._REFUSED.pop(proxy.endpoint, None)  # a later proxy on the same port is another server
+        proxy.close()
+
+
+def test_a_large_object_read_survives_a_connection_reset_mid_range(s3_env, run_name, tmp_path, monkeypatch):
+    """A restore from S3 reads a large object as ranges; a connection reset halfway through a range's body
+    (botocore retries a request only until its answer's headers came) costs that range again, not the
+    restore (a real proxy cutting two ranges short, in front of the test's S3): every byte arrives, as
+    stored. Before: the read failed, and the task's retry began the whole checkpoint again."""
+    from rewind.infra.format import digest
+    from tests.s3_support import ChecksumlessS3
+
+    src, data = _random_file(tmp_path, 17)
+    S3Tier(f"s3://{BUCKET}/cut-{run_name}").put("big.bin", src, crc32c=digest.hash_bytes(data).crc32c)
+    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, cuts=2)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        tier = S3Tier(f"s3://{BUCKET}/cut-{run_name}", part_size=5 << 20, concurrency=2)
+        with tier.open("big.bin") as body:
+            got = body.read()
+        assert proxy.cuts == 0  # both cuts were made
+        assert digest.hash_bytes(got).xxh3 == digest.hash_bytes(data).xxh3
+    finally:
+        proxy.close()
+
+
+def test_deleting_a_key_already_gone_is_no_error_where_the_server_answers_404(s3_env, run_name, monkeypatch):
+    """gc deletes a copy's manifest first; cut short after that, its next run deletes the manifest again.
+    GCS's XML API answers a DELETE of a missing key 404 NoSuchKey (S3 204): a real proxy answering so,
+    in front of the test's S3. The delete is no error, as the tier interface says, so the copy can still
+    be let go; a key that is there is deleted."""
+    from rewind.infra.format import digest
+    from tests.s3_support import ChecksumlessS3
+
+    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, missing_delete=True)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        tier = S3Tier(f"s3://{BUCKET}/gcs-{run_name}")
+        with pytest.raises(ObjectNotFound):  # the proxy does answer 404 for a key that is not there
+            tier._call("delete_object", tier._key("manifest.json"), Key=tier._key("manifest.json"))
+        tier.delete("manifest.json")
+        tier.put_bytes("there.bin", b"x", crc32c=digest.hash_bytes(b"x").crc32c)
+        tier.delete("there.bin")
+        with pytest.raises(ObjectNotFound):
+            tier.stat("there.bin")
+    finally:
+        proxy.close()
+
+
+def test_a_copy_that_finds_its_target_placed_meanwhile_is_no_error(s3_env, run_name, tmp_path, monkeypatch):
+    """A push copies unchanged files from an earlier copy on the same bucket (CopyObject, If-None-Match);
+    when the copy's target is there by the time it lands (another sender of the copy came first, or the
+    retry of a copy whose answer was lost finds its own: 412, answered once by a real proxy in front of the
+    test's S3), the object is held to its file and kept: the push lands every file. Before: the push
+    failed, not retried (AlreadyExists is no transient error)."""
+    from rewind.infra.format import digest
+    from rewind.infra.format import manifest as mf
+    from rewind.infra.tiers import transfer
+    from tests.s3_support import ChecksumlessS3
+
+    saved = big_checkpoint(run_name, tmp_path / "ckpt", mb=8)
+    raw = (Path(saved.path) / mf.MANIFEST_NAME).read_bytes()
+    uri = f"s3://{BUCKET}/copied-{run_name}"
+    transfer.push(Path(saved.path), raw, S3Tier(uri), "first")
+    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, loses="copy")
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        tier = S3Tier(uri)
+        reuse = [transfer.Reuse("first", digest.manifest_digest(raw))]
+        done = transfer.push(Path(saved.path), raw, tier, "second", reuse=reuse)
+        assert proxy.to_lose == 0  # one copy found its target placed
+        files = mf.parse(raw).files
+        assert done.sent == 0 and done.files_reused == len(files)
+        for e in files:
+            with tier.open(f"second/{e.path}") as body:
+                assert digest.hash_bytes(body.read()).xxh3 == e.xxh3, e.path
     finally:
         proxy.close()
 

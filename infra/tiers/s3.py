@@ -12,8 +12,10 @@ Large files go up as resumable multipart uploads (``s3_multipart``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -37,8 +39,10 @@ from rewind.infra.tiers.base import (
 from rewind.infra.tiers.s3_ranged import RangedBody
 
 log = logging.getLogger("rewind.tiers")
-MiB = 1 << 20
+MiB, GiB = 1 << 20, 1 << 30
 MAX_COPY = 5 << 30  # the largest object one CopyObject request may copy
+RANGE_TRIES = 4  # tries of one range of a large object's download (a body cut short is asked for again)
+RANGE_BACKOFF_S = 0.2  # before the second try; doubled before each next
 _REFUSED: dict[str, set[str]] = {}  # endpoint -> the features it refused (``S3Tier.refused``)
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,254}")  # loose: other servers allow '_' and capitals
 
@@ -79,6 +83,10 @@ def _client(concurrency: int) -> Any:
         raise TierConfigError(f"S3 setup: {redact.text(str(exc))[:300]}") from exc
 
 
+class ObjectChanged(TierUnavailable):
+    """The object a download began with was replaced while it was read (its ETag no longer matches)."""
+
+
 class S3Tier:
     name = "offsite"
     checksums = True
@@ -92,8 +100,8 @@ class S3Tier:
         immutable_days: int | None = None,
         client: Any = None,
     ) -> None:
-        if part_size < 5 * MiB:
-            raise TierConfigError("S3 multipart part size must be at least 5 MiB")
+        if not 5 * MiB <= part_size <= 5 * GiB:
+            raise TierConfigError("S3 multipart part size must be at least 5 MiB and at most 5 GiB")
         self.bucket, self.prefix = parse_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self.part_size = part_size
@@ -218,7 +226,23 @@ class S3Tier:
         return self._call("get_object", k, Key=k)  # an empty object has no byte 0
 
     def _range(self, k: str, start: int, end: int, etag: str) -> bytes:
-        """Bytes [start, end) of the object ``etag`` names; another object under ``k`` is an error."""
+        """Bytes [start, end) of the object ``etag`` names, asked for again (``RANGE_TRIES`` in all) where a
+        try failed for now: botocore retries a request until its answer's headers came, not a body cut
+        short (a connection reset mid-way), and a restore of a large object must not start over for one.
+        Another object under ``k`` is an error at once."""
+        for attempt in range(1, RANGE_TRIES + 1):
+            try:
+                return self._range_once(k, start, end, etag)
+            except ObjectChanged:
+                raise
+            except TierUnavailable as exc:
+                if attempt == RANGE_TRIES:
+                    raise
+                log.info("%s: bytes %d-%d asked for again (%s)", self.uri, start, end - 1, exc)
+                time.sleep(RANGE_BACKOFF_S * 2 ** (attempt - 1))
+        raise AssertionError("unreachable: the last try raises")  # pragma: no cover
+
+    def _range_once(self, k: str, start: int, end: int, etag: str) -> bytes:
         try:
             r = self._client.get_object(
                 Bucket=self.bucket, Key=k, Range=f"bytes={start}-{end - 1}", IfMatch=etag
@@ -233,7 +257,7 @@ class S3Tier:
         except ClientError as exc:
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             if status == 412:
-                raise TierUnavailable(f"s3://{self.bucket}/{k} changed while it was being read") from exc
+                raise ObjectChanged(f"s3://{self.bucket}/{k} changed while it was being read") from exc
             raise self._error(exc, k) from exc
         except BotoCoreError as exc:
             raise self._error(exc, k) from exc
@@ -244,8 +268,11 @@ class S3Tier:
         return data
 
     def delete(self, key: str) -> None:
+        """A missing key is no error: S3 answers its DELETE 204, GCS's XML API 404 (a gc cut short after
+        deleting a copy's manifest must finish at its next run there too)."""
         k = self._key(key)
-        self._call("delete_object", k, Key=k)
+        with contextlib.suppress(ObjectNotFound):
+            self._call("delete_object", k, Key=k)
 
     def abandon(self, prefix: str) -> int:
         """Abort every unfinished multipart upload under ``prefix`` (a push cut short, then its copy deleted)."""

@@ -43,6 +43,9 @@ TRANSIENT = {
     "XAmzContentSHA256Mismatch",
     "InvalidDigest",
 }
+# The bytes, or the parts, are not those the request's checksum names (MinIO's name for it, before its
+# full-object checksums: the answer to a completion naming the whole object's CRC32C, which it never computes)
+DIGEST_REFUSED = {"BadDigest", "XAmzContentChecksumMismatch"}
 # What servers answer to an argument they do not support (a checksum, a condition newer than their API)
 UNSUPPORTED = {"InvalidArgument", "InvalidRequest", "NotSupported", "UnsupportedArgument"}
 # Errors of the setup (a profile, a region, a parameter botocore refuses before sending): no retry helps
@@ -75,10 +78,15 @@ def tier_error(exc: Exception, bucket: str, endpoint: str, key: str = "") -> Exc
             return TierConfigError(
                 f"S3 server at {endpoint} does not implement a call Rewind made at {where}"
             )
+        if code == "InvalidObjectState":  # a GET of an object a lifecycle rule moved to an archive class
+            return TierConfigError(
+                f"{where} is archived (its storage class keeps it offline): restore it from the archive"
+                " first (S3 RestoreObject), then read it again"
+            )
         if code in DENIED or status == 403:
             return TierAccessDenied(f"S3 refused the credentials for {where} ({code or status}{_bare(code)})")
-        if code == "BadDigest":
-            return DigestRefused(f"S3 error at {where}: BadDigest: {err.get('Message', '')}")
+        if code in DIGEST_REFUSED:
+            return DigestRefused(f"S3 error at {where}: {code}: {err.get('Message', '')}")
         if code in TRANSIENT or status >= 500:
             return TierUnavailable(f"S3 error at {where}: {code or status}")
         said = f"S3 error at {where}: {code or status}: {err.get('Message', '')}"

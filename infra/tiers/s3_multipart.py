@@ -115,10 +115,27 @@ def upload(tier: S3Tier, key: str, src: Path, size: int, crc_full: str) -> int:
         except UploadGone:
             _not_there_yet(tier, key)
     try:
-        return _send(tier, key, src, size, crc_full, _start(tier, k), {})
+        return _afresh(tier, key, src, size, crc_full)
     except UploadGone:  # resumed by another sender, who completed or aborted it; or a completion retried
         _not_there_yet(tier, key)
         raise TierUnavailable(f"s3://{tier.bucket}/{k}: the upload went before it was completed") from None
+
+
+def _afresh(tier: S3Tier, key: str, src: Path, size: int, crc_full: str) -> int:
+    """``src`` sent in a new upload; where the server will not complete it as the whole file's CRC32C names,
+    though it took each part with its own, it keeps no full-object checksum (MinIO before 2025 keeps one
+    of its parts' checksums, whatever was asked): that upload is aborted and the file sent bare, as to a
+    server that refuses checksums, and read back."""
+    k = tier._key(key)
+    upload_id = _start(tier, k)
+    try:
+        return _send(tier, key, src, size, crc_full, upload_id, {})
+    except CompletionRefused as exc:
+        if FULL_OBJECT in tier.refused:  # sent bare: the parts themselves did not add up; the task retries
+            raise
+        s3_newer.record_refused(tier, (FULL_OBJECT,), "complete_multipart_upload")
+        _abort(tier, key, upload_id, exc)
+    return _send(tier, key, src, size, crc_full, _start(tier, k), {})
 
 
 def _not_there_yet(tier: S3Tier, key: str) -> None:

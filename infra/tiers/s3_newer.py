@@ -84,12 +84,13 @@ def call(
             continue
         except BotoCoreError as exc:
             raise tier._error(exc, k) from exc
-        _refused(tier, tuple(f for f in wanted if f not in sending and f not in tier.refused), op)
+        record_refused(tier, tuple(f for f in wanted if f not in sending and f not in tier.refused), op)
         return answer
     raise AssertionError("unreachable: the last try sends no newer argument")  # pragma: no cover
 
 
-def _refused(tier: S3Tier, features: tuple[str, ...], op: str) -> None:
+def record_refused(tier: S3Tier, features: tuple[str, ...], op: str) -> None:
+    """``features`` not sent to this endpoint again by this process (said once, in a warning)."""
     if not features:
         return
     tier.refused.update(features)

@@ -180,6 +180,8 @@ def _copy_from(tier: Tier, sources: Sequence[str], target: str, entry: mf.FileEn
         except NotCopied as exc:
             log.warning("%s: %s not copied from %s (%s)", tier.uri, target, src, exc)
             continue
+        except AlreadyExists:  # placed meanwhile: another sender of the copy; or this copy, its answer lost
+            return _held(tier, target, entry) is None  # not this file: the upload's own check says what
         finding = _stat_matches(tier, target, entry, need_checksum=tier.checksums)
         if finding is None:
             progress.advance(entry.size)
