@@ -60,6 +60,14 @@ class DeploymentSpec:
     triggers: tuple[TriggerSpec, ...] = ()
     concurrency_limit: int | None = None  # runs of this deployment at once (None: no limit)
     note: str = ""
+    budget_share: float | None = (
+        None  # a scheduled run's budget_s: this share of the interval (done before the next)
+    )
+
+    def budget(self, interval: timedelta | None = None) -> dict[str, Any]:
+        """The scheduled runs' ``budget_s`` parameter for ``interval`` (None: the table's), if it has one."""
+        every = interval or self.interval
+        return {"budget_s": self.budget_share * every.total_seconds()} if self.budget_share and every else {}
 
     def load_flow(self) -> Flow[..., Any]:
         module, _, attr = self.flow.rpartition(".")
@@ -98,6 +106,7 @@ DEPLOYMENTS: tuple[DeploymentSpec, ...] = (
         tags=("rewind", "scrub"),
         interval=timedelta(hours=6),
         concurrency_limit=1,  # one scrub at a time: a slow one is never overtaken by the next
+        budget_share=0.9,  # and each ends before the next is due
     ),
     DeploymentSpec(
         name="restore-checkpoint",
@@ -174,19 +183,15 @@ def build(
         "run-drills": drill_every,
         "expire-conversations": expire_every,
     }
-    served = _served(replicate_to, scrub_every)
+    served = _served(replicate_to)
     return [_runner(spec, every.get(spec.name), served.get(spec.name)) for spec in DEPLOYMENTS]
 
 
-def _served(replicate_to: str | None, scrub_every: timedelta | None) -> dict[str, Served]:
+def _served(replicate_to: str | None) -> dict[str, Served]:
     target = replicate_to or os.environ.get("REWIND_OFFSITE_URI") or os.environ.get("REWIND_SHARED_URI")
     watch, run = os.environ.get("REWIND_ADOPT_FROM"), os.environ.get("REWIND_ADOPT_RUN")
     adopt = {"path": watch, "run": run, "pattern": os.environ.get("REWIND_ADOPT_PATTERN", "checkpoint-*")}
     return {
-        # a scrub ends (its budget, 90% of the interval) before the next is due
-        "verify-checkpoints": Served(
-            False, {"budget_s": 0.9 * scrub_every.total_seconds()} if scrub_every else None
-        ),
         # nothing to replicate to until a target is configured
         "replicate-offsite": Served(
             target is None, {"target": target} if target else None, target is not None
@@ -203,7 +208,7 @@ def _runner(spec: DeploymentSpec, interval: timedelta | None, served: Served | N
         name=spec.name,
         interval=(interval if interval is not None else spec.interval) if spec.interval else None,
         paused=served.paused if spec.interval else None,
-        parameters=served.parameters,
+        parameters={**spec.budget(interval), **(served.parameters or {})} or None,
         concurrency_limit=spec.concurrency_limit,
         tags=list(spec.tags),
         triggers=[t.runner_trigger() for t in spec.triggers] if served.triggers and spec.triggers else None,

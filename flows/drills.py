@@ -170,6 +170,15 @@ def replicate_to_shared(configuration: dict[str, Any]) -> list[int]:
 # -- one drill ------------------------------------------------------------------------------------
 
 
+def chaos_runner() -> Any:
+    """chaostoolkit-lib's ``run_experiment`` (an optional extra: a clear error without it)."""
+    try:
+        from chaoslib.experiment import run_experiment
+    except ImportError as exc:
+        raise ConfigError(f"{exc}: install the drills extra (pip install 'rewind[drills]')") from exc
+    return run_experiment
+
+
 def run_one(
     scenario: str,
     *,
@@ -181,8 +190,7 @@ def run_one(
 
     ``job`` changes the example job's settings; ``job_spec`` runs the user's job instead (its command and
     env take the drill's run name as ``{run}``; see ``check_job_spec``)."""
-    from chaoslib.experiment import run_experiment
-
+    run_experiment = chaos_runner()
     experiment = experiments.load(scenario)
     ext = experiments.rewind_ext(experiment)
     kind = str(ext.get("failure_kind", "crash"))

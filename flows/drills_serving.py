@@ -79,9 +79,9 @@ def _epoch(at: datetime | None) -> float | None:
 
 def run_serving(scenario: str, experiment: dict[str, Any], budget: slo.Budget, source: str) -> dict[str, Any]:
     """Run a serving scenario through chaostoolkit-lib, measure it from its clients, judge and record it."""
-    from chaoslib.experiment import run_experiment
+    from rewind.flows.drills import _journal_error, _outputs, chaos_runner
 
-    from rewind.flows.drills import _journal_error, _outputs
+    run_experiment = chaos_runner()
 
     cat = Catalog()  # the drill's record goes here; the stack's catalog is the drill's own
     seed = random.SystemRandom().randrange(2**31)  # which instance is killed: recorded with the drill

@@ -9,9 +9,11 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_table_artifact
 from prefect.states import State
 
+from rewind.flows.job_parameters import refuse_secrets
 from rewind.flows.run_failed import failed, quiet_expected_failures
 from rewind.infra.errors import ConfigError, RewindError
 from rewind.infra.format.verify import DEFAULT_BUDGET_S
+from rewind.infra.launch import workdir
 from rewind.infra.phases import replicate
 from rewind.tasks.adopt import adopt_checkpoint, find_unadopted
 from rewind.tasks.common import artifact_key
@@ -106,13 +108,14 @@ def restore_checkpoint_flow(
         relaunch: Start the job again from the run's job spec and watch it.
         relaunch_command: Start it with this command instead (it replaces the command of the run's spec, the
             rest kept, once the roll-back is done).
-        cwd: Working directory for `relaunch_command`.
+        cwd: Working directory for `relaunch_command` (default: the run's spec's, else as protect-training's).
     """
     spec = None
     if relaunch or relaunch_command:  # no live job's checkpoints rolled back under it, no second job started
         refuse_live_writer(run)
     if relaunch_command:  # checked now, recorded once the roll-back is done: a failed one changes nothing
-        spec = relaunch_spec(run, relaunch_command, cwd)
+        refuse_secrets(relaunch_command, None)
+        spec = relaunch_spec(run, relaunch_command, workdir.job_cwd(run, cwd) if cwd else None)
     elif relaunch:
         spec = load_spec(run)  # before the roll-back: a run without a spec fails here, unchanged
     point = restore_checkpoint(

@@ -62,6 +62,8 @@ def _deployment(spec: DeploymentSpec, pool: str, job_variables: dict[str, Any] |
     }
     if spec.concurrency_limit is not None:
         out["concurrency_limit"] = spec.concurrency_limit
+    if spec.budget():
+        out["parameters"] = spec.budget()
     if spec.interval:
         out["schedules"] = [{"interval": int(spec.interval.total_seconds()), "active": not spec.paused}]
     if spec.triggers:

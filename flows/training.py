@@ -8,6 +8,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import State
 
+from rewind.flows.job_parameters import checked_cwd
 from rewind.flows.run_failed import failed, quiet_expected_failures, summary
 from rewind.infra.phases import recovery
 from rewind.infra.phases.detect import crash_reason
@@ -60,11 +61,15 @@ def protect_training(
             a leading "python" or "python3" is replaced by the worker's own interpreter (its sys.executable), so
             the job runs with the packages the worker has. A job that exits with an error before its first
             step is an incident of kind failed_to_start, with its last lines, and is not recovered automatically.
-        cwd: Working directory of the command (default: the worker's).
+        cwd: Working directory of the command (default: the directory the flow runs in; under a process worker
+            without a working_dir, whose directory goes with the flow run, ~/.rewind/jobs/RUN). Recorded
+            absolute: a recovery relaunches the job there.
         nproc_per_node: Processes per node; more than one starts the job under torchrun.
         nnodes: Nodes (one torchrun agent each, c10d rendezvous).
         min_world_size: After losing ranks the job may come back on as few as this many.
-        env: Added to the job's environment.
+        env: Added to the job's environment. No secrets: the Prefect server keeps and shows a flow run's
+            parameters (a secret-named variable or flag, or a URL with a password, is refused); set them in
+            the worker's environment, which the job inherits.
         heartbeat_timeout_s: A rank whose step does not advance for this long is hung and the job stopped.
         loss_spike_factor: A loss above this multiple of the running median stops the job (NaN/Inf always do).
         global_batch: The job's global batch at full size (for the rebuild decision).
@@ -80,7 +85,7 @@ def protect_training(
     spec = record_spec(
         run,
         {
-            "command": command, "cwd": cwd, "env": env or {}, "nnodes": nnodes, "nproc_per_node": nproc_per_node,
+            "command": command, "cwd": checked_cwd(run, command, cwd, env), "env": env or {}, "nnodes": nnodes, "nproc_per_node": nproc_per_node,
             "min_world_size": min_world_size, "heartbeat_timeout_s": heartbeat_timeout_s,
             "loss_spike_factor": loss_spike_factor, "global_batch": global_batch, "lr": lr, "launcher": launcher,
             "warm": warm, "layout": {"tp": tp or 1, "pp": pp or 1} if tp or pp else None,

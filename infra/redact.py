@@ -43,3 +43,34 @@ def argv(args: Sequence[str]) -> list[str]:
             continue
         out.append(text(arg))
     return out
+
+
+# A name that is a secret itself (HF_TOKEN, WANDB_API_KEY, --db-password), not one that names where one is kept
+# (--token-file, PASSWORD_PATH) nor one that merely contains such a word (--tokenizer, TOKENIZERS_PARALLELISM)
+_SECRET_WORD = re.compile(
+    r"(?:^|[-_])(?:token|password|passwd|secret|api[-_]?key|access[-_]?key|private[-_]?key|credentials?)$",
+    re.I,
+)
+_URL_PASSWORD = re.compile(r"\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/@\s:]*:[^/@\s]+@")
+
+
+def _secret_name(name: str) -> bool:
+    return bool(_SECRET_WORD.search(name.lstrip("-")))
+
+
+def in_plain_sight(command: Sequence[str], env: dict[str, str]) -> list[str]:
+    """What in a job's command and environment is a secret given as a value (its name, never the value): a
+    secret-named variable, a secret-named flag's value, a URL with a password. For parameters of a flow
+    run, which the Prefect server keeps and shows as given."""
+    found = [f"env {name}" for name, value in env.items() if value and _secret_name(name)]
+    found += [
+        f"env {name}: a URL with a password" for name, value in env.items() if _URL_PASSWORD.search(value)
+    ]
+    for i, arg in enumerate(command):
+        name, eq, value = arg.partition("=")
+        flag = arg.startswith("-")
+        if flag and _secret_name(name) and (value if eq else i + 1 < len(command)):
+            found.append(f"command flag {name}")
+        elif _URL_PASSWORD.search(arg):
+            found.append(f"command argument {i}: a URL with a password")
+    return found

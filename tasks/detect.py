@@ -10,6 +10,7 @@ from prefect import task
 
 from rewind.infra.catalog import jobs, leases
 from rewind.infra.errors import NotFoundError, RunBusy
+from rewind.infra.launch import workdir
 from rewind.infra.launch.spec import JobSpec
 from rewind.infra.phases import detect, recovery
 from rewind.infra.phases.detect import Outcome
@@ -68,13 +69,14 @@ def refuse_live_writer(run: str) -> None:
 
 @task(name="relaunch-spec", **RETRY)
 def relaunch_spec(run: str, command: list[str], cwd: str | None) -> dict[str, Any]:
-    """The run's job spec with ``command`` and ``cwd`` in its own's place (its size, environment and watch
-    settings kept), checked; not recorded: the caller records it once the roll-back is done."""
+    """The run's job spec with ``command`` and ``cwd`` (None: its own) in its own's place (its size,
+    environment and watch settings kept), checked; not recorded: the caller records it once the roll-back is done."""
     try:
         base = jobs.get_spec(catalog(), run)
     except NotFoundError:  # a run never launched by Rewind: the command is all there is
         base = {}
-    return JobSpec.from_dict({**base, "command": command, "cwd": cwd}).as_dict()
+    where = cwd or base.get("cwd") or workdir.job_cwd(run, None)  # the command's directory: the job's
+    return JobSpec.from_dict({**base, "command": command, "cwd": where}).as_dict()
 
 
 @task(name="load-spec", **RETRY)

@@ -268,6 +268,64 @@ def test_protect_training_with_a_missing_working_directory_fails_in_one_line(
     assert "working directory /nonexistent/rewind-job does not exist" in str(state.message), state.message
 
 
+def test_protect_training_refuses_a_secret_in_its_parameters_naming_never_showing_it(
+    prefect_api, rewind_env, run_name
+):
+    """The Prefect server keeps a flow run's parameters as given and shows them (UI, API): a secret-named
+    environment variable, a secret-named flag's value or a URL with a password is refused in one line that
+    names each and shows none, saying where secrets go; nothing is recorded or launched. Names that merely
+    contain such a word (a tokenizer, TOKENIZERS_PARALLELISM, a token file) are no secrets."""
+    from rewind.flows.training import protect_training
+    from rewind.infra.catalog import jobs
+    from rewind.infra.errors import NotFoundError
+
+    command = ["python", "train.py", "--tokenizer", "gpt2", "--hf-token", "hf_abc123", "--token-file", "/t"]
+    command += ["--db", "postgresql://rewind:pw-789@db/rewind"]
+    env = {"WANDB_API_KEY": "k-456", "TOKENIZERS_PARALLELISM": "false"}
+    state = protect_training(run_name, command, env=env, return_state=True)
+    assert state.is_failed()
+    said = str(state.message)
+    assert "env WANDB_API_KEY" in said and "command flag --hf-token" in said, said
+    assert "a URL with a password" in said and "worker's environment" in said, said
+    assert not any(secret in said for secret in ("hf_abc123", "k-456", "pw-789")), said
+    assert "TOKENIZERS" not in said and "--tokenizer" not in said and "--token-file" not in said, said
+    with pytest.raises(NotFoundError):
+        jobs.get_spec(Catalog(), run_name)
+
+
+def test_protect_training_from_a_workers_temporary_directory_runs_the_job_where_it_outlives_the_run(
+    prefect_api, rewind_env, run_name, tmp_path, monkeypatch
+):
+    """A Prefect process worker without a working_dir runs each flow run in a temporary directory
+    (``TemporaryDirectory(suffix="prefect")``) that it deletes when the run ends: a job started there
+    without a cwd wrote its output into it, and a recovery relaunched it in another. From such a
+    directory, protect-training runs the job in ~/.rewind/jobs/RUN and records that path for recoveries;
+    a relative cwd there is refused in one line. From any other directory the job runs there, recorded
+    absolute, so a recovery started elsewhere (a worker) relaunches it in the same place."""
+    import tempfile
+
+    from rewind.flows.training import protect_training
+    from rewind.infra.catalog import jobs
+
+    command = ["python", "-c", "open('out.txt', 'w').write('done')"]
+    with tempfile.TemporaryDirectory(suffix="prefect") as workspace:
+        monkeypatch.chdir(workspace)
+        state = protect_training(run_name, command, return_state=True)
+        assert state.is_completed(), state.message
+        own = Path(rewind_env["REWIND_HOME"]) / "jobs" / run_name
+        assert (own / "out.txt").read_text() == "done" and not (Path(workspace) / "out.txt").exists()
+        assert jobs.get_spec(Catalog(), run_name)["cwd"] == str(own)
+        state = protect_training(run_name, command, cwd="out", return_state=True)
+        assert state.is_failed() and "is relative" in str(state.message), state.message
+    here = tmp_path / "job"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    state = protect_training(f"{run_name}-b", command, return_state=True)
+    assert state.is_completed(), state.message
+    assert (here / "out.txt").read_text() == "done"
+    assert jobs.get_spec(Catalog(), f"{run_name}-b")["cwd"] == str(here)
+
+
 def test_protect_training_of_a_command_that_cannot_start_fails_in_one_line_and_ends_its_launch(
     prefect_api, rewind_env, run_name
 ):

@@ -45,6 +45,9 @@ def test_the_schedules_and_triggers_say_what_is_paused_until_configured(monkeypa
     assert served["verify-checkpoints"].concurrency_limit == 1
     scrub = {d.name: d for d in build(scrub_every=timedelta(minutes=10))}["verify-checkpoints"]
     assert scrub.parameters == {"budget_s": 540.0}  # a scrub ends before the next is due
+    # at the table's interval too, in both (a pool's scrub had the whole interval: scrubs ran back to back)
+    assert served["verify-checkpoints"].parameters == {"budget_s": 0.9 * 6 * 3600}
+    assert declared["verify-checkpoints"]["parameters"] == {"budget_s": 0.9 * 6 * 3600}
     # replicate-offsite: nothing to replicate to until a target is configured, in both
     assert served["replicate-offsite"].paused and not served["replicate-offsite"].triggers
     (verified,) = declared["replicate-offsite"]["triggers"]

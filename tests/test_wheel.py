@@ -111,6 +111,7 @@ def test_the_wheel_installs_and_runs_from_a_directory_with_its_own_tasks_flows_a
     names = zipfile.ZipFile(wheel).namelist()
     assert {n.split("/")[0] for n in names if ".dist-info/" not in n} == {"rewind"}
     assert "rewind/migrations/alembic.ini" in names
+    assert "rewind/py.typed" in names  # a user's type checker reads the package's hints (PEP 561)
     assert any(n.startswith("rewind/migrations/versions/") for n in names)
 
     py = _fresh_venv(env_dir)
