@@ -62,7 +62,10 @@ def _setup(cfg: dict[str, Any]) -> tuple[torch.nn.Module, torch.device, int, int
     torch.manual_seed(cfg["seed"])
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).to(device)
     if distributed and cfg.get("fsdp"):
-        from torch.distributed.fsdp import fully_shard
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch 2.4 and 2.5 (pyproject's floor): FSDP2 lived here
+            from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
         for layer in model:
             if isinstance(layer, torch.nn.Linear):

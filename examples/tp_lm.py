@@ -32,10 +32,14 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn import functional as F
+
+try:
+    from torch.distributed.fsdp import fully_shard
+except ImportError:  # torch 2.4 and 2.5 (pyproject's floor): FSDP2 lived here
+    from torch.distributed._composable.fsdp import fully_shard  # type: ignore[no-redef]
 
 from rewind.examples.tiny_lm import LossLog
 from rewind.examples.tiny_lm_ddp import (
