@@ -56,7 +56,8 @@ class ChecksumlessS3:
     element is dropped from its answers. Requests pass unchanged (the signature covers the proxy's Host).
 
     ``refuses``: as a server that knows no checksums (``"checksum"``) or no conditional writes
-    (``"if-none-match"``) and says so, a write carrying an ``x-amz-checksum-*`` header or a
+    (``"if-none-match"``) and says so (``"checksum-mode"``: a HEAD asking to be shown the object's
+    checksum is answered 400, without a body, as to any header it does not know), a write carrying an ``x-amz-checksum-*`` header or a
     ``<ChecksumCRC32C>`` element, or ``If-None-Match``, is answered 501 NotImplemented (counted in
     ``refused``) and not passed on; knowing no checksums, it requires ``Content-MD5`` on every PUT with
     a body instead (as an Object Lock bucket does). ``keeps_checksums``: its answers keep them.
@@ -160,6 +161,11 @@ class ChecksumlessS3:
                 lost_reply = names_upload and loses == "completion" and self.command == "POST"
                 copies = "x-amz-copy-source" in [k.lower() for k in self.headers] and self.command == "PUT"
                 lost_copy = loses == "copy" and copies and proxy.claim()  # one of the copies in flight
+                mode = "x-amz-checksum-mode" in [k.lower() for k in self.headers]
+                if "checksum-mode" in refuses and self.command == "HEAD" and mode:
+                    proxy.refused += 1
+                    self._answer(400, "Bad Request", b"")
+                    return
                 if composite and self._completes_with_whole_checksum(query):
                     proxy.refused += 1
                     self._answer(400, "Bad Request", proxy.CHECKSUM_MISMATCH)

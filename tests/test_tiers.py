@@ -435,6 +435,39 @@ def test_a_server_refusing_checksums_or_conditions_as_unsupported_still_gets_ver
         proxy.close()
 
 
+def test_a_server_refusing_to_show_checksums_on_a_head_still_gets_verified_copies(
+    s3_env, rewind_env, run_name, tmp_path, monkeypatch
+):
+    """A server that answers a HEAD asking for the object's checksum (``x-amz-checksum-mode: ENABLED``) 400,
+    without a body, as it answers any header it does not know (a real proxy in front of the test's S3):
+    the HEAD is asked again without it, the mode not asked for again by the process, and what the push
+    places is read back to be verified; the copy lands verified. Before: every HEAD failed as a
+    configuration error, so nothing could be replicated or verified there."""
+    from rewind.flows.cli import main as rewind
+    from rewind.infra.catalog import lineage
+    from rewind.infra.catalog.db import Catalog
+    from rewind.infra.tiers import s3
+    from tests.s3_support import ChecksumlessS3
+
+    saved = big_checkpoint(run_name, tmp_path / "ckpt", mb=8)
+    uri = f"s3://{BUCKET}/modeless-{run_name}"
+    proxy = ChecksumlessS3(s3_env.endpoint, refuses=frozenset({"checksum-mode"}), keeps_checksums=True)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        assert rewind(["replicate", run_name, "--to", uri, "--part-size-mib", "5"]) == 0
+        (rep,) = [r for r in lineage.replicas_of(Catalog(), saved.checkpoint_id) if r.tier == "offsite"]
+        assert rep.status == "verified"
+        first = proxy.refused
+        assert first > 0
+        assert rewind(["ckpt", "verify", run_name, "--tier", "offsite"]) == 0
+        assert proxy.refused == first  # not asked for again
+        tier = S3Tier(uri)
+        assert tier.refused == {"checksum-mode"} and not tier.checksums
+    finally:
+        s3._REFUSED.pop(proxy.endpoint, None)  # a later proxy on the same port is another server
+        proxy.close()
+
+
 def test_credentials_that_may_not_list_the_bucket_are_told_what_they_lack(
     s3_env, rewind_env, run_name, tmp_path, monkeypatch, capsys
 ):

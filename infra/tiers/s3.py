@@ -148,13 +148,31 @@ class S3Tier:
 
     def stat(self, key: str) -> ObjectInfo:
         k = self._key(key)
-        head = self._call("head_object", k, Key=k, ChecksumMode="ENABLED")
+        head = self._head(k)
         crc = head.get("ChecksumCRC32C")
         if crc and "-" in crc:
             crc = None  # a composite (per-part) checksum is not the object's CRC32C
         if crc is None:
             self._keeps_no_checksums()
         return ObjectInfo(key, int(head["ContentLength"]), crc)
+
+    def _head(self, k: str) -> Any:
+        """The object's HEAD, its CRC32C asked for (``ChecksumMode``). A server that answers that HEAD 400 or
+        501 (no body, so no reason) and one without the mode not, refuses the mode: not asked for again (what
+        it holds is then read back to be verified); an answer the same without it is the object's own."""
+        if s3_newer.CHECKSUM_MODE in self.refused:
+            return self._call("head_object", k, Key=k)
+        try:
+            return self._client.head_object(Bucket=self.bucket, Key=k, ChecksumMode="ENABLED")
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if status not in (400, 501):
+                raise self._error(exc, k) from exc
+        except BotoCoreError as exc:
+            raise self._error(exc, k) from exc
+        head = self._call("head_object", k, Key=k)
+        s3_newer.record_refused(self, (s3_newer.CHECKSUM_MODE,), "head_object")
+        return head
 
     def _keeps_no_checksums(self) -> None:
         if self.checksums:

@@ -29,7 +29,8 @@ log = logging.getLogger("rewind.tiers")
 CHECKSUM = "checksum"  # a PUT's x-amz-checksum-crc32c
 FULL_OBJECT = "full-object"  # a multipart upload's CRC32C, its parts' and the whole's
 IF_NONE_MATCH = "if-none-match"  # an upload's If-None-Match: *
-CHECKSUMS = (CHECKSUM, FULL_OBJECT)
+CHECKSUM_MODE = "checksum-mode"  # a HEAD's x-amz-checksum-mode: ENABLED (to be shown the object's CRC32C)
+CHECKSUMS = (CHECKSUM, FULL_OBJECT, CHECKSUM_MODE)
 
 Instead = Callable[[], dict[str, Any]]
 
