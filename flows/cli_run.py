@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 from rewind.flows.cli_args import Add, Emit, OpenCatalog, Wrap
+from rewind.flows.job_parameters import refuse_submitted_secrets
 from rewind.infra.errors import ConfigError
 
 
@@ -35,6 +36,7 @@ def cmd_run(args: argparse.Namespace, emit: Emit, catalog: OpenCatalog) -> int:
         )
     name = args.deployment if "/" in args.deployment else f"{args.deployment}/{args.deployment}"
     params = dict(parameter(p) for p in args.param or [])
+    refuse_submitted_secrets(params)  # before the server keeps them
     try:
         fr: FlowRun = run_deployment(name, parameters=params, timeout=0)  # type: ignore[assignment]
     except ObjectNotFound as exc:

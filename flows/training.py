@@ -62,8 +62,8 @@ def protect_training(
             the job runs with the packages the worker has. A job that exits with an error before its first
             step is an incident of kind failed_to_start, with its last lines, and is not recovered automatically.
         cwd: Working directory of the command (default: the directory the flow runs in; under a process worker
-            without a working_dir, whose directory goes with the flow run, ~/.rewind/jobs/RUN). Recorded
-            absolute: a recovery relaunches the job there.
+            without a working_dir, whose directory goes with the flow run, ~/.rewind/jobs/RUN, recorded for
+            recoveries).
         nproc_per_node: Processes per node; more than one starts the job under torchrun.
         nnodes: Nodes (one torchrun agent each, c10d rendezvous).
         min_world_size: After losing ranks the job may come back on as few as this many.

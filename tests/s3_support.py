@@ -74,7 +74,7 @@ class ChecksumlessS3:
     to its full-object ones (2025), which keeps a checksum of its parts' checksums whatever was asked, a
     completion naming the whole object's CRC32C (``x-amz-checksum-crc32c``) is answered 400
     XAmzContentChecksumMismatch (counted in ``refused``). ``cuts``: the first ``cuts`` GETs of a range
-    past the object's first byte have their connection closed halfway through the body (a reset
+    (the object's first included) have their connection closed halfway through the body (a reset
     mid-download; counted down in ``cuts``). ``missing_delete``: as GCS's XML API, a DELETE of a key that
     is not there is answered 404 NoSuchKey."""
 
@@ -246,11 +246,8 @@ class ChecksumlessS3:
                 return False
 
             def _cut(self, status: int) -> bool:
-                """Whether this answer's body is cut short (``cuts``): a range's past the first byte."""
-                later = self.command == "GET" and not self.headers.get("Range", "bytes=0-").startswith(
-                    "bytes=0-"
-                )
-                return status == 206 and later and proxy.claim("cuts")
+                """Whether this answer's body is cut short (``cuts``): a range's, the first one's included."""
+                return self.command == "GET" and status == 206 and proxy.claim("cuts")
 
             def _goes_on_bare_with_checksum(self, query: str, body: bytes) -> bool:
                 """A part or completion with a checksum, of an upload begun without one."""

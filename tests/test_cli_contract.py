@@ -272,25 +272,51 @@ def test_protect_training_refuses_a_secret_in_its_parameters_naming_never_showin
     prefect_api, rewind_env, run_name
 ):
     """The Prefect server keeps a flow run's parameters as given and shows them (UI, API): a secret-named
-    environment variable, a secret-named flag's value or a URL with a password is refused in one line that
-    names each and shows none, saying where secrets go; nothing is recorded or launched. Names that merely
-    contain such a word (a tokenizer, TOKENIZERS_PARALLELISM, a token file) are no secrets."""
+    environment variable, a secret-named flag's or override's value, or a URL with a password is refused in
+    one line that names each and shows none, saying where secrets go; nothing is recorded or launched.
+    Names that merely contain such a word, a tokenizer's tokens, switches and paths are no secrets."""
     from rewind.flows.training import protect_training
     from rewind.infra.catalog import jobs
     from rewind.infra.errors import NotFoundError
 
     command = ["python", "train.py", "--tokenizer", "gpt2", "--hf-token", "hf_abc123", "--token-file", "/t"]
-    command += ["--db", "postgresql://rewind:pw-789@db/rewind"]
-    env = {"WANDB_API_KEY": "k-456", "TOKENIZERS_PARALLELISM": "false"}
+    command += ["--db", "postgresql://rewind:pw-789@db/rewind", "--eos-token", "</s>", "--pad_token", "<pad>"]
+    command += ["--use_auth_token", "--max-new-tokens", "64", "trainer.wandb.api_key=w-000"]
+    env = {"WANDB_API_KEY": "k-456", "PGPASSWORD": "pg-1", "TOKENIZERS_PARALLELISM": "false"}
+    env |= {"GOOGLE_APPLICATION_CREDENTIALS": "/run/key.json", "HF_HUB_DISABLE_IMPLICIT_TOKEN": "1"}
     state = protect_training(run_name, command, env=env, return_state=True)
     assert state.is_failed()
     said = str(state.message)
-    assert "env WANDB_API_KEY" in said and "command flag --hf-token" in said, said
-    assert "a URL with a password" in said and "worker's environment" in said, said
-    assert not any(secret in said for secret in ("hf_abc123", "k-456", "pw-789")), said
-    assert "TOKENIZERS" not in said and "--tokenizer" not in said and "--token-file" not in said, said
+    for named in ("env WANDB_API_KEY", "env PGPASSWORD", "command flag --hf-token", "a URL with a password"):
+        assert named in said, said
+    assert "command argument trainer.wandb.api_key" in said and "worker's environment" in said, said
+    assert not any(s in said for s in ("hf_abc123", "k-456", "pw-789", "pg-1", "w-000")), said
+    for fine in (
+        "TOKENIZERS",
+        "--tokenizer",
+        "--token-file",
+        "eos",
+        "pad_token",
+        "auth",
+        "new-tokens",
+        "GOOGLE",
+    ):
+        assert fine not in said, (fine, said)
+    assert "IMPLICIT" not in said and "rotate it" in said, said
     with pytest.raises(NotFoundError):
         jobs.get_spec(Catalog(), run_name)
+
+
+def test_rewind_run_refuses_a_secret_before_the_server_keeps_it(monkeypatch, capsys):
+    """`rewind run` checks a deployment's command and env parameters before it submits the run: a secret is
+    refused in one line naming it (never showing it), and nothing reaches the server (none listens here)."""
+    from rewind.flows.cli import main
+
+    monkeypatch.setenv("PREFECT_API_URL", f"http://127.0.0.1:{free_port()}/api")
+    cmd = '["python", "train.py", "--api-key", "sk-123"]'
+    assert main(["run", "protect-training", "-p", "run=r", "-p", f"command={cmd}"]) == 2
+    said = capsys.readouterr().err
+    assert "command flag --api-key" in said and "sk-123" not in said and "rotate" not in said, said
 
 
 def test_protect_training_from_a_workers_temporary_directory_runs_the_job_where_it_outlives_the_run(
@@ -298,10 +324,10 @@ def test_protect_training_from_a_workers_temporary_directory_runs_the_job_where_
 ):
     """A Prefect process worker without a working_dir runs each flow run in a temporary directory
     (``TemporaryDirectory(suffix="prefect")``) that it deletes when the run ends: a job started there
-    without a cwd wrote its output into it, and a recovery relaunched it in another. From such a
-    directory, protect-training runs the job in ~/.rewind/jobs/RUN and records that path for recoveries;
-    a relative cwd there is refused in one line. From any other directory the job runs there, recorded
-    absolute, so a recovery started elsewhere (a worker) relaunches it in the same place."""
+    without a cwd wrote its output into it, and a recovery relaunched it in another. From such a directory
+    (or one a pull step made inside it), protect-training runs the job in ~/.rewind/jobs/RUN and records
+    that path for recoveries; a relative cwd there is refused in one line. From any other directory the job
+    runs there, its spec left without one, as before."""
     import tempfile
 
     from rewind.flows.training import protect_training
@@ -309,11 +335,13 @@ def test_protect_training_from_a_workers_temporary_directory_runs_the_job_where_
 
     command = ["python", "-c", "open('out.txt', 'w').write('done')"]
     with tempfile.TemporaryDirectory(suffix="prefect") as workspace:
-        monkeypatch.chdir(workspace)
+        pulled = Path(workspace) / "repo"
+        pulled.mkdir()
+        monkeypatch.chdir(pulled)
         state = protect_training(run_name, command, return_state=True)
         assert state.is_completed(), state.message
         own = Path(rewind_env["REWIND_HOME"]) / "jobs" / run_name
-        assert (own / "out.txt").read_text() == "done" and not (Path(workspace) / "out.txt").exists()
+        assert (own / "out.txt").read_text() == "done" and not (pulled / "out.txt").exists()
         assert jobs.get_spec(Catalog(), run_name)["cwd"] == str(own)
         state = protect_training(run_name, command, cwd="out", return_state=True)
         assert state.is_failed() and "is relative" in str(state.message), state.message
@@ -323,7 +351,7 @@ def test_protect_training_from_a_workers_temporary_directory_runs_the_job_where_
     state = protect_training(f"{run_name}-b", command, return_state=True)
     assert state.is_completed(), state.message
     assert (here / "out.txt").read_text() == "done"
-    assert jobs.get_spec(Catalog(), f"{run_name}-b")["cwd"] == str(here)
+    assert jobs.get_spec(Catalog(), f"{run_name}-b")["cwd"] is None
 
 
 def test_protect_training_of_a_command_that_cannot_start_fails_in_one_line_and_ends_its_launch(

@@ -597,6 +597,7 @@ def test_a_server_keeping_only_its_parts_checksums_still_gets_files_sent_in_part
     to replicate there, as a configuration error, at every try."""
     from rewind.infra.format import digest
     from rewind.infra.tiers import s3, s3_multipart
+    from rewind.infra.tiers.base import CompletionRefused
     from tests.s3_support import ChecksumlessS3
 
     src, data = _random_file(tmp_path, 11)
@@ -605,6 +606,10 @@ def test_a_server_keeping_only_its_parts_checksums_still_gets_files_sent_in_part
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         tier = S3Tier(f"s3://{BUCKET}/composite-{run_name}", part_size=5 << 20)
         crc = digest.hash_bytes(data).crc32c
+        with pytest.raises(CompletionRefused):  # a file that is not what its CRC32C names: its own fault
+            tier.put("other.bin", src, crc32c=digest.hash_bytes(b"other").crc32c)
+        assert tier.refused == set() and proxy.refused == 1  # so the server is not taken to refuse anything
+        proxy.refused = 0
         assert tier.put("big.bin", src, crc32c=crc) == len(data)
         assert proxy.refused == 1 and tier.refused == {"full-object"}
         assert tier.put("again.bin", src, crc32c=crc) == len(data)
@@ -612,7 +617,8 @@ def test_a_server_keeping_only_its_parts_checksums_still_gets_files_sent_in_part
         for key in ("big.bin", "again.bin"):
             with tier.open(key) as body:
                 assert digest.hash_bytes(body.read()).xxh3 == digest.hash_bytes(data).xxh3, key
-        assert s3_multipart.uploads(tier, tier._key("")) == ()
+        left = s3_multipart.uploads(tier, tier._key(""))
+        assert [u["Key"] for u in left] == [tier._key("other.bin")]  # only the refused file's, to be resumed
     finally:
         s3._REFUSED.pop(proxy.endpoint, None)  # a later proxy on the same port is another server
         proxy.close()
@@ -621,14 +627,15 @@ def test_a_server_keeping_only_its_parts_checksums_still_gets_files_sent_in_part
 def test_a_large_object_read_survives_a_connection_reset_mid_range(s3_env, run_name, tmp_path, monkeypatch):
     """A restore from S3 reads a large object as ranges; a connection reset halfway through a range's body
     (botocore retries a request only until its answer's headers came) costs that range again, not the
-    restore (a real proxy cutting two ranges short, in front of the test's S3): every byte arrives, as
-    stored. Before: the read failed, and the task's retry began the whole checkpoint again."""
+    restore (a real proxy cutting three ranges short, in front of the test's S3: the first, the first asked
+    for again, and a later one): every byte arrives, as stored. Before: the read failed, and the task's
+    retry began the whole checkpoint again."""
     from rewind.infra.format import digest
     from tests.s3_support import ChecksumlessS3
 
     src, data = _random_file(tmp_path, 17)
     S3Tier(f"s3://{BUCKET}/cut-{run_name}").put("big.bin", src, crc32c=digest.hash_bytes(data).crc32c)
-    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, cuts=2)
+    proxy = ChecksumlessS3(s3_env.endpoint, keeps_checksums=True, cuts=3)
     try:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         tier = S3Tier(f"s3://{BUCKET}/cut-{run_name}", part_size=5 << 20, concurrency=2)

@@ -33,7 +33,7 @@ from rewind.infra.health import nvml
 from rewind.infra.health.layout import ENV as LAYOUT_ENV
 from rewind.infra.health.layout import Layout
 from rewind.infra.health.signals import describe_exit
-from rewind.infra.launch import observe, warm
+from rewind.infra.launch import observe, warm, workdir
 from rewind.infra.launch.gpu_watch import GpuWatch
 from rewind.infra.launch.host_watch import HostWatch
 from rewind.infra.launch.launchers import LauncherKind, Placement, Request, launcher_for
@@ -100,6 +100,7 @@ class Supervisor:
     # -- starting ------------------------------------------------------------------------
 
     def start(self) -> int:
+        workdir.ready(self.run, self.spec.cwd)
         if self.spec.cwd and not os.path.isdir(self.spec.cwd):  # before a launch is recorded or started
             raise ConfigError(f"the job's working directory {self.spec.cwd} does not exist (cwd in its spec)")
         joblog.max_bytes()  # a bad REWIND_JOB_LOG_MAX_MB is refused before anything is recorded

@@ -1,17 +1,16 @@
-"""Where a job runs when its spec names no directory: a directory that outlives the flow run that started it.
+"""Where a job runs when its spec names no directory and the flow that starts it runs in a directory that goes
+with the flow run.
 
-A job's spec records its working directory as an absolute path, so a recovery relaunches it where it ran,
-whichever process (the CLI, ``rewind serve``, a worker) does the relaunch. Left out, it is the directory the
-flow runs in, except where that directory goes with the flow run: a Prefect process worker without a
-``working_dir`` runs each flow run in a temporary directory it deletes when the run ends (the job's output
-would go with it, and a recovery would relaunch in another). There the job gets a directory of its own
-under Rewind's home, ``jobs/<run>``.
+A Prefect process worker without a ``working_dir`` runs each flow run in a temporary directory it deletes when
+the run ends (``/tmp/tmp...prefect``, or a directory inside one that a pull step made): a job started there
+would write its output into it, and a recovery would relaunch it in another. There the job gets a directory
+of its own under Rewind's home, ``jobs/<run>``, recorded in its spec (made again by a relaunch on a host
+that lacks it). Anywhere else a spec without a directory stays so: the job runs where its launcher runs.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import tempfile
 from pathlib import Path
 
@@ -24,8 +23,10 @@ WORKSPACE_SUFFIX = "prefect"  # a process worker's per-run ``tempfile.TemporaryD
 
 
 def temporary_workspace(path: Path) -> bool:
-    """Whether ``path`` is a directory a Prefect process worker made for one flow run (and deletes after it)."""
-    return path.parent == Path(tempfile.gettempdir()).resolve() and path.name.endswith(WORKSPACE_SUFFIX)
+    """Whether ``path`` lies in a directory a Prefect process worker made for one flow run (and deletes
+    after it)."""
+    tmp = Path(tempfile.gettempdir()).resolve()
+    return any(p.parent == tmp and p.name.endswith(WORKSPACE_SUFFIX) for p in (path, *path.parents))
 
 
 def job_home(run: str) -> Path:
@@ -33,21 +34,22 @@ def job_home(run: str) -> Path:
     return config.home() / "jobs" / run
 
 
-def job_cwd(run: str, given: str | None) -> str:
-    """The absolute working directory to record in ``run``'s spec for ``given`` (None or empty: none given).
-
-    A relative ``given`` is taken from the directory the flow runs in, which must then outlive the run."""
-    here = Path.cwd().resolve()
-    away = temporary_workspace(here)
+def job_cwd(run: str, given: str | None) -> str | None:
+    """The working directory to record in ``run``'s spec for ``given`` (None or empty: none given): as given,
+    or none; in a worker's temporary workspace, ``job_home(run)`` (made), and a relative one refused."""
+    try:
+        here = Path.cwd().resolve()
+    except FileNotFoundError:  # the flow run's directory is already gone
+        here = None
+    if here is None or not temporary_workspace(here):
+        return given or None
     if given:
-        if away and not Path(given).expanduser().is_absolute():
+        if not Path(given).expanduser().is_absolute():
             raise ConfigError(
                 f"cwd {given!r} is relative, and this flow run's directory {here} is the worker's, deleted when "
                 "the run ends: give an absolute path"
             )
-        return os.path.abspath(here / Path(given).expanduser())
-    if not away:
-        return str(here)
+        return given
     own = job_home(run)
     own.mkdir(parents=True, exist_ok=True, mode=0o700)
     log.warning(
@@ -57,3 +59,10 @@ def job_cwd(run: str, given: str | None) -> str:
         own,
     )
     return str(own)
+
+
+def ready(run: str, cwd: str | None) -> None:
+    """``run``'s own directory made where its spec names it and this host lacks it (a relaunch on another
+    worker's host); any other directory is the job's to have."""
+    if cwd is not None and Path(cwd) == job_home(run):
+        Path(cwd).mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -226,9 +226,13 @@ class S3Tier:
             r = self._call("get_object", k, Key=k)
         if not partial or total is None or not etag or total <= int(r["ContentLength"]):
             return _Body(r["Body"], self, k)  # type: ignore[return-value]
-        with _Body(r["Body"], self, k) as head:
-            first = head.read()
         fetch = lambda a, b: self._range(k, a, b, str(etag))  # noqa: E731
+        try:
+            with _Body(r["Body"], self, k) as head:
+                first = head.read()
+        except TierUnavailable as exc:  # the first part's body cut short: asked for again, as every range is
+            log.info("%s: the first part of %s asked for again (%s)", self.uri, k, exc)
+            first = fetch(0, int(r["ContentLength"]))
         return RangedBody(fetch, first, total, part=self.part_size, window=self.concurrency)  # type: ignore[return-value]
 
     def _first_range(self, k: str) -> Any:

@@ -9,6 +9,7 @@ next part, or at the completion) is aborted and the file sent afresh.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import os
@@ -127,15 +128,34 @@ def _afresh(tier: S3Tier, key: str, src: Path, size: int, crc_full: str) -> int:
     of its parts' checksums, whatever was asked): that upload is aborted and the file sent bare, as to a
     server that refuses checksums, and read back."""
     k = tier._key(key)
+    bare = (
+        FULL_OBJECT in tier.refused
+    )  # as this upload is begun (another file's may learn otherwise meanwhile)
     upload_id = _start(tier, k)
     try:
         return _send(tier, key, src, size, crc_full, upload_id, {})
-    except CompletionRefused as exc:
-        if FULL_OBJECT in tier.refused:  # sent bare: the parts themselves did not add up; the task retries
+    except WholeRefused as exc:
+        if bare:  # refused without the whole's checksum: not that; the task retries
             raise
-        s3_newer.record_refused(tier, (FULL_OBJECT,), "complete_multipart_upload")
-        _abort(tier, key, upload_id, exc)
+        _abort(tier, key, upload_id, exc)  # first: an upload begun with checksums never left behind unsaid
+        if FULL_OBJECT not in tier.refused:
+            s3_newer.record_refused(tier, (FULL_OBJECT,), "complete_multipart_upload")
     return _send(tier, key, src, size, crc_full, _start(tier, k), {})
+
+
+class WholeRefused(CompletionRefused):
+    """A completion refused though its parts, each taken with its CRC32C, add up to the whole file's: the
+    server does not hold the whole to the CRC32C asked for (not the parts' fault)."""
+
+
+def _whole(parts: list[dict[str, Any]], step: int, size: int) -> str:
+    """The CRC32C of the file the parts make, from theirs (in part order, each ``step`` bytes but the last)."""
+    crc = 0
+    for p in sorted(parts, key=lambda p: int(p["PartNumber"])):
+        length = min(step, size - (int(p["PartNumber"]) - 1) * step)
+        part = int.from_bytes(base64.b64decode(p["ChecksumCRC32C"]), "big")
+        crc = digest.crc32c_combine(crc, part, length)
+    return digest.crc32c_b64(crc)
 
 
 def _not_there_yet(tier: S3Tier, key: str) -> None:
@@ -209,9 +229,12 @@ def _send(
             done = list(pool.map(part, range(1, count + 1)))
     finally:
         os.close(fd)
+    parts = [p for p, _ in done]
     try:
-        answer = _complete(tier, k, upload_id, [p for p, _ in done], crc_full)
-    except DigestRefused as exc:  # the parts held do not add up to this file
+        answer = _complete(tier, k, upload_id, parts, crc_full)
+    except DigestRefused as exc:  # the parts held do not add up to this file, or the server will not check
+        if _whole(parts, step, size) == crc_full:
+            raise WholeRefused(str(exc)) from exc
         raise CompletionRefused(str(exc)) from exc
     tier._vouched(key, answer, crc_full, size)
     return sum(n for _, n in done)
