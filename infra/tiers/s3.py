@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import boto3
+import botocore
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
 
 from rewind.infra import progress, redact
 from rewind.infra.format import digest
@@ -347,6 +348,10 @@ class S3Tier:
             if code in ("NoSuchKey", "404", "NotFound"):  # the source went away after the stat (retention)
                 raise ObjectNotFound(f"s3://{self.bucket}/{src} does not exist (copy source)") from exc
             raise self._error(exc, k) from exc
+        except ParamValidationError as exc:  # a botocore older than CopyObject's IfNoneMatch (October 2025)
+            raise NotCopied(
+                f"botocore {botocore.__version__} cannot ask CopyObject not to overwrite: sent, not copied"
+            ) from exc
         except BotoCoreError as exc:
             raise self._error(exc, k) from exc
 
