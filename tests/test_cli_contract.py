@@ -145,6 +145,31 @@ def test_run_names_a_tier_cannot_hold_are_refused_where_runs_are_created(name, p
         Checkpointer(name, states={"model": torch.nn.Linear(2, 2)}, root=tmp_path, catalog=Catalog(pg_url))
 
 
+def test_a_deploy_whose_handler_or_extra_file_is_missing_is_refused_before_anything_is_exported(
+    tmp_path, monkeypatch
+):
+    """A handler or extra file given by a path that is not there (the docs' ``examples/...`` paths, typed
+    outside a checkout) is refused in one line naming it, where relative paths are taken from, and how to find
+    the wheel's examples; before any server is asked or anything exported (none runs here)."""
+    from rewind.infra.phases import serving
+    from rewind.infra.phases.notify import LogNotifier
+
+    monkeypatch.chdir(tmp_path)
+    handler = tmp_path / "handler.py"
+    handler.write_text("# a handler\n")
+    for given, extra, missing in (
+        ("examples/tiny_lm_handler.py", [], str(tmp_path / "examples" / "tiny_lm_handler.py")),
+        (str(handler), ["model_def.py"], str(tmp_path / "model_def.py")),
+    ):
+        with pytest.raises(ConfigError) as got:
+            serving.deploy_version(
+                Catalog(f"sqlite:///{tmp_path / 'c.db'}"), model="m", run="r", step=1, notify=LogNotifier(),
+                handler=given, extra_files=extra,
+            )  # fmt: skip
+        said = str(got.value)
+        assert f"{missing} is not a file" in said and "rewind.examples" in said and "\n" not in said, said
+
+
 def test_serving_stop_never_kills_an_unrelated_process_a_stale_file_names(tmp_path):
     """After a reboot the pids in stack.json and a proxy's state may belong to anything."""
     import json

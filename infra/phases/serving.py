@@ -173,7 +173,15 @@ def _packaging(
         handler = recorded[0]
     if extra_files is None:
         extra_files = recorded[1] if recorded is not None and handler == recorded[0] else []
-    return str(Path(str(handler)).resolve()), [str(Path(f).resolve()) for f in extra_files]
+    packed = str(Path(str(handler)).resolve()), [str(Path(f).resolve()) for f in extra_files]
+    for what, path in (("handler", packed[0]), *(("extra file", f) for f in packed[1])):
+        if not Path(path).is_file():  # before anything is exported, not torch-model-archiver's error after
+            raise ConfigError(
+                f"the {what} {path} is not a file (a relative path is taken from the directory the deploy "
+                f"runs in, {Path.cwd()}; the wheel's examples: python -c 'import rewind.examples as e; "
+                "print(e.__path__[0])')"
+            )
+    return packed
 
 
 def _exported(
