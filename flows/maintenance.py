@@ -13,7 +13,6 @@ from rewind.flows.job_parameters import refuse_secrets
 from rewind.flows.run_failed import failed, quiet_expected_failures
 from rewind.infra.errors import ConfigError, RewindError
 from rewind.infra.format.verify import DEFAULT_BUDGET_S
-from rewind.infra.launch import workdir
 from rewind.infra.phases import replicate
 from rewind.tasks.adopt import adopt_checkpoint, find_unadopted
 from rewind.tasks.common import artifact_key
@@ -115,7 +114,7 @@ def restore_checkpoint_flow(
         refuse_live_writer(run)
     if relaunch_command:  # checked now, recorded once the roll-back is done: a failed one changes nothing
         refuse_secrets(relaunch_command, None)
-        spec = relaunch_spec(run, relaunch_command, workdir.job_cwd(run, cwd) if cwd else None)
+        spec = relaunch_spec(run, relaunch_command, cwd)
     elif relaunch:
         spec = load_spec(run)  # before the roll-back: a run without a spec fails here, unchanged
     point = restore_checkpoint(

@@ -75,7 +75,7 @@ def relaunch_spec(run: str, command: list[str], cwd: str | None) -> dict[str, An
         base = jobs.get_spec(catalog(), run)
     except NotFoundError:  # a run never launched by Rewind: the command is all there is
         base = {}
-    where = cwd or base.get("cwd") or workdir.job_cwd(run, None)  # the command's directory: the job's
+    where = workdir.job_cwd(run, cwd) if cwd else base.get("cwd") or workdir.job_cwd(run, None)
     return JobSpec.from_dict({**base, "command": command, "cwd": where}).as_dict()
 
 
